@@ -1,0 +1,18 @@
+"""compress: quantize, prune and distill Hugging Face causal LMs, and score what it cost."""
+__version__ = "0.1.0"
+
+from .qtensor import QuantizedTensor  # noqa: E402
+from .quantizers import quantize_rtn  # noqa: E402
+from .scheme import PRESETS, QuantScheme  # noqa: E402
+
+__all__ = ["__version__", "QuantScheme", "QuantizedTensor", "PRESETS", "quantize_rtn", "load_recipe", "run"]
+
+
+def load_recipe(path, overrides=()):
+    from .recipe import load_recipe as _load
+    return _load(path, overrides)
+
+
+def run(recipe, **kwargs):
+    from .pipeline import run as _run
+    return _run(recipe, **kwargs)

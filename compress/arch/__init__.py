@@ -1,0 +1,92 @@
+"""Architecture specs: a data table per family, with a generic fallback found from the module tree."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..nn import is_linear
+from .tables import ARCH_TABLE
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    family: str  # config.model_type, or "generic:<model_type>" when found from the module tree
+    blocks: str
+    embed: str
+    final_norm: str
+    lm_head: str
+    attention: tuple[str, ...]
+    mlp: tuple[str, ...]
+    norms: tuple[str, ...]
+
+    def block_list(self, model: nn.Module) -> nn.ModuleList:
+        return get_module(model, self.blocks)
+
+
+def get_module(root: nn.Module, path: str) -> nn.Module:
+    module = root
+    for part in path.split("."):
+        if not hasattr(module, part):
+            raise AttributeError(f"{type(root).__name__} has no submodule {path!r} (stopped at {part!r})")
+        module = getattr(module, part)
+    return module
+
+
+def set_module(root: nn.Module, path: str, new: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(get_module(root, parent) if parent else root, name, new)
+
+
+def get_arch(model: nn.Module) -> ArchSpec:
+    """The spec for `model`: its table entry checked against the module tree, else the generic fallback."""
+    model_type = getattr(model.config, "model_type", None)
+    if model_type in ARCH_TABLE:
+        spec = ArchSpec(family=model_type, **ARCH_TABLE[model_type])
+        _check(model, spec)
+        return spec
+    return _generic(model, model_type)
+
+
+def _check(model: nn.Module, spec: ArchSpec) -> None:
+    blocks = spec.block_list(model)
+    missing = [p for p in (spec.embed, spec.final_norm, spec.lm_head) if not _has(model, p)]
+    missing += [f"{spec.blocks}.0.{p}" for p in spec.attention + spec.mlp + spec.norms if not _has(blocks[0], p)]
+    if missing:
+        raise ValueError(f"model_type {spec.family!r}: the architecture table in compress/arch/tables.py names "
+                         f"modules this model lacks: {missing}. Fix that entry for this transformers version.")
+
+
+def _has(root: nn.Module, path: str) -> bool:
+    try:
+        get_module(root, path)
+        return True
+    except AttributeError:
+        return False
+
+
+def _generic(model: nn.Module, model_type: str | None) -> ArchSpec:
+    """Find the decoder blocks as the ModuleList with num_hidden_layers identical children."""
+    n_layers = getattr(model.config, "num_hidden_layers", None)
+    candidates = [
+        name for name, m in model.named_modules()
+        if isinstance(m, nn.ModuleList) and len(m) > 0 and (n_layers is None or len(m) == n_layers)
+        and len({type(c) for c in m}) == 1 and any(is_linear(x) for x in m[0].modules())
+    ]
+    out = model.get_output_embeddings()
+    inp = model.get_input_embeddings()
+    if len(candidates) != 1 or out is None or inp is None:
+        raise ValueError(
+            f"cannot find the decoder blocks of model_type {model_type!r} (candidates: {candidates or 'none'}). "
+            "Add an entry to ARCH_TABLE in compress/arch/tables.py with blocks=, embed=, final_norm=, lm_head=, "
+            "attention=, mlp= and norms= paths for this family.")
+    names = {id(m): n for n, m in model.named_modules()}
+    block = get_module(model, candidates[0])[0]
+    linears = tuple(n for n, m in block.named_modules() if is_linear(m))
+    norms = tuple(n for n, m in block.named_modules() if "norm" in type(m).__name__.lower())
+    attn = tuple(n for n in linears if "attn" in n or "attention" in n)
+    return ArchSpec(
+        family=f"generic:{model_type}", blocks=candidates[0], embed=names[id(inp)],
+        final_norm="", lm_head=names[id(out)], attention=attn,
+        mlp=tuple(n for n in linears if n not in attn), norms=norms,
+    )

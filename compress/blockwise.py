@@ -1,0 +1,121 @@
+"""The layer-by-layer runner: stream one decoder block at a time through calibration data.
+
+1. Capture the inputs of block 0 (hidden states and the keyword arguments the model passes,
+   such as the attention mask and rotary embeddings) with a pre-hook that stops the forward.
+2. For each block: move it to the compute device, hand it to the stages (observe, solve,
+   replace layers), then feed the *compressed* block's outputs to the next block.
+No graph tracing: blocks are called exactly as the model calls them. Peak memory is the model
+(on the offload device) + one block + the calibration activations on the compute device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from .arch import ArchSpec, get_module, set_module
+
+
+class _StopForward(Exception):
+    pass
+
+
+@dataclass
+class BlockInputs:
+    hidden: list[Tensor]  # one [1, seq_len, hidden] per calibration sample, on the compute device
+    kwargs: list[dict]  # what the model passes to every block besides hidden states, per sample
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _move_non_blocks(model: nn.Module, arch: ArchSpec, device) -> None:
+    """Move everything except the decoder blocks (embeddings, rotary tables, final norm)."""
+    blocks = arch.block_list(model)
+    set_module(model, arch.blocks, nn.ModuleList())
+    try:
+        model.to(device)
+    finally:
+        set_module(model, arch.blocks, blocks)
+
+
+@torch.no_grad()
+def capture_block_inputs(model: nn.Module, arch: ArchSpec, samples: Tensor, device) -> BlockInputs:
+    """Run the model's own forward up to block 0 for each sample [n, seq_len] and keep block 0's inputs."""
+    block0 = arch.block_list(model)[0]
+    captured = BlockInputs([], [])
+
+    def hook(_module, args, kwargs):
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        captured.hidden.append(hidden)
+        captured.kwargs.append({k: v for k, v in kwargs.items() if k not in ("hidden_states",)})
+        raise _StopForward
+
+    handle = block0.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        for row in samples:
+            try:
+                model(input_ids=row[None].to(device), use_cache=False)
+            except _StopForward:
+                pass
+    finally:
+        handle.remove()
+    return captured
+
+
+@torch.no_grad()
+def block_forward(block: nn.Module, inputs: BlockInputs) -> list[Tensor]:
+    return [_first(block(h, **kw)) for h, kw in zip(inputs.hidden, inputs.kwargs)]
+
+
+def relative_error(ref: list[Tensor], out: list[Tensor]) -> float:
+    """||out - ref||^2 / ||ref||^2 summed over all samples."""
+    num = sum(float((o.float() - r.float()).pow(2).sum()) for r, o in zip(ref, out))
+    den = sum(float(r.float().pow(2).sum()) for r in ref)
+    return num / max(den, 1e-30)
+
+
+def _check_uniform_blocks(model: nn.Module, seq_len: int) -> None:
+    """Blocks reuse block 0's attention mask. Families that mix sliding-window and global layers
+    (Gemma 2/3, some Mistral/Qwen configs) build different masks per layer once seq_len exceeds
+    the window, so refuse that case instead of calibrating with the wrong mask."""
+    layer_types = set(getattr(model.config, "layer_types", None) or [])
+    window = getattr(model.config, "sliding_window", None)
+    if len(layer_types) > 1 and window and seq_len > window:
+        raise ValueError(f"this model mixes attention types {sorted(layer_types)} with sliding_window={window}; "
+                         f"calibration seq_len={seq_len} exceeds the window. Set calibration.seq_len <= {window}.")
+
+
+OnBlock = Callable[[int, str, nn.Module, BlockInputs], None]
+
+
+def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor, on_block: OnBlock, device="cpu",
+                  offload="cpu", progress: bool = True) -> list[float]:
+    """Apply `on_block(index, name, block, inputs)` to each decoder block in turn.
+
+    `on_block` may replace layers inside the block. The block's outputs are then recomputed and
+    become the next block's inputs. Returns, per block, the relative output error the stages
+    introduced: ||block'(x) - block(x)||^2 / ||block(x)||^2 on the block's (already compressed) inputs.
+    """
+    model.eval()
+    _check_uniform_blocks(model, samples.shape[1])
+    _move_non_blocks(model, arch, device)
+    inputs = capture_block_inputs(model, arch, samples, device)
+    errors = []
+    blocks = arch.block_list(model)
+    for i in tqdm(range(len(blocks)), desc="blocks", unit="block", disable=not progress):
+        block = blocks[i].to(device)
+        reference = block_forward(block, inputs)
+        on_block(i, f"{arch.blocks}.{i}", block, inputs)
+        block = get_module(model, f"{arch.blocks}.{i}")  # a stage may have swapped the whole block
+        outputs = block_forward(block, inputs)
+        errors.append(relative_error(reference, outputs))
+        inputs = BlockInputs(outputs, inputs.kwargs)
+        block.to(offload)
+        del reference
+    _move_non_blocks(model, arch, offload)
+    return errors

@@ -1,0 +1,165 @@
+"""`compress run | eval | inspect`: argument parsing only; the work lives in pipeline/evaluate."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EPILOG_RUN = """examples:
+  compress run recipes/int4_rtn.yaml
+  compress run recipes/int4_rtn.yaml --set stages.0.scheme.group_size=32 --set eval.max_windows=4
+  compress run recipes/int8_absmax.yaml --set model=HuggingFaceTB/SmolLM2-360M --output runs/360m-int8
+
+The run writes OUTPUT/report.md and report.json (baseline and compressed side by side), the quantized
+model (model.safetensors + config.json + compress.json) and the recipe with its sha256.
+"""
+
+EPILOG_EVAL = """examples:
+  compress eval runs/int4_rtn --baseline default --max-windows 4
+  compress eval default --max-windows 2 --no-speed
+
+MODEL and --baseline accept `default`, a compress output folder, a Hugging Face folder, a .gguf file or a hub id.
+"""
+
+EPILOG_INSPECT = """examples:
+  compress inspect recipes/int4_rtn.yaml
+  compress inspect recipes/int4_rtn.yaml --set stages.0.scheme.group_size=128 --set stages.0.strict=false
+"""
+
+
+def _add_set(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe value (dotted path, YAML value); repeatable, e.g. "
+                        "--set stages.0.scheme.group_size=32 --set model=HuggingFaceTB/SmolLM2-360M")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="compress", description="Quantize Hugging Face causal LMs and score what it cost in accuracy, "
+                                     "memory and speed.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="run a recipe end to end: load, calibrate, compress, save, evaluate, report",
+                       epilog=EPILOG_RUN, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe", help="recipe YAML, e.g. recipes/int4_rtn.yaml")
+    _add_set(p)
+    p.add_argument("--output", help="output folder (overrides output.dir)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--max-windows", type=int, help="evaluate on at most N perplexity windows (quick runs)")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+    p = sub.add_parser("eval", help="evaluate a model (optionally against a baseline) and write a report",
+                       epilog=EPILOG_EVAL, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="model to evaluate")
+    p.add_argument("--baseline", help="reference model for KL divergence and top-1 agreement")
+    p.add_argument("--split", default="test", choices=["test", "validation"], help="WikiText-2 split (default test)")
+    p.add_argument("--seq-len", type=int, default=2048, help="window length in tokens (default 2048)")
+    p.add_argument("--max-windows", type=int, help="at most N windows (default: the whole split)")
+    p.add_argument("--no-speed", action="store_true", help="skip the tokens/s measurement")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: stable timings)")
+    p.add_argument("--output", help="folder for report.json / report.md (default: print the markdown)")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+    p = sub.add_parser("inspect", help="show the resolved per-layer plan of a recipe without running it",
+                       epilog=EPILOG_INSPECT, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe", help="recipe YAML")
+    _add_set(p)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return parser
+
+
+def cmd_run(args) -> int:
+    from .pipeline import run
+    from .recipe import load_recipe
+
+    overrides = list(args.overrides)
+    if args.output:
+        overrides.append(f"output.dir={args.output}")
+    if args.overwrite:
+        overrides.append("output.overwrite=true")
+    if args.max_windows is not None:
+        overrides.append(f"eval.max_windows={args.max_windows}")
+    recipe = load_recipe(args.recipe, overrides)
+    report = run(recipe, progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr))
+    print((Path(recipe.output.dir) / "report.md").read_text())
+    return 0 if report else 1
+
+
+def cmd_eval(args) -> int:
+    import torch
+
+    from .evaluate.report import evaluate_models, render_markdown, write_report
+    from .models import load_model, resolve_device
+    from .recipe import EvalSpec
+
+    device = resolve_device(args.device)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    spec = EvalSpec(split=args.split, seq_len=args.seq_len, max_windows=args.max_windows, speed=not args.no_speed)
+    loaded = load_model(args.model, device=device)
+    models = {"model": loaded.model}
+    if args.baseline:
+        models = {"baseline": load_model(args.baseline, device=device).model, **models}
+    for m in models.values():
+        m.to(device)
+    report = {"model": {"source": loaded.source, "kind": loaded.kind},
+              "eval": evaluate_models(models, loaded.tokenizer, spec, device,
+                                      baseline="baseline" if args.baseline else None, progress=not args.no_progress)}
+    if args.output:
+        Path(args.output).mkdir(parents=True, exist_ok=True)
+        write_report(report, args.output)
+    print(render_markdown(report))
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from .arch import get_arch
+    from .models import load_model
+    from .pipeline import plan_stages
+    from .recipe import load_recipe, to_plain
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    loaded = load_model(recipe.model.source, recipe.model.dtype, "cpu", recipe.model.revision,
+                        recipe.model.trust_remote_code)
+    arch = get_arch(loaded.model)
+    plans = plan_stages(loaded.model, arch, recipe)
+    if args.json:
+        print(json.dumps({"arch": to_plain(arch), "stages": [
+            [{"name": e.name, "shape": e.shape, "scheme": e.scheme.name if e.scheme else None, "reason": e.reason}
+             for e in p.layers] for p in plans]}, indent=2))
+        return 0
+    print(f"recipe: {recipe.path} (sha256 {recipe.sha256[:16]}…)")
+    print(f"model: {loaded.source} [{loaded.kind}], family {arch.family}, blocks at `{arch.blocks}` "
+          f"({len(arch.block_list(loaded.model))} blocks), lm_head `{arch.lm_head}`")
+    print(f"  attention linears: {', '.join(arch.attention)}\n  mlp linears: {', '.join(arch.mlp)}\n"
+          f"  norms: {', '.join(arch.norms)}")
+    cal = recipe.calibration
+    print("calibration: " + (f"{cal.n_samples} × {cal.seq_len} tokens, kind {cal.kind}, seed {cal.seed}"
+                             if cal else "none (no calibration pass)"))
+    for i, (stage, plan) in enumerate(zip(recipe.stages, plans)):
+        print(f"\nstage {i}: quantize, method {stage.method}, scheme {stage.scheme.name}: "
+              f"{len(plan.quantized)} layers quantized, {len(plan.skipped)} left in float")
+        width = max(len(e.name) for e in plan.layers)
+        for e in plan.layers:
+            what = e.scheme.name if e.scheme else f"float  ({e.reason})"
+            print(f"  {e.name:<{width}}  {e.shape[0]:>6}×{e.shape[1]:<6} {what}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {"run": cmd_run, "eval": cmd_eval, "inspect": cmd_inspect}[args.command]
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        print("interrupted; no partial output was left behind", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, FileExistsError, OSError, RuntimeError, ImportError) as exc:
+        print(f"compress {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

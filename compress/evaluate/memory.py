@@ -1,0 +1,68 @@
+"""Memory accounting: weight bytes by dtype (packed codes counted as stored), checkpoint bytes, peak RSS."""
+from __future__ import annotations
+
+import resource
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..nn import QuantLinear, is_linear, linear_shape
+
+
+def _tensors(model: nn.Module):
+    seen = set()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t is None or t.data_ptr() in seen or t.is_meta:
+            continue
+        if not name.endswith(("weight", "bias", "qdata", "scale", "zero_point")):
+            continue  # rotary tables and masks are not weights
+        seen.add(t.data_ptr())
+        yield name, t
+
+
+def weight_bytes(model: nn.Module) -> dict:
+    """Bytes held by weights, by storage dtype, plus the linear layers' share and their bf16 equivalent."""
+    by_dtype: dict[str, int] = defaultdict(int)
+    for _, t in _tensors(model):
+        by_dtype[str(t.dtype).replace("torch.", "")] += t.numel() * t.element_size()
+    linear_now = linear_bf16 = quant_now = quant_bf16 = 0
+    for _, m in model.named_modules():
+        if not is_linear(m):
+            continue
+        out_f, in_f = linear_shape(m)
+        bf16 = out_f * in_f * 2
+        if isinstance(m, QuantLinear):
+            now = m.qtensor().nbytes
+            quant_now += now
+            quant_bf16 += bf16
+        else:
+            now = m.weight.numel() * m.weight.element_size()
+        if m.bias is not None:
+            now += m.bias.numel() * m.bias.element_size()
+        linear_now += now
+        linear_bf16 += bf16
+    return {
+        "total": sum(by_dtype.values()),
+        "by_dtype": dict(sorted(by_dtype.items())),
+        "linear_layers": linear_now,
+        "linear_layers_bf16": linear_bf16,
+        "quantized_linears": quant_now,
+        "quantized_linears_bf16": quant_bf16,
+        "quantized_over_bf16": (quant_now / quant_bf16) if quant_bf16 else None,
+    }
+
+
+def folder_bytes(path: str | Path) -> int:
+    path = Path(path)
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and p.suffix in (".safetensors", ".gguf"))
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_cuda_bytes() -> int | None:
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None

@@ -1,0 +1,136 @@
+"""Evaluate baseline and compressed models side by side; render report.json and report.md."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..data import fingerprint, sequential_windows, tokenize_joined, wikitext2_rows
+from .memory import peak_cuda_bytes, peak_rss_bytes, weight_bytes
+from .ppl import score_windows
+from .speed import measure_speed
+
+
+def eval_windows(tokenizer, split: str, seq_len: int, max_windows: int | None) -> torch.Tensor:
+    return sequential_windows(tokenize_joined(wikitext2_rows(split), tokenizer), seq_len, max_windows)
+
+
+def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str = "cpu", baseline: str | None = None,
+                    progress: bool = True) -> dict:
+    """Perplexity (+ KL / top-1 against `baseline`), weight bytes and speed for each model, same windows."""
+    result: dict = {"models": {n: {} for n in models}}
+    if spec.perplexity:
+        windows = eval_windows(tokenizer, spec.split, spec.seq_len, spec.max_windows)
+        dtype = str(next(iter(models.values())).dtype).replace("torch.", "")
+        result["protocol"] = {
+            "dataset": "wikitext-2-raw-v1", "split": spec.split, "join": "\\n\\n", "seq_len": spec.seq_len,
+            "stride": spec.seq_len, "windows": int(windows.shape[0]), "max_windows": spec.max_windows,
+            "predicted_tokens_per_window": spec.seq_len - 1, "dtype": dtype, "bos": "none added",
+            "tokens_fingerprint": fingerprint(windows),
+        }
+        scores = score_windows(models, windows, baseline=baseline, device=device, progress=progress)
+        for n, s in scores.items():
+            result["models"][n].update(ppl=s.ppl, nll=s.nll, tokens=s.tokens, kl=s.kl, top1_agreement=s.top1_agreement)
+    for n, m in models.items():
+        result["models"][n]["weights"] = weight_bytes(m)
+        if spec.speed:
+            vocab = m.get_input_embeddings().weight.shape[0]
+            result["models"][n]["speed"] = measure_speed(m, vocab, spec.prefill_tokens, spec.decode_tokens,
+                                                         spec.speed_repeats, device)
+    result["peak_rss_bytes"] = peak_rss_bytes()
+    result["peak_cuda_bytes"] = peak_cuda_bytes()
+    return result
+
+
+def write_report(report: dict, folder: str | Path) -> None:
+    folder = Path(folder)
+    (folder / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    (folder / "report.md").write_text(render_markdown(report))
+
+
+def _mb(n) -> str:
+    return "—" if n is None else f"{n / 1e6:,.1f} MB"
+
+
+def _f(x, fmt="{:.4f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def render_markdown(report: dict) -> str:
+    ev = report.get("eval", {})
+    models = ev.get("models", {})
+    lines = ["# compress report", ""]
+    rec = report.get("recipe", {})
+    if rec:
+        lines += [f"- recipe: `{rec.get('path')}` (sha256 `{rec.get('sha256', '')[:16]}…`)"
+                  + (f", overrides: {', '.join(rec['overrides'])}" if rec.get("overrides") else "")]
+    model = report.get("model", {})
+    if model:
+        lines += [f"- model: `{model.get('source')}` ({model.get('family')}, {model.get('parameters', 0) / 1e6:.1f}M "
+                  f"parameters, {model.get('dtype')} on {model.get('device')})"]
+    cal = report.get("calibration")
+    if cal:
+        lines += [f"- calibration: {cal.get('n_samples')} × {cal.get('seq_len')} tokens from {cal.get('kind')}"
+                  f" ({cal.get('split') or cal.get('dataset') or ''}), seed {cal.get('seed')}, "
+                  f"fingerprint `{cal.get('fingerprint', '')[:16]}…`"]
+    proto = ev.get("protocol")
+    if proto:
+        lines += [f"- perplexity: WikiText-2 {proto['split']}, rows joined with \"\\n\\n\", seq_len {proto['seq_len']}, "
+                  f"stride {proto['stride']}, {proto['windows']} windows"
+                  + (" (limited by max_windows)" if proto.get("max_windows") else " (whole split)")
+                  + f", {proto['dtype']}"]
+    lines += ["", "## Accuracy", "", "| model | perplexity | Δ ppl | KL to baseline (nats/token) | top-1 agreement |",
+              "|---|---:|---:|---:|---:|"]
+    base_ppl = next((m.get("ppl") for n, m in models.items() if n == "baseline"), None)
+    for n, m in models.items():
+        delta = f"{100 * (m['ppl'] / base_ppl - 1):+.2f}%" if base_ppl and m.get("ppl") and n != "baseline" else "—"
+        lines.append(f"| {n} | {_f(m.get('ppl'), '{:.3f}')} | {delta} | {_f(m.get('kl'))} | "
+                     f"{_f(m.get('top1_agreement'), '{:.2%}')} |")
+    lines += ["", "## Memory", "", "| model | weights in memory | linear layers | quantized linears vs bf16 | "
+              "checkpoint on disk |", "|---|---:|---:|---:|---:|"]
+    mem = report.get("memory", {})
+    for n, m in models.items():
+        w = m.get("weights", {})
+        ratio = w.get("quantized_over_bf16")
+        disk = mem.get("checkpoint_bytes") if n != "baseline" else mem.get("baseline_checkpoint_bf16_bytes")
+        lines.append(f"| {n} | {_mb(w.get('total'))} | {_mb(w.get('linear_layers'))} | "
+                     f"{'—' if ratio is None else f'{ratio:.3f}×'} | {_mb(disk)} |")
+    for n, m in models.items():
+        bd = m.get("weights", {}).get("by_dtype", {})
+        lines.append(f"\n{n} weight bytes by dtype: " + ", ".join(f"{k} {_mb(v)}" for k, v in bd.items()))
+    lines += ["", f"Peak RSS: {_mb(ev.get('peak_rss_bytes'))}"
+              + (f"; peak CUDA memory: {_mb(ev['peak_cuda_bytes'])}" if ev.get("peak_cuda_bytes") else "")
+              + (" (baseline checkpoint bytes are its weights at bf16)" if mem else "")]
+    if any("speed" in m for m in models.values()):
+        lines += ["", "## Speed (batch 1)", "", "| model | prefill tok/s | decode tok/s | kernel | threads |",
+                  "|---|---:|---:|---|---:|"]
+        for n, m in models.items():
+            s = m.get("speed")
+            if s:
+                lines.append(f"| {n} | {s['prefill_tok_s']:.1f} | {s['decode_tok_s']:.1f} | {s['kernel']} | "
+                             f"{s['threads']} |")
+        s = next(m["speed"] for m in models.values() if "speed" in m)
+        lines.append(f"\nPrefill {s['prefill_tokens']} tokens, then {s['decode_tokens']} greedy decode steps; "
+                     f"median of {s['repeats']} runs after a warm-up, on {s['device']}.")
+    for stage in report.get("stages", []):
+        lines += ["", f"## Stage {stage['index']}: {stage['stage']} ({stage.get('method', '')}, "
+                      f"{stage.get('scheme', '')})", "",
+                  f"{stage['quantized']} layers quantized; {len(stage['skipped'])} left in float."]
+        if stage["skipped"]:
+            lines += ["", "| layer | reason left in float |", "|---|---|"]
+            lines += [f"| `{s['name']}` | {s['reason']} |" for s in stage["skipped"]]
+    kept = report.get("kept_in_float")
+    if kept:
+        lines += ["", "Not linear layers, kept in float: " + "; ".join(kept)]
+    errs = report.get("block_errors")
+    if errs:
+        lines += ["", "## Per-block output error", "",
+                  "Relative error ‖block′(x) − block(x)‖² / ‖block(x)‖² on calibration inputs:", "",
+                  "| block | rel. error |", "|---:|---:|"]
+        lines += [f"| {i} | {e:.2e} |" for i, e in enumerate(errs)]
+    timings = report.get("timings")
+    if timings:
+        lines += ["", "Timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())]
+    return "\n".join(lines) + "\n"

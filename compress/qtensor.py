@@ -1,0 +1,82 @@
+"""QuantizedTensor: packed integer codes + scales, and the bit packing they use.
+
+Packing: codes are shifted to unsigned u = q - qmin in [0, 2**b - 1] and packed along
+in_features, little end first. A word of lcm(b, 8) bits holds lcm(b, 8) / b codes:
+int8 -> 1 code/byte, int4 -> 2 codes/byte (low nibble first), int2 -> 4 codes/byte,
+int3 -> 8 codes in 3 bytes. Rows are padded with zero codes up to a whole word.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .primitives import dequantize_affine
+from .scheme import QuantScheme
+
+
+def _word(bits: int) -> tuple[int, int]:
+    """(codes per word, bytes per word)."""
+    word_bits = math.lcm(bits, 8)
+    return word_bits // bits, word_bits // 8
+
+
+def pack_codes(u: Tensor, bits: int) -> Tensor:
+    """Pack unsigned codes [..., K] (values < 2**bits) into uint8 [..., ceil(K / cpw) * bpw]."""
+    codes_per_word, bytes_per_word = _word(bits)
+    k = u.shape[-1]
+    pad = (-k) % codes_per_word
+    u = torch.nn.functional.pad(u.to(torch.int32), (0, pad))
+    u = u.reshape(*u.shape[:-1], -1, codes_per_word)  # [..., W, cpw]
+    shifts = torch.arange(codes_per_word, device=u.device, dtype=torch.int32) * bits
+    word = (u << shifts).sum(dim=-1, dtype=torch.int32)  # [..., W]; at most 24 bits used
+    byte_shifts = torch.arange(bytes_per_word, device=u.device, dtype=torch.int32) * 8
+    packed = (word.unsqueeze(-1) >> byte_shifts) & 0xFF  # [..., W, bpw]
+    return packed.to(torch.uint8).reshape(*u.shape[:-2], -1)
+
+
+def unpack_codes(packed: Tensor, bits: int, k: int) -> Tensor:
+    """Inverse of pack_codes: uint8 [..., B] -> int32 unsigned codes [..., k]."""
+    codes_per_word, bytes_per_word = _word(bits)
+    p = packed.to(torch.int32).reshape(*packed.shape[:-1], -1, bytes_per_word)  # [..., W, bpw]
+    byte_shifts = torch.arange(bytes_per_word, device=p.device, dtype=torch.int32) * 8
+    word = (p << byte_shifts).sum(dim=-1, dtype=torch.int32)  # [..., W]
+    shifts = torch.arange(codes_per_word, device=p.device, dtype=torch.int32) * bits
+    u = (word.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., W, cpw]
+    return u.reshape(*p.shape[:-2], -1)[..., :k]
+
+
+@dataclass
+class QuantizedTensor:
+    """A quantized [out, in] weight in one plain layout (kernel layouts come from a prepack step)."""
+
+    qdata: Tensor  # uint8 [out, packed_in]: packed unsigned codes
+    scale: Tensor  # [] | [out, 1] | [out, in // group_size], in scheme.scale_dtype
+    zero_point: Tensor | None  # uint8, same shape as scale; None for symmetric schemes
+    scheme: QuantScheme
+    shape: tuple[int, int]
+
+    @classmethod
+    def from_codes(cls, q: Tensor, scale: Tensor, zero_point: Tensor | None, scheme: QuantScheme) -> "QuantizedTensor":
+        u = q.to(torch.int32) - scheme.qmin
+        return cls(
+            qdata=pack_codes(u, scheme.bits),
+            scale=scale.to(getattr(torch, scheme.scale_dtype)),
+            zero_point=None if zero_point is None else zero_point.to(torch.uint8),
+            scheme=scheme,
+            shape=tuple(q.shape),
+        )
+
+    def codes(self) -> Tensor:
+        """Signed (symmetric) or unsigned (asymmetric) integer codes, int32 [out, in]."""
+        return unpack_codes(self.qdata, self.scheme.bits, self.shape[1]) + self.scheme.qmin
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return dequantize_affine(self.codes(), self.scale, self.zero_point, self.scheme, dtype)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.qdata, self.scale] + ([self.zero_point] if self.zero_point is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)

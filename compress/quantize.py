@@ -1,0 +1,119 @@
+"""The `quantize` stage: which layers get which scheme (the plan), and applying it."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .arch import ArchSpec, get_module, set_module
+from .nn import QuantLinear, is_linear, linear_shape, linear_weight
+from .quantizers import get_quantizer
+from .scheme import W4A16_G64, QuantScheme
+
+COMMON_GROUP_SIZES = (16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class QuantizeStage:
+    """Recipe entry `- stage: quantize`.
+
+    targets / ignore: class names (`Linear`) or `re:` patterns matched from the start of the module's
+    full name (`re:.*mlp\\..*`); a plain name also matches a full module name. `lm_head` always means
+    the model's output projection, whatever the family calls it. `ignore` wins over `targets`.
+    strict: a layer the scheme cannot hold (group size does not divide in_features) is an error;
+    with strict: false it is left in float and listed in the report with the reason.
+    """
+
+    method: str = "rtn"
+    scheme: QuantScheme = W4A16_G64
+    targets: tuple[str, ...] = ("Linear", "Conv1D")
+    ignore: tuple[str, ...] = ("lm_head",)
+    strict: bool = True
+
+    def __post_init__(self):
+        get_quantizer(self.method)  # unknown method -> ValueError listing the known ones
+
+
+@dataclass
+class LayerPlan:
+    name: str
+    kind: str  # module class name
+    shape: tuple[int, int]  # (out_features, in_features)
+    scheme: QuantScheme | None  # None = left in float
+    reason: str = ""  # why it is left in float
+
+
+@dataclass
+class QuantPlan:
+    layers: list[LayerPlan] = field(default_factory=list)
+
+    @property
+    def quantized(self) -> list[LayerPlan]:
+        return [p for p in self.layers if p.scheme is not None]
+
+    @property
+    def skipped(self) -> list[LayerPlan]:
+        return [p for p in self.layers if p.scheme is None]
+
+
+def _matches(name: str, module: nn.Module, patterns: tuple[str, ...], lm_head: str) -> str | None:
+    for pat in patterns:
+        if pat.startswith("re:"):
+            if re.match(pat[3:], name):
+                return pat
+        elif pat == type(module).__name__ or pat == name or (pat == "lm_head" and name == lm_head):
+            return pat
+    return None
+
+
+def plan_quantize(model: nn.Module, arch: ArchSpec, stage: QuantizeStage) -> QuantPlan:
+    """Decide, for every linear layer, the scheme or the reason it stays in float. Raises on a
+    layer the scheme cannot hold when stage.strict is set."""
+    plan = QuantPlan()
+    tied = bool(getattr(model.config, "tie_word_embeddings", False)) and \
+        get_module(model, arch.lm_head).weight is model.get_input_embeddings().weight
+    sch = stage.scheme
+    for name, module in model.named_modules():
+        if not is_linear(module):
+            continue
+        entry = LayerPlan(name, type(module).__name__, linear_shape(module), None)
+        plan.layers.append(entry)
+        in_features = entry.shape[1]
+        if isinstance(module, QuantLinear):
+            entry.reason = f"already quantized ({module.scheme.name})"
+        elif not _matches(name, module, stage.targets, arch.lm_head):
+            entry.reason = f"not matched by targets {list(stage.targets)}"
+        elif pat := _matches(name, module, stage.ignore, arch.lm_head):
+            entry.reason = f"ignored (ignore: {pat})"
+        elif name == arch.lm_head and tied:
+            entry.reason = "lm_head shares its weight with the input embedding (tie_word_embeddings); kept in float"
+        elif sch.granularity == "group" and in_features % sch.group_size:
+            fits = [g for g in COMMON_GROUP_SIZES if in_features % g == 0]
+            msg = (f"{name}: in_features={in_features} is not divisible by group_size={sch.group_size}; "
+                   f"group sizes that divide it: {fits or 'none of ' + str(list(COMMON_GROUP_SIZES))}")
+            if stage.strict:
+                raise ValueError(msg + f". Set scheme.group_size to one of those, add {name!r} to `ignore:`, "
+                                       "or set `strict: false` to leave such layers in float (reported).")
+            entry.reason = f"in_features={in_features} % group_size={sch.group_size} != 0 (strict: false)"
+        else:
+            entry.scheme = sch
+    return plan
+
+
+@torch.no_grad()
+def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, prefix: str | None = None) -> int:
+    """Replace the planned layers (only those under `prefix`, when given) by QuantLinear. Returns the count."""
+    quantizer = get_quantizer(stage.method)
+    count = 0
+    for entry in plan.quantized:
+        if prefix is not None and not entry.name.startswith(prefix + "."):
+            continue
+        module = get_module(model, entry.name)
+        if isinstance(module, QuantLinear):
+            continue
+        qt = quantizer(linear_weight(module).detach(), entry.scheme)
+        set_module(model, entry.name, QuantLinear.from_module(module, qt))
+        count += 1
+    return count

@@ -1,0 +1,17 @@
+"""Round-to-nearest (RTN): scales from the weight's own range, codes by rounding."""
+from __future__ import annotations
+
+from torch import Tensor
+
+from ..primitives import compute_qparams, quantize_affine
+from ..qtensor import QuantizedTensor
+from ..scheme import QuantScheme
+
+
+def quantize_rtn(w: Tensor, scheme: QuantScheme) -> QuantizedTensor:
+    """Quantize a [out, in] weight with absmax (symmetric) or min/max (asymmetric) scales."""
+    if w.dim() != 2:
+        raise ValueError(f"quantize_rtn expects a 2-D [out, in] weight, got shape {tuple(w.shape)}")
+    scale, zero_point = compute_qparams(w, scheme)
+    q = quantize_affine(w, scale, zero_point, scheme)
+    return QuantizedTensor.from_codes(q, scale, zero_point, scheme)

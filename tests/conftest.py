@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random models of several families (no downloads), seeds, data paths."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+torch.set_num_threads(1)  # two OpenMP threads stall on the 2-core CI machines
+
+_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+TINY_CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**_COMMON, tie_word_embeddings=True),
+    "qwen2": lambda: transformers.Qwen2Config(**_COMMON),
+    "mistral": lambda: transformers.MistralConfig(**_COMMON, sliding_window=128),
+    "gemma": lambda: transformers.GemmaConfig(**_COMMON, head_dim=16),
+    "gemma2": lambda: transformers.Gemma2Config(**_COMMON, head_dim=16, sliding_window=128),
+    "phi3": lambda: transformers.Phi3Config(**_COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "opt": lambda: transformers.OPTConfig(vocab_size=256, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                          num_attention_heads=4, max_position_embeddings=256,
+                                          word_embed_proj_dim=64),
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                                   num_hidden_layers=2, num_attention_heads=4,
+                                                   max_position_embeddings=256),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                            bos_token_id=0, eos_token_id=0),
+}
+
+
+def make_tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = TINY_CONFIGS[family]()
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    return model
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def tiny_llama():
+    return make_tiny_model("llama")
+
+
+def shared_data_dir() -> Path | None:
+    from compress.data import find_data_dir
+    return find_data_dir()
+
+
+requires_data = pytest.mark.skipif(
+    shared_data_dir() is None,
+    reason="needs the shared evaluation data (../shared/data or COMPRESS_DATA_DIR); it is not on this machine")
