@@ -38,7 +38,14 @@ def pack_codes(u: Tensor, bits: int) -> Tensor:
 
 
 def unpack_codes(packed: Tensor, bits: int, k: int) -> Tensor:
-    """Inverse of pack_codes: uint8 [..., B] -> int32 unsigned codes [..., k]."""
+    """Inverse of pack_codes: uint8 [..., B] -> unsigned codes [..., k] (uint8 for 8/4/2 bits, else int32)."""
+    if bits == 8:
+        return packed[..., :k]
+    if bits in (4, 2):  # byte-aligned: shift uint8 directly, this runs on every forward of a QuantLinear
+        per_byte = 8 // bits
+        shifts = torch.arange(per_byte, device=packed.device, dtype=torch.uint8) * bits
+        u = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., B, per_byte]
+        return u.reshape(*packed.shape[:-1], -1)[..., :k]
     codes_per_word, bytes_per_word = _word(bits)
     p = packed.to(torch.int32).reshape(*packed.shape[:-1], -1, bytes_per_word)  # [..., W, bpw]
     byte_shifts = torch.arange(bytes_per_word, device=p.device, dtype=torch.int32) * 8
@@ -71,10 +78,14 @@ class QuantizedTensor:
 
     def codes(self) -> Tensor:
         """Signed (symmetric) or unsigned (asymmetric) integer codes, int32 [out, in]."""
-        return unpack_codes(self.qdata, self.scheme.bits, self.shape[1]) + self.scheme.qmin
+        return unpack_codes(self.qdata, self.scheme.bits, self.shape[1]).to(torch.int32) + self.scheme.qmin
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        return dequantize_affine(self.codes(), self.scale, self.zero_point, self.scheme, dtype)
+        u = unpack_codes(self.qdata, self.scheme.bits, self.shape[1])
+        # Fold the symmetric offset into the zero point: w = (u - z) * s with z = -qmin for symmetric grids.
+        zero = self.zero_point if self.zero_point is not None else \
+            torch.full((), -self.scheme.qmin, dtype=torch.float32, device=u.device).expand(self.scale.shape)
+        return dequantize_affine(u, self.scale, zero, self.scheme, dtype)
 
     @property
     def nbytes(self) -> int:

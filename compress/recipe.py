@@ -80,7 +80,7 @@ class EvalSpec:
     baseline: bool = True  # evaluate the uncompressed model on the same windows (needed for KL)
     speed: bool = True
     prefill_tokens: int = 512
-    decode_tokens: int = 32
+    decode_tokens: int = 16
     speed_repeats: int = 3
 
     def __post_init__(self):

@@ -1,0 +1,77 @@
+"""Results table for the README: baseline vs RTN int8/int4 (absmax and zero-point) on SmolLM2-135M.
+
+All models are scored in one loop over the same WikiText-2 test windows (GPTQ/AWQ protocol), so
+KL and top-1 agreement compare like with like. One CPU thread.
+
+    python bench/quant_table.py --max-windows 16 --out bench/results/quant_table.json
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from compress.arch import get_arch
+from compress.evaluate.memory import peak_rss_bytes, weight_bytes
+from compress.evaluate.ppl import score_windows
+from compress.evaluate.report import eval_windows
+from compress.models import load_model
+from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
+from compress.scheme import scheme
+
+CONFIGS = {
+    "int8 absmax per-channel": scheme("int8", "channel", symmetric=True),
+    "int8 zero-point per-channel": scheme("int8", "channel", symmetric=False),
+    "int4 g64 absmax": scheme("int4", "group", 64, symmetric=True),
+    "int4 g64 zero-point": scheme("int4", "group", 64, symmetric=False),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--max-windows", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--out", default="bench/results/quant_table.json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    loaded = load_model(args.model)
+    base = loaded.model
+    arch = get_arch(base)
+    models = {"baseline (float32)": base}
+    for name, sch in CONFIGS.items():
+        m = copy.deepcopy(base)
+        stage = QuantizeStage(method="rtn", scheme=sch)
+        apply_quantize(m, plan_quantize(m, arch, stage), stage)
+        models[name] = m
+    windows = eval_windows(loaded.tokenizer, "test", args.seq_len, args.max_windows)
+    scores = score_windows(models, windows, baseline="baseline (float32)")
+    rows = {}
+    for name, m in models.items():
+        s, w = scores[name], weight_bytes(m)
+        rows[name] = {"ppl": s.ppl, "kl": s.kl, "top1_agreement": s.top1_agreement, "tokens": s.tokens,
+                      "quantized_linears_over_bf16": w["quantized_over_bf16"], "weight_bytes": w["total"]}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = {"model": loaded.source, "windows": int(windows.shape[0]), "seq_len": args.seq_len,
+              "split": "test", "threads": 1, "commit": commit, "date": time.strftime("%Y-%m-%d"),
+              "seconds": time.perf_counter() - t0, "peak_rss_bytes": peak_rss_bytes(), "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    base_ppl = rows["baseline (float32)"]["ppl"]
+    print(f"| model | WikiText-2 ppl | Δ ppl | KL (nats/token) | top-1 agreement | quantized linears / bf16 |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, r in rows.items():
+        ratio = r["quantized_linears_over_bf16"]
+        print(f"| {name} | {r['ppl']:.3f} | {100 * (r['ppl'] / base_ppl - 1):+.2f}% | {r['kl']:.4f} | "
+              f"{r['top1_agreement']:.2%} | {'—' if ratio is None else f'{ratio:.3f}×'} |")
+    print(f"\n{result['windows']} windows × {args.seq_len} tokens, commit {commit}, {result['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
