@@ -189,6 +189,8 @@ def _scheme(value, key: str, file: str) -> QuantScheme:
             return get_preset(value)
         except ValueError as exc:
             raise RecipeError(f"{file}: `{key}`: {exc}") from None
+    if isinstance(value, dict) and value.get("granularity", "group") != "group" and "group_size" not in value:
+        value = {**value, "group_size": None}  # QuantScheme's default 128 applies to granularity: group only
     return build(QuantScheme, value, key, file)
 
 

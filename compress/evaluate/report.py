@@ -58,6 +58,17 @@ def _f(x, fmt="{:.4f}") -> str:
     return "—" if x is None else fmt.format(x)
 
 
+def _calib_where(cal: dict) -> str:
+    kind = cal.get("kind")
+    if kind == "files":
+        return ", ".join(Path(f).name for f in cal.get("files", ()))
+    if kind == "hub":
+        return cal.get("dataset") or ""
+    if kind == "self":
+        return "sampled from the model"
+    return cal.get("split") or ""
+
+
 def render_markdown(report: dict) -> str:
     ev = report.get("eval", {})
     models = ev.get("models", {})
@@ -68,12 +79,15 @@ def render_markdown(report: dict) -> str:
                   + (f", overrides: {', '.join(rec['overrides'])}" if rec.get("overrides") else "")]
     model = report.get("model", {})
     if model:
-        lines += [f"- model: `{model.get('source')}` ({model.get('family')}, {model.get('parameters', 0) / 1e6:.1f}M "
-                  f"parameters, {model.get('dtype')} on {model.get('device')})"]
+        facts = [model.get("family") or model.get("kind"),  # `compress eval` reports only source and kind
+                 f"{model['parameters'] / 1e6:.1f}M parameters" if model.get("parameters") else None,
+                 f"{model['dtype']} on {model['device']}" if model.get("dtype") else None]
+        facts = ", ".join(f for f in facts if f)
+        lines += [f"- model: `{model.get('source')}`" + (f" ({facts})" if facts else "")]
     cal = report.get("calibration")
     if cal:
         lines += [f"- calibration: {cal.get('n_samples')} × {cal.get('seq_len')} tokens from {cal.get('kind')}"
-                  f" ({cal.get('split') or cal.get('dataset') or ''}), seed {cal.get('seed')}, "
+                  f" ({_calib_where(cal)}), seed {cal.get('seed')}, "
                   f"fingerprint `{cal.get('fingerprint', '')[:16]}…`"]
     proto = ev.get("protocol")
     if proto:
@@ -81,10 +95,14 @@ def render_markdown(report: dict) -> str:
                   f"stride {proto['stride']}, {proto['windows']} windows"
                   + (" (limited by max_windows)" if proto.get("max_windows") else " (whole split)")
                   + f", {proto['dtype']}"]
-    lines += ["", "## Accuracy", "", "| model | perplexity | Δ ppl | KL to baseline (nats/token) | top-1 agreement |",
-              "|---|---:|---:|---:|---:|"]
+    lines += ["", "## Accuracy", ""]
+    if not proto:
+        lines.append("Perplexity, KL and top-1 agreement: not evaluated (eval.perplexity: false).")
+    else:
+        lines += ["| model | perplexity | Δ ppl | KL to baseline (nats/token) | top-1 agreement |",
+                  "|---|---:|---:|---:|---:|"]
     base_ppl = next((m.get("ppl") for n, m in models.items() if n == "baseline"), None)
-    for n, m in models.items():
+    for n, m in (models.items() if proto else ()):
         delta = f"{100 * (m['ppl'] / base_ppl - 1):+.2f}%" if base_ppl and m.get("ppl") and n != "baseline" else "—"
         lines.append(f"| {n} | {_f(m.get('ppl'), '{:.3f}')} | {delta} | {_f(m.get('kl'))} | "
                      f"{_f(m.get('top1_agreement'), '{:.2%}')} |")

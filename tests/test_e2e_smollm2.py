@@ -1,0 +1,35 @@
+"""End to end on the real embedded model (SmolLM2-135M-Instruct) with a few short windows."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from compress.pipeline import run
+from compress.recipe import load_recipe
+from tests.conftest import requires_data
+
+
+@requires_data
+@pytest.mark.parametrize("recipe_file, max_ppl_increase", [
+    ("recipes/int8_absmax.yaml", 0.005),  # the issue's bar (0.5%); measured -0.06% on these 2 × 512 windows
+    ("recipes/int4_rtn.yaml", 0.60),     # int4 g64 RTN: measured +35.1% on these windows
+])
+def test_recipe_on_smollm2(tmp_path, recipe_file, max_ppl_increase):
+    out = tmp_path / "run"
+    recipe = load_recipe(recipe_file, [f"output.dir={out}", "calibration.n_samples=2", "calibration.seq_len=128",
+                                       "eval.seq_len=512", "eval.max_windows=2", "eval.speed=false"])
+    report = run(recipe, progress=False, log=lambda m: None)
+    models = report["eval"]["models"]
+    base, comp = models["baseline"], models["compressed"]
+    assert 5 < base["ppl"] < 60  # a real language model on WikiText-2, not noise (vocab 49k)
+    assert comp["ppl"] / base["ppl"] - 1 < max_ppl_increase
+    assert 0 < comp["kl"] and 0 < comp["top1_agreement"] <= 1
+    assert report["stages"][0]["quantized"] == 210  # 30 blocks × 7 linears
+    assert [s["name"] for s in report["stages"][0]["skipped"]] == ["lm_head"]
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["recipe"]["sha256"] == recipe.sha256
+    assert saved["calibration"]["fingerprint"] and len(saved["block_errors"]) == 30
+    assert (out / "model.safetensors").is_file() and (out / "report.md").is_file()
+    if "int4" in recipe_file:
+        assert comp["weights"]["quantized_over_bf16"] <= 0.3
