@@ -6,6 +6,7 @@ from safetensors (or GGUF) only: no pickle. trust_remote_code stays off unless a
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import dataclass
@@ -124,6 +125,8 @@ def save_compressed(model: nn.Module, tokenizer, out_dir: str | Path, meta: dict
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     float_dtype = _float_dtype(save_dtype)
+    # QuantLinear scales keep their scheme's dtype; every other float tensor is stored in save_dtype.
+    keep = {f"{n}.scale" for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     tensors, seen = {}, {}
     for name, t in model.state_dict().items():
         key = (t.data_ptr(), t.shape, t.dtype)
@@ -131,11 +134,12 @@ def save_compressed(model: nn.Module, tokenizer, out_dir: str | Path, meta: dict
             continue
         seen[key] = name
         t = t.detach().cpu()
-        tensors[name] = (t.to(float_dtype) if t.is_floating_point() and t.dtype != float_dtype and
-                         not name.endswith(".scale") else t).contiguous()
+        tensors[name] = (t.to(float_dtype) if t.is_floating_point() and name not in keep else t).contiguous()
     layers = {n: m.scheme.to_dict() for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     save_file(tensors, str(out_dir / WEIGHTS), metadata={"format": "pt", "compress": "1"})
-    model.config.save_pretrained(out_dir)
+    config = copy.deepcopy(model.config)
+    config.dtype = save_dtype  # what the float tensors on disk are
+    config.save_pretrained(out_dir)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(out_dir)
     if tokenizer is not None:
@@ -162,7 +166,8 @@ def load_compressed(folder: str | Path, dtype: torch.dtype = torch.float32) -> n
         set_module(model, name, QuantLinear(in_features, out_features, QuantScheme(**fields),
                                             bias=old.bias is not None, dtype=dtype, device="meta"))
     state = load_file(str(folder / WEIGHTS))
-    state = {k: (v.to(dtype) if v.is_floating_point() and not k.endswith(".scale") else v) for k, v in state.items()}
+    keep = {f"{n}.scale" for n in meta["layers"]}
+    state = {k: (v.to(dtype) if v.is_floating_point() and k not in keep else v) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     still_meta = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]

@@ -7,7 +7,7 @@ import transformers
 from torch import nn
 
 from compress.arch import get_arch, get_module
-from compress.blockwise import capture_block_inputs, run_blockwise
+from compress.blockwise import BlockInputs, block_forward, capture_block_inputs, relative_error, run_blockwise
 from compress.nn import QuantLinear, is_linear
 from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.scheme import scheme
@@ -141,6 +141,28 @@ def test_runner_gives_the_same_buffers_as_direct_quantization(family, sch):
         assert (a[name].zero_point is None) == (b[name].zero_point is None), name
         if a[name].zero_point is not None:
             assert torch.equal(a[name].zero_point, b[name].zero_point), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_next_block_sees_the_compressed_outputs(family):
+    model = make_tiny_model(family)
+    floats = make_tiny_model(family)  # same seed: the blocks before quantization
+    arch = get_arch(model)
+    stage = QuantizeStage(scheme=INT4_G16)
+    plan = plan_quantize(model, arch, stage)
+    seen: list[BlockInputs] = []
+
+    def on_block(_i, prefix, _block, inputs):
+        seen.append(BlockInputs([h.clone() for h in inputs.hidden], inputs.kwargs))
+        apply_quantize(model, plan, stage, prefix=prefix)
+
+    errors = run_blockwise(model, arch, _samples(), on_block, progress=False)
+    quant_blocks, float_blocks = arch.block_list(model), arch.block_list(floats)
+    assert all(torch.equal(a, b) for a, b in zip(block_forward(quant_blocks[0], seen[0]), seen[1].hidden))
+    assert not any(torch.equal(a, b) for a, b in zip(block_forward(float_blocks[0], seen[0]), seen[1].hidden))
+    for i, inputs in enumerate(seen):  # each error compares float vs quantized block on the same (compressed) inputs
+        expected = relative_error(block_forward(float_blocks[i], inputs), block_forward(quant_blocks[i], inputs))
+        assert errors[i] == pytest.approx(expected, rel=1e-9)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

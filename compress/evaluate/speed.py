@@ -1,6 +1,7 @@
 """Prefill and decode throughput at batch 1: warm-up, repeated runs, the median."""
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 
@@ -16,6 +17,15 @@ def kernel_name(model: nn.Module) -> str:
     return "dequantize-then-matmul (reference)" if quant else "torch dense matmul"
 
 
+def _cache_kwarg(model: nn.Module) -> str:
+    """transformers 5.x calls the KV cache `cache`; 4.x called it `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _cache(out):
+    return out.cache if hasattr(out, "cache") else out.past_key_values
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -29,16 +39,17 @@ def measure_speed(model: nn.Module, vocab_size: int, prefill_tokens: int = 512, 
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (1, prefill_tokens), generator=gen).to(device)
     prefill, decode = [], []
+    cache_kw = _cache_kwarg(model)
     for run in range(repeats + 1):
         _sync(device)
         t0 = time.perf_counter()
         out = model(input_ids=ids, use_cache=True)
         _sync(device)
         t1 = time.perf_counter()
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        cache, token = _cache(out), out.logits[:, -1:].argmax(-1)
         for _ in range(decode_tokens):
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
-            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            out = model(input_ids=token, use_cache=True, **{cache_kw: cache})
+            cache, token = _cache(out), out.logits[:, -1:].argmax(-1)
         _sync(device)
         t2 = time.perf_counter()
         if run:  # run 0 is the warm-up

@@ -1,0 +1,232 @@
+"""`compress run | inspect | eval` end to end on a tiny llama saved locally: no network, no shared data
+(except `eval`, which needs WikiText-2 and skips without it)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from compress.cli import main
+from compress.models import load_compressed
+from compress.nn import QuantLinear
+from tests.conftest import make_tiny_model, requires_data
+from tests.tiny_tokenizer import make_tiny_tokenizer, word_text
+
+N_SAMPLES, SEQ_LEN = 2, 16
+LINEARS = [f"model.layers.{i}.{p}" for i in range(2) for p in (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+OUTPUT_FILES = ["report.json", "report.md", "model.safetensors", "compress.json", "config.json", "recipe.yaml",
+                "recipe.resolved.yaml", "tokenizer.json"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny random llama (tied embeddings) + a word-level tokenizer, saved as a Hugging Face folder."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny_model("llama").save_pretrained(folder)
+    make_tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def calib_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    path.write_text(word_text(4 * N_SAMPLES * SEQ_LEN) + "\n")  # one token per word: 4x what is needed
+    return path
+
+
+def _recipe(model_dir: Path, calib_file: Path, out: Path, **stage) -> dict:
+    return {
+        "model": {"source": str(model_dir), "dtype": "float32", "device": "cpu"},
+        "calibration": {"kind": "files", "files": [str(calib_file)], "n_samples": N_SAMPLES, "seq_len": SEQ_LEN},
+        "stages": [{"stage": "quantize", "method": "rtn", "scheme": {"dtype": "int4", "group_size": 16},
+                    "ignore": ["lm_head"], **stage}],
+        "eval": {"perplexity": False, "speed": True, "prefill_tokens": 8, "decode_tokens": 2, "speed_repeats": 1},
+        "output": {"dir": str(out)},
+    }
+
+
+@pytest.fixture
+def recipe_file(tmp_path, model_dir, calib_file) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text("# tiny llama, int4 g16\n" + yaml.safe_dump(_recipe(model_dir, calib_file, tmp_path / "out"),
+                                                                 sort_keys=False))
+    return path
+
+
+def _run(recipe_file: Path, *extra: str) -> int:
+    return main(["run", str(recipe_file), "--no-progress", *extra])
+
+
+def test_run_writes_a_complete_output_folder(tmp_path, recipe_file, capsys):
+    assert _run(recipe_file) == 0
+    out = tmp_path / "out"
+    assert all((out / name).is_file() for name in OUTPUT_FILES), sorted(p.name for p in out.iterdir())
+    assert list(tmp_path.glob(".*.tmp-*")) == []
+    assert "# compress report" in capsys.readouterr().out
+
+    report = json.loads((out / "report.json").read_text())
+    text = recipe_file.read_text()
+    assert report["recipe"]["sha256"] == hashlib.sha256(text.encode()).hexdigest()
+    assert report["recipe"]["text"] == text
+    assert (out / "recipe.yaml").read_text() == text
+    assert json.loads((out / "compress.json").read_text())["recipe_sha256"] == report["recipe"]["sha256"]
+
+    cal = report["calibration"]
+    assert (cal["kind"], cal["n_samples"], cal["seq_len"], cal["tokens"]) == ("files", N_SAMPLES, SEQ_LEN,
+                                                                                N_SAMPLES * SEQ_LEN)
+    assert re.fullmatch(r"[0-9a-f]{64}", cal["fingerprint"])
+
+    errors = report["block_errors"]
+    assert len(errors) == 2 and all(0 < e < 0.1 for e in errors), errors
+    (stage,) = report["stages"]
+    assert stage["scheme"] == "int4-g16-sym" and stage["quantized"] == len(LINEARS)
+    assert stage["skipped"] == [{"name": "lm_head", "reason": "ignored (ignore: lm_head)"}]
+    assert sorted(stage["layers"]) == sorted(LINEARS)
+
+    models = report["eval"]["models"]
+    assert set(models) == {"baseline", "compressed"}
+    assert "protocol" not in report["eval"] and all("ppl" not in m for m in models.values())
+    assert all(m["speed"]["prefill_tokens"] == 8 and m["speed"]["decode_tok_s"] > 0 for m in models.values())
+    assert models["compressed"]["weights"]["quantized_over_bf16"] < 0.5  # 4-bit codes + fp16 scale per 16
+
+
+def test_run_report_md_renders_without_perplexity(tmp_path, recipe_file):
+    assert _run(recipe_file) == 0
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "None" not in md
+    assert "not evaluated (eval.perplexity: false)" in md
+    assert "| model | perplexity |" not in md  # no table of dashes
+    assert "calibration: 2 × 16 tokens from files (calib.txt)" in md
+    assert "| `lm_head` | ignored (ignore: lm_head) |" in md
+    assert "## Per-block output error" in md and "## Speed (batch 1)" in md
+
+
+def test_run_output_loads_back(tmp_path, recipe_file):
+    assert _run(recipe_file) == 0
+    model = load_compressed(tmp_path / "out")
+    assert sorted(n for n, m in model.named_modules() if isinstance(m, QuantLinear)) == sorted(LINEARS)
+
+
+def test_run_without_baseline_or_speed(tmp_path, recipe_file):
+    assert _run(recipe_file, "--set", "eval.baseline=false", "--set", "eval.speed=false") == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert list(report["eval"]["models"]) == ["compressed"]
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "None" not in md and "## Speed" not in md
+
+
+def test_second_run_needs_overwrite(tmp_path, recipe_file, capsys):
+    assert _run(recipe_file) == 0
+    capsys.readouterr()
+    assert _run(recipe_file) == 2
+    err = capsys.readouterr().err
+    assert "compress run: error: output folder" in err and "--overwrite" in err
+
+    assert _run(recipe_file, "--overwrite", "--set", "stages.0.scheme.group_size=32") == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["stages"][0]["scheme"] == "int4-g32-sym"  # the folder was replaced
+    assert report["recipe"]["overrides"] == ["stages.0.scheme.group_size=32", "output.overwrite=true"]
+    assert list(tmp_path.glob(".*.tmp-*")) == []
+
+
+def test_run_output_flag(tmp_path, recipe_file):
+    assert _run(recipe_file, "--output", str(tmp_path / "elsewhere")) == 0
+    assert (tmp_path / "elsewhere" / "report.json").is_file()
+    assert not (tmp_path / "out").exists()
+
+
+def test_strict_group_size_error_leaves_nothing(tmp_path, model_dir, calib_file, capsys):
+    path = tmp_path / "g48.yaml"
+    path.write_text(yaml.safe_dump(_recipe(model_dir, calib_file, tmp_path / "out",
+                                           scheme={"dtype": "int4", "group_size": 48})))
+    assert _run(path) == 2
+    err = capsys.readouterr().err
+    assert "model.layers.0.self_attn.q_proj: in_features=64 is not divisible by group_size=48" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g48.yaml"]
+
+
+def test_inspect_lists_every_linear(recipe_file, capsys):
+    assert main(["inspect", str(recipe_file)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    for name in LINEARS:
+        (line,) = [ln for ln in lines if ln.split()[:1] == [name]]
+        assert line.rstrip().endswith("int4-g16-sym"), line
+    (head,) = [ln for ln in lines if ln.split()[:1] == ["lm_head"]]
+    assert re.search(r"256×64\s+float  \(ignored \(ignore: lm_head\)\)$", head), head
+    assert "14 layers quantized, 1 left in float" in out
+    assert "calibration: 2 × 16 tokens, kind files, seed 0" in out
+
+
+def test_inspect_json(recipe_file, capsys):
+    assert main(["inspect", str(recipe_file), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["arch"]["blocks"] == "model.layers"
+    (layers,) = plan["stages"]
+    assert {e["name"]: e["scheme"] for e in layers} == {**{n: "int4-g16-sym" for n in LINEARS}, "lm_head": None}
+    assert [e["reason"] for e in layers if e["name"] == "lm_head"] == ["ignored (ignore: lm_head)"]
+
+
+@requires_data
+def test_eval_against_baseline(tmp_path, recipe_file, model_dir, capsys):
+    assert _run(recipe_file) == 0
+    capsys.readouterr()
+    report_dir = tmp_path / "eval"
+    argv = ["eval", str(tmp_path / "out"), "--baseline", str(model_dir), "--no-speed", "--seq-len", "64",
+            "--max-windows", "2", "--no-progress", "--output", str(report_dir)]
+    assert main(argv) == 0
+    assert "# compress report" in capsys.readouterr().out
+    report = json.loads((report_dir / "report.json").read_text())
+    assert report["model"] == {"source": str(tmp_path / "out"), "kind": "compressed"}
+    ev = report["eval"]
+    assert (ev["protocol"]["windows"], ev["protocol"]["seq_len"]) == (2, 64)
+    base, quant = ev["models"]["baseline"], ev["models"]["model"]
+    assert base["tokens"] == quant["tokens"] == 2 * 63
+    assert all(math.isfinite(m["ppl"]) and m["ppl"] > 1 for m in (base, quant))
+    assert base["kl"] == 0 and base["top1_agreement"] == 1
+    assert quant["kl"] > 0 and 0 <= quant["top1_agreement"] <= 1
+    assert all("speed" not in m for m in (base, quant))
+    md = (report_dir / "report.md").read_text()
+    assert "None" not in md and "| model |" in md
+
+
+@pytest.mark.parametrize("command", ["run", "eval", "inspect"])
+def test_subcommand_help_shows_an_example(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert f"usage: compress {command}" in out
+    assert "examples:" in out and f"  compress {command} " in out
+
+
+def test_top_level_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: compress" in out and "{run,eval,inspect}" in out
+
+
+@pytest.mark.parametrize("command", ["run", "inspect"])
+def test_bad_recipe_key_exits_2_naming_the_key(tmp_path, model_dir, calib_file, command, capsys):
+    data = _recipe(model_dir, calib_file, tmp_path / "out")
+    data["stages"][0]["group_szie"] = 32
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main([command, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"compress {command}: error: {path}: unknown key `stages.0.group_szie`" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_set_override_exits_2(recipe_file, capsys):
+    assert main(["inspect", str(recipe_file), "--set", "stages.3.method=rtn"]) == 2
+    assert "--set stages.3: `3` is not an index of a list of 1 items" in capsys.readouterr().err
