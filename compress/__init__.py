@@ -1,5 +1,11 @@
 """compress: quantize, prune and distill Hugging Face causal LMs, and score what it cost."""
+import os
+
 __version__ = "0.1.0"
+
+# With several OpenMP threads, idle threads spin by default and stall small VMs; passive waiting costs
+# nothing on a busy machine. Must be set before torch loads its OpenMP runtime (a user's value wins).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .qtensor import QuantizedTensor  # noqa: E402
 from .quantizers import quantize_rtn  # noqa: E402

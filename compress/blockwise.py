@@ -90,16 +90,19 @@ def _check_uniform_blocks(model: nn.Module, seq_len: int) -> None:
                          f"calibration seq_len={seq_len} exceeds the window. Set calibration.seq_len <= {window}.")
 
 
-OnBlock = Callable[[int, str, nn.Module, BlockInputs], None]
+OnBlock = Callable[[int, str, nn.Module, object], None]
+Observe = Callable[[int, str, nn.Module], object]  # returns a context manager (hooks), or None
 
 
 def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor, on_block: OnBlock, device="cpu",
-                  offload="cpu", progress: bool = True) -> list[float]:
-    """Apply `on_block(index, name, block, inputs)` to each decoder block in turn.
+                  offload="cpu", progress: bool = True, observe: Observe | None = None) -> list[float]:
+    """Apply the stages to each decoder block in turn.
 
-    `on_block` may replace layers inside the block. The block's outputs are then recomputed and
-    become the next block's inputs. Returns, per block, the relative output error the stages
-    introduced: ||block'(x) - block(x)||^2 / ||block(x)||^2 on the block's (already compressed) inputs.
+    Per block: `observe(index, name, block)` may return a context manager (e.g. a BlockObserver) that
+    is active during the block's float forward; `on_block(index, name, block, observed)` then changes
+    the block (smooths, quantizes, replaces layers). The block's outputs are recomputed and become
+    the next block's inputs. Returns, per block, the relative output error the stages introduced:
+    ||block'(x) - block(x)||^2 / ||block(x)||^2 on the block's (already compressed) inputs.
     """
     model.eval()
     _check_uniform_blocks(model, samples.shape[1])
@@ -109,13 +112,18 @@ def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor, on_block: O
     blocks = arch.block_list(model)
     for i in tqdm(range(len(blocks)), desc="blocks", unit="block", disable=not progress):
         block = blocks[i].to(device)
-        reference = block_forward(block, inputs)
-        on_block(i, f"{arch.blocks}.{i}", block, inputs)
+        observer = observe(i, f"{arch.blocks}.{i}", block) if observe else None
+        if observer is not None:
+            with observer:
+                reference = block_forward(block, inputs)
+        else:
+            reference = block_forward(block, inputs)
+        on_block(i, f"{arch.blocks}.{i}", block, observer)
         block = get_module(model, f"{arch.blocks}.{i}")  # a stage may have swapped the whole block
         outputs = block_forward(block, inputs)
         errors.append(relative_error(reference, outputs))
         inputs = BlockInputs(outputs, inputs.kwargs)
         block.to(offload)
-        del reference
+        del reference, observer
     _move_non_blocks(model, arch, offload)
     return errors

@@ -5,7 +5,6 @@ place at the end, so a crash or Ctrl-C never leaves a half-written output.
 """
 from __future__ import annotations
 
-import copy
 import datetime
 import os
 import shutil
@@ -23,8 +22,15 @@ from .evaluate.memory import folder_bytes
 from .evaluate.report import evaluate_models, write_report
 from .models import load_model, resolve_device, save_compressed
 from .nn import is_linear
+from .nn import QuantLinear
+from .observers import BlockObserver
 from .quantize import QuantizeStage, apply_quantize, plan_quantize
+from .quantizers.awq import AWQStage, awq_block
 from .recipe import Recipe, to_plain
+
+
+def set_threads(n: int) -> None:
+    torch.set_num_threads(n if n > 0 else (os.cpu_count() or 1))
 
 
 def check_output(out: Path, overwrite: bool) -> None:
@@ -46,9 +52,13 @@ def calibration_samples(recipe: Recipe, model, tokenizer) -> tuple[torch.Tensor,
 
 
 def plan_stages(model, arch, recipe: Recipe) -> list:
-    """One plan per stage; a layer claimed by an earlier stage is not quantized again."""
+    """One plan per quantize stage (None for other stages); a layer claimed by an earlier stage is not
+    quantized again."""
     plans, claimed = [], {}
     for i, stage in enumerate(recipe.stages):
+        if not isinstance(stage, QuantizeStage):
+            plans.append(None)
+            continue
         plan = plan_quantize(model, arch, stage)
         for entry in plan.quantized:
             if entry.name in claimed:
@@ -57,6 +67,48 @@ def plan_stages(model, arch, recipe: Recipe) -> list:
                 claimed[entry.name] = i
         plans.append(plan)
     return plans
+
+
+class BlockStages:
+    """What the recipe's stages do to one decoder block: which statistics to observe, then apply in order."""
+
+    def __init__(self, model, recipe: Recipe, arch, plans: list):
+        self.model = model
+        self.model_stages = list(zip(recipe.stages, plans))
+        self.arch = arch
+        self.awq = [s for s in recipe.stages if isinstance(s, AWQStage)]
+        self.gptq = any(isinstance(s, QuantizeStage) and s.method == "gptq" for s in recipe.stages)
+        self.awq_report: list[dict] = []
+
+    def observe(self, _i: int, _prefix: str, block) -> BlockObserver | None:
+        if not self.awq and not self.gptq:
+            return None
+        linears = [n for n, m in block.named_modules() if n and is_linear(m) and not isinstance(m, QuantLinear)]
+        inspect = sorted({insp for _, _, insp in self.arch.awq}) if self.awq else []
+        keep = max((s.search_samples for s in self.awq), default=0)
+        return BlockObserver(block, linears, inspect, abs_mean=bool(self.awq), hessian=self.gptq, keep_samples=keep)
+
+    def on_block(self, i: int, prefix: str, block, observer) -> None:
+        input_scale: dict = {}
+        for k, (stage, plan) in enumerate(self.model_stages):
+            if isinstance(stage, AWQStage):
+                nxt = next(p for s, p in self.model_stages[k + 1:] if p is not None)
+                quantized = {e.name[len(prefix) + 1:] for e in nxt.quantized if e.name.startswith(prefix + ".")}
+                results = awq_block(block, self.arch.awq, observer, stage, stage.scheme, quantized,
+                                    self.arch.no_clip, self.arch.norm_offset, input_scale)
+                self.awq_report.append({"block": i, "pairs": [asdict(r) for r in results]})
+            else:
+                apply_quantize(self.model, plan, stage, prefix, observer, input_scale)
+
+
+def stage_summary(i: int, stage, plan) -> dict:
+    if isinstance(stage, AWQStage):
+        return {"index": i, "stage": "awq", "scheme": stage.scheme.name, "n_grid": stage.n_grid,
+                "search_samples": stage.search_samples, "clip": stage.clip, "quantized": 0, "skipped": []}
+    return {"index": i, "stage": "quantize", "method": stage.method, "scheme": stage.scheme.name,
+            "scheme_fields": asdict(stage.scheme), "quantized": len(plan.quantized),
+            "skipped": [{"name": e.name, "reason": e.reason} for e in plan.skipped],
+            "layers": {e.name: e.scheme.name for e in plan.quantized}}
 
 
 def kept_in_float(model, arch) -> list[str]:
@@ -73,8 +125,7 @@ def run(recipe: Recipe, progress: bool = True, log=print) -> dict:
     out = Path(recipe.output.dir)
     check_output(out, recipe.output.overwrite)
     device = resolve_device(recipe.model.device)
-    if recipe.model.threads > 0:
-        torch.set_num_threads(recipe.model.threads)
+    set_threads(recipe.model.threads)
     timings: dict[str, float] = {}
     t = time.perf_counter()
     log(f"loading model {recipe.model.source!r} ...")
@@ -85,7 +136,6 @@ def run(recipe: Recipe, progress: bool = True, log=print) -> dict:
     timings["load"] = time.perf_counter() - t
     plans = plan_stages(model, arch, recipe)  # strict-mode errors surface here, before any heavy work
     n_params = sum(p.numel() for p in model.parameters())
-    baseline = copy.deepcopy(model) if recipe.eval.baseline else None
 
     report: dict = {
         "compress_version": __version__,
@@ -102,20 +152,19 @@ def run(recipe: Recipe, progress: bool = True, log=print) -> dict:
         log("preparing calibration data ...")
         samples, report["calibration"] = calibration_samples(recipe, model, tokenizer)
 
-        def on_block(_i, prefix, _block, _inputs):
-            for stage, plan in zip(recipe.stages, plans):
-                apply_quantize(model, plan, stage, prefix=prefix)
-
-        log(f"calibrating block by block on {device} ({samples.shape[0]} × {samples.shape[1]} tokens) ...")
-        report["block_errors"] = run_blockwise(model, arch, samples, on_block, device=device, progress=progress)
+        set_threads(recipe.calibration.threads)
+        log(f"calibrating block by block on {device} ({samples.shape[0]} × {samples.shape[1]} tokens, "
+            f"{torch.get_num_threads()} threads) ...")
+        block_stages = BlockStages(model, recipe, arch, plans)
+        report["block_errors"] = run_blockwise(model, arch, samples, block_stages.on_block, device=device,
+                                               progress=progress, observe=block_stages.observe)
+        report["awq"] = block_stages.awq_report
     for stage, plan in zip(recipe.stages, plans):  # everything outside the blocks (or all, without calibration)
-        apply_quantize(model, plan, stage)
+        if plan is not None:
+            apply_quantize(model, plan, stage)
     timings["compress"] = time.perf_counter() - t
-    report["stages"] = [
-        {"index": i, "stage": "quantize", "method": s.method, "scheme": s.scheme.name, "scheme_fields": asdict(s.scheme),
-         "quantized": len(p.quantized), "skipped": [{"name": e.name, "reason": e.reason} for e in p.skipped],
-         "layers": {e.name: e.scheme.name for e in p.quantized}}
-        for i, (s, p) in enumerate(zip(recipe.stages, plans))]
+    set_threads(recipe.model.threads)
+    report["stages"] = [stage_summary(i, s, p) for i, (s, p) in enumerate(zip(recipe.stages, plans))]
     report["kept_in_float"] = kept_in_float(model, arch)
 
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -130,6 +179,11 @@ def run(recipe: Recipe, progress: bool = True, log=print) -> dict:
                             recipe.output.save_dtype)
             timings["save"] = time.perf_counter() - t
         t = time.perf_counter()
+        baseline = None
+        if recipe.eval.baseline:  # reloaded rather than copied up front: keeps the calibration pass's peak low
+            log("reloading the original model as the baseline ...")
+            baseline = load_model(recipe.model.source, recipe.model.dtype, device, recipe.model.revision,
+                                  recipe.model.trust_remote_code).model
         log("evaluating ...")
         models = {"baseline": baseline, "compressed": model} if baseline is not None else {"compressed": model}
         report["eval"] = evaluate_models(models, tokenizer, recipe.eval, device,

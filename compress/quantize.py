@@ -9,7 +9,10 @@ from torch import nn
 
 from .arch import ArchSpec, get_module, set_module
 from .nn import QuantLinear, is_linear, linear_shape, linear_weight
+from .observers import BlockObserver
 from .quantizers import get_quantizer
+from .quantizers.gptq import GPTQConfig, quantize_gptq
+from .quantizers.rtn import quantize_rtn
 from .scheme import W4A16_G64, QuantScheme
 
 COMMON_GROUP_SIZES = (16, 32, 64, 128, 256)
@@ -31,6 +34,11 @@ class QuantizeStage:
     targets: tuple[str, ...] = ("Linear", "Conv1D")
     ignore: tuple[str, ...] = ("lm_head",)
     strict: bool = True
+    gptq: GPTQConfig = GPTQConfig()  # method: gptq only
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.method == "gptq"
 
     def __post_init__(self):
         get_quantizer(self.method)  # unknown method -> ValueError listing the known ones
@@ -103,9 +111,13 @@ def plan_quantize(model: nn.Module, arch: ArchSpec, stage: QuantizeStage) -> Qua
 
 
 @torch.no_grad()
-def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, prefix: str | None = None) -> int:
-    """Replace the planned layers (only those under `prefix`, when given) by QuantLinear. Returns the count."""
-    quantizer = get_quantizer(stage.method)
+def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, prefix: str | None = None,
+                   observer: BlockObserver | None = None, input_scale: dict | None = None) -> int:
+    """Replace the planned layers (only those under `prefix`, when given) by QuantLinear. Returns the count.
+
+    GPTQ reads each layer's input Hessian from `observer` (keys relative to `prefix`); where an earlier
+    AWQ stage divided a layer's inputs by s (`input_scale`), the Hessian becomes H / (s s^T).
+    """
     count = 0
     for entry in plan.quantized:
         if prefix is not None and not entry.name.startswith(prefix + "."):
@@ -113,7 +125,20 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
         module = get_module(model, entry.name)
         if isinstance(module, QuantLinear):
             continue
-        qt = quantizer(linear_weight(module).detach(), entry.scheme)
+        w = linear_weight(module).detach()
+        if stage.method == "gptq":
+            rel = entry.name[len(prefix) + 1:] if prefix else entry.name
+            if observer is None or rel not in observer.stats:
+                raise ValueError(f"{entry.name}: GPTQ needs the layer's calibration inputs, and this layer was not "
+                                 "seen by the block-by-block pass (it is outside the decoder blocks). Add it to "
+                                 "`ignore:` or quantize it in a separate `method: rtn` stage.")
+            h = observer.stats[rel].hessian_mean()
+            s = (input_scale or {}).get(rel)
+            if s is not None:
+                h = h / (s[:, None] * s[None, :])
+            qt = quantize_gptq(w, h, entry.scheme, stage.gptq, name=entry.name)
+        else:
+            qt = quantize_rtn(w, entry.scheme)
         set_module(model, entry.name, QuantLinear.from_module(module, qt))
         count += 1
     return count

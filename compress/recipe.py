@@ -18,13 +18,14 @@ import yaml
 
 from .data import TextSource
 from .quantize import QuantizeStage
+from .quantizers.awq import AWQStage
 from .scheme import PRESETS, QuantScheme, get_preset
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CALIB_DIR = PROJECT_ROOT / "calib"
 
 # Stage name -> config class. A new stage = one entry here + its handler in pipeline.STAGE_HANDLERS.
-STAGES: dict[str, type] = {"quantize": QuantizeStage}
+STAGES: dict[str, type] = {"awq": AWQStage, "quantize": QuantizeStage}
 
 
 class RecipeError(ValueError):
@@ -41,7 +42,7 @@ class ModelSpec:
     device: str = "auto"  # auto: cuda when available, else cpu
     revision: str | None = None
     trust_remote_code: bool = False
-    threads: int = 1  # CPU threads for the whole run: 1 gives stable timings on small VMs; 0 = torch's default
+    threads: int = 1  # CPU threads while evaluating: 1 gives stable timings; 0 = all cores
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,11 @@ class CalibrationSpec:
     n_samples: int = 128
     seq_len: int = 512
     seed: int = 0
+    threads: int = 0  # CPU threads for the calibration pass; 0 = all cores
 
     def __post_init__(self):
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0 = all cores), got {self.threads}")
         if self.n_samples < 1 or self.seq_len < 2:
             raise ValueError(f"n_samples must be >= 1 and seq_len >= 2, got {self.n_samples} and {self.seq_len}")
 
@@ -234,6 +238,29 @@ def _calibration(value, file: str) -> CalibrationSpec | None:
     return build(CalibrationSpec, merged, "calibration", file)
 
 
+def _check_stages(stages: tuple, calibration, file: str) -> tuple:
+    """Cross-stage rules: AWQ is followed by a quantize stage with the same scheme (filled in when the
+    AWQ stage names none); AWQ and GPTQ need calibration data."""
+    out = list(stages)
+    for i, st in enumerate(stages):
+        needs = isinstance(st, AWQStage) or (isinstance(st, QuantizeStage) and st.needs_calibration)
+        if needs and calibration is None:
+            raise RecipeError(f"{file}: `stages.{i}` needs calibration data; add a `calibration:` section "
+                              "(e.g. `calibration: {preset: wikitext2}`)")
+        if isinstance(st, AWQStage):
+            nxt = next((j for j in range(i + 1, len(stages)) if isinstance(stages[j], QuantizeStage)), None)
+            if nxt is None:
+                raise RecipeError(f"{file}: `stages.{i}` (awq) only moves scales; a later `stage: quantize` must "
+                                  "store the weights")
+            if st.scheme is None:
+                out[i] = dataclasses.replace(st, scheme=stages[nxt].scheme)
+            elif st.scheme != stages[nxt].scheme:
+                raise RecipeError(f"{file}: `stages.{i}.scheme` ({st.scheme.name}) differs from `stages.{nxt}.scheme` "
+                                  f"({stages[nxt].scheme.name}); AWQ must search for the format that is stored. "
+                                  "Remove the awq scheme to inherit it.")
+    return tuple(out)
+
+
 def calib_presets() -> list[str]:
     return sorted(p.stem for p in CALIB_DIR.glob("*.yaml"))
 
@@ -262,10 +289,11 @@ def from_dict(data: dict, file: str = "<recipe>", text: str = "", overrides: tup
     stages = data.get("stages") or []
     if not isinstance(stages, list) or not stages:
         raise RecipeError(f"{file}: `stages` must be a non-empty list; known stages: {sorted(STAGES)}")
+    calibration = _calibration(data.get("calibration"), file)
     return Recipe(
         model=model,
-        calibration=_calibration(data.get("calibration"), file),
-        stages=tuple(_stage(s, i, file) for i, s in enumerate(stages)),
+        calibration=calibration,
+        stages=_check_stages(tuple(_stage(s, i, file) for i, s in enumerate(stages)), calibration, file),
         eval=build(EvalSpec, data.get("eval") or {}, "eval", file),
         output=build(OutputSpec, data.get("output") or {}, "output", file),
         path=file, text=text, sha256=hashlib.sha256(text.encode()).hexdigest() if text else "",

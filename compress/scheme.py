@@ -77,6 +77,11 @@ def scheme(dtype: str, granularity: str = "group", group_size: int | None = 128,
     return QuantScheme(dtype, granularity, group_size if granularity == "group" else None, symmetric, scale_dtype)
 
 
+def replace_granularity(s: QuantScheme, granularity: str, group_size: int | None = None) -> QuantScheme:
+    """The same format with another granularity (e.g. one group seen as a channel)."""
+    return replace(s, granularity=granularity, group_size=group_size if granularity == "group" else None)
+
+
 # Presets. Names follow compressed-tensors where one exists, so vLLM docs apply.
 W4A16 = QuantScheme("int4", "group", 128, True)
 W4A16_G64 = replace(W4A16, group_size=64)  # SmolLM2-135M: 576 % 128 != 0

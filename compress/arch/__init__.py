@@ -19,6 +19,10 @@ class ArchSpec:
     attention: tuple[str, ...]
     mlp: tuple[str, ...]
     norms: tuple[str, ...]
+    awq: tuple[tuple[str, tuple[str, ...], str], ...] = ()  # (previous op, balance linears, inspect module)
+    awq_skip: tuple[tuple[str, str], ...] = ()  # (pair, reason it cannot be scaled)
+    norm_offset: float = 0.0  # 1.0 where a norm computes x * (1 + weight)
+    no_clip: tuple[str, ...] = ()
 
     def block_list(self, model: nn.Module) -> nn.ModuleList:
         return get_module(model, self.blocks)
@@ -51,7 +55,8 @@ def get_arch(model: nn.Module) -> ArchSpec:
 def _check(model: nn.Module, spec: ArchSpec) -> None:
     blocks = spec.block_list(model)
     missing = [p for p in (spec.embed, spec.final_norm, spec.lm_head) if not _has(model, p)]
-    missing += [f"{spec.blocks}.0.{p}" for p in spec.attention + spec.mlp + spec.norms if not _has(blocks[0], p)]
+    paths = spec.attention + spec.mlp + spec.norms + tuple(p for prev, bal, insp in spec.awq for p in (prev, *bal, insp))
+    missing += [f"{spec.blocks}.0.{p}" for p in dict.fromkeys(paths) if not _has(blocks[0], p)]
     if missing:
         raise ValueError(f"model_type {spec.family!r}: the architecture table in compress/arch/tables.py names "
                          f"modules this model lacks: {missing}. Fix that entry for this transformers version.")
@@ -89,4 +94,6 @@ def _generic(model: nn.Module, model_type: str | None) -> ArchSpec:
         family=f"generic:{model_type}", blocks=candidates[0], embed=names[id(inp)],
         final_norm="", lm_head=names[id(out)], attention=attn,
         mlp=tuple(n for n in linears if n not in attn), norms=norms,
+        awq_skip=(("all pairs", f"no scaling pairs are known for model_type {model_type!r}: add `awq=` to its "
+                                "entry in compress/arch/tables.py"),),
     )

@@ -1,0 +1,101 @@
+"""Statistics collected by hooks during a block's float forward, kept apart from the solvers.
+
+One `BlockObserver` per decoder block watches the linear layers (input |x| mean per channel,
+Hessian X^T X, a few kept inputs) and the AWQ "inspect" modules (their call arguments and float
+outputs for the first samples). Linears that read the very same tensor (q/k/v, gate/up) share one
+set of statistics, so the Hessian of a shared input is accumulated once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class InputStats:
+    """Per-input-channel statistics of one linear layer's input."""
+
+    abs_sum: Tensor | None = None  # [K] sum of |x| over tokens
+    hessian: Tensor | None = None  # [K, K] sum of x x^T over tokens (float32)
+    tokens: int = 0
+    kept: list[Tensor] = field(default_factory=list)  # inputs of the first samples, [T, K] each
+
+    @property
+    def abs_mean(self) -> Tensor:
+        return self.abs_sum / max(self.tokens, 1)
+
+    def hessian_mean(self) -> Tensor:
+        """H = 2/n sum x x^T, the GPTQ Hessian of ||W X - W' X||^2."""
+        return self.hessian * (2.0 / max(self.tokens, 1))
+
+
+@dataclass
+class Call:
+    args: tuple
+    kwargs: dict
+    output: Tensor
+
+
+class BlockObserver:
+    """Attach hooks to a block; after the float forward, read `stats[name]` and `calls[name]`."""
+
+    def __init__(self, block: nn.Module, linears: list[str], inspect: list[str], *, abs_mean: bool,
+                 hessian: bool, keep_samples: int):
+        self.block, self.linears, self.inspect = block, linears, inspect
+        self.want_abs, self.want_hessian, self.keep = abs_mean, hessian, keep_samples
+        self.stats: dict[str, InputStats] = {}
+        self.calls: dict[str, list[Call]] = {n: [] for n in inspect}
+        self._sample = -1
+        self._seen: list[tuple[Tensor, str]] = []  # inputs of the current sample and their first reader
+        self._handles: list = []
+
+    def __enter__(self) -> "BlockObserver":
+        self._handles.append(self.block.register_forward_pre_hook(self._new_sample))
+        for name in self.linears:
+            mod = self.block.get_submodule(name)
+            self._handles.append(mod.register_forward_hook(self._linear_hook(name)))
+        for name in self.inspect:
+            mod = self.block.get_submodule(name)
+            self._handles.append(mod.register_forward_hook(self._inspect_hook(name), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _new_sample(self, _module, _args) -> None:
+        self._sample += 1
+        self._seen = []
+
+    def _linear_hook(self, name: str):
+        def hook(_module, args, _output):
+            x = args[0]
+            # The same tensor object feeds several linears (q/k/v): share one InputStats. Holding the
+            # reference until the next sample also stops its memory being reused by a later input.
+            first = next((n for t, n in self._seen if t is x), None)
+            if first is not None:
+                self.stats[name] = self.stats[first]
+                return
+            self._seen.append((x, name))
+            st = self.stats.setdefault(name, InputStats())
+            x2 = x.detach().reshape(-1, x.shape[-1]).float()  # [T, K]
+            if self.want_abs:
+                s = x2.abs().sum(dim=0)
+                st.abs_sum = s if st.abs_sum is None else st.abs_sum + s
+            if self.want_hessian:
+                h = x2.T @ x2  # [K, K]
+                st.hessian = h if st.hessian is None else st.hessian.add_(h)
+            if self._sample < self.keep:
+                st.kept.append(x2)
+            st.tokens += x2.shape[0]
+        return hook
+
+    def _inspect_hook(self, name: str):
+        def hook(_module, args, kwargs, output):
+            if self._sample < self.keep:
+                out = output[0] if isinstance(output, (tuple, list)) else output
+                self.calls[name].append(Call(args, kwargs, out.detach()))
+        return hook

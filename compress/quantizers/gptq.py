@@ -1,0 +1,139 @@
+"""GPTQ (Frantar et al., 2022, arXiv:2210.17323): quantize columns one at a time and push each
+column's rounding error onto the columns not yet quantized, weighted by the inverse Hessian of
+the layer's reconstruction loss ||W X - W' X||^2 (H = 2 X X^T / n).
+
+Lazy batch updates: columns are processed in blocks of `block_size`; inside a block the update is
+applied column by column, and the accumulated block error is propagated to the rest at once.
+Groups: without act_order, a group's scale/zero point are computed when its first column is
+reached, from the weights as updated so far (as in the reference implementation). With act_order,
+columns are visited in order of decreasing Hessian diagonal but the group parameters are fixed
+up front from the original weights ("static groups"), so the stored layout stays the standard
+contiguous-group format and loaders need no g_idx permutation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..primitives import compute_qparams, group_view
+from ..qtensor import QuantizedTensor
+from ..scheme import QuantScheme, replace_granularity
+
+
+@dataclass(frozen=True)
+class GPTQConfig:
+    dampening: float = 0.01  # fraction of the mean Hessian diagonal added to the diagonal
+    block_size: int = 128  # columns per lazy-update block
+    act_order: bool = False  # visit columns by decreasing Hessian diagonal (static groups)
+
+    def __post_init__(self):
+        if not 0 <= self.dampening < 1:
+            raise ValueError(f"dampening must be in [0, 1), got {self.dampening} (typical: 0.01)")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size} (typical: 128)")
+
+
+class SingularHessianError(ValueError):
+    pass
+
+
+def _inverse_hessian_factor(h: Tensor, dampening: float, name: str) -> Tensor:
+    """Upper Cholesky factor of H^-1 after dampening (the GPTQ 'Hinv' rows)."""
+    k = h.shape[0]
+    damp = dampening * torch.mean(torch.diag(h))
+    h = h + damp * torch.eye(k, dtype=h.dtype, device=h.device)
+    factor, info = torch.linalg.cholesky_ex(h)
+    if int(info) != 0:
+        raise SingularHessianError(
+            f"{name}: the Hessian is not positive definite even after dampening {dampening:g} of its mean "
+            f"diagonal. Raise `gptq.dampening` (e.g. 0.1), give more calibration samples, or check the "
+            "calibration inputs for NaN/inf.")
+    h_inv = torch.cholesky_inverse(factor)
+    return torch.linalg.cholesky(h_inv, upper=True)
+
+
+def _column_qparams(w_cols: Tensor, scheme: QuantScheme) -> tuple[Tensor, Tensor | None]:
+    """Per-row scale/zero point [N] of a slice [N, G] (one group)."""
+    scale, zero = compute_qparams(w_cols, replace_granularity(scheme, "channel"))
+    return scale[:, 0], None if zero is None else zero[:, 0]
+
+
+def quantize_gptq(w: Tensor, hessian: Tensor, scheme: QuantScheme, cfg: GPTQConfig = GPTQConfig(),
+                  name: str = "layer") -> QuantizedTensor:
+    """GPTQ-quantize a [out, in] weight given the Hessian [in, in] of its inputs.
+
+    Computes in float64 when `w` is float64 (tests), float32 otherwise.
+    """
+    dtype = torch.float64 if w.dtype == torch.float64 else torch.float32
+    W = w.detach().to(dtype).clone()  # [N, K]
+    H = hessian.detach().to(dtype).clone()  # [K, K]
+    n_rows, k = W.shape
+    group_view(W, scheme)  # raises if the group size does not divide in_features
+
+    dead = torch.diag(H) == 0  # inputs that never fire: their weights cannot matter
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+
+    g = scheme.group_size if scheme.granularity == "group" else None
+    static = scheme.granularity != "group" or cfg.act_order
+    if static:  # parameters from the original weights, in the original column order
+        scale_full, zero_full = compute_qparams(W, scheme)
+        scale_cols = _expand(scale_full, scheme, n_rows, k).to(dtype)  # [N, K]
+        zero_cols = None if zero_full is None else _expand(zero_full, scheme, n_rows, k).to(dtype)
+
+    perm = torch.argsort(torch.diag(H), descending=True) if cfg.act_order else None
+    if perm is not None:
+        W, H = W[:, perm], H[perm][:, perm]
+        scale_cols = scale_cols[:, perm]
+        zero_cols = None if zero_cols is None else zero_cols[:, perm]
+
+    h_inv = _inverse_hessian_factor(H, cfg.dampening, name)
+    codes = torch.zeros(n_rows, k, dtype=dtype, device=W.device)
+    if not static:
+        n_groups = k // g
+        scale_g = torch.zeros(n_rows, n_groups, dtype=dtype, device=W.device)
+        zero_g = None if scheme.symmetric else torch.zeros_like(scale_g)
+
+    for i1 in range(0, k, cfg.block_size):
+        i2 = min(i1 + cfg.block_size, k)
+        err_block = torch.zeros(n_rows, i2 - i1, dtype=dtype, device=W.device)
+        for j in range(i1, i2):
+            col = W[:, j]
+            if static:
+                s, z = scale_cols[:, j], (zero_cols[:, j] if zero_cols is not None else None)
+            else:
+                if j % g == 0:  # first column of a group: parameters from the weights as updated so far
+                    s_new, z_new = _column_qparams(W[:, j:j + g], scheme)
+                    scale_g[:, j // g] = s_new
+                    if zero_g is not None:
+                        zero_g[:, j // g] = z_new
+                s = scale_g[:, j // g]
+                z = None if zero_g is None else zero_g[:, j // g]
+            q = torch.round(col / s) + (z if z is not None else 0)
+            q = torch.clamp(q, scheme.qmin, scheme.qmax)
+            codes[:, j] = q
+            deq = (q - (z if z is not None else 0)) * s
+            err = (col - deq) / h_inv[j, j]
+            W[:, j:i2] -= err[:, None] * h_inv[j, j:i2][None, :]  # [N, i2 - j]
+            err_block[:, j - i1] = err
+        W[:, i2:] -= err_block @ h_inv[i1:i2, i2:]  # lazy update of the remaining columns
+
+    if perm is not None:
+        codes = codes[:, torch.argsort(perm)]
+    if static:
+        scale, zero = scale_full, zero_full
+    else:
+        scale, zero = scale_g, zero_g
+    return QuantizedTensor.from_codes(codes.to(torch.int32), scale.float(), None if zero is None else zero.float(),
+                                      scheme)
+
+
+def _expand(p: Tensor, scheme: QuantScheme, n_rows: int, k: int) -> Tensor:
+    """Per-group (or per-channel / per-tensor) parameters broadcast to one per weight column [N, K]."""
+    if scheme.granularity == "tensor":
+        return p.reshape(1, 1).expand(n_rows, k).float()
+    if scheme.granularity == "channel":
+        return p.reshape(n_rows, 1).expand(n_rows, k).float()
+    return p.repeat_interleave(scheme.group_size, dim=1).float()

@@ -1,0 +1,79 @@
+"""GPTQ against the naive column-by-column reference, error vs RTN, and its failure modes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compress.quantizers import quantize_rtn
+from compress.quantizers.gptq import GPTQConfig, SingularHessianError, quantize_gptq
+from compress.scheme import scheme
+from tests.reference.naive_gptq import naive_gptq
+
+
+def _correlated_inputs(n_tokens: int, k: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(k, k, generator=g) / k ** 0.5
+    scales = torch.rand(k, generator=g) * 3 + 0.1
+    return (torch.randn(n_tokens, k, generator=g) @ mix) * scales  # [T, K], correlated channels
+
+
+@pytest.mark.parametrize("sch, act_order, k, block", [
+    (scheme("int4", "group", 32, True), False, 64, 128),
+    (scheme("int4", "group", 32, False), False, 256, 128),   # two lazy-update blocks
+    (scheme("int3", "group", 32, False), False, 128, 32),    # block = group
+    (scheme("int4", "group", 32, True), True, 128, 64),      # act order, static groups
+    (scheme("int4", "channel", symmetric=False), False, 96, 32),
+    (scheme("int2", "channel", symmetric=True), True, 64, 16),
+])
+def test_gptq_matches_naive_reference(sch, act_order, k, block):
+    torch.manual_seed(1)
+    w = torch.randn(12, k, dtype=torch.float64) * 0.1
+    x = _correlated_inputs(400, k).double()
+    h = 2 * x.T @ x / x.shape[0]
+    qt = quantize_gptq(w, h, sch, GPTQConfig(dampening=0.01, block_size=block, act_order=act_order))
+    ref = naive_gptq(w, h, sch.bits, sch.group_size, sch.symmetric, damp=0.01, act_order=act_order)
+    assert torch.equal(qt.codes().to(torch.int64), ref)
+
+
+@pytest.mark.parametrize("sch", [scheme("int4", "group", 64, False), scheme("int3", "group", 64, True),
+                                 scheme("int4", "channel", symmetric=True)], ids=lambda s: s.name)
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_reconstruction_beats_rtn(sch, act_order):
+    w = torch.randn(256, 576) * 0.05
+    x = _correlated_inputs(2048, 576)
+    h = 2 * x.T @ x / x.shape[0]
+    err_gptq = ((w - quantize_gptq(w, h, sch, GPTQConfig(act_order=act_order)).dequantize()) @ x.T).pow(2).mean()
+    err_rtn = ((w - quantize_rtn(w, sch).dequantize()) @ x.T).pow(2).mean()
+    assert err_gptq < 0.8 * err_rtn  # measured 0.28-0.65x of RTN on these correlated inputs (act order lower)
+
+
+def test_act_order_keeps_the_standard_layout():
+    w = torch.randn(32, 128)
+    x = _correlated_inputs(512, 128)
+    sch = scheme("int4", "group", 32, False)
+    qt = quantize_gptq(w, 2 * x.T @ x / 512, sch, GPTQConfig(act_order=True))
+    assert qt.scale.shape == (32, 4) and qt.zero_point.shape == (32, 4)
+    # static groups: the scales are RTN's scales of the original weight, in the original column order
+    torch.testing.assert_close(qt.scale, quantize_rtn(w, sch).scale, rtol=0, atol=0)
+
+
+def test_dead_inputs_are_zeroed_not_an_error():
+    w = torch.randn(8, 64)
+    x = _correlated_inputs(256, 64)
+    x[:, 5] = 0.0
+    h = 2 * x.T @ x / 256
+    qt = quantize_gptq(w, h, scheme("int4", "group", 32, False))
+    assert torch.all(qt.dequantize()[:, 5] == 0)
+
+
+def test_singular_hessian_is_a_clear_error():
+    h = -torch.eye(64)  # negative definite: no dampening of 1% of the (negative) mean diagonal fixes it
+    with pytest.raises(SingularHessianError, match="Raise `gptq.dampening`"):
+        quantize_gptq(torch.randn(8, 64), h, scheme("int4", "group", 32), name="model.layers.0.mlp.up_proj")
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="dampening"):
+        GPTQConfig(dampening=1.5)
+    with pytest.raises(ValueError, match="block_size"):
+        GPTQConfig(block_size=0)
