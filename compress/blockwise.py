@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .arch import ArchSpec, get_module, set_module
+from .nn import cached_dequantize
 
 
 class _StopForward(Exception):
@@ -90,7 +91,7 @@ def _check_uniform_blocks(model: nn.Module, seq_len: int) -> None:
                          f"calibration seq_len={seq_len} exceeds the window. Set calibration.seq_len <= {window}.")
 
 
-OnBlock = Callable[[int, str, nn.Module, object], None]
+OnBlock = Callable[[int, str, nn.Module, BlockInputs, object], None]
 Observe = Callable[[int, str, nn.Module], object]  # returns a context manager (hooks), or None
 
 
@@ -99,7 +100,7 @@ def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor, on_block: O
     """Apply the stages to each decoder block in turn.
 
     Per block: `observe(index, name, block)` may return a context manager (e.g. a BlockObserver) that
-    is active during the block's float forward; `on_block(index, name, block, observed)` then changes
+    is active during the block's float forward; `on_block(index, name, block, inputs, observer)` then changes
     the block (smooths, quantizes, replaces layers). The block's outputs are recomputed and become
     the next block's inputs. Returns, per block, the relative output error the stages introduced:
     ||block'(x) - block(x)||^2 / ||block(x)||^2 on the block's (already compressed) inputs.
@@ -118,9 +119,10 @@ def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor, on_block: O
                 reference = block_forward(block, inputs)
         else:
             reference = block_forward(block, inputs)
-        on_block(i, f"{arch.blocks}.{i}", block, observer)
+        on_block(i, f"{arch.blocks}.{i}", block, inputs, observer)
         block = get_module(model, f"{arch.blocks}.{i}")  # a stage may have swapped the whole block
-        outputs = block_forward(block, inputs)
+        with cached_dequantize(block, inputs.hidden[0].dtype):
+            outputs = block_forward(block, inputs)
         errors.append(relative_error(reference, outputs))
         inputs = BlockInputs(outputs, inputs.kwargs)
         block.to(offload)

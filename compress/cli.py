@@ -114,10 +114,22 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def awq_pairs(model, arch, recipe, plans, index: int) -> list[tuple]:
+    """(prev, balance, inspect, skip reason or None) for the AWQ stage at `index`, on block 0."""
+    from .quantizers.awq import pair_skip_reason
+
+    nxt = next(p for p in plans[index + 1:] if p is not None)
+    prefix = f"{arch.blocks}.0"
+    quantized = {e.name[len(prefix) + 1:] for e in nxt.quantized if e.name.startswith(prefix + ".")}
+    block = arch.block_list(model)[0]
+    return [(prev, bal, insp, pair_skip_reason(block, prev, bal, quantized)) for prev, bal, insp in arch.awq]
+
+
 def cmd_inspect(args) -> int:
     from .arch import get_arch
     from .models import load_model
     from .pipeline import plan_stages
+    from .quantizers.awq import pair_label
     from .recipe import load_recipe, to_plain
 
     recipe = load_recipe(args.recipe, args.overrides)
@@ -128,7 +140,10 @@ def cmd_inspect(args) -> int:
     if args.json:
         print(json.dumps({"arch": to_plain(arch), "stages": [
             [{"name": e.name, "shape": e.shape, "scheme": e.scheme.name if e.scheme else None, "reason": e.reason}
-             for e in p.layers] for p in plans]}, indent=2))
+             for e in p.layers] if p is not None else
+            [{"prev": a, "balance": b, "inspect": c, "skipped": r} for a, b, c, r in
+             awq_pairs(loaded.model, arch, recipe, plans, i)]
+            for i, p in enumerate(plans)]}, indent=2))
         return 0
     print(f"recipe: {recipe.path} (sha256 {recipe.sha256[:16]}…)")
     print(f"model: {loaded.source} [{loaded.kind}], family {arch.family}, blocks at `{arch.blocks}` "
@@ -139,6 +154,15 @@ def cmd_inspect(args) -> int:
     print("calibration: " + (f"{cal.n_samples} × {cal.seq_len} tokens, kind {cal.kind}, seed {cal.seed}"
                              if cal else "none (no calibration pass)"))
     for i, (stage, plan) in enumerate(zip(recipe.stages, plans)):
+        if plan is None:  # awq: the scaling pairs, checked on block 0 (every block has the same shapes)
+            print(f"\nstage {i}: awq for {stage.scheme.name}, grid {stage.n_grid}, search on {stage.search_samples} "
+                  f"calibration windows, clipping {'on' if stage.clip else 'off'}; scaling pairs per block:")
+            for prev, balance, inspect_name, reason in awq_pairs(loaded.model, arch, recipe, plans, i):
+                what = f"skipped: {reason}" if reason else f"scaled (search compares `{inspect_name}` outputs)"
+                print(f"  {pair_label(prev, balance):<70} {what}")
+            for pair, reason in arch.awq_skip:
+                print(f"  {pair:<70} skipped: {reason}")
+            continue
         print(f"\nstage {i}: quantize, method {stage.method}, scheme {stage.scheme.name}: "
               f"{len(plan.quantized)} layers quantized, {len(plan.skipped)} left in float")
         width = max(len(e.name) for e in plan.layers)

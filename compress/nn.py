@@ -10,6 +10,8 @@ import torch
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
+import contextlib
+
 from .primitives import scale_shape
 from .qtensor import QuantizedTensor
 from .scheme import QuantScheme
@@ -52,6 +54,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("scale", empty.scale.to(device))
         self.register_buffer("zero_point", None if empty.zero_point is None else empty.zero_point.to(device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        self._weight_cache: Tensor | None = None  # set only inside cached_dequantize()
 
     @classmethod
     def from_module(cls, module: nn.Module, qt: QuantizedTensor) -> "QuantLinear":
@@ -71,9 +74,25 @@ class QuantLinear(nn.Module):
                                (self.out_features, self.in_features))
 
     def forward(self, x: Tensor) -> Tensor:
-        w = self.qtensor().dequantize(x.dtype)  # [N, K]
+        w = self._weight_cache
+        if w is None or w.dtype != x.dtype:
+            w = self.qtensor().dequantize(x.dtype)  # [N, K]
         return nn.functional.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}"
 
+
+
+@contextlib.contextmanager
+def cached_dequantize(module: nn.Module, dtype: torch.dtype = torch.float32):
+    """Dequantize the QuantLinears under `module` once for a burst of forwards (the calibration runner
+    pushes every sample through a block), instead of once per call; the float copies go away on exit."""
+    layers = [m for m in module.modules() if isinstance(m, QuantLinear)]
+    try:
+        for m in layers:
+            m._weight_cache = m.qtensor().dequantize(dtype)
+        yield
+    finally:
+        for m in layers:
+            m._weight_cache = None

@@ -1,8 +1,8 @@
 """Statistics collected by hooks during a block's float forward, kept apart from the solvers.
 
 One `BlockObserver` per decoder block watches the linear layers (input |x| mean per channel,
-Hessian X^T X, a few kept inputs) and the AWQ "inspect" modules (their call arguments and float
-outputs for the first samples). Linears that read the very same tensor (q/k/v, gate/up) share one
+Hessian X^T X, a few kept inputs) and the AWQ "inspect" modules (their call arguments for the
+first samples, to replay them). Linears that read the very same tensor (q/k/v, gate/up) share one
 set of statistics, so the Hessian of a shared input is accumulated once.
 """
 from __future__ import annotations
@@ -35,7 +35,6 @@ class InputStats:
 class Call:
     args: tuple
     kwargs: dict
-    output: Tensor
 
 
 class BlockObserver:
@@ -58,7 +57,7 @@ class BlockObserver:
             self._handles.append(mod.register_forward_hook(self._linear_hook(name)))
         for name in self.inspect:
             mod = self.block.get_submodule(name)
-            self._handles.append(mod.register_forward_hook(self._inspect_hook(name), with_kwargs=True))
+            self._handles.append(mod.register_forward_pre_hook(self._inspect_hook(name), with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -94,8 +93,7 @@ class BlockObserver:
         return hook
 
     def _inspect_hook(self, name: str):
-        def hook(_module, args, kwargs, output):
+        def hook(_module, args, kwargs):
             if self._sample < self.keep:
-                out = output[0] if isinstance(output, (tuple, list)) else output
-                self.calls[name].append(Call(args, kwargs, out.detach()))
+                self.calls[name].append(Call(args, dict(kwargs)))
         return hook

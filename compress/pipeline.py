@@ -88,7 +88,7 @@ class BlockStages:
         keep = max((s.search_samples for s in self.awq), default=0)
         return BlockObserver(block, linears, inspect, abs_mean=bool(self.awq), hessian=self.gptq, keep_samples=keep)
 
-    def on_block(self, i: int, prefix: str, block, observer) -> None:
+    def on_block(self, i: int, prefix: str, block, _inputs, observer) -> None:
         input_scale: dict = {}
         for k, (stage, plan) in enumerate(self.model_stages):
             if isinstance(stage, AWQStage):

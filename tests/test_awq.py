@@ -157,3 +157,10 @@ def test_awq_and_gptq_need_calibration():
 def test_awq_inherits_the_quantize_scheme():
     recipe = _recipe([{"stage": "awq"}, {"stage": "quantize", "scheme": "W4A16_G64"}])
     assert recipe.stages[0].scheme == recipe.stages[1].scheme
+
+
+@pytest.mark.parametrize("sch", [scheme("int4", "group", 64, True), scheme("int3", "group", 32, False),
+                                 scheme("int8", "channel")], ids=lambda s: s.name)
+def test_fake_quantize_is_the_rtn_round_trip(sch):
+    w = torch.randn(48, 128)
+    assert torch.equal(fake_quantize(w, sch), quantize_rtn(w, sch).dequantize())

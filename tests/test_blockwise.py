@@ -46,7 +46,7 @@ def _quantize_via_runner(model: nn.Module, sch, samples: torch.Tensor | None = N
     stage = QuantizeStage(scheme=sch)
     plan = plan_quantize(model, arch, stage)
 
-    def on_block(_i, prefix, _block, _inputs):
+    def on_block(_i, prefix, _block, _inputs, _observer):
         apply_quantize(model, plan, stage, prefix=prefix)
 
     errors = run_blockwise(model, arch, _samples() if samples is None else samples, on_block, progress=False)
@@ -77,7 +77,7 @@ def test_noop_on_block_changes_nothing(family):
     ids = _samples(seed=2)
     before = _logits(model, ids)
     seen = []
-    errors = run_blockwise(model, get_arch(model), _samples(), lambda i, name, block, inputs: seen.append(name),
+    errors = run_blockwise(model, get_arch(model), _samples(), lambda i, name, block, inputs, _obs: seen.append(name),
                            progress=False)
     assert len(errors) == N_LAYERS
     assert all(e < 1e-12 for e in errors), errors
@@ -152,7 +152,7 @@ def test_next_block_sees_the_compressed_outputs(family):
     plan = plan_quantize(model, arch, stage)
     seen: list[BlockInputs] = []
 
-    def on_block(_i, prefix, _block, inputs):
+    def on_block(_i, prefix, _block, inputs, _observer):
         seen.append(BlockInputs([h.clone() for h in inputs.hidden], inputs.kwargs))
         apply_quantize(model, plan, stage, prefix=prefix)
 
@@ -176,7 +176,7 @@ def test_capture_keeps_one_input_per_sample(family):
 
     shapes = []
     run_blockwise(model, arch, _samples(n, seq_len),
-                  lambda i, name, block, inputs: shapes.append([tuple(h.shape) for h in inputs.hidden]),
+                  lambda i, name, block, inputs, _obs: shapes.append([tuple(h.shape) for h in inputs.hidden]),
                   progress=False)
     assert shapes == [[(1, seq_len, hidden)] * n] * N_LAYERS
 

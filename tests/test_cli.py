@@ -230,3 +230,32 @@ def test_bad_recipe_key_exits_2_naming_the_key(tmp_path, model_dir, calib_file, 
 def test_bad_set_override_exits_2(recipe_file, capsys):
     assert main(["inspect", str(recipe_file), "--set", "stages.3.method=rtn"]) == 2
     assert "--set stages.3: `3` is not an index of a list of 1 items" in capsys.readouterr().err
+
+
+def test_inspect_shows_awq_pairs_and_skips(tmp_path, model_dir, calib_file, capsys):
+    recipe = _recipe(model_dir, calib_file, tmp_path / "out")
+    recipe["stages"] = [{"stage": "awq", "n_grid": 3}] + recipe["stages"]
+    path = tmp_path / "awq.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "stage 0: awq for int4-g16-sym" in out
+    assert re.search(r"input_layernorm -> self_attn.q_proj, self_attn.k_proj, self_attn.v_proj\s+scaled", out)
+    assert re.search(r"self_attn.v_proj -> self_attn.o_proj\s+skipped: .*grouped-query attention", out)
+    assert re.search(r"mlp.up_proj -> mlp.down_proj\s+scaled", out)
+
+
+def test_run_with_awq_and_gptq_reports_pairs(tmp_path, model_dir, calib_file):
+    recipe = _recipe(model_dir, calib_file, tmp_path / "out")
+    recipe["stages"] = [{"stage": "awq", "n_grid": 3, "search_samples": 1},
+                        {**recipe["stages"][0], "method": "gptq"}]
+    path = tmp_path / "awq_gptq.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert main(["run", str(path), "--no-progress"]) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [s["stage"] for s in report["stages"]] == ["awq", "quantize"]
+    assert len(report["awq"]) == 2 and len(report["awq"][0]["pairs"]) == 4
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "## Stage 0: awq" in md and "grouped-query attention" in md
+    reloaded = load_compressed(tmp_path / "out")
+    assert sum(isinstance(m, QuantLinear) for m in reloaded.modules()) == len(LINEARS)

@@ -56,12 +56,13 @@ def test_shipped_recipes_load(path):
     recipe = load_recipe(path)
     assert recipe.path == str(path)
     assert len(recipe.stages) >= 1
-    assert recipe.stages[0].scheme.bits in (4, 8)
+    assert all(st.scheme.bits in (3, 4, 8) for st in recipe.stages)
     assert recipe.output.dir.startswith("runs/")
 
 
 def test_shipped_recipes_exist():
-    assert {p.name for p in RECIPES} >= {"int4_rtn.yaml", "int8_absmax.yaml", "int8_zeropoint.yaml"}
+    assert {p.name for p in RECIPES} >= {"int4_rtn.yaml", "int8_absmax.yaml", "int8_zeropoint.yaml", "awq_int4.yaml",
+                                         "gptq_int4.yaml", "awq_gptq_int4.yaml", "awq_int3.yaml"}
 
 
 def test_channel_scheme_mapping_without_group_size_loads():
@@ -83,7 +84,7 @@ BAD = [
     pytest.param(_with(eval={"speed": "yes"}), r"`eval\.speed` must be true or false", id="wrong-bool"),
     pytest.param({"stages": BASE["stages"]}, r"missing `model:`", id="missing-model"),
     pytest.param(_with(stages=[]), r"`stages` must be a non-empty list", id="no-stages"),
-    pytest.param(_with(stages=[_stage(method="gptq")]), r"`stages\.0`: unknown quantization method 'gptq'",
+    pytest.param(_with(stages=[_stage(method="magic")]), r"`stages\.0`: unknown quantization method 'magic'",
                  id="unknown-method"),
     pytest.param(_with(model={"source": "default", "device": 0}), r"`model\.device` must be a string",
                  id="model-field-type"),

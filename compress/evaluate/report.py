@@ -69,6 +69,24 @@ def _calib_where(cal: dict) -> str:
     return cal.get("split") or ""
 
 
+def _awq_lines(blocks: list[dict]) -> list[str]:
+    """Per scaling pair: blocks scaled, mean chosen exponent, search loss vs plain RTN; skips with reasons."""
+    by_pair: dict[str, list[dict]] = {}
+    for blk in blocks:
+        for p in blk["pairs"]:
+            by_pair.setdefault(p["pair"], []).append(p)
+    lines = ["| scaling pair | blocks scaled | mean exponent r | search loss / RTN loss | skipped |",
+             "|---|---:|---:|---:|---|"]
+    for pair, rows in by_pair.items():
+        done = [r for r in rows if not r["skipped"]]
+        ratio = sum(r["ratio"] for r in done) / len(done) if done else None
+        gain = (sum(r["loss"] for r in done) / max(sum(r["loss_identity"] for r in done), 1e-30)) if done else None
+        skipped = sorted({r["skipped"] for r in rows if r["skipped"]})
+        lines.append(f"| `{pair}` | {len(done)}/{len(rows)} | {_f(ratio, '{:.2f}')} | {_f(gain, '{:.3f}')} | "
+                     f"{'; '.join(skipped) or '—'} |")
+    return lines
+
+
 def render_markdown(report: dict) -> str:
     ev = report.get("eval", {})
     models = ev.get("models", {})
@@ -133,6 +151,9 @@ def render_markdown(report: dict) -> str:
         lines.append(f"\nPrefill {s['prefill_tokens']} tokens, then {s['decode_tokens']} greedy decode steps; "
                      f"median of {s['repeats']} runs after a warm-up, on {s['device']}.")
     for stage in report.get("stages", []):
+        if stage["stage"] == "awq":
+            lines += ["", f"## Stage {stage['index']}: awq (for {stage['scheme']})", ""] + _awq_lines(report.get("awq", []))
+            continue
         lines += ["", f"## Stage {stage['index']}: {stage['stage']} ({stage.get('method', '')}, "
                       f"{stage.get('scheme', '')})", "",
                   f"{stage['quantized']} layers quantized; {len(stage['skipped'])} left in float."]

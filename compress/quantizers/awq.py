@@ -20,9 +20,8 @@ import torch
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
-from ..primitives import group_view
+from ..primitives import compute_qparams, dequantize_affine, group_view, quantize_affine
 from ..scheme import QuantScheme
-from .rtn import quantize_rtn
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,10 @@ class AWQStage:
 
 
 def fake_quantize(w: Tensor, scheme: QuantScheme) -> Tensor:
-    return quantize_rtn(w, scheme).dequantize(w.dtype)
+    """RTN round trip without packing: the same primitives as quantize_rtn, equal to
+    quantize_rtn(w, scheme).dequantize() (tested)."""
+    scale, zero = compute_qparams(w, scheme)
+    return dequantize_affine(quantize_affine(w, scale, zero, scheme), scale, zero, scheme, w.dtype)
 
 
 def weight_mean(weights: list[Tensor], scheme: QuantScheme) -> Tensor:
@@ -179,8 +181,44 @@ class PairResult:
     skipped: str = ""  # reason, when the pair was not scaled
 
 
+def pair_label(prev_name: str, balance_names) -> str:
+    return f"{prev_name} -> {', '.join(balance_names)}"
+
+
+def pair_skip_reason(block: nn.Module, prev_name: str, balance_names, quantized: set[str]) -> str | None:
+    """Why a scaling pair cannot be used in this block, or None."""
+    missing = [n for n in balance_names if n not in quantized]
+    if missing:
+        return f"{', '.join(missing)} not quantized by the next stage"
+    prev = block.get_submodule(prev_name)
+    width = {in_weight(block.get_submodule(n)).shape[1] for n in balance_names}
+    if out_channels(prev) is None:
+        return f"{prev_name} has no per-channel weight to fold the scales into"
+    if len(width) != 1 or out_channels(prev) not in width:
+        return (f"{prev_name} has {out_channels(prev)} outputs but {', '.join(balance_names)} read "
+                f"{sorted(width)} (grouped-query attention)")
+    return None
+
+
+def _autocast(t: Tensor):
+    """The scale search compares candidates in bfloat16 (AMX / tensor cores: ~4x the float32 matmul rate
+    here). Candidates and the reference are computed the same way, so the comparison stays fair;
+    the chosen scales are folded into the float32 weights."""
+    return torch.autocast(device_type=t.device.type, dtype=torch.bfloat16)
+
+
 @torch.no_grad()
-def _replay_loss(inspect: nn.Module, calls, balance: list[nn.Module], s: Tensor, scheme: QuantScheme) -> float:
+def _replay(inspect: nn.Module, calls) -> list[Tensor]:
+    outs = []
+    for call in calls:
+        out = inspect(*call.args, **call.kwargs)
+        outs.append((out[0] if isinstance(out, (tuple, list)) else out).float())
+    return outs
+
+
+@torch.no_grad()
+def _replay_loss(inspect: nn.Module, calls, reference: list[Tensor], balance: list[nn.Module], s: Tensor,
+                 scheme: QuantScheme) -> float:
     """MSE of the inspect module's output with balance weights fake-quantized as Q(W * s) / s."""
     originals = [m.weight.data for m in balance]
     try:
@@ -188,12 +226,9 @@ def _replay_loss(inspect: nn.Module, calls, balance: list[nn.Module], s: Tensor,
             w = in_weight(m).float()
             trial = fake_quantize(w * s[None, :], scheme) / s[None, :]
             m.weight.data = (trial.t() if isinstance(m, Conv1D) else trial).to(w0.dtype).contiguous()
-        total = 0.0
-        for call in calls:
-            out = inspect(*call.args, **call.kwargs)
-            out = out[0] if isinstance(out, (tuple, list)) else out
-            total += float((out.float() - call.output.float()).pow(2).mean())
-        return total / len(calls)
+        with _autocast(originals[0]):
+            outs = _replay(inspect, calls)
+        return sum(float((o - r).pow(2).mean()) for o, r in zip(outs, reference)) / len(calls)
     finally:
         for m, w0 in zip(balance, originals):
             m.weight.data = w0
@@ -206,25 +241,22 @@ def awq_block(block: nn.Module, pairs, observer, stage: AWQStage, scheme: QuantS
     divided by (GPTQ and clipping read their recorded inputs through it)."""
     results = []
     for prev_name, balance_names, inspect_name in pairs:
-        label = f"{prev_name} -> {', '.join(balance_names)}"
+        label = pair_label(prev_name, balance_names)
+        reason = pair_skip_reason(block, prev_name, balance_names, quantized)
+        if reason:
+            results.append(PairResult(label, skipped=reason))
+            continue
         prev = block.get_submodule(prev_name)
         balance = [block.get_submodule(n) for n in balance_names]
-        width = {in_weight(m).shape[1] for m in balance}
-        missing = [n for n in balance_names if n not in quantized]
-        if missing:
-            results.append(PairResult(label, skipped=f"{', '.join(missing)} not quantized by the next stage"))
-            continue
-        if len(width) != 1 or out_channels(prev) not in width:
-            results.append(PairResult(label, skipped=f"{prev_name} has {out_channels(prev)} outputs but "
-                                                     f"{', '.join(balance_names)} read {sorted(width)} "
-                                                     "(grouped-query attention)"))
-            continue
         stats = observer.stats[balance_names[0]]
         calls = observer.calls[inspect_name]
         w_mean = weight_mean([in_weight(m) for m in balance], scheme) if stage.duo_scaling else None
         inspect = block.get_submodule(inspect_name)
+        with _autocast(balance[0].weight):
+            reference = _replay(inspect, calls)
         s, ratio, loss, loss0 = search_scales(
-            stats.abs_mean, lambda sc: _replay_loss(inspect, calls, balance, sc, scheme), stage.n_grid, w_mean)
+            stats.abs_mean, lambda sc: _replay_loss(inspect, calls, reference, balance, sc, scheme), stage.n_grid,
+            w_mean)
         apply_smoothing(prev, balance, s, norm_offset)
         for n in balance_names:
             input_scale[n] = input_scale.get(n, torch.ones_like(s)) * s

@@ -1,0 +1,92 @@
+"""RTN vs AWQ vs GPTQ vs AWQ+GPTQ at int4 and int3 (group 64, zero-point) on SmolLM2-135M.
+
+Phase 1 runs each recipe with `compress run` in its own process (so wall time and peak RSS are the
+run's own), calibration 128 × 512 WikiText-2 validation, evaluation switched off. Phase 2 scores the
+saved models and the baseline in one loop over the same WikiText-2 test windows (2048 tokens).
+
+    python bench/awq_gptq_table.py --max-windows 16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RUNS = {  # name: (recipe, extra --set overrides)
+    "rtn int4": ("recipes/gptq_int4.yaml", ["stages.0.method=rtn", "calibration=null"]),
+    "awq int4": ("recipes/awq_int4.yaml", []),
+    "gptq int4": ("recipes/gptq_int4.yaml", []),
+    "awq+gptq int4": ("recipes/awq_gptq_int4.yaml", []),
+    "rtn int3": ("recipes/gptq_int4.yaml", ["stages.0.method=rtn", "calibration=null", "stages.0.scheme.dtype=int3"]),
+    "awq int3": ("recipes/awq_int3.yaml", []),
+    "gptq int3": ("recipes/gptq_int4.yaml", ["stages.0.scheme.dtype=int3"]),
+    "awq+gptq int3": ("recipes/awq_gptq_int4.yaml", ["stages.1.scheme.dtype=int3"]),
+    "awq int3 (search_samples 16)": ("recipes/awq_int3.yaml", ["stages.0.search_samples=16"]),
+}
+
+
+def compress_all(out_root: Path, only: list[str]) -> dict:
+    info = {}
+    for name, (recipe, sets) in RUNS.items():
+        if only and name not in only:
+            continue
+        out = out_root / name.replace(" ", "_").replace("+", "-").replace("(", "").replace(")", "")
+        cmd = [sys.executable, "-m", "compress", "run", recipe, "--output", str(out), "--overwrite", "--no-progress",
+               "--set", "eval.perplexity=false", "--set", "eval.speed=false", "--set", "eval.baseline=false"]
+        for s in sets:
+            cmd += ["--set", s]
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        report = json.loads((out / "report.json").read_text())
+        info[name] = {"dir": str(out), "wall_s": time.perf_counter() - t0,
+                      "compress_s": report["timings"]["compress"], "peak_rss_bytes": report["eval"]["peak_rss_bytes"],
+                      "threads": report["model"]["threads"]}
+        print(f"{name}: compress {info[name]['compress_s']:.0f} s, peak RSS {info[name]['peak_rss_bytes'] / 1e9:.2f} GB",
+              flush=True)
+    return info
+
+
+def score_all(info: dict, max_windows: int) -> dict:
+    from compress.evaluate.ppl import score_windows
+    from compress.evaluate.report import eval_windows
+    from compress.models import load_compressed, load_model
+
+    torch.set_num_threads(1)
+    base = load_model("default")
+    models = {"baseline (float32)": base.model}
+    models.update({name: load_compressed(i["dir"]) for name, i in info.items()})
+    windows = eval_windows(base.tokenizer, "test", 2048, max_windows)
+    scores = score_windows(models, windows, baseline="baseline (float32)")
+    return {n: {"ppl": s.ppl, "kl": s.kl, "top1": s.top1_agreement, "tokens": s.tokens} for n, s in scores.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--max-windows", type=int, default=16)
+    ap.add_argument("--out", default="bench/results/awq_gptq_table.json")
+    ap.add_argument("--runs-dir", default="runs/bench")
+    ap.add_argument("--only", nargs="*", default=[], help="subset of run names")
+    args = ap.parse_args()
+    info = compress_all(Path(args.runs_dir), args.only)
+    scores = score_all(info, args.max_windows)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "windows": args.max_windows, "runs": info,
+              "scores": scores}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    base = scores["baseline (float32)"]["ppl"]
+    print("| method | WikiText-2 ppl | Δ ppl | KL | top-1 | compress wall time | peak RSS |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, s in scores.items():
+        r = info.get(name)
+        extra = f"{r['compress_s']:.0f} s | {r['peak_rss_bytes'] / 1e9:.2f} GB" if r else "— | —"
+        print(f"| {name} | {s['ppl']:.3f} | {100 * (s['ppl'] / base - 1):+.1f}% | {s['kl']:.4f} | {s['top1']:.2%} | {extra} |")
+
+
+if __name__ == "__main__":
+    main()
