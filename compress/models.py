@@ -115,16 +115,12 @@ def load_model(source: str = "default", dtype: str = "auto", device: str = "cpu"
     return LoadedModel(model, tokenizer, where, "default" if source == "default" else kind)
 
 
-def _float_dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
-
-
 def save_compressed(model: nn.Module, tokenizer, out_dir: str | Path, meta: dict, save_dtype: str = "bfloat16") -> Path:
     """Write model.safetensors (QuantLinear buffers + float tensors in `save_dtype`), config.json,
     tokenizer files and compress.json (per-layer schemes, recipe, provenance) into out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    float_dtype = _float_dtype(save_dtype)
+    float_dtype = getattr(torch, save_dtype)
     # QuantLinear scales keep their scheme's dtype; every other float tensor is stored in save_dtype.
     keep = {f"{n}.scale" for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     tensors, seen = {}, {}
