@@ -129,7 +129,10 @@ def cmd_inspect(args) -> int:
     from .arch import get_arch
     from .models import load_model
     from .pipeline import plan_stages
+    from .kv_cache import KVCacheStage, attention_modules
+    from .nn import kernel_for
     from .quantizers.awq import pair_label
+    from .quantizers.smoothquant import SmoothQuantStage
     from .recipe import load_recipe, to_plain
 
     recipe = load_recipe(args.recipe, args.overrides)
@@ -142,7 +145,8 @@ def cmd_inspect(args) -> int:
             [{"name": e.name, "shape": e.shape, "scheme": e.scheme.name if e.scheme else None, "reason": e.reason}
              for e in p.layers] if p is not None else
             [{"prev": a, "balance": b, "inspect": c, "skipped": r} for a, b, c, r in
-             awq_pairs(loaded.model, arch, recipe, plans, i)]
+             awq_pairs(loaded.model, arch, recipe, plans, i)] if not isinstance(recipe.stages[i], KVCacheStage) else
+            attention_modules(arch.block_list(loaded.model)[0])
             for i, p in enumerate(plans)]}, indent=2))
         return 0
     print(f"recipe: {recipe.path} (sha256 {recipe.sha256[:16]}…)")
@@ -154,11 +158,23 @@ def cmd_inspect(args) -> int:
     print("calibration: " + (f"{cal.n_samples} × {cal.seq_len} tokens, kind {cal.kind}, seed {cal.seed}"
                              if cal else "none (no calibration pass)"))
     for i, (stage, plan) in enumerate(zip(recipe.stages, plans)):
-        if plan is None:  # awq: the scaling pairs, checked on block 0 (every block has the same shapes)
-            print(f"\nstage {i}: awq for {stage.scheme.name}, grid {stage.n_grid}, search on {stage.search_samples} "
-                  f"calibration windows, clipping {'on' if stage.clip else 'off'}; scaling pairs per block:")
+        if isinstance(stage, KVCacheStage):
+            names = attention_modules(arch.block_list(loaded.model)[0])
+            print(f"\nstage {i}: kv_cache {stage.dtype}: k_scale / v_scale per attention layer, calibrated on "
+                  f"`{', '.join(names)}` of each of the {len(arch.block_list(loaded.model))} blocks")
+            continue
+        if plan is None:  # awq / smoothquant: the scaling pairs, checked on block 0 (every block has the same shapes)
+            if isinstance(stage, SmoothQuantStage):
+                how = f"alpha searched over {list(stage.alpha_grid)}" if stage.alpha_grid else f"alpha {stage.alpha}"
+                print(f"\nstage {i}: smoothquant, {how}; scaling pairs per block:")
+            else:
+                print(f"\nstage {i}: awq for {stage.scheme.name}, grid {stage.n_grid}, search on "
+                      f"{stage.search_samples} calibration windows, clipping {'on' if stage.clip else 'off'}; "
+                      "scaling pairs per block:")
+            searched = not isinstance(stage, SmoothQuantStage) or bool(stage.alpha_grid)
             for prev, balance, inspect_name, reason in awq_pairs(loaded.model, arch, recipe, plans, i):
-                what = f"skipped: {reason}" if reason else f"scaled (search compares `{inspect_name}` outputs)"
+                what = f"skipped: {reason}" if reason else \
+                    f"scaled (search compares `{inspect_name}` outputs)" if searched else "scaled"
                 print(f"  {pair_label(prev, balance):<70} {what}")
             for pair, reason in arch.awq_skip:
                 print(f"  {pair:<70} skipped: {reason}")
@@ -168,6 +184,8 @@ def cmd_inspect(args) -> int:
         width = max(len(e.name) for e in plan.layers)
         for e in plan.layers:
             what = e.scheme.name if e.scheme else f"float  ({e.reason})"
+            if e.scheme and e.scheme.act is not None:
+                what += f"  [{kernel_for(e.scheme)}]"
             print(f"  {e.name:<{width}}  {e.shape[0]:>6}×{e.shape[1]:<6} {what}")
     return 0
 

@@ -18,7 +18,8 @@ from torch import nn
 
 from .arch import set_module
 from .nn import QuantLinear
-from .scheme import QuantScheme
+from .kv_cache import kv_layers, set_kv_scales, use_kv_attention
+from .scheme import FP8_MAX, QuantScheme
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 COMPRESS_META = "compress.json"  # per-layer schemes + provenance, beside config.json
@@ -121,12 +122,14 @@ def save_compressed(model: nn.Module, tokenizer, out_dir: str | Path, meta: dict
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     float_dtype = getattr(torch, save_dtype)
-    # QuantLinear scales keep their scheme's dtype; every other float tensor is stored in save_dtype.
-    keep = {f"{n}.scale" for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    # QuantLinear buffers (fp8 values, scales) and KV scales keep their dtype; other float tensors go to save_dtype.
+    keep = {f"{n}.{b}" for n, m in model.named_modules() if isinstance(m, QuantLinear) for b, _ in m.named_buffers()}
+    kv = kv_layers(model)
+    keep |= {f"{n}.{b}" for n in kv for b in ("k_scale", "v_scale")}
     tensors, seen = {}, {}
     for name, t in model.state_dict().items():
         key = (t.data_ptr(), t.shape, t.dtype)
-        if key in seen:  # tied weights (lm_head = embed_tokens) are stored once and re-tied at load
+        if key in seen and t.numel():  # tied weights (lm_head = embed_tokens) are stored once and re-tied at load
             continue
         seen[key] = name
         t = t.detach().cpu()
@@ -140,8 +143,8 @@ def save_compressed(model: nn.Module, tokenizer, out_dir: str | Path, meta: dict
         model.generation_config.save_pretrained(out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
-    (out_dir / COMPRESS_META).write_text(json.dumps({**meta, "format": "compress-native-v1",
-                                                     "save_dtype": save_dtype, "layers": layers}, indent=2))
+    (out_dir / COMPRESS_META).write_text(json.dumps({**meta, "format": "compress-native-v1", "save_dtype": save_dtype,
+                                                     "layers": layers, "kv_cache": kv}, indent=2))
     return out_dir
 
 
@@ -159,11 +162,21 @@ def load_compressed(folder: str | Path, dtype: torch.dtype = torch.float32) -> n
         old = model.get_submodule(name)
         out_features, in_features = (old.weight.shape[1], old.weight.shape[0]) if type(old).__name__ == "Conv1D" \
             else (old.out_features, old.in_features)
-        set_module(model, name, QuantLinear(in_features, out_features, QuantScheme(**fields),
+        set_module(model, name, QuantLinear(in_features, out_features, QuantScheme.from_dict(fields),
                                             bias=old.bias is not None, dtype=dtype, device="meta"))
+    for name, fields in meta.get("kv_cache", {}).items():
+        set_kv_scales(model.get_submodule(name), fields["k_scale"] * FP8_MAX[fields["dtype"]],
+                      fields["v_scale"] * FP8_MAX[fields["dtype"]], fields["dtype"])
+    if meta.get("kv_cache"):
+        use_kv_attention(model)
     state = load_file(str(folder / WEIGHTS))
-    keep = {f"{n}.scale" for n in meta["layers"]}
+    keep = {k for k in state if any(k.startswith(n + ".") and k[len(n) + 1:] != "bias" for n in meta["layers"])}
+    keep |= {f"{n}.{b}" for n in meta.get("kv_cache", {}) for b in ("k_scale", "v_scale")}
     state = {k: (v.to(dtype) if v.is_floating_point() and k not in keep else v) for k, v in state.items()}
+    for name in meta["layers"]:  # LLM.int8 static outlier features: their count is only known from the file
+        key = f"{name}.outlier_cols"
+        if key in state:
+            model.get_submodule(name).outlier_cols = torch.empty(state[key].shape, dtype=torch.int64, device="meta")
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     still_meta = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]

@@ -1,6 +1,8 @@
 """QuantLinear: a linear layer that keeps packed quantized weights in memory.
 
-It computes by dequantize-then-matmul (the reference path); faster kernels plug in later.
+Weight-only schemes compute by dequantize-then-matmul. Schemes with quantized activations (W8A8,
+fp8, LLM.int8) quantize the input on the fly or with a calibrated `input_scale`; symmetric int8 runs
+through torch's int8 matmul, everything else through the fake-quantized reference (kernels/reference.py).
 transformers' GPT-2 `Conv1D` stores its weight as [in, out]; `linear_weight` returns the
 [out, in] view so every linear-like module is handled one way.
 """
@@ -12,7 +14,8 @@ from transformers.pytorch_utils import Conv1D
 
 import contextlib
 
-from .primitives import scale_shape
+from .kernels import reference as ref
+from .primitives import FP8_DTYPES, scale_shape
 from .qtensor import QuantizedTensor
 from .scheme import QuantScheme
 
@@ -38,6 +41,23 @@ def linear_shape(module: nn.Module) -> tuple[int, int]:
     return w.shape[0], w.shape[1]
 
 
+def int8_path(scheme: QuantScheme) -> bool:
+    """Symmetric int8 weights (per channel or tensor) meeting symmetric int8 activations: torch's int8 matmul."""
+    act = scheme.act
+    return (act is not None and act.dtype == "int8" and act.symmetric and scheme.dtype == "int8"
+            and scheme.symmetric and scheme.granularity in ("channel", "tensor"))
+
+
+def kernel_for(scheme: QuantScheme) -> str:
+    """The matmul path a QuantLinear of this scheme takes on CPU (named in the report and `compress inspect`)."""
+    act = scheme.act
+    if act is None:
+        return "dequantize+matmul"
+    if act.outlier_threshold is not None:
+        return "llm.int8: int8 _int_mm + float outlier features"
+    return "int8 _int_mm" if int8_path(scheme) else "fake-quantized reference"
+
+
 class QuantLinear(nn.Module):
     """y = x @ dequantize(W)^T + b, with W held as a QuantizedTensor's buffers."""
 
@@ -45,15 +65,23 @@ class QuantLinear(nn.Module):
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
         super().__init__()
         self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        codes = torch.zeros(out_features, in_features, dtype=torch.int32)
+        if scheme.is_float:
+            codes = codes.to(FP8_DTYPES[scheme.dtype])
         empty = QuantizedTensor.from_codes(
-            torch.zeros(out_features, in_features, dtype=torch.int32),
-            torch.ones(scale_shape(scheme, out_features, in_features)),
+            codes, torch.ones(scale_shape(scheme, out_features, in_features)),
             None if scheme.symmetric else torch.zeros(scale_shape(scheme, out_features, in_features)),
             scheme)
         self.register_buffer("qdata", empty.qdata.to(device))
         self.register_buffer("scale", empty.scale.to(device))
         self.register_buffer("zero_point", None if empty.zero_point is None else empty.zero_point.to(device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        act = scheme.act
+        # static activation scale (calibrated), and LLM.int8's calibrated outlier input features
+        self.register_buffer("input_scale", torch.ones((), device=device) if act and not act.dynamic else None)
+        static_cols = act is not None and act.outlier_threshold is not None and act.outliers == "static"
+        self.register_buffer("outlier_cols", torch.zeros(0, dtype=torch.int64, device=device) if static_cols else None)
+        self.outlier_log: list[int] = []  # LLM.int8: outlier features used per forward (dynamic mode)
         self._weight_cache: Tensor | None = None  # set only inside cached_dequantize()
 
     @classmethod
@@ -73,11 +101,30 @@ class QuantLinear(nn.Module):
         return QuantizedTensor(self.qdata, self.scale, self.zero_point, self.scheme,
                                (self.out_features, self.in_features))
 
+    @property
+    def kernel(self) -> str:
+        """The matmul path this layer's forward takes on CPU."""
+        return kernel_for(self.scheme)
+
     def forward(self, x: Tensor) -> Tensor:
+        act, bias = self.scheme.act, self.bias
         w = self._weight_cache
+        if act is not None and act.outlier_threshold is not None:
+            cols = self.outlier_cols
+            if x.is_cuda and cols is None:
+                return ref.linear_bitsandbytes(x, self.qdata, self.scale, act.outlier_threshold, bias)
+            y, n = ref.linear_llm_int8(x, self.qdata, self.scale, act.outlier_threshold, cols, bias)
+            if cols is None:
+                self.outlier_log.append(n)
+            return y
+        if act is not None and w is None and int8_path(self.scheme):
+            return ref.linear_w8a8_int8(x, self.qdata, self.scale, act, self.input_scale, bias)
         if w is None or w.dtype != x.dtype:
             w = self.qtensor().dequantize(x.dtype)  # [N, K]
-        return nn.functional.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+        bias = None if bias is None else bias.to(x.dtype)
+        if act is not None:
+            return ref.linear_fake_quant(x, w, act, self.input_scale, bias)
+        return nn.functional.linear(x, w, bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}"

@@ -1,6 +1,6 @@
 """Statistics collected by hooks during a block's float forward, kept apart from the solvers.
 
-One `BlockObserver` per decoder block watches the linear layers (input |x| mean per channel,
+One `BlockObserver` per decoder block watches the linear layers (input |x| mean and max per channel,
 Hessian X^T X, a few kept inputs) and the AWQ "inspect" modules (their call arguments for the
 first samples, to replay them). Linears that read the very same tensor (q/k/v, gate/up) share one
 set of statistics, so the Hessian of a shared input is accumulated once.
@@ -18,6 +18,7 @@ class InputStats:
     """Per-input-channel statistics of one linear layer's input."""
 
     abs_sum: Tensor | None = None  # [K] sum of |x| over tokens
+    abs_max: Tensor | None = None  # [K] max of |x| over tokens
     hessian: Tensor | None = None  # [K, K] sum of x x^T over tokens (float32)
     tokens: int = 0
     kept: list[Tensor] = field(default_factory=list)  # inputs of the first samples, [T, K] each
@@ -41,9 +42,12 @@ class BlockObserver:
     """Attach hooks to a block; after the float forward, read `stats[name]` and `calls[name]`."""
 
     def __init__(self, block: nn.Module, linears: list[str], inspect: list[str], *, abs_mean: bool,
-                 hessian: bool, keep_samples: int):
+                 hessian: bool, keep_samples: int, abs_max: bool = False, kv: tuple[str, ...] = ()):
         self.block, self.linears, self.inspect = block, linears, inspect
         self.want_abs, self.want_hessian, self.keep = abs_mean, hessian, keep_samples
+        self.want_max = abs_max
+        # attention modules whose key/value maxima the kv_cache attention wrapper records: name -> [k, v]
+        self.kv_absmax: dict[str, list[float]] = {n: [0.0, 0.0] for n in kv}
         self.stats: dict[str, InputStats] = {}
         self.calls: dict[str, list[Call]] = {n: [] for n in inspect}
         self._sample = -1
@@ -52,6 +56,8 @@ class BlockObserver:
 
     def __enter__(self) -> "BlockObserver":
         self._handles.append(self.block.register_forward_pre_hook(self._new_sample))
+        for name, record in self.kv_absmax.items():
+            self.block.get_submodule(name).kv_record = record
         for name in self.linears:
             mod = self.block.get_submodule(name)
             self._handles.append(mod.register_forward_hook(self._linear_hook(name)))
@@ -61,6 +67,8 @@ class BlockObserver:
         return self
 
     def __exit__(self, *exc) -> None:
+        for name in self.kv_absmax:
+            self.block.get_submodule(name).kv_record = None
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -84,6 +92,9 @@ class BlockObserver:
             if self.want_abs:
                 s = x2.abs().sum(dim=0)
                 st.abs_sum = s if st.abs_sum is None else st.abs_sum + s
+            if self.want_max:
+                m = x2.abs().amax(dim=0)
+                st.abs_max = m if st.abs_max is None else torch.maximum(st.abs_max, m)
             if self.want_hessian:
                 h = x2.T @ x2  # [K, K]
                 st.hessian = h if st.hessian is None else st.hessian.add_(h)

@@ -24,8 +24,11 @@ from .models import load_model, resolve_device, save_compressed
 from .nn import is_linear
 from .nn import QuantLinear
 from .observers import BlockObserver
+from .outliers import plant_outliers
 from .quantize import QuantizeStage, apply_quantize, plan_quantize
+from .kv_cache import KVCacheStage, attention_modules, kv_layers, set_kv_scales, use_kv_attention
 from .quantizers.awq import AWQStage, awq_block
+from .quantizers.smoothquant import SmoothQuantStage, smoothquant_block
 from .recipe import Recipe, to_plain
 
 
@@ -76,39 +79,68 @@ class BlockStages:
         self.model = model
         self.model_stages = list(zip(recipe.stages, plans))
         self.arch = arch
-        self.awq = [s for s in recipe.stages if isinstance(s, AWQStage)]
-        self.gptq = any(isinstance(s, QuantizeStage) and s.method == "gptq" for s in recipe.stages)
-        self.awq_report: list[dict] = []
+        stages = recipe.stages
+        self.searchers = [s for s in stages if isinstance(s, AWQStage) or
+                          (isinstance(s, SmoothQuantStage) and s.alpha_grid)]  # replay inspect modules
+        self.abs_mean = any(isinstance(s, AWQStage) for s in stages)
+        self.abs_max = any(isinstance(s, SmoothQuantStage) or (isinstance(s, QuantizeStage) and s.scheme.act)
+                           for s in stages)
+        self.gptq = any(isinstance(s, QuantizeStage) and s.method == "gptq" for s in stages)
+        self.kv = any(isinstance(s, KVCacheStage) for s in stages)
+        self.pair_report: dict[int, list] = {i: [] for i, s in enumerate(stages)
+                                             if isinstance(s, (AWQStage, SmoothQuantStage))}
+        self.layer_info: dict[int, dict] = {i: {} for i, s in enumerate(stages) if isinstance(s, QuantizeStage)}
+        self.kv_report: dict[str, dict] = {}
 
     def observe(self, _i: int, _prefix: str, block) -> BlockObserver | None:
-        if not self.awq and not self.gptq:
+        if not (self.searchers or self.abs_mean or self.abs_max or self.gptq or self.kv):
             return None
         linears = [n for n, m in block.named_modules() if n and is_linear(m) and not isinstance(m, QuantLinear)]
-        inspect = sorted({insp for _, _, insp in self.arch.awq}) if self.awq else []
-        keep = max((s.search_samples for s in self.awq), default=0)
-        return BlockObserver(block, linears, inspect, abs_mean=bool(self.awq), hessian=self.gptq, keep_samples=keep)
+        inspect = sorted({insp for _, _, insp in self.arch.awq}) if self.searchers else []
+        keep = max((s.search_samples for s in self.searchers), default=0)
+        return BlockObserver(block, linears, inspect, abs_mean=self.abs_mean, hessian=self.gptq, keep_samples=keep,
+                             abs_max=self.abs_max, kv=tuple(attention_modules(block)) if self.kv else ())
+
+    def _next_quantized(self, k: int, prefix: str):
+        stage, plan = next((s, p) for s, p in self.model_stages[k + 1:] if p is not None)
+        return stage, {e.name[len(prefix) + 1:] for e in plan.quantized if e.name.startswith(prefix + ".")}
 
     def on_block(self, i: int, prefix: str, block, _inputs, observer) -> None:
-        input_scale: dict = {}
+        input_divisor: dict = {}
         for k, (stage, plan) in enumerate(self.model_stages):
             if isinstance(stage, AWQStage):
-                nxt = next(p for s, p in self.model_stages[k + 1:] if p is not None)
-                quantized = {e.name[len(prefix) + 1:] for e in nxt.quantized if e.name.startswith(prefix + ".")}
+                _, quantized = self._next_quantized(k, prefix)
                 results = awq_block(block, self.arch.awq, observer, stage, stage.scheme, quantized,
-                                    self.arch.no_clip, self.arch.norm_offset, input_scale)
-                self.awq_report.append({"block": i, "pairs": [asdict(r) for r in results]})
+                                    self.arch.no_clip, self.arch.norm_offset, input_divisor)
+                self.pair_report[k].append({"block": i, "pairs": [asdict(r) for r in results]})
+            elif isinstance(stage, SmoothQuantStage):
+                nxt, quantized = self._next_quantized(k, prefix)
+                results = smoothquant_block(block, self.arch.awq, observer, stage, nxt.scheme, quantized,
+                                            self.arch.norm_offset, input_divisor)
+                self.pair_report[k].append({"block": i, "pairs": [asdict(r) for r in results]})
+            elif isinstance(stage, KVCacheStage):
+                for name, (k_max, v_max) in observer.kv_absmax.items():
+                    set_kv_scales(block.get_submodule(name), k_max, v_max, stage.dtype)
             else:
-                apply_quantize(self.model, plan, stage, prefix, observer, input_scale)
+                apply_quantize(self.model, plan, stage, prefix, observer, input_divisor, self.layer_info[k])
 
 
-def stage_summary(i: int, stage, plan) -> dict:
+def stage_summary(i: int, stage, plan, blocks: BlockStages | None, model) -> dict:
     if isinstance(stage, AWQStage):
         return {"index": i, "stage": "awq", "scheme": stage.scheme.name, "n_grid": stage.n_grid,
-                "search_samples": stage.search_samples, "clip": stage.clip, "quantized": 0, "skipped": []}
+                "search_samples": stage.search_samples, "clip": stage.clip, "quantized": 0, "skipped": [],
+                "blocks": blocks.pair_report[i] if blocks else []}
+    if isinstance(stage, SmoothQuantStage):
+        return {"index": i, "stage": "smoothquant", "alpha": stage.alpha, "alpha_grid": list(stage.alpha_grid),
+                "quantized": 0, "skipped": [], "blocks": blocks.pair_report[i] if blocks else []}
+    if isinstance(stage, KVCacheStage):
+        return {"index": i, "stage": "kv_cache", "dtype": stage.dtype, "quantized": 0, "skipped": [],
+                "layers": kv_layers(model)}
     return {"index": i, "stage": "quantize", "method": stage.method, "scheme": stage.scheme.name,
             "scheme_fields": asdict(stage.scheme), "quantized": len(plan.quantized),
             "skipped": [{"name": e.name, "reason": e.reason} for e in plan.skipped],
-            "layers": {e.name: e.scheme.name for e in plan.quantized}}
+            "layers": {e.name: e.scheme.name for e in plan.quantized},
+            "layer_info": blocks.layer_info.get(i, {}) if blocks else {}}
 
 
 def kept_in_float(model, arch) -> list[str]:
@@ -133,6 +165,7 @@ def run(recipe: Recipe, progress: bool = True, log=print) -> dict:
                         recipe.model.trust_remote_code)
     model, tokenizer = loaded.model, loaded.tokenizer
     arch = get_arch(model)
+    planted = plant_outliers(model, arch, recipe.model.plant_outliers) if recipe.model.plant_outliers else None
     timings["load"] = time.perf_counter() - t
     plans = plan_stages(model, arch, recipe)  # strict-mode errors surface here, before any heavy work
     n_params = sum(p.numel() for p in model.parameters())
@@ -144,7 +177,7 @@ def run(recipe: Recipe, progress: bool = True, log=print) -> dict:
                    "text": recipe.text, "resolved": to_plain(recipe, skip=("path", "text", "sha256", "overrides"))},
         "model": {"source": loaded.source, "kind": loaded.kind, "family": arch.family, "parameters": n_params,
                   "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "device": device,
-                  "threads": torch.get_num_threads()},
+                  "threads": torch.get_num_threads(), "planted_outliers": planted},
     }
 
     t = time.perf_counter()
@@ -156,15 +189,17 @@ def run(recipe: Recipe, progress: bool = True, log=print) -> dict:
         log(f"calibrating block by block on {device} ({samples.shape[0]} × {samples.shape[1]} tokens, "
             f"{torch.get_num_threads()} threads) ...")
         block_stages = BlockStages(model, recipe, arch, plans)
+        if block_stages.kv:
+            use_kv_attention(model)
         report["block_errors"] = run_blockwise(model, arch, samples, block_stages.on_block, device=device,
                                                progress=progress, observe=block_stages.observe)
-        report["awq"] = block_stages.awq_report
     for stage, plan in zip(recipe.stages, plans):  # everything outside the blocks (or all, without calibration)
         if plan is not None:
             apply_quantize(model, plan, stage)
     timings["compress"] = time.perf_counter() - t
     set_threads(recipe.model.threads)
-    report["stages"] = [stage_summary(i, s, p) for i, (s, p) in enumerate(zip(recipe.stages, plans))]
+    blocks = block_stages if recipe.calibration is not None else None
+    report["stages"] = [stage_summary(i, s, p, blocks, model) for i, (s, p) in enumerate(zip(recipe.stages, plans))]
     report["kept_in_float"] = kept_in_float(model, arch)
 
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -184,6 +219,8 @@ def run(recipe: Recipe, progress: bool = True, log=print) -> dict:
             log("reloading the original model as the baseline ...")
             baseline = load_model(recipe.model.source, recipe.model.dtype, device, recipe.model.revision,
                                   recipe.model.trust_remote_code).model
+            if recipe.model.plant_outliers:
+                plant_outliers(baseline, arch, recipe.model.plant_outliers)
         log("evaluating ...")
         models = {"baseline": baseline, "compressed": model} if baseline is not None else {"compressed": model}
         report["eval"] = evaluate_models(models, tokenizer, recipe.eval, device,

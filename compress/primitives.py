@@ -1,26 +1,44 @@
-"""Quantization primitives: scale/zero-point computation and the affine map.
+"""Quantization primitives: scale/zero-point computation, the affine map, fp8 casts, and activation
+quantization.
 
 Pure functions: float32 math on the input's device, no module mutation, no device moves.
-Weights are [out_features, in_features]; groups run along in_features.
+Weights are [out_features, in_features]; groups run along in_features; blocks are square tiles.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from .scheme import QuantScheme
+from .scheme import FP8_MAX, ActScheme, QuantScheme
+
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def group_view(w: Tensor, scheme: QuantScheme) -> Tensor:
-    """View a [out, in] weight as [rows, n_groups, group] following the scheme's granularity."""
+    """w [out, in] as [rows, n_groups, group] following the scheme's granularity (a copy for blocks)."""
     out_features, in_features = w.shape
-    if scheme.granularity == "group":
-        if in_features % scheme.group_size:
-            raise ValueError(f"in_features={in_features} is not divisible by group_size={scheme.group_size}")
-        return w.reshape(out_features, in_features // scheme.group_size, scheme.group_size)  # [N, K // G, G]
+    if scheme.granularity in ("group", "block"):
+        g = scheme.group_size
+        if in_features % g:
+            raise ValueError(f"in_features={in_features} is not divisible by group_size={g}")
+        if scheme.granularity == "group":
+            return w.reshape(out_features, in_features // g, g)  # [N, K // G, G]
+        if out_features % g:
+            raise ValueError(f"out_features={out_features} is not divisible by the block size {g}")
+        tiles = w.reshape(out_features // g, g, in_features // g, g).transpose(1, 2)  # [N // B, K // B, B, B]
+        return tiles.reshape(out_features // g, in_features // g, g * g)
     if scheme.granularity == "channel":
         return w.reshape(out_features, 1, in_features)  # [N, 1, K]
     return w.reshape(1, 1, out_features * in_features)  # [1, 1, N*K]
+
+
+def ungroup(wg: Tensor, shape: tuple[int, int], scheme: QuantScheme) -> Tensor:
+    """Inverse of group_view: back to [out, in]."""
+    if scheme.granularity == "block":
+        g = scheme.group_size
+        n, k = shape
+        return wg.reshape(n // g, k // g, g, g).transpose(1, 2).reshape(n, k)
+    return wg.reshape(shape)
 
 
 def scale_shape(scheme: QuantScheme, out_features: int, in_features: int) -> tuple[int, ...]:
@@ -29,7 +47,17 @@ def scale_shape(scheme: QuantScheme, out_features: int, in_features: int) -> tup
         return ()
     if scheme.granularity == "channel":
         return (out_features, 1)
+    if scheme.granularity == "block":
+        return (out_features // scheme.group_size, in_features // scheme.group_size)
     return (out_features, in_features // scheme.group_size)
+
+
+def cast_fp8(x: Tensor, dtype: str) -> Tensor:
+    """Saturating cast to float8: values beyond the largest finite value become +-max (torch's own cast
+    gives inf for e5m2 and NaN for e4m3fn in some versions); in range, torch's round-to-nearest-even.
+    NaN stays NaN."""
+    m = FP8_MAX[dtype]
+    return x.float().clamp(-m, m).to(FP8_DTYPES[dtype])
 
 
 def compute_qparams(w: Tensor, scheme: QuantScheme) -> tuple[Tensor, Tensor | None]:
@@ -38,12 +66,14 @@ def compute_qparams(w: Tensor, scheme: QuantScheme) -> tuple[Tensor, Tensor | No
     The scale is rounded to scheme.scale_dtype *before* it is used, so the stored scale and the
     codes agree exactly. An all-zero group gets scale 1 (its codes are zero whatever the scale).
     Returns float32 scale and, for asymmetric schemes, a float32 integer-valued zero point,
-    both of shape [] / [out, 1] / [out, in // group_size].
+    both of shape scale_shape(scheme, *w.shape).
     """
     wg = group_view(w.float(), scheme)
-    if scheme.symmetric:
+    zero_point = None
+    if scheme.is_float:
+        scale = wg.abs().amax(dim=-1) / scheme.fp8_max
+    elif scheme.symmetric:
         scale = wg.abs().amax(dim=-1) / scheme.qmax
-        zero_point = None
     else:
         lo = wg.amin(dim=-1).clamp(max=0.0)  # the grid always holds 0
         hi = wg.amax(dim=-1).clamp(min=0.0)
@@ -60,22 +90,72 @@ def quantize_affine(w: Tensor, scale: Tensor, zero_point: Tensor | None, scheme:
     """Integer codes q = clamp(round(w / scale) + zero_point, qmin, qmax), shape of w.
 
     Codes are int8 for symmetric schemes (range [-2**(b-1), 2**(b-1)-1]) and uint8 for
-    asymmetric ones (range [0, 2**b - 1]).
+    asymmetric ones (range [0, 2**b - 1]). For fp8 schemes: the float8 tensor cast_fp8(w / scale).
     """
     wg = group_view(w.float(), scheme)
     s = scale.float().reshape(wg.shape[:-1] + (1,))
+    if scheme.is_float:
+        return ungroup(cast_fp8(wg / s, scheme.dtype), tuple(w.shape), scheme)
     q = torch.round(wg / s)
     if zero_point is not None:
         q = q + zero_point.float().reshape(s.shape)
     q = torch.clamp(q, scheme.qmin, scheme.qmax)
-    return q.reshape(w.shape).to(torch.int8 if scheme.symmetric else torch.uint8)
+    return ungroup(q, tuple(w.shape), scheme).to(torch.int8 if scheme.symmetric else torch.uint8)
 
 
 def dequantize_affine(q: Tensor, scale: Tensor, zero_point: Tensor | None, scheme: QuantScheme,
                       dtype: torch.dtype = torch.float32) -> Tensor:
     """w_hat = (q - zero_point) * scale, shape of q, in `dtype`."""
-    qg = group_view(q, scheme).float()
+    qg = group_view(q.float(), scheme)
     s = scale.float().reshape(qg.shape[:-1] + (1,))
     if zero_point is not None:
         qg = qg - zero_point.float().reshape(s.shape)
-    return (qg * s).reshape(q.shape).to(dtype)
+    return ungroup(qg * s, tuple(q.shape), scheme).to(dtype)
+
+
+# ---------------------------------------------------------------- activations
+
+def activation_qparams(x: Tensor, act: ActScheme) -> tuple[Tensor, Tensor | None]:
+    """Dynamic scale (and zero point) of x [..., K]: per token -> [..., 1], per tensor -> []."""
+    xf = x.float()
+    if act.granularity == "token":
+        if act.symmetric:
+            absmax = xf.abs().amax(dim=-1, keepdim=True)
+        else:
+            lo, hi = xf.amin(dim=-1, keepdim=True).clamp(max=0), xf.amax(dim=-1, keepdim=True).clamp(min=0)
+    elif act.symmetric:
+        absmax = xf.abs().amax()
+    else:
+        lo, hi = xf.amin().clamp(max=0), xf.amax().clamp(min=0)
+    if act.symmetric:
+        scale = absmax / act.qmax
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        return scale, None
+    scale = (hi - lo) / 255.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return scale, torch.clamp(torch.round(-lo / scale), 0, 255)
+
+
+def quantize_activation(x: Tensor, act: ActScheme, scale: Tensor, zero_point: Tensor | None = None) -> Tensor:
+    """Codes of x with the given scale: int8 in [-127, 127] (symmetric, as bitsandbytes and vLLM), uint8
+    in [0, 255] with a zero point, or float8 (saturating)."""
+    xs = x.float() / scale
+    if act.dtype in FP8_MAX:
+        return cast_fp8(xs, act.dtype)
+    if zero_point is None:
+        return torch.clamp(torch.round(xs), -127, 127).to(torch.int8)
+    return torch.clamp(torch.round(xs) + zero_point, 0, 255).to(torch.uint8)
+
+
+def fake_quantize_activation(x: Tensor, act: ActScheme, static_scale: Tensor | None = None) -> Tensor:
+    """Quantize-dequantize x (same dtype and shape): the reference for every W?A8 matmul."""
+    if act.dynamic:
+        scale, zero_point = activation_qparams(x, act)
+    else:
+        if static_scale is None:
+            raise ValueError("static activation quantization needs a calibrated input_scale")
+        scale, zero_point = static_scale.float(), None
+    q = quantize_activation(x, act, scale, zero_point).float()
+    if zero_point is not None:
+        q = q - zero_point
+    return (q * scale).to(x.dtype)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .primitives import dequantize_affine
+from .primitives import FP8_DTYPES, dequantize_affine
 from .scheme import QuantScheme
 
 
@@ -55,18 +55,31 @@ def unpack_codes(packed: Tensor, bits: int, k: int) -> Tensor:
     return u.reshape(*p.shape[:-2], -1)[..., :k]
 
 
+def _plain_int8(scheme: QuantScheme) -> bool:
+    return scheme.dtype == "int8" and scheme.symmetric
+
+
 @dataclass
 class QuantizedTensor:
     """A quantized [out, in] weight in one plain layout (kernel layouts come from a prepack step)."""
 
-    qdata: Tensor  # uint8 [out, packed_in]: packed unsigned codes
-    scale: Tensor  # [] | [out, 1] | [out, in // group_size], in scheme.scale_dtype
+    # uint8 [out, packed_in]: packed unsigned codes. Two formats keep their values as they are, because that
+    # is what the matmuls read: symmetric int8 (int8 [out, in] codes) and fp8 (float8 [out, in] values).
+    qdata: Tensor
+    scale: Tensor  # [] | [out, 1] | [out, in // group_size] | [out // B, in // B], in scheme.scale_dtype
     zero_point: Tensor | None  # uint8, same shape as scale; None for symmetric schemes
     scheme: QuantScheme
     shape: tuple[int, int]
 
     @classmethod
     def from_codes(cls, q: Tensor, scale: Tensor, zero_point: Tensor | None, scheme: QuantScheme) -> "QuantizedTensor":
+        if scheme.is_float:  # real float8 tensors, nothing to pack
+            if q.dtype != FP8_DTYPES[scheme.dtype]:
+                raise ValueError(f"{scheme.dtype} values must be {FP8_DTYPES[scheme.dtype]}, got {q.dtype}")
+            return cls(q.contiguous(), scale.to(getattr(torch, scheme.scale_dtype)), None, scheme, tuple(q.shape))
+        if _plain_int8(scheme):
+            return cls(q.to(torch.int8).contiguous(), scale.to(getattr(torch, scheme.scale_dtype)), None, scheme,
+                       tuple(q.shape))
         u = q.to(torch.int32) - scheme.qmin
         return cls(
             qdata=pack_codes(u, scheme.bits),
@@ -77,10 +90,16 @@ class QuantizedTensor:
         )
 
     def codes(self) -> Tensor:
-        """Signed (symmetric) or unsigned (asymmetric) integer codes, int32 [out, in]."""
+        """Signed (symmetric) or unsigned (asymmetric) integer codes, int32 [out, in]; fp8: the float8 values."""
+        if self.scheme.is_float:
+            return self.qdata
+        if _plain_int8(self.scheme):
+            return self.qdata.to(torch.int32)
         return unpack_codes(self.qdata, self.scheme.bits, self.shape[1]).to(torch.int32) + self.scheme.qmin
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        if self.scheme.is_float or _plain_int8(self.scheme):
+            return dequantize_affine(self.qdata, self.scale, None, self.scheme, dtype)
         u = unpack_codes(self.qdata, self.scheme.bits, self.shape[1])
         # Fold the symmetric offset into the zero point: w = (u - z) * s with z = -qmin for symmetric grids.
         zero = self.zero_point if self.zero_point is not None else \

@@ -38,10 +38,18 @@ class QuantizeStage:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.method == "gptq"
+        return self.method == "gptq" or needs_input_stats(self.scheme)
 
     def __post_init__(self):
         get_quantizer(self.method)  # unknown method -> ValueError listing the known ones
+        if self.method == "gptq" and self.scheme.is_float:
+            raise ValueError(f"method gptq solves for an integer grid; {self.scheme.dtype} weights use method: rtn")
+
+
+def needs_input_stats(scheme: QuantScheme) -> bool:
+    """Static activation scales and static LLM.int8 outlier features come from calibration inputs."""
+    act = scheme.act
+    return act is not None and (not act.dynamic or (act.outlier_threshold is not None and act.outliers == "static"))
 
 
 @dataclass
@@ -97,6 +105,12 @@ def plan_quantize(model: nn.Module, arch: ArchSpec, stage: QuantizeStage) -> Qua
             entry.reason = f"ignored (ignore: {pat})"
         elif name == arch.lm_head and tied:
             entry.reason = "lm_head shares its weight with the input embedding (tie_word_embeddings); kept in float"
+        elif sch.granularity == "block" and (in_features % sch.group_size or entry.shape[0] % sch.group_size):
+            msg = (f"{name}: shape {entry.shape} is not a whole number of {sch.group_size}×{sch.group_size} blocks")
+            if stage.strict:
+                raise ValueError(msg + f". Use a block size that divides both, add {name!r} to `ignore:`, or set "
+                                       "`strict: false` to leave such layers in float (reported).")
+            entry.reason = f"shape {entry.shape} % block {sch.group_size} != 0 (strict: false)"
         elif sch.granularity == "group" and in_features % sch.group_size:
             fits = [g for g in COMMON_GROUP_SIZES if in_features % g == 0]
             msg = (f"{name}: in_features={in_features} is not divisible by group_size={sch.group_size}; "
@@ -110,13 +124,24 @@ def plan_quantize(model: nn.Module, arch: ArchSpec, stage: QuantizeStage) -> Qua
     return plan
 
 
+def _input_stats(observer, rel: str, name: str, why: str):
+    if observer is None or rel not in observer.stats:
+        raise ValueError(f"{name}: {why} needs the layer's calibration inputs, and this layer was not seen by the "
+                         "block-by-block pass (it is outside the decoder blocks). Add it to `ignore:` or quantize it "
+                         "in a separate stage with a weight-only or dynamic scheme.")
+    return observer.stats[rel]
+
+
 @torch.no_grad()
 def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, prefix: str | None = None,
-                   observer: BlockObserver | None = None, input_scale: dict | None = None) -> int:
+                   observer: BlockObserver | None = None, input_divisor: dict | None = None,
+                   info: dict | None = None) -> int:
     """Replace the planned layers (only those under `prefix`, when given) by QuantLinear. Returns the count.
 
     GPTQ reads each layer's input Hessian from `observer` (keys relative to `prefix`); where an earlier
-    AWQ stage divided a layer's inputs by s (`input_scale`), the Hessian becomes H / (s s^T).
+    AWQ or SmoothQuant stage divided a layer's inputs by s (`input_divisor`), the Hessian becomes H / (s s^T)
+    and the recorded input maxima max|x| / s. Static activation scales and LLM.int8 outlier features come
+    from those maxima; what was found per layer goes into `info[name]`.
     """
     count = 0
     for entry in plan.quantized:
@@ -126,19 +151,36 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
         if isinstance(module, QuantLinear):
             continue
         w = linear_weight(module).detach()
+        rel = entry.name[len(prefix) + 1:] if prefix else entry.name
+        s = (input_divisor or {}).get(rel)
         if stage.method == "gptq":
-            rel = entry.name[len(prefix) + 1:] if prefix else entry.name
-            if observer is None or rel not in observer.stats:
-                raise ValueError(f"{entry.name}: GPTQ needs the layer's calibration inputs, and this layer was not "
-                                 "seen by the block-by-block pass (it is outside the decoder blocks). Add it to "
-                                 "`ignore:` or quantize it in a separate `method: rtn` stage.")
-            h = observer.stats[rel].hessian_mean()
-            s = (input_scale or {}).get(rel)
+            h = _input_stats(observer, rel, entry.name, "GPTQ").hessian_mean()
             if s is not None:
                 h = h / (s[:, None] * s[None, :])
             qt = quantize_gptq(w, h, entry.scheme, stage.gptq, name=entry.name)
         else:
             qt = quantize_rtn(w, entry.scheme)
-        set_module(model, entry.name, QuantLinear.from_module(module, qt))
+        layer = QuantLinear.from_module(module, qt)
+        act = entry.scheme.act
+        absmax = None
+        if needs_input_stats(entry.scheme):
+            absmax = _input_stats(observer, rel, entry.name, "a static activation scheme").abs_max
+        elif observer is not None and rel in observer.stats:
+            absmax = observer.stats[rel].abs_max
+        if absmax is not None and s is not None:
+            absmax = absmax / s
+        if act is not None and absmax is not None:
+            layer_info = {"input_absmax": float(absmax.max())}
+            if not act.dynamic:
+                layer.input_scale = (absmax.max().clamp(min=1e-8) / act.qmax).float().reshape(())
+                layer_info["input_scale"] = float(layer.input_scale)
+            if act.outlier_threshold is not None:
+                cols = torch.nonzero(absmax >= act.outlier_threshold).reshape(-1)
+                layer_info["outlier_features_calibration"] = int(cols.numel())
+                if act.outliers == "static":
+                    layer.outlier_cols = cols.to(layer.qdata.device)
+            if info is not None:
+                info[entry.name] = layer_info
+        set_module(model, entry.name, layer)
         count += 1
     return count

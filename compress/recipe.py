@@ -17,15 +17,19 @@ from typing import Any, Literal
 import yaml
 
 from .data import TextSource
+from .kv_cache import KVCacheStage
+from .outliers import PlantSpec
 from .quantize import QuantizeStage
 from .quantizers.awq import AWQStage
+from .quantizers.smoothquant import SmoothQuantStage
 from .scheme import PRESETS, QuantScheme, get_preset
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CALIB_DIR = PROJECT_ROOT / "calib"
 
 # Stage name -> config class. A new stage = one entry here + its handler in pipeline.STAGE_HANDLERS.
-STAGES: dict[str, type] = {"awq": AWQStage, "quantize": QuantizeStage}
+STAGES: dict[str, type] = {"awq": AWQStage, "smoothquant": SmoothQuantStage, "quantize": QuantizeStage,
+                           "kv_cache": KVCacheStage}
 
 
 class RecipeError(ValueError):
@@ -43,6 +47,7 @@ class ModelSpec:
     revision: str | None = None
     trust_remote_code: bool = False
     threads: int = 1  # CPU threads while evaluating: 1 gives stable timings; 0 = all cores
+    plant_outliers: PlantSpec | None = None  # tests and benchmarks: plant LLM.int8-style outlier features first
 
 
 @dataclass(frozen=True)
@@ -243,10 +248,18 @@ def _check_stages(stages: tuple, calibration, file: str) -> tuple:
     AWQ stage names none); AWQ and GPTQ need calibration data."""
     out = list(stages)
     for i, st in enumerate(stages):
-        needs = isinstance(st, AWQStage) or (isinstance(st, QuantizeStage) and st.needs_calibration)
+        needs = isinstance(st, (AWQStage, SmoothQuantStage, KVCacheStage)) or \
+            (isinstance(st, QuantizeStage) and st.needs_calibration)
         if needs and calibration is None:
             raise RecipeError(f"{file}: `stages.{i}` needs calibration data; add a `calibration:` section "
                               "(e.g. `calibration: {preset: wikitext2}`)")
+        if isinstance(st, SmoothQuantStage):
+            nxt = next((stages[j] for j in range(i + 1, len(stages)) if isinstance(stages[j], QuantizeStage)), None)
+            act = None if nxt is None else nxt.scheme.act
+            if act is None or act.outlier_threshold is not None:
+                raise RecipeError(f"{file}: `stages.{i}` (smoothquant) migrates activation outliers into the weights; "
+                                  "a later `stage: quantize` must quantize activations without LLM.int8's outlier "
+                                  "split (e.g. scheme: W8A8 or FP8_DYNAMIC)")
         if isinstance(st, AWQStage):
             nxt = next((j for j in range(i + 1, len(stages)) if isinstance(stages[j], QuantizeStage)), None)
             if nxt is None:
@@ -331,6 +344,9 @@ def apply_override(data: dict, item: str, file: str = "<recipe>") -> None:
         child = _child(node, part, here, file)
         if isinstance(child, str) and part == "scheme":
             child = dataclasses.asdict(_scheme(child, here, file))
+            _assign(node, part, child, here, file)
+        elif isinstance(child, str) and here == "model":  # `model: default` -> {source: default, ...}
+            child = {"source": child}
             _assign(node, part, child, here, file)
         elif child is None:
             child = {}

@@ -1,15 +1,70 @@
-"""QuantScheme: the numeric format of a quantized weight, and named presets.
+"""QuantScheme: the numeric format of a quantized weight (and, optionally, of the activations that
+meet it in the matmul), and named presets.
 
-A scheme says only *what* the stored numbers are (bit width, grid, granularity). How the
-numbers are chosen (RTN, AWQ, GPTQ) is an algorithm knob and lives in the stage config.
+A scheme says only *what* the stored numbers are (bit width, grid, granularity) and how the layer's
+input is quantized at run time. How the weight numbers are chosen (RTN, AWQ, GPTQ) is an algorithm
+knob and lives in the stage config.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
-BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
+BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2, "fp8_e4m3": 8, "fp8_e5m2": 8}
+FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}  # largest finite value of float8_e4m3fn / float8_e5m2
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class ActScheme:
+    """How a layer's input is quantized at run time.
+
+    granularity token: one scale per token (row of x), computed on the fly (dynamic);
+    granularity tensor: one scale for the whole input, either on the fly (dynamic) or fixed from
+    calibration (dynamic: false, stored as the layer's `input_scale`).
+    symmetric: absmax scaling (int8 codes in [-127, 127]); false: min/max with a zero point (int8 only).
+    outlier_threshold (LLM.int8, Dettmers et al. 2022, arXiv:2208.07339): input features whose magnitude
+    reaches it are computed in 16-bit floating point and the rest in int8. outliers: dynamic picks the
+    columns per batch (as bitsandbytes does); static fixes them from calibration (`outlier_cols`).
+    """
+
+    dtype: Literal["int8", "fp8_e4m3", "fp8_e5m2"] = "int8"
+    granularity: Literal["token", "tensor"] = "token"
+    dynamic: bool = True
+    symmetric: bool = True
+    outlier_threshold: float | None = None
+    outliers: Literal["dynamic", "static"] = "dynamic"
+
+    def __post_init__(self):
+        if self.dtype not in ("int8", "fp8_e4m3", "fp8_e5m2"):
+            raise ValueError(f"activation dtype={self.dtype!r}; use 'int8', 'fp8_e4m3' or 'fp8_e5m2'")
+        if self.granularity not in ("token", "tensor"):
+            raise ValueError(f"activation granularity={self.granularity!r}; use 'token' or 'tensor'")
+        if not self.dynamic and self.granularity != "tensor":
+            raise ValueError("static activation scales (dynamic: false) are per tensor; set granularity: tensor "
+                             "or dynamic: true")
+        if not self.dynamic and not self.symmetric:
+            raise ValueError("static activation scales are symmetric (absmax); remove symmetric: false")
+        if not self.symmetric and self.dtype != "int8":
+            raise ValueError("fp8 activations are symmetric; remove symmetric: false")
+        if self.outlier_threshold is not None:
+            if self.dtype != "int8" or not self.symmetric or self.granularity != "token" or not self.dynamic:
+                raise ValueError("outlier_threshold (LLM.int8) goes with dynamic symmetric int8 per-token activations")
+            if not self.outlier_threshold > 0:
+                raise ValueError(f"outlier_threshold must be > 0 (LLM.int8 uses 6.0), got {self.outlier_threshold}")
+        if self.outliers not in ("dynamic", "static"):
+            raise ValueError(f"outliers={self.outliers!r}; use 'dynamic' (per batch) or 'static' (from calibration)")
+
+    @property
+    def qmax(self) -> float:
+        return FP8_MAX[self.dtype] if self.dtype in FP8_MAX else 127.0
+
+    @property
+    def name(self) -> str:
+        if self.outlier_threshold is not None:
+            return f"a8-llmint8-{self.outliers}-t{self.outlier_threshold:g}"
+        how = "dyn" if self.dynamic else "static"
+        return f"a-{self.dtype}-{self.granularity}-{how}{'' if self.symmetric else '-asym'}"
 
 
 @dataclass(frozen=True)
@@ -21,38 +76,60 @@ class QuantScheme:
     tensor       []                (one scale)
     channel      [out, 1]          (one per output row)
     group        [out, in // group_size]
+    block        [out // group_size, in // group_size]   (square tiles, fp8 only: DeepSeek-V3's 128x128)
 
     symmetric=True is absmax scaling: q = round(w / s), s = absmax / (2**(b-1) - 1),
     codes in [-2**(b-1), 2**(b-1) - 1]. symmetric=False is zero-point (min/max) scaling:
     q = round(w / s) + z, s = (max - min) / (2**b - 1), codes in [0, 2**b - 1]; the range
     always contains 0 so that zero weights stay exact.
+
+    fp8 dtypes store w / s as real float8 values (torch.float8_e4m3fn / float8_e5m2, saturating at the
+    format's largest finite value), s = absmax / fp8_max; they are symmetric.
+    `act` (None = weight-only) says how the input is quantized for the matmul (W8A8, fp8 W8A8, LLM.int8).
     """
 
-    dtype: Literal["int8", "int4", "int3", "int2"] = "int4"
-    granularity: Literal["tensor", "channel", "group"] = "group"
+    dtype: Literal["int8", "int4", "int3", "int2", "fp8_e4m3", "fp8_e5m2"] = "int4"
+    granularity: Literal["tensor", "channel", "group", "block"] = "group"
     group_size: int | None = 128
     symmetric: bool = True
     scale_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    act: ActScheme | None = None
 
     def __post_init__(self):
         if self.dtype not in BITS:
             raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {sorted(BITS)}")
-        if self.granularity not in ("tensor", "channel", "group"):
-            raise ValueError(f"granularity={self.granularity!r}; use 'tensor', 'channel' or 'group'")
+        if self.granularity not in ("tensor", "channel", "group", "block"):
+            raise ValueError(f"granularity={self.granularity!r}; use 'tensor', 'channel', 'group' or 'block'")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale_dtype={self.scale_dtype!r}; use one of {list(SCALE_DTYPES)}")
-        if self.granularity == "group":
+        if self.is_float and not self.symmetric:
+            raise ValueError(f"{self.dtype} weights are symmetric (absmax scaled); remove symmetric: false")
+        if self.granularity == "block" and not self.is_float:
+            raise ValueError("granularity='block' (square tiles) is for fp8 weights; integer schemes use 'group'")
+        if self.act is not None and self.act.outlier_threshold is not None and \
+                (self.dtype != "int8" or self.granularity != "channel" or not self.symmetric):
+            raise ValueError("LLM.int8 (act.outlier_threshold) needs int8 symmetric per-channel weights")
+        if self.granularity in ("group", "block"):
             if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 2:
-                raise ValueError(f"granularity='group' needs an integer group_size >= 2, got {self.group_size!r}"
-                                 " (common: 32, 64, 128)")
+                raise ValueError(f"granularity={self.granularity!r} needs an integer group_size >= 2, got "
+                                 f"{self.group_size!r} (common: 32, 64, 128)")
         elif self.group_size is not None:
             # A group size with another granularity is almost always a typo in a recipe: refuse it.
-            raise ValueError(f"group_size={self.group_size} only applies to granularity='group' "
+            raise ValueError(f"group_size={self.group_size} only applies to granularity 'group' or 'block' "
                              f"(got granularity={self.granularity!r}); remove group_size or set granularity: group")
 
     @property
     def bits(self) -> int:
         return BITS[self.dtype]
+
+    @property
+    def is_float(self) -> bool:
+        """fp8 formats: the stored values are floats, not integer codes."""
+        return self.dtype in FP8_MAX
+
+    @property
+    def fp8_max(self) -> float:
+        return FP8_MAX[self.dtype]
 
     @property
     def qmin(self) -> int:
@@ -64,22 +141,30 @@ class QuantScheme:
 
     @property
     def name(self) -> str:
-        gran = {"tensor": "tensor", "channel": "channel"}.get(self.granularity, f"g{self.group_size}")
-        return f"{self.dtype}-{gran}-{'sym' if self.symmetric else 'asym'}"
+        gran = {"tensor": "tensor", "channel": "channel", "block": f"b{self.group_size}"}.get(
+            self.granularity, f"g{self.group_size}")
+        base = f"{self.dtype}-{gran}-{'sym' if self.symmetric else 'asym'}"
+        return base if self.act is None else f"{base}+{self.act.name}"
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "QuantScheme":
+        act = d.get("act")
+        return cls(**{**d, "act": None if act is None else ActScheme(**act)})
+
 
 def scheme(dtype: str, granularity: str = "group", group_size: int | None = 128, symmetric: bool = True,
-           scale_dtype: str = "float16") -> QuantScheme:
-    """Build a scheme, dropping group_size when the granularity is not 'group'."""
-    return QuantScheme(dtype, granularity, group_size if granularity == "group" else None, symmetric, scale_dtype)
+           scale_dtype: str = "float16", act: ActScheme | None = None) -> QuantScheme:
+    """Build a scheme, dropping group_size when the granularity has none."""
+    return QuantScheme(dtype, granularity, group_size if granularity in ("group", "block") else None, symmetric,
+                       scale_dtype, act)
 
 
 def replace_granularity(s: QuantScheme, granularity: str, group_size: int | None = None) -> QuantScheme:
     """The same format with another granularity (e.g. one group seen as a channel)."""
-    return replace(s, granularity=granularity, group_size=group_size if granularity == "group" else None)
+    return replace(s, granularity=granularity, group_size=group_size if granularity in ("group", "block") else None)
 
 
 # Presets. Names follow compressed-tensors where one exists, so vLLM docs apply.
@@ -89,6 +174,20 @@ W4A16_ASYM_G64 = replace(W4A16_G64, symmetric=False)
 W8A16 = QuantScheme("int8", "channel", None, True)
 W8A16_ASYM = replace(W8A16, symmetric=False)
 W3A16_G64 = QuantScheme("int3", "group", 64, True)
+# 8-bit weights and activations. int8 weights per output channel; compressed-tensors' W8A8 is per-token dynamic.
+A8_TOKEN = ActScheme("int8", "token", dynamic=True)
+W8A8 = QuantScheme("int8", "channel", None, True, "float32", A8_TOKEN)
+W8A8_STATIC = replace(W8A8, act=ActScheme("int8", "tensor", dynamic=False))
+W8A8_ASYM = QuantScheme("int8", "channel", None, False, "float32", ActScheme("int8", "token", symmetric=False))
+LLM_INT8 = replace(W8A8, act=replace(A8_TOKEN, outlier_threshold=6.0))  # bitsandbytes' default threshold
+LLM_INT8_STATIC = replace(W8A8, act=replace(A8_TOKEN, outlier_threshold=6.0, outliers="static"))
+# fp8 (e4m3). Names follow compressed-tensors: FP8 = per-tensor weights + static per-tensor activations,
+# FP8_DYNAMIC = per-channel weights + dynamic per-token activations, FP8_BLOCK = 128x128 weight tiles.
+FP8_W8A16 = QuantScheme("fp8_e4m3", "channel", None, True, "float32")
+FP8 = QuantScheme("fp8_e4m3", "tensor", None, True, "float32", ActScheme("fp8_e4m3", "tensor", dynamic=False))
+FP8_DYNAMIC = replace(FP8_W8A16, act=ActScheme("fp8_e4m3", "token"))
+FP8_BLOCK = QuantScheme("fp8_e4m3", "block", 128, True, "float32", ActScheme("fp8_e4m3", "token"))
+FP8_E5M2_DYNAMIC = QuantScheme("fp8_e5m2", "channel", None, True, "float32", ActScheme("fp8_e5m2", "token"))
 
 PRESETS: dict[str, QuantScheme] = {
     "W4A16": W4A16,
@@ -97,6 +196,16 @@ PRESETS: dict[str, QuantScheme] = {
     "W8A16": W8A16,
     "W8A16_ASYM": W8A16_ASYM,
     "W3A16_G64": W3A16_G64,
+    "W8A8": W8A8,
+    "W8A8_STATIC": W8A8_STATIC,
+    "W8A8_ASYM": W8A8_ASYM,
+    "LLM_INT8": LLM_INT8,
+    "LLM_INT8_STATIC": LLM_INT8_STATIC,
+    "FP8_W8A16": FP8_W8A16,
+    "FP8": FP8,
+    "FP8_DYNAMIC": FP8_DYNAMIC,
+    "FP8_BLOCK": FP8_BLOCK,
+    "FP8_E5M2_DYNAMIC": FP8_E5M2_DYNAMIC,
 }
 
 

@@ -123,7 +123,7 @@ def test_every_architecture_runs_awq_and_gptq(family, stages):
     rel = float((after - before).norm() / before.norm())
     assert 0 < rel < 0.6  # measured 0.01-0.29 on these random tiny models at 3-4 bits
     if stages[0]["stage"] == "awq":
-        pairs = [p for blk in block_stages.awq_report for p in blk["pairs"]]
+        pairs = [p for blk in block_stages.pair_report[0] for p in blk["pairs"]]
         assert pairs and all(p["skipped"] or p["loss"] <= p["loss_identity"] for p in pairs)
 
 
@@ -136,7 +136,7 @@ def test_awq_gqa_v_to_o_is_skipped_with_reason():
     block_stages = BlockStages(model, recipe, arch, plans)
     run_blockwise(model, arch, torch.randint(0, 256, (2, 8)), block_stages.on_block, observe=block_stages.observe,
                   progress=False)
-    v_o = [p for p in block_stages.awq_report[0]["pairs"] if p["pair"].startswith("self_attn.v_proj")]
+    v_o = [p for p in block_stages.pair_report[0][0]["pairs"] if p["pair"].startswith("self_attn.v_proj")]
     assert v_o and "grouped-query attention" in v_o[0]["skipped"]
 
 

@@ -254,8 +254,65 @@ def test_run_with_awq_and_gptq_reports_pairs(tmp_path, model_dir, calib_file):
     assert main(["run", str(path), "--no-progress"]) == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert [s["stage"] for s in report["stages"]] == ["awq", "quantize"]
-    assert len(report["awq"]) == 2 and len(report["awq"][0]["pairs"]) == 4
+    assert len(report["stages"][0]["blocks"]) == 2 and len(report["stages"][0]["blocks"][0]["pairs"]) == 4
     md = (tmp_path / "out" / "report.md").read_text()
     assert "## Stage 0: awq" in md and "grouped-query attention" in md
     reloaded = load_compressed(tmp_path / "out")
     assert sum(isinstance(m, QuantLinear) for m in reloaded.modules()) == len(LINEARS)
+
+
+def _run_stages(tmp_path, model_dir, calib_file, stages, **model) -> dict:
+    recipe = _recipe(model_dir, calib_file, tmp_path / "out")
+    recipe["stages"] = stages
+    recipe["model"].update(model)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert main(["run", str(path), "--no-progress"]) == 0
+    return json.loads((tmp_path / "out" / "report.json").read_text())
+
+
+def test_run_smoothquant_gptq_static_w8a8(tmp_path, model_dir, calib_file):
+    report = _run_stages(tmp_path, model_dir, calib_file, [
+        {"stage": "smoothquant", "alpha_grid": [0.4, 0.6], "search_samples": 1},
+        {"stage": "quantize", "method": "gptq", "scheme": "W8A8_STATIC"}])
+    sq, q = report["stages"]
+    assert sq["stage"] == "smoothquant" and len(sq["blocks"]) == 2
+    assert all(v["input_scale"] > 0 for v in q["layer_info"].values()) and len(q["layer_info"]) == len(LINEARS)
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "## Stage 0: smoothquant (alpha searched over [0.4, 0.6])" in md and "static input scale" in md
+    reloaded = load_compressed(tmp_path / "out")
+    assert all(float(m.input_scale) > 0 for m in reloaded.modules() if isinstance(m, QuantLinear))
+
+
+def test_run_fp8_with_kv_cache_scales(tmp_path, model_dir, calib_file):
+    report = _run_stages(tmp_path, model_dir, calib_file, [
+        {"stage": "quantize", "scheme": "FP8"}, {"stage": "kv_cache", "dtype": "fp8_e4m3"}])
+    kv = report["stages"][1]["layers"]
+    assert sorted(kv) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert all(v["k_scale"] > 0 and v["v_scale"] > 0 for v in kv.values())
+    assert "## Stage 1: kv_cache (fp8_e4m3)" in (tmp_path / "out" / "report.md").read_text()
+    meta = json.loads((tmp_path / "out" / "compress.json").read_text())
+    assert sorted(meta["kv_cache"]) == sorted(kv)
+
+
+def test_run_llm_int8_on_planted_outliers_counts_outlier_features(tmp_path, model_dir, calib_file):
+    report = _run_stages(tmp_path, model_dir, calib_file, [{"stage": "quantize", "scheme": "LLM_INT8_STATIC"}],
+                         plant_outliers={"channels": 3, "factor": 60.0})
+    assert len(report["model"]["planted_outliers"]["channels"]) == 3
+    info = report["stages"][0]["layer_info"]
+    assert info["model.layers.1.self_attn.q_proj"]["outlier_features_calibration"] >= 3
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "LLM.int8 outlier features" in md
+    reloaded = load_compressed(tmp_path / "out")
+    assert reloaded.model.layers[1].mlp.up_proj.outlier_cols.numel() >= 3
+
+
+def test_inspect_shows_smoothquant_pairs_kv_and_kernels(tmp_path, model_dir, calib_file, capsys):
+    recipe = _recipe(model_dir, calib_file, tmp_path / "out")
+    recipe["stages"] = [{"stage": "smoothquant"}, {"stage": "quantize", "scheme": "W8A8"}, {"stage": "kv_cache"}]
+    path = tmp_path / "sq.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "stage 0: smoothquant, alpha 0.5" in out and "[int8 _int_mm]" in out
+    assert "stage 2: kv_cache fp8_e4m3" in out and "self_attn" in out

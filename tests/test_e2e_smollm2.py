@@ -47,6 +47,6 @@ def test_awq_then_gptq_on_smollm2(tmp_path):
                progress=False, log=lambda m: None)
     r, b = rtn["eval"]["models"]["compressed"], both["eval"]["models"]["compressed"]
     assert b["ppl"] < r["ppl"] and b["kl"] < r["kl"]  # measured ppl 34.25 vs 38.87, KL 0.191 vs 0.381 (base 28.23)
-    pairs = [p for blk in both["awq"] for p in blk["pairs"]]
+    pairs = [p for blk in both["stages"][0]["blocks"] for p in blk["pairs"]]
     assert sum(1 for p in pairs if not p["skipped"]) == 3 * 30  # q/k/v, gate/up, up->down scaled in every block
     assert all("grouped-query attention" in p["skipped"] for p in pairs if p["pair"].startswith("self_attn.v_proj"))

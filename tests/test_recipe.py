@@ -56,13 +56,37 @@ def test_shipped_recipes_load(path):
     recipe = load_recipe(path)
     assert recipe.path == str(path)
     assert len(recipe.stages) >= 1
-    assert all(st.scheme.bits in (3, 4, 8) for st in recipe.stages)
+    assert all(st.scheme.bits in (3, 4, 8) for st in recipe.stages if hasattr(st, "scheme"))
     assert recipe.output.dir.startswith("runs/")
 
 
 def test_shipped_recipes_exist():
     assert {p.name for p in RECIPES} >= {"int4_rtn.yaml", "int8_absmax.yaml", "int8_zeropoint.yaml", "awq_int4.yaml",
-                                         "gptq_int4.yaml", "awq_gptq_int4.yaml", "awq_int3.yaml"}
+                                         "gptq_int4.yaml", "awq_gptq_int4.yaml", "awq_int3.yaml", "llm_int8.yaml",
+                                         "smoothquant_w8a8.yaml", "fp8_dynamic.yaml", "fp8_static_kv.yaml"}
+
+
+def test_static_schemes_need_calibration(tmp_path):
+    for name in ("W8A8_STATIC", "FP8", "LLM_INT8_STATIC"):
+        with pytest.raises(RecipeError, match="needs calibration data"):
+            load_recipe(_write(tmp_path, _with(stages=[_stage(scheme=name)])))
+    assert load_recipe(_write(tmp_path, _with(stages=[_stage(scheme="FP8_DYNAMIC")]))).calibration is None
+
+
+def test_nested_activation_scheme_mapping(tmp_path):
+    stage = _stage(scheme={"dtype": "int8", "granularity": "channel", "scale_dtype": "float32",
+                           "act": {"dtype": "int8", "granularity": "token", "outlier_threshold": 4.0}})
+    recipe = load_recipe(_write(tmp_path, _with(stages=[stage])))
+    assert recipe.stages[0].scheme.act.outlier_threshold == 4.0
+    with pytest.raises(RecipeError, match=r"stages\.0\.scheme\.act\.granularity"):
+        load_recipe(_write(tmp_path, _with(stages=[_stage(scheme={"dtype": "int8", "granularity": "channel",
+                                                                   "act": {"granularity": "row"}})])))
+
+
+def test_set_plant_outliers_on_a_string_model(tmp_path):
+    path = _write(tmp_path, _with())
+    recipe = load_recipe(path, ["model.plant_outliers={channels: 2, factor: 30}"])
+    assert recipe.model.source == "default" and recipe.model.plant_outliers.channels == 2
 
 
 def test_channel_scheme_mapping_without_group_size_loads():
@@ -117,7 +141,8 @@ def test_invalid_yaml_names_the_file(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_scheme_preset_string(tmp_path, name):
-    recipe = load_recipe(_write(tmp_path, _with(stages=[_stage(scheme=name)])))
+    calibration = {"kind": "self", "n_samples": 1, "seq_len": 8}  # static schemes calibrate their input scales
+    recipe = load_recipe(_write(tmp_path, _with(stages=[_stage(scheme=name)], calibration=calibration)))
     assert recipe.stages[0].scheme == PRESETS[name]
 
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..data import fingerprint, sequential_windows, tokenize_joined, wikitext2_rows
+from ..nn import QuantLinear
 from .memory import peak_cuda_bytes, peak_rss_bytes, weight_bytes
 from .ppl import score_windows
 from .speed import measure_speed
@@ -30,9 +31,17 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
             "predicted_tokens_per_window": spec.seq_len - 1, "dtype": dtype, "bos": "none added",
             "tokens_fingerprint": fingerprint(windows),
         }
+        for m in models.values():
+            for q in _llm_int8_layers(m):
+                q.outlier_log.clear()
         scores = score_windows(models, windows, baseline=baseline, device=device, progress=progress)
         for n, s in scores.items():
             result["models"][n].update(ppl=s.ppl, nll=s.nll, tokens=s.tokens, kl=s.kl, top1_agreement=s.top1_agreement)
+            outliers = {name: {"forwards": len(q.outlier_log), "mean": sum(q.outlier_log) / len(q.outlier_log),
+                               "max": max(q.outlier_log), "in_features": q.in_features}
+                        for name, q in _llm_int8_layers(models[n], named=True) if q.outlier_log}
+            if outliers:  # LLM.int8 dynamic: outlier features computed in float, per evaluation window
+                result["models"][n]["llm_int8_outliers"] = outliers
     for n, m in models.items():
         result["models"][n]["weights"] = weight_bytes(m)
         if spec.speed:
@@ -42,6 +51,12 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
     result["peak_rss_bytes"] = peak_rss_bytes()
     result["peak_cuda_bytes"] = peak_cuda_bytes()
     return result
+
+
+def _llm_int8_layers(model: nn.Module, named: bool = False):
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear) and m.scheme.act is not None
+              and m.scheme.act.outlier_threshold is not None]
+    return layers if named else [m for _, m in layers]
 
 
 def write_report(report: dict, folder: str | Path) -> None:
@@ -69,22 +84,46 @@ def _calib_where(cal: dict) -> str:
     return cal.get("split") or ""
 
 
-def _awq_lines(blocks: list[dict]) -> list[str]:
-    """Per scaling pair: blocks scaled, mean chosen exponent, search loss vs plain RTN; skips with reasons."""
+def _awq_lines(blocks: list[dict], what: str = "mean exponent r") -> list[str]:
+    """Per scaling pair: blocks scaled, mean chosen exponent (AWQ) or alpha (SmoothQuant), search loss vs no
+    scaling; skips with reasons."""
     by_pair: dict[str, list[dict]] = {}
     for blk in blocks:
         for p in blk["pairs"]:
             by_pair.setdefault(p["pair"], []).append(p)
-    lines = ["| scaling pair | blocks scaled | mean exponent r | search loss / RTN loss | skipped |",
+    lines = [f"| scaling pair | blocks scaled | {what} | search loss / unscaled loss | skipped |",
              "|---|---:|---:|---:|---|"]
     for pair, rows in by_pair.items():
         done = [r for r in rows if not r["skipped"]]
         ratio = sum(r["ratio"] for r in done) / len(done) if done else None
-        gain = (sum(r["loss"] for r in done) / max(sum(r["loss_identity"] for r in done), 1e-30)) if done else None
+        searched = [r for r in done if r["loss"] is not None]
+        gain = (sum(r["loss"] for r in searched) / max(sum(r["loss_identity"] for r in searched), 1e-30)) \
+            if searched else None
         skipped = sorted({r["skipped"] for r in rows if r["skipped"]})
         lines.append(f"| `{pair}` | {len(done)}/{len(rows)} | {_f(ratio, '{:.2f}')} | {_f(gain, '{:.3f}')} | "
                      f"{'; '.join(skipped) or '—'} |")
     return lines
+
+
+def _activation_lines(stage: dict, models: dict) -> list[str]:
+    """Quantized-activation facts per layer: calibrated input scale, LLM.int8 outlier features."""
+    info = stage.get("layer_info") or {}
+    if not info:
+        return []
+    evals = next((m["llm_int8_outliers"] for m in models.values() if "llm_int8_outliers" in m), {})
+    if any("outlier_features_calibration" in v for v in info.values()):
+        lines = ["", "LLM.int8 outlier features (input features computed in float): how many reached the threshold "
+                 "anywhere in the calibration data, and, per evaluation window (dynamic mode), the mean and max used.",
+                 "", "| layer | input max | calibration | eval mean | eval max |", "|---|---:|---:|---:|---:|"]
+        for n, v in info.items():
+            e = evals.get(n, {})
+            lines.append(f"| `{n}` | {v['input_absmax']:.2f} | {v['outlier_features_calibration']} | "
+                         f"{_f(e.get('mean'), '{:.1f}')} | {e.get('max', '—')} |")
+        return lines
+    if any("input_scale" in v for v in info.values()):
+        return ["", "| layer | calibrated input max | static input scale |", "|---|---:|---:|"] + \
+            [f"| `{n}` | {v['input_absmax']:.3g} | {v['input_scale']:.3g} |" for n, v in info.items()]
+    return []
 
 
 def render_markdown(report: dict) -> str:
@@ -152,7 +191,21 @@ def render_markdown(report: dict) -> str:
                      f"median of {s['repeats']} runs after a warm-up, on {s['device']}.")
     for stage in report.get("stages", []):
         if stage["stage"] == "awq":
-            lines += ["", f"## Stage {stage['index']}: awq (for {stage['scheme']})", ""] + _awq_lines(report.get("awq", []))
+            lines += ["", f"## Stage {stage['index']}: awq (for {stage['scheme']})", ""] + \
+                _awq_lines(stage.get("blocks", []))
+            continue
+        if stage["stage"] == "smoothquant":
+            how = f"alpha searched over {stage['alpha_grid']}" if stage["alpha_grid"] else f"alpha {stage['alpha']}"
+            lines += ["", f"## Stage {stage['index']}: smoothquant ({how})", ""] + \
+                _awq_lines(stage.get("blocks", []), "mean alpha")
+            continue
+        if stage["stage"] == "kv_cache":
+            kv = stage.get("layers", {})
+            lines += ["", f"## Stage {stage['index']}: kv_cache ({stage['dtype']})", "",
+                      f"{len(kv)} attention layers with calibrated scales (max|k| / fp8 max, max|v| / fp8 max), "
+                      "applied to the keys and values every attention call reads during evaluation.", "",
+                      "| attention layer | k_scale | v_scale |", "|---|---:|---:|"]
+            lines += [f"| `{n}` | {v['k_scale']:.4g} | {v['v_scale']:.4g} |" for n, v in kv.items()]
             continue
         lines += ["", f"## Stage {stage['index']}: {stage['stage']} ({stage.get('method', '')}, "
                       f"{stage.get('scheme', '')})", "",
@@ -160,6 +213,7 @@ def render_markdown(report: dict) -> str:
         if stage["skipped"]:
             lines += ["", "| layer | reason left in float |", "|---|---|"]
             lines += [f"| `{s['name']}` | {s['reason']} |" for s in stage["skipped"]]
+        lines += _activation_lines(stage, models)
     kept = report.get("kept_in_float")
     if kept:
         lines += ["", "Not linear layers, kept in float: " + "; ".join(kept)]

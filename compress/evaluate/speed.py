@@ -14,7 +14,12 @@ from ..nn import QuantLinear
 def kernel_name(model: nn.Module) -> str:
     """Which matmul path the model's linear layers use."""
     quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    return "dequantize-then-matmul (reference)" if quant else "torch dense matmul"
+    if not quant:
+        return "torch dense matmul"
+    kinds: dict[str, int] = {}
+    for m in quant:
+        kinds[m.kernel] = kinds.get(m.kernel, 0) + 1
+    return "; ".join(f"{k} ({n} layers)" for k, n in sorted(kinds.items()))
 
 
 def _cache_kwarg(model: nn.Module) -> str:

@@ -235,9 +235,9 @@ def _replay_loss(inspect: nn.Module, calls, reference: list[Tensor], balance: li
 
 
 def awq_block(block: nn.Module, pairs, observer, stage: AWQStage, scheme: QuantScheme, quantized: set[str],
-              no_clip: tuple[str, ...], norm_offset: float, input_scale: dict[str, Tensor]) -> list[PairResult]:
+              no_clip: tuple[str, ...], norm_offset: float, input_divisor: dict[str, Tensor]) -> list[PairResult]:
     """Search and fold the scales of every pair of one block, then clip. `quantized` holds the block-relative
-    names the next quantize stage will quantize; `input_scale` collects what each linear's inputs were
+    names the next quantize stage will quantize; `input_divisor` collects what each linear's inputs were
     divided by (GPTQ and clipping read their recorded inputs through it)."""
     results = []
     for prev_name, balance_names, inspect_name in pairs:
@@ -259,7 +259,7 @@ def awq_block(block: nn.Module, pairs, observer, stage: AWQStage, scheme: QuantS
             w_mean)
         apply_smoothing(prev, balance, s, norm_offset)
         for n in balance_names:
-            input_scale[n] = input_scale.get(n, torch.ones_like(s)) * s
+            input_divisor[n] = input_divisor.get(n, torch.ones_like(s)) * s
         results.append(PairResult(label, ratio, loss, loss0))
     if stage.clip and scheme.granularity != "tensor":
         for name in sorted(quantized):
@@ -268,8 +268,8 @@ def awq_block(block: nn.Module, pairs, observer, stage: AWQStage, scheme: QuantS
             st = observer.stats[name]
             x = torch.cat(st.kept)  # [T, K]
             x = x[:: max(1, x.shape[0] // stage.clip_tokens)][: stage.clip_tokens]
-            if name in input_scale:
-                x = x / input_scale[name][None, :]
+            if name in input_divisor:
+                x = x / input_divisor[name][None, :]
             m = block.get_submodule(name)
             lo, hi = search_clip(in_weight(m), x, scheme, stage.clip_grid, stage.max_shrink)
             apply_clip(m, lo, hi, scheme)

@@ -1,0 +1,108 @@
+"""fp8 KV cache: per-layer `k_scale` / `v_scale`, calibrated from the keys and values attention reads.
+
+Serving engines (vLLM, TensorRT-LLM) store keys and values in fp8 as k / k_scale and v / v_scale, with
+one scale per attention layer taken from calibration: scale = max|k| / fp8_max over the calibration
+tokens, for keys after the rotary embedding (what the cache holds). We measure that effect on accuracy
+by quantize-dequantizing the keys and values each attention call reads, through an attention function
+registered with transformers' `AttentionInterface`: it wraps the model's own implementation (sdpa or
+the family's eager function), so no model code is copied or traced.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .primitives import cast_fp8
+from .scheme import FP8_MAX
+
+WRAPPED = {"sdpa": "compress_kv_sdpa", "eager": "compress_kv_eager"}  # base implementation -> our name
+
+
+@dataclass(frozen=True)
+class KVCacheStage:
+    """Recipe entry `- stage: kv_cache`: calibrate per-layer fp8 key/value scales (needs calibration data)."""
+
+    dtype: Literal["fp8_e4m3", "fp8_e5m2"] = "fp8_e4m3"
+
+    def __post_init__(self):
+        if self.dtype not in FP8_MAX:
+            raise ValueError(f"kv_cache dtype={self.dtype!r}; use 'fp8_e4m3' or 'fp8_e5m2'")
+
+
+def attention_modules(block: nn.Module) -> list[str]:
+    """Names (relative to `block`) of the modules that call the attention function: `*Attention` classes."""
+    names = [n for n, m in block.named_modules() if n and type(m).__name__.endswith("Attention")]
+    if not names:
+        raise ValueError(f"found no *Attention module in {type(block).__name__}; the kv_cache stage needs one")
+    return names
+
+
+def fake_quantize_kv(t: Tensor, scale: Tensor, dtype: str) -> Tensor:
+    """t -> fp8(t / scale) * scale, in t's dtype."""
+    s = scale.to(t.dtype)
+    return (cast_fp8(t / s, dtype).to(t.dtype)) * s
+
+
+def _base_function(module: nn.Module, base: str):
+    if base in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[base]
+    return getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+
+
+def _wrapper(base: str):
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        record = getattr(module, "kv_record", None)
+        if record is not None:  # calibration: running maxima of |k| and |v|
+            record[0] = max(record[0], float(key.detach().abs().amax()))
+            record[1] = max(record[1], float(value.detach().abs().amax()))
+        elif getattr(module, "k_scale", None) is not None:
+            key = fake_quantize_kv(key, module.k_scale, module.kv_cache_dtype)
+            value = fake_quantize_kv(value, module.v_scale, module.kv_cache_dtype)
+        return _base_function(module, base)(module, query, key, value, attention_mask, **kwargs)
+    return attention
+
+
+AttentionInterface.register(WRAPPED["sdpa"], _wrapper("sdpa"))
+AttentionInterface.register(WRAPPED["eager"], _wrapper("eager"))
+AttentionMaskInterface.register(WRAPPED["sdpa"], sdpa_mask)
+AttentionMaskInterface.register(WRAPPED["eager"], eager_mask)
+
+
+def use_kv_attention(model: nn.Module) -> None:
+    """Route the model's attention through the wrapper (a no-op for layers without scales or recording)."""
+    impl = model.config._attn_implementation
+    if impl in WRAPPED.values():
+        return
+    if impl not in WRAPPED:
+        raise ValueError(f"kv_cache calibration wraps 'sdpa' or 'eager' attention; this model uses {impl!r}. "
+                         "Load it with attn_implementation='sdpa'.")
+    model.set_attn_implementation(WRAPPED[impl])
+
+
+def restore_attention(model: nn.Module) -> None:
+    impl = model.config._attn_implementation
+    for base, name in WRAPPED.items():
+        if impl == name:
+            model.set_attn_implementation(base)
+
+
+def set_kv_scales(module: nn.Module, k_absmax: float, v_absmax: float, dtype: str) -> None:
+    """Register k_scale / v_scale (float32 scalars, vLLM's names) on an attention module."""
+    device = next(iter([*module.parameters(), *module.buffers()]), torch.empty(0)).device
+    for name, absmax in (("k_scale", k_absmax), ("v_scale", v_absmax)):
+        module.register_buffer(name, torch.tensor(max(absmax, 1e-8) / FP8_MAX[dtype], dtype=torch.float32,
+                                                  device=device))
+    module.kv_cache_dtype = dtype
+
+
+def kv_layers(model: nn.Module) -> dict[str, dict]:
+    """Attention modules carrying fp8 KV scales: name -> {dtype, k_scale, v_scale}."""
+    return {n: {"dtype": m.kv_cache_dtype, "k_scale": float(m.k_scale), "v_scale": float(m.v_scale)}
+            for n, m in model.named_modules() if getattr(m, "k_scale", None) is not None and hasattr(m, "kv_cache_dtype")}

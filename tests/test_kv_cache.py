@@ -1,0 +1,117 @@
+"""fp8 KV cache: the attention wrapper is exact without scales on every family, the recorded maxima are those
+of the keys (after the rotary embedding) and values attention reads, the scales change the output the way
+fp8 rounding should, and they survive save/load."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from compress.arch import get_arch
+from compress.kv_cache import attention_modules, fake_quantize_kv, restore_attention, set_kv_scales, use_kv_attention
+from compress.primitives import cast_fp8
+from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
+from compress.scheme import FP8_DYNAMIC
+from tests.conftest import TINY_CONFIGS, make_tiny_model
+
+_CAPTURED: list = []
+
+
+def _capture(module, query, key, value, attention_mask, **kwargs):
+    _CAPTURED.append((module, key.detach().clone(), value.detach().clone()))
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register("test_capture_kv", _capture)
+
+
+def _record(model, ids):
+    arch = get_arch(model)
+    names = [f"{arch.blocks}.{i}.{n}" for i, b in enumerate(arch.block_list(model)) for n in attention_modules(b)]
+    for n in names:
+        model.get_submodule(n).kv_record = [0.0, 0.0]
+    with torch.no_grad():
+        model(ids)
+    out = {n: list(model.get_submodule(n).kv_record) for n in names}
+    for n in names:
+        model.get_submodule(n).kv_record = None
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
+def test_wrapper_without_scales_changes_nothing(family):
+    model = make_tiny_model(family)
+    ids = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        before = model(ids).logits
+        use_kv_attention(model)
+        after = model(ids).logits
+    assert model.config._attn_implementation.startswith("compress_kv_")
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    restore_attention(model)
+    assert model.config._attn_implementation == "eager"
+
+
+def test_recorded_maxima_are_those_of_the_post_rotary_keys_and_values():
+    model = make_tiny_model("llama")
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(0, 256, (2, 16))
+    _CAPTURED.clear()
+    model.set_attn_implementation("test_capture_kv")
+    with torch.no_grad():
+        model(ids)
+    expect = {id(m): (float(k.abs().max()), float(v.abs().max())) for m, k, v in _CAPTURED}
+    model.set_attn_implementation("sdpa")
+    use_kv_attention(model)
+    recorded = _record(model, ids)
+    for name, (k, v) in recorded.items():
+        assert (k, v) == pytest.approx(expect[id(model.get_submodule(name))], rel=1e-6)
+
+
+def test_kv_fake_quantization_is_fp8_rounding_with_the_layer_scale():
+    t = torch.randn(2, 4, 16, 8) * 3
+    scale = torch.tensor(float(t.abs().max()) / 448)
+    q = fake_quantize_kv(t, scale, "fp8_e4m3")
+    torch.testing.assert_close(q, cast_fp8(t / scale, "fp8_e4m3").float() * scale)
+    assert (q - t).abs().max() <= t.abs().max() * 2 ** -4 + 1e-6  # e4m3: 3 mantissa bits
+    torch.testing.assert_close(fake_quantize_kv(q, scale, "fp8_e4m3"), q)  # cached entries re-quantize to themselves
+
+
+def test_scales_are_applied_in_the_forward():
+    model = make_tiny_model("llama")
+    use_kv_attention(model)
+    ids = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        before = model(ids).logits
+    recorded = _record(model, ids)
+    for name, (k, v) in recorded.items():
+        set_kv_scales(model.get_submodule(name), k, v, "fp8_e4m3")
+    with torch.no_grad():
+        calibrated = model(ids).logits
+    for name, (k, v) in recorded.items():  # scales 100x too small: everything saturates
+        set_kv_scales(model.get_submodule(name), k / 100, v / 100, "fp8_e4m3")
+    with torch.no_grad():
+        saturated = model(ids).logits
+    err = (calibrated - before).abs().max()
+    assert 0 < err < 0.05 * before.abs().max()
+    assert (saturated - before).abs().max() > 5 * err
+
+
+def test_kv_run_saves_scales_and_reloads_them(tmp_path):
+    from compress.models import load_compressed, save_compressed
+
+    model = make_tiny_model("llama")
+    stage = QuantizeStage(scheme=FP8_DYNAMIC)
+    apply_quantize(model, plan_quantize(model, get_arch(model), stage), stage)
+    use_kv_attention(model)
+    ids = torch.randint(0, 256, (1, 16))
+    for name, (k, v) in _record(model, ids).items():
+        set_kv_scales(model.get_submodule(name), k, v, "fp8_e4m3")
+    with torch.no_grad():
+        before = model(ids).logits
+    save_compressed(model, None, tmp_path, {}, save_dtype="float32")
+    reloaded = load_compressed(tmp_path)
+    assert float(reloaded.model.layers[1].self_attn.k_scale) == float(model.model.layers[1].self_attn.k_scale)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, before, rtol=0, atol=1e-5)  # eager vs sdpa attention
