@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))  # `compress` and tests.reference from a checkout,
 
 PLANT = {"channels": 4, "factor": 40.0, "seed": 0}
 NO_CALIB = ["calibration=null"]
+GPTQ_64 = ["stages.0.method=gptq", "calibration.n_samples=64"]
 ROWS = {  # name: (recipe, --set overrides)
     "int8 absmax W8A8 (per-token)": ("recipes/llm_int8.yaml", ["stages.0.scheme=W8A8", *NO_CALIB]),
     "int8 zero-point W8A8 (per-token)": ("recipes/llm_int8.yaml", ["stages.0.scheme=W8A8_ASYM", *NO_CALIB]),
@@ -30,9 +31,14 @@ ROWS = {  # name: (recipe, --set overrides)
     "SmoothQuant W8A8 + GPTQ": ("recipes/smoothquant_w8a8.yaml", []),
     "LLM.int8 dynamic (ours)": ("recipes/llm_int8.yaml", []),
     "LLM.int8 static (ours)": ("recipes/llm_int8.yaml", ["stages.0.scheme=LLM_INT8_STATIC"]),
+    "LLM.int8 dynamic, bitsandbytes' row scale (ours)": ("recipes/llm_int8.yaml",
+                                                         ["stages.0.scheme=LLM_INT8_BNB", *NO_CALIB]),
     "fp8 weight-only (per-channel)": ("recipes/fp8_dynamic.yaml", ["stages.0.scheme=FP8_W8A16", *NO_CALIB]),
     "fp8 dynamic (per-channel W, per-token A)": ("recipes/fp8_dynamic.yaml", NO_CALIB),
     "fp8 static (per-tensor) + fp8 KV cache": ("recipes/fp8_static_kv.yaml", []),
+    "fp8 weight-only + GPTQ": ("recipes/fp8_dynamic.yaml", ["stages.0.scheme=FP8_W8A16", *GPTQ_64]),
+    "fp8 dynamic + GPTQ": ("recipes/fp8_dynamic.yaml", GPTQ_64),
+    "fp8 dynamic + fp8 KV cache": ("recipes/fp8_static_kv.yaml", ["stages.0.scheme=FP8_DYNAMIC"]),
 }
 BNB = "LLM.int8 (bitsandbytes Linear8bitLt)"
 
@@ -41,18 +47,30 @@ def slug(s: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in s).strip("_")
 
 
+def plant_spec(variant: str) -> dict | None:
+    """'original' -> None; 'planted' -> PLANT; 'planted:80' -> PLANT with factor 80."""
+    if variant == "original":
+        return None
+    name, _, factor = variant.partition(":")
+    if name != "planted":
+        raise SystemExit(f"unknown variant {variant!r}: use original, planted or planted:FACTOR")
+    return {**PLANT, "factor": float(factor)} if factor else dict(PLANT)
+
+
 def compress_all(out_root: Path, variant: str, only: list[str], reuse: bool) -> dict:
     info = {}
     for name, (recipe, sets) in ROWS.items():
         if only and name not in only:
             continue
-        out = out_root / variant / slug(name)
+        out = out_root / slug(variant) / slug(name)
         if reuse and (out / "report.json").is_file():
             info[name] = json.loads((out / "bench_info.json").read_text())
             continue
         cmd = [sys.executable, "-m", "compress", "run", recipe, "--output", str(out), "--overwrite", "--no-progress",
-               "--set", "eval.perplexity=false", "--set", "eval.speed=false", "--set", "eval.baseline=false"]
-        for s in sets + ([f"model.plant_outliers={json.dumps(PLANT)}"] if variant == "planted" else []):
+               "--set", "eval.perplexity=false", "--set", "eval.speed=false", "--set", "eval.baseline=false",
+               "--set", "output.save_dtype=float32"]  # embeddings and norms stay exact: only the quantization differs
+        plant = plant_spec(variant)
+        for s in sets + ([f"model.plant_outliers={json.dumps(plant)}"] if plant else []):
             cmd += ["--set", s]
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -75,8 +93,8 @@ def score_variant(info: dict, variant: str, max_windows: int, with_bnb: bool) ->
 
     def baseline():
         loaded = load_model("default")
-        if variant == "planted":
-            plant_outliers(loaded.model, get_arch(loaded.model), PlantSpec(**PLANT))
+        if plant_spec(variant):
+            plant_outliers(loaded.model, get_arch(loaded.model), PlantSpec(**plant_spec(variant)))
         return loaded
 
     base = baseline()
@@ -106,7 +124,8 @@ def table(scores: dict) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-windows", type=int, default=8)
-    ap.add_argument("--variants", nargs="*", default=["original", "planted"])
+    ap.add_argument("--variants", nargs="*", default=["original", "planted"],
+                    help="original, planted (factor 40) or planted:FACTOR")
     ap.add_argument("--only", nargs="*", default=[], help="subset of row names")
     ap.add_argument("--no-bnb", action="store_true")
     ap.add_argument("--reuse", action="store_true", help="keep compressed models already in --runs-dir")
@@ -117,7 +136,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "windows": args.max_windows, "seq_len": 2048,
-              "plant": PLANT, "variants": {}}
+              "plant": {v: plant_spec(v) for v in args.variants}, "variants": {}}
     for variant in args.variants:
         info = compress_all(Path(args.runs_dir), variant, args.only, args.reuse)
         scores = score_variant(info, variant, args.max_windows, not args.no_bnb)

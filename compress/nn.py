@@ -8,11 +8,12 @@ transformers' GPT-2 `Conv1D` stores its weight as [in, out]; `linear_weight` ret
 """
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+
 import torch
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
-
-import contextlib
 
 from .kernels import reference as ref
 from .primitives import FP8_DTYPES, scale_shape
@@ -111,9 +112,13 @@ class QuantLinear(nn.Module):
         w = self._weight_cache
         if act is not None and act.outlier_threshold is not None:
             cols = self.outlier_cols
-            if x.is_cuda and cols is None:
+            if x.is_cuda and cols is None and act.outlier_scaling == "exclude_elements" and \
+                    importlib.util.find_spec("bitsandbytes") is not None:
+                # bitsandbytes' Linear8bitLt path on our int8 weight (same codes and row scales); tested
+                # against ours on CPU, where bitsandbytes also runs.
                 return ref.linear_bitsandbytes(x, self.qdata, self.scale, act.outlier_threshold, bias)
-            y, n = ref.linear_llm_int8(x, self.qdata, self.scale, act.outlier_threshold, cols, bias)
+            y, n = ref.linear_llm_int8(x, self.qdata, self.scale, act.outlier_threshold, cols, bias,
+                                       scaling=act.outlier_scaling)
             if cols is None:
                 self.outlier_log.append(n)
             return y

@@ -42,8 +42,9 @@ class QuantizeStage:
 
     def __post_init__(self):
         get_quantizer(self.method)  # unknown method -> ValueError listing the known ones
-        if self.method == "gptq" and self.scheme.is_float:
-            raise ValueError(f"method gptq solves for an integer grid; {self.scheme.dtype} weights use method: rtn")
+        if self.method == "gptq" and self.scheme.granularity == "block":
+            raise ValueError("method gptq quantizes column by column and cannot keep 128x128 block scales; use "
+                             "granularity: channel or tensor, or method: rtn")
 
 
 def needs_input_stats(scheme: QuantScheme) -> bool:

@@ -26,6 +26,10 @@ class ActScheme:
     outlier_threshold (LLM.int8, Dettmers et al. 2022, arXiv:2208.07339): input features whose magnitude
     reaches it are computed in 16-bit floating point and the rest in int8. outliers: dynamic picks the
     columns per batch (as bitsandbytes does); static fixes them from calibration (`outlier_cols`).
+    outlier_scaling: what the per-row int8 scale of the remaining features sees. exclude_columns (the
+    paper's decomposition) takes the row absmax over the non-outlier features only; exclude_elements
+    (bitsandbytes' implementation) leaves out only the elements at or above the threshold, so the
+    sub-threshold values of an outlier column still set the row scale, and quantizes from float16.
     """
 
     dtype: Literal["int8", "fp8_e4m3", "fp8_e5m2"] = "int8"
@@ -34,6 +38,7 @@ class ActScheme:
     symmetric: bool = True
     outlier_threshold: float | None = None
     outliers: Literal["dynamic", "static"] = "dynamic"
+    outlier_scaling: Literal["exclude_columns", "exclude_elements"] = "exclude_columns"
 
     def __post_init__(self):
         if self.dtype not in ("int8", "fp8_e4m3", "fp8_e5m2"):
@@ -52,6 +57,9 @@ class ActScheme:
                 raise ValueError("outlier_threshold (LLM.int8) goes with dynamic symmetric int8 per-token activations")
             if not self.outlier_threshold > 0:
                 raise ValueError(f"outlier_threshold must be > 0 (LLM.int8 uses 6.0), got {self.outlier_threshold}")
+        if self.outlier_scaling not in ("exclude_columns", "exclude_elements"):
+            raise ValueError(f"outlier_scaling={self.outlier_scaling!r}; use 'exclude_columns' (the paper) or "
+                             "'exclude_elements' (bitsandbytes)")
         if self.outliers not in ("dynamic", "static"):
             raise ValueError(f"outliers={self.outliers!r}; use 'dynamic' (per batch) or 'static' (from calibration)")
 
@@ -62,7 +70,8 @@ class ActScheme:
     @property
     def name(self) -> str:
         if self.outlier_threshold is not None:
-            return f"a8-llmint8-{self.outliers}-t{self.outlier_threshold:g}"
+            rule = "-bnb" if self.outlier_scaling == "exclude_elements" else ""
+            return f"a8-llmint8-{self.outliers}-t{self.outlier_threshold:g}{rule}"
         how = "dyn" if self.dynamic else "static"
         return f"a-{self.dtype}-{self.granularity}-{how}{'' if self.symmetric else '-asym'}"
 
@@ -181,6 +190,7 @@ W8A8_STATIC = replace(W8A8, act=ActScheme("int8", "tensor", dynamic=False))
 W8A8_ASYM = QuantScheme("int8", "channel", None, False, "float32", ActScheme("int8", "token", symmetric=False))
 LLM_INT8 = replace(W8A8, act=replace(A8_TOKEN, outlier_threshold=6.0))  # bitsandbytes' default threshold
 LLM_INT8_STATIC = replace(W8A8, act=replace(A8_TOKEN, outlier_threshold=6.0, outliers="static"))
+LLM_INT8_BNB = replace(W8A8, act=replace(A8_TOKEN, outlier_threshold=6.0, outlier_scaling="exclude_elements"))
 # fp8 (e4m3). Names follow compressed-tensors: FP8 = per-tensor weights + static per-tensor activations,
 # FP8_DYNAMIC = per-channel weights + dynamic per-token activations, FP8_BLOCK = 128x128 weight tiles.
 FP8_W8A16 = QuantScheme("fp8_e4m3", "channel", None, True, "float32")
@@ -201,6 +211,7 @@ PRESETS: dict[str, QuantScheme] = {
     "W8A8_ASYM": W8A8_ASYM,
     "LLM_INT8": LLM_INT8,
     "LLM_INT8_STATIC": LLM_INT8_STATIC,
+    "LLM_INT8_BNB": LLM_INT8_BNB,
     "FP8_W8A16": FP8_W8A16,
     "FP8": FP8,
     "FP8_DYNAMIC": FP8_DYNAMIC,

@@ -14,6 +14,8 @@ from tests.conftest import requires_data
 @pytest.mark.parametrize("recipe_file, max_ppl_increase", [
     ("recipes/int8_absmax.yaml", 0.005),  # the issue's bar (0.5%); measured -0.06% on these 2 × 512 windows
     ("recipes/int4_rtn.yaml", 0.60),     # int4 g64 zero-point RTN: measured +37.7% on these windows
+    ("recipes/llm_int8.yaml", 0.05),     # LLM.int8 dynamic: measured MEASURE_LLM on these windows
+    ("recipes/fp8_static_kv.yaml", 0.10),  # fp8 static + fp8 KV cache: measured MEASURE_FP8 on these windows
 ])
 def test_recipe_on_smollm2(tmp_path, recipe_file, max_ppl_increase):
     out = tmp_path / "run"
@@ -33,6 +35,12 @@ def test_recipe_on_smollm2(tmp_path, recipe_file, max_ppl_increase):
     assert (out / "model.safetensors").is_file() and (out / "report.md").is_file()
     if "int4" in recipe_file:
         assert comp["weights"]["quantized_over_bf16"] <= 0.3
+    if "llm_int8" in recipe_file:  # the last blocks' down_proj inputs reach ~480: outlier features are found
+        counts = report["stages"][0]["layer_info"]["model.layers.29.mlp.down_proj"]
+        assert counts["outlier_features_calibration"] > 0
+        assert comp["llm_int8_outliers"]["model.layers.29.mlp.down_proj"]["max"] > 0
+    if "kv" in recipe_file:
+        assert len(report["stages"][1]["layers"]) == 30
 
 
 @requires_data

@@ -15,7 +15,8 @@ from compress.outliers import PlantSpec, plant_outliers
 from compress.primitives import activation_qparams, fake_quantize_activation, quantize_activation
 from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.quantizers.rtn import quantize_rtn
-from compress.scheme import LLM_INT8, LLM_INT8_STATIC, W8A8, W8A8_ASYM, W8A8_STATIC, ActScheme, QuantScheme
+from compress.scheme import (LLM_INT8, LLM_INT8_BNB, LLM_INT8_STATIC, W8A8, W8A8_ASYM, W8A8_STATIC, ActScheme,
+                             QuantScheme)
 from tests.conftest import make_tiny_model
 from tests.reference.naive_8bit import naive_int8_per_token, naive_llm_int8
 
@@ -109,6 +110,24 @@ def test_bitsandbytes_and_ours_agree_on_the_same_int8_weights():
     assert float((ours - theirs).pow(2).mean()) < 0.05 * float((ours - exact).pow(2).mean())
 
 
+def test_bitsandbytes_rule_reproduces_bitsandbytes_on_any_input():
+    """With outlier_scaling='exclude_elements' the row scale is bitsandbytes' (sub-threshold values of outlier
+    columns count, float16 inputs): the outputs then match up to an occasional one-code flip."""
+    x = torch.randn(64, 96)
+    x[:, 5] *= 4
+    x[3, 5] = 9.0  # column 5 is an outlier column because of one element; its other values stay in the row scale
+    x[:, 40] *= 20
+    w = torch.randn(80, 96) * 0.1
+    qt = quantize_rtn(w, LLM_INT8_BNB)
+    ours, n = linear_llm_int8(x, qt.qdata, qt.scale, 6.0, None, None, scaling="exclude_elements")
+    theirs = linear_bitsandbytes(x, qt.qdata, qt.scale, 6.0, None).float()
+    paper, _ = linear_llm_int8(x, qt.qdata, qt.scale, 6.0, None, None)
+    exact = x @ w.T
+    assert n == 2
+    assert float((ours - theirs).pow(2).mean()) < 0.01 * float((theirs - exact).pow(2).mean())
+    assert float((paper - exact).pow(2).mean()) < float((theirs - exact).pow(2).mean())  # the paper's row scale
+
+
 def test_bitsandbytes_whole_model_agrees_with_ours_on_a_planted_model():
     from tests.reference.bnb_llm_int8 import to_bitsandbytes_int8
 
@@ -119,7 +138,7 @@ def test_bitsandbytes_whole_model_agrees_with_ours_on_a_planted_model():
     with torch.no_grad():
         ref = model(ids).logits.log_softmax(-1)
         variants = {}
-        for name, sch in (("ours", LLM_INT8), ("absmax", W8A8)):
+        for name, sch in (("ours", LLM_INT8), ("ours-bnb-rule", LLM_INT8_BNB), ("absmax", W8A8)):
             m = copy.deepcopy(model)
             stage = QuantizeStage(scheme=sch)
             apply_quantize(m, plan_quantize(m, arch, stage), stage)
@@ -134,6 +153,7 @@ def test_bitsandbytes_whole_model_agrees_with_ours_on_a_planted_model():
     assert kl(variants["ours"]) < kl(variants["absmax"]) / 5
     assert kl(variants["bnb"]) < kl(variants["absmax"]) / 5
     assert abs(kl(variants["ours"]) - kl(variants["bnb"])) < 0.5 * max(kl(variants["ours"]), kl(variants["bnb"]))
+    assert abs(kl(variants["ours-bnb-rule"]) - kl(variants["bnb"])) < 0.05 * kl(variants["bnb"])
 
 
 def test_dynamic_layers_log_outlier_counts():
@@ -151,3 +171,6 @@ def test_llm_int8_scheme_rules():
     with pytest.raises(ValueError, match="symmetric"):
         ActScheme("int8", "tensor", dynamic=False, symmetric=False)
     assert W8A8_STATIC.act.granularity == "tensor" and not W8A8_STATIC.act.dynamic
+    with pytest.raises(ValueError, match="exclude_columns"):
+        ActScheme(outlier_threshold=6.0, outlier_scaling="rows")
+    assert LLM_INT8_BNB.name.endswith("-bnb") and not LLM_INT8.name.endswith("-bnb")

@@ -59,24 +59,34 @@ def outlier_columns(x2: Tensor, threshold: float) -> Tensor:
 
 
 def linear_llm_int8(x: Tensor, wq: Tensor, w_scale: Tensor, threshold: float, cols: Tensor | None,
-                    bias: Tensor | None, use_int_mm: bool = True) -> tuple[Tensor, int]:
+                    bias: Tensor | None, use_int_mm: bool = True,
+                    scaling: str = "exclude_columns") -> tuple[Tensor, int]:
     """LLM.int8() mixed-precision decomposition (Dettmers et al. 2022, eq. 4):
 
         y = x[:, O] @ w_hat[:, O]^T  +  s_x * s_w * (Q(x[:, ~O]) @ Q(w[:, ~O])^T)
 
     O: outlier input features (`cols`, or chosen per batch with `outlier_columns` when None), computed in the
     activations' float dtype against the dequantized int8 weight columns (as bitsandbytes does with int8-only
-    weights); the rest with per-row absmax int8 activations (the row absmax excludes the outlier features)
-    and per-output-channel int8 weights. Returns (y, number of outlier features used).
+    weights); the rest with per-row absmax int8 activations and per-output-channel int8 weights. The row
+    absmax excludes the outlier features (scaling="exclude_columns", the paper), or only the elements at or
+    above the threshold, from float16 inputs (scaling="exclude_elements", bitsandbytes' implementation).
+    Returns (y, number of outlier features used).
     """
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     if cols is None:
         cols = outlier_columns(x2, threshold)
     rest = x2
-    if cols.numel():
-        rest = x2.clone()
-        rest[:, cols] = 0
-    absmax = rest.float().abs().amax(dim=-1, keepdim=True)  # [M, 1]
+    if scaling == "exclude_elements":
+        rest = x2.half().float()
+        absmax = torch.where(rest.abs() >= threshold, 0.0, rest).abs().amax(dim=-1, keepdim=True)  # [M, 1]
+        if cols.numel():
+            rest = rest.clone()
+            rest[:, cols] = 0
+    else:
+        if cols.numel():
+            rest = x2.clone()
+            rest[:, cols] = 0
+        absmax = rest.float().abs().amax(dim=-1, keepdim=True)  # [M, 1]
     x_scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax)) * INV_127
     xq = torch.clamp(torch.round(rest.float() / x_scale), -127, 127).to(torch.int8)
     if use_int_mm:

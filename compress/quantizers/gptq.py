@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..primitives import compute_qparams, group_view
+from ..primitives import FP8_DTYPES, cast_fp8, compute_qparams, group_view
 from ..qtensor import QuantizedTensor
 from ..scheme import QuantScheme, replace_granularity
 
@@ -71,6 +71,9 @@ def quantize_gptq(w: Tensor, hessian: Tensor, scheme: QuantScheme, cfg: GPTQConf
     H = hessian.detach().to(dtype).clone()  # [K, K]
     n_rows, k = W.shape
     group_view(W, scheme)  # raises if the group size does not divide in_features
+    if scheme.granularity == "block":
+        raise ValueError(f"{name}: GPTQ quantizes column by column; 128x128 blocks are not supported, use "
+                         "granularity: channel (or method: rtn)")
 
     dead = torch.diag(H) == 0  # inputs that never fire: their weights cannot matter
     H[dead, dead] = 1.0
@@ -111,8 +114,11 @@ def quantize_gptq(w: Tensor, hessian: Tensor, scheme: QuantScheme, cfg: GPTQConf
                         zero_g[:, j // g] = z_new
                 s = scale_g[:, j // g]
                 z = None if zero_g is None else zero_g[:, j // g]
-            q = torch.round(col / s) + (z if z is not None else 0)
-            q = torch.clamp(q, scheme.qmin, scheme.qmax)
+            if scheme.is_float:  # fp8: the nearest value of the float8 grid (saturating), not an integer
+                q = cast_fp8(col / s, scheme.dtype).to(dtype)
+            else:
+                q = torch.round(col / s) + (z if z is not None else 0)
+                q = torch.clamp(q, scheme.qmin, scheme.qmax)
             codes[:, j] = q
             deq = (q - (z if z is not None else 0)) * s
             err = (col - deq) / h_inv[j, j]
@@ -126,6 +132,8 @@ def quantize_gptq(w: Tensor, hessian: Tensor, scheme: QuantScheme, cfg: GPTQConf
         scale, zero = scale_full, zero_full
     else:
         scale, zero = scale_g, zero_g
+    if scheme.is_float:
+        return QuantizedTensor.from_codes(codes.to(FP8_DTYPES[scheme.dtype]), scale.float(), None, scheme)
     return QuantizedTensor.from_codes(codes.to(torch.int32), scale.float(), None if zero is None else zero.float(),
                                       scheme)
 

@@ -21,6 +21,10 @@ def to_bitsandbytes_int8(model: nn.Module, blocks_prefix: str, threshold: float 
         if old.bias is not None:
             new.bias = nn.Parameter(old.bias.data.clone(), requires_grad=False)
         new = new.to(old.weight.device)  # Int8Params quantizes on the move
+        # A fresh module is in training mode, and in training bitsandbytes' CPU path dequantizes the weight
+        # and multiplies in float (MatMul8bitFp): no int8 activations, no outlier split. Inference mode runs
+        # LLM.int8 itself (MatMul8bitLt).
+        new.eval()
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, new)
     return len(names)
