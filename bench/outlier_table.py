@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))  # `compress` and tests.reference from a checkout,
 
 PLANT = {"channels": 4, "factor": 40.0, "seed": 0}
 NO_CALIB = ["calibration=null"]
-GPTQ_64 = ["stages.0.method=gptq", "calibration.n_samples=64"]
+RTN = ["stages.0.method=rtn", *NO_CALIB]  # recipes/fp8_dynamic.yaml uses GPTQ (64 x 512 calibration)
 ROWS = {  # name: (recipe, --set overrides)
     "int8 absmax W8A8 (per-token)": ("recipes/llm_int8.yaml", ["stages.0.scheme=W8A8", *NO_CALIB]),
     "int8 zero-point W8A8 (per-token)": ("recipes/llm_int8.yaml", ["stages.0.scheme=W8A8_ASYM", *NO_CALIB]),
@@ -33,11 +33,11 @@ ROWS = {  # name: (recipe, --set overrides)
     "LLM.int8 static (ours)": ("recipes/llm_int8.yaml", ["stages.0.scheme=LLM_INT8_STATIC"]),
     "LLM.int8 dynamic, bitsandbytes' row scale (ours)": ("recipes/llm_int8.yaml",
                                                          ["stages.0.scheme=LLM_INT8_BNB", *NO_CALIB]),
-    "fp8 weight-only (per-channel)": ("recipes/fp8_dynamic.yaml", ["stages.0.scheme=FP8_W8A16", *NO_CALIB]),
-    "fp8 dynamic (per-channel W, per-token A)": ("recipes/fp8_dynamic.yaml", NO_CALIB),
+    "fp8 weight-only (per-channel)": ("recipes/fp8_dynamic.yaml", ["stages.0.scheme=FP8_W8A16", *RTN]),
+    "fp8 dynamic (per-channel W, per-token A)": ("recipes/fp8_dynamic.yaml", RTN),
     "fp8 static (per-tensor) + fp8 KV cache": ("recipes/fp8_static_kv.yaml", []),
-    "fp8 weight-only + GPTQ": ("recipes/fp8_dynamic.yaml", ["stages.0.scheme=FP8_W8A16", *GPTQ_64]),
-    "fp8 dynamic + GPTQ": ("recipes/fp8_dynamic.yaml", GPTQ_64),
+    "fp8 weight-only + GPTQ": ("recipes/fp8_dynamic.yaml", ["stages.0.scheme=FP8_W8A16"]),
+    "fp8 dynamic + GPTQ": ("recipes/fp8_dynamic.yaml", []),
     "fp8 dynamic + fp8 KV cache": ("recipes/fp8_static_kv.yaml", ["stages.0.scheme=FP8_DYNAMIC"]),
 }
 BNB = "LLM.int8 (bitsandbytes Linear8bitLt)"
