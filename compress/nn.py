@@ -82,7 +82,8 @@ class QuantLinear(nn.Module):
         self.register_buffer("input_scale", torch.ones((), device=device) if act and not act.dynamic else None)
         static_cols = act is not None and act.outlier_threshold is not None and act.outliers == "static"
         self.register_buffer("outlier_cols", torch.zeros(0, dtype=torch.int64, device=device) if static_cols else None)
-        self.outlier_log: list[int] = []  # LLM.int8: outlier features used per forward (dynamic mode)
+        # LLM.int8 dynamic mode: forwards seen, outlier features used in total, and the most in one forward
+        self.outlier_counts = {"forwards": 0, "total": 0, "max": 0}
         self._weight_cache: Tensor | None = None  # set only inside cached_dequantize()
 
     @classmethod
@@ -120,7 +121,8 @@ class QuantLinear(nn.Module):
             y, n = ref.linear_llm_int8(x, self.qdata, self.scale, act.outlier_threshold, cols, bias,
                                        scaling=act.outlier_scaling)
             if cols is None:
-                self.outlier_log.append(n)
+                c = self.outlier_counts
+                c["forwards"], c["total"], c["max"] = c["forwards"] + 1, c["total"] + n, max(c["max"], n)
             return y
         if act is not None and w is None and int8_path(self.scheme):
             return ref.linear_w8a8_int8(x, self.qdata, self.scale, act, self.input_scale, bias)

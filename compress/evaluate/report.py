@@ -33,13 +33,14 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
         }
         for m in models.values():
             for q in _llm_int8_layers(m):
-                q.outlier_log.clear()
+                q.outlier_counts.update(forwards=0, total=0, max=0)
         scores = score_windows(models, windows, baseline=baseline, device=device, progress=progress)
         for n, s in scores.items():
             result["models"][n].update(ppl=s.ppl, nll=s.nll, tokens=s.tokens, kl=s.kl, top1_agreement=s.top1_agreement)
-            outliers = {name: {"forwards": len(q.outlier_log), "mean": sum(q.outlier_log) / len(q.outlier_log),
-                               "max": max(q.outlier_log), "in_features": q.in_features}
-                        for name, q in _llm_int8_layers(models[n], named=True) if q.outlier_log}
+            outliers = {name: {"forwards": c["forwards"], "mean": c["total"] / c["forwards"], "max": c["max"],
+                               "in_features": q.in_features}
+                        for name, q in _llm_int8_layers(models[n], named=True)
+                        if (c := q.outlier_counts)["forwards"]}
             if outliers:  # LLM.int8 dynamic: outlier features computed in float, per evaluation window
                 result["models"][n]["llm_int8_outliers"] = outliers
     for n, m in models.items():

@@ -200,6 +200,28 @@ def pair_skip_reason(block: nn.Module, prev_name: str, balance_names, quantized:
     return None
 
 
+def usable_pairs(block: nn.Module, pairs, quantized: set[str], results: list[PairResult]):
+    """Yield (label, prev, balance modules, balance names, inspect name) for each pair this block can scale;
+    a pair it cannot scale is appended to `results` as skipped, with the reason."""
+    for prev_name, balance_names, inspect_name in pairs:
+        label = pair_label(prev_name, balance_names)
+        reason = pair_skip_reason(block, prev_name, balance_names, quantized)
+        if reason:
+            results.append(PairResult(label, skipped=reason))
+            continue
+        yield (label, block.get_submodule(prev_name), [block.get_submodule(n) for n in balance_names],
+               balance_names, inspect_name)
+
+
+def fold_scales(prev: nn.Module, balance: list[nn.Module], balance_names, s: Tensor, norm_offset: float,
+                input_divisor: dict[str, Tensor]) -> None:
+    """apply_smoothing, and record that the balance linears' inputs are now divided by s (GPTQ's Hessian,
+    clipping and later smoothing stages read the recorded inputs through `input_divisor`)."""
+    apply_smoothing(prev, balance, s, norm_offset)
+    for n in balance_names:
+        input_divisor[n] = input_divisor.get(n, torch.ones_like(s)) * s
+
+
 def _autocast(t: Tensor):
     """The scale search compares candidates in bfloat16 (AMX / tensor cores: ~4x the float32 matmul rate
     here). Candidates and the reference are computed the same way, so the comparison stays fair;
@@ -240,14 +262,7 @@ def awq_block(block: nn.Module, pairs, observer, stage: AWQStage, scheme: QuantS
     names the next quantize stage will quantize; `input_divisor` collects what each linear's inputs were
     divided by (GPTQ and clipping read their recorded inputs through it)."""
     results = []
-    for prev_name, balance_names, inspect_name in pairs:
-        label = pair_label(prev_name, balance_names)
-        reason = pair_skip_reason(block, prev_name, balance_names, quantized)
-        if reason:
-            results.append(PairResult(label, skipped=reason))
-            continue
-        prev = block.get_submodule(prev_name)
-        balance = [block.get_submodule(n) for n in balance_names]
+    for label, prev, balance, balance_names, inspect_name in usable_pairs(block, pairs, quantized, results):
         stats = observer.stats[balance_names[0]]
         calls = observer.calls[inspect_name]
         w_mean = weight_mean([in_weight(m) for m in balance], scheme) if stage.duo_scaling else None
@@ -257,9 +272,7 @@ def awq_block(block: nn.Module, pairs, observer, stage: AWQStage, scheme: QuantS
         s, ratio, loss, loss0 = search_scales(
             stats.abs_mean, lambda sc: _replay_loss(inspect, calls, reference, balance, sc, scheme), stage.n_grid,
             w_mean)
-        apply_smoothing(prev, balance, s, norm_offset)
-        for n in balance_names:
-            input_divisor[n] = input_divisor.get(n, torch.ones_like(s)) * s
+        fold_scales(prev, balance, balance_names, s, norm_offset, input_divisor)
         results.append(PairResult(label, ratio, loss, loss0))
     if stage.clip and scheme.granularity != "tensor":
         for name in sorted(quantized):

@@ -21,7 +21,7 @@ from transformers.pytorch_utils import Conv1D
 
 from ..primitives import fake_quantize_activation
 from ..scheme import QuantScheme
-from .awq import PairResult, _replay, apply_smoothing, fake_quantize, in_weight, pair_label, pair_skip_reason
+from .awq import PairResult, _replay, fake_quantize, fold_scales, in_weight, usable_pairs
 
 MIN_SCALE = 1e-5
 
@@ -83,14 +83,7 @@ def smoothquant_block(block: nn.Module, pairs, observer, stage: SmoothQuantStage
                       quantized: set[str], norm_offset: float, input_divisor: dict[str, Tensor]) -> list[PairResult]:
     """Smooth every usable pair of one block in place; record what each linear's inputs were divided by."""
     results = []
-    for prev_name, balance_names, inspect_name in pairs:
-        label = pair_label(prev_name, balance_names)
-        reason = pair_skip_reason(block, prev_name, balance_names, quantized)
-        if reason:
-            results.append(PairResult(label, skipped=reason))
-            continue
-        prev = block.get_submodule(prev_name)
-        balance = [block.get_submodule(n) for n in balance_names]
+    for label, prev, balance, balance_names, inspect_name in usable_pairs(block, pairs, quantized, results):
         x_absmax = observer.stats[balance_names[0]].abs_max
         div = input_divisor.get(balance_names[0])
         if div is not None:  # an earlier stage already divided these inputs
@@ -107,8 +100,6 @@ def smoothquant_block(block: nn.Module, pairs, observer, stage: SmoothQuantStage
             alpha = min(losses, key=losses.get)
             loss = losses[alpha]
         s = smoothing_scales(x_absmax, w_absmax, alpha)
-        apply_smoothing(prev, balance, s, norm_offset)
-        for n in balance_names:
-            input_divisor[n] = input_divisor.get(n, torch.ones_like(s)) * s
+        fold_scales(prev, balance, balance_names, s, norm_offset, input_divisor)
         results.append(PairResult(label, alpha, loss, loss0))
     return results
