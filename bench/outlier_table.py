@@ -57,6 +57,17 @@ def plant_spec(variant: str) -> dict | None:
     return {**PLANT, "factor": float(factor)} if factor else dict(PLANT)
 
 
+def summary(stage: dict) -> dict:
+    """A stage's report, reduced to counts (the full per-layer detail stays in the run's report.json)."""
+    info = stage.get("layer_info") or {}
+    out = {"stage": stage["stage"], "layers": len(info or stage.get("layers") or {})}
+    counts = [v["outlier_features_calibration"] for v in info.values() if "outlier_features_calibration" in v]
+    if counts:
+        out["outlier_features_calibration"] = {"total": sum(counts), "max": max(counts),
+                                               "layers_with_any": sum(1 for c in counts if c)}
+    return out
+
+
 def compress_all(out_root: Path, variant: str, only: list[str], reuse: bool) -> dict:
     info = {}
     for name, (recipe, sets) in ROWS.items():
@@ -76,8 +87,7 @@ def compress_all(out_root: Path, variant: str, only: list[str], reuse: bool) -> 
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         report = json.loads((out / "report.json").read_text())
         info[name] = {"dir": str(out), "wall_s": time.perf_counter() - t0, "compress_s": report["timings"]["compress"],
-                      "stages": [{k: v for k, v in s.items() if k in ("stage", "layer_info", "layers")}
-                                 for s in report["stages"] if s["stage"] in ("quantize", "kv_cache")]}
+                      "stages": [summary(s) for s in report["stages"] if s["stage"] in ("quantize", "kv_cache")]}
         (out / "bench_info.json").write_text(json.dumps(info[name]))
         print(f"[{variant}] {name}: compress {info[name]['compress_s']:.0f} s", flush=True)
     return info
