@@ -1,5 +1,6 @@
-"""SmoothQuant: the scale formula against a naive reference, function preservation, the W8A8 gain on a
-model with planted outliers, the alpha search, and the recipe rules."""
+"""SmoothQuant: the scale formula against a naive reference, the W8A8 gain on a
+model with planted outliers, the alpha search, and the recipe rules. (Folding the scales is apply_smoothing, tested
+on every family in test_awq.py.)"""
 from __future__ import annotations
 
 import copy
@@ -15,7 +16,7 @@ from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.quantizers.smoothquant import SmoothQuantStage, smoothing_scales, smoothquant_block
 from compress.recipe import RecipeError, from_dict
 from compress.scheme import W8A8
-from tests.conftest import TINY_CONFIGS, make_tiny_model
+from tests.conftest import make_tiny_model
 from tests.reference.naive_8bit import naive_smoothing_scales
 
 
@@ -53,27 +54,6 @@ def _smooth(model, stage, scheme=W8A8, samples=None):
 
     errors = run_blockwise(model, arch, samples, on_block, progress=False, observe=observe)
     return errors, results
-
-
-@pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
-def test_smoothing_alone_preserves_the_function(family):
-    model = make_tiny_model(family)
-    arch = get_arch(model)
-    ids = torch.randint(0, 256, (1, 20))
-    with torch.no_grad():
-        before = model(ids).logits
-    for block in arch.block_list(model):
-        for prev, balance, _ in arch.awq:
-            from compress.quantizers.awq import apply_smoothing, in_weight, pair_skip_reason
-            if pair_skip_reason(block, prev, balance, set(balance)):
-                continue
-            mods = [block.get_submodule(n) for n in balance]
-            s = smoothing_scales(torch.rand(in_weight(mods[0]).shape[1]) * 10 + 0.1,
-                                 torch.stack([in_weight(m).abs().amax(0) for m in mods]).amax(0), 0.5)
-            apply_smoothing(block.get_submodule(prev), mods, s, arch.norm_offset)
-    with torch.no_grad():
-        after = model(ids).logits
-    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
 
 
 def test_smoothquant_cuts_w8a8_error_on_planted_outliers():
