@@ -15,6 +15,11 @@ The run writes OUTPUT/report.md and report.json (baseline and compressed side by
 model (model.safetensors + config.json + compress.json) and the recipe with its sha256.
 """
 
+EPILOG_RUN += """
+Prune and distill (recipes/minitron_prune_distill.yaml) also run data-parallel on several processes:
+  accelerate launch --num_processes 2 -m compress run recipes/minitron_prune_distill.yaml
+"""
+
 EPILOG_EVAL = """examples:
   compress eval runs/int4_rtn --baseline default --max-windows 4
   compress eval default --max-windows 2 --no-speed
@@ -48,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("--max-windows", type=int, help="evaluate on at most N perplexity windows (quick runs)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a crashed run's distill stage from its newest checkpoint (in OUTPUT.work/)")
 
     p = sub.add_parser("eval", help="evaluate a model (optionally against a baseline) and write a report",
                        epilog=EPILOG_EVAL, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,9 +89,11 @@ def cmd_run(args) -> int:
     if args.max_windows is not None:
         overrides.append(f"eval.max_windows={args.max_windows}")
     recipe = load_recipe(args.recipe, overrides)
-    report = run(recipe, progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr))
+    report = run(recipe, progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr), resume=args.resume)
+    if not report:  # a helper process under `accelerate launch`: the main process writes the report
+        return 0
     print((Path(recipe.output.dir) / "report.md").read_text())
-    return 0 if report else 1
+    return 0
 
 
 def cmd_eval(args) -> int:
@@ -125,6 +134,37 @@ def awq_pairs(model, arch, recipe, plans, index: int) -> list[tuple]:
     return [(prev, bal, insp, pair_skip_reason(block, prev, bal, quantized)) for prev, bal, insp in arch.awq]
 
 
+def prune_plan(model, arch, recipe) -> tuple[dict[int, str], object]:
+    """What the prune / distill stages will do (shapes and parameter counts, no data needed), and a meta-device
+    model of the pruned shape for planning the stages after them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .arch import get_arch
+    from .distill import DistillStage
+    from .prune.minitron import PruneStage, count_params, resolve_shape, shaped_config
+
+    lines: dict[int, str] = {}
+    for i, stage in enumerate(recipe.stages):
+        if isinstance(stage, PruneStage):
+            orig, new, changed = resolve_shape(model, arch, stage)
+            before, config = count_params(model.config), shaped_config(model, new)
+            after = count_params(config)
+            lines[i] = (f"\nstage {i}: prune (Minitron), axes {', '.join(changed) or 'none'}: "
+                        f"{orig.layers} blocks, hidden {orig.hidden}, {orig.heads}q/{orig.kv_heads}kv heads, MLP "
+                        f"{orig.intermediate} -> {new.layers} blocks, hidden {new.hidden}, {new.heads}q/{new.kv_heads}kv "
+                        f"heads, MLP {new.intermediate}; parameters {before:,} -> {after:,} ({after / before:.1%})")
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+            arch = get_arch(model)
+        elif isinstance(stage, DistillStage):
+            tokens = stage.steps * stage.batch_size * stage.grad_accum * stage.seq_len
+            lines[i] = (f"\nstage {i}: distill from the original: {stage.steps} steps × {stage.batch_size} × "
+                        f"{stage.grad_accum} × {stage.seq_len} = {tokens:,} tokens per process from "
+                        f"{stage.data.kind}, lr {stage.lr}, temperature {stage.temperature}")
+    return lines, model
+
+
 def cmd_inspect(args) -> int:
     from .arch import get_arch
     from .models import load_model
@@ -139,9 +179,12 @@ def cmd_inspect(args) -> int:
     loaded = load_model(recipe.model.source, recipe.model.dtype, "cpu", recipe.model.revision,
                         recipe.model.trust_remote_code)
     arch = get_arch(loaded.model)
+    pruned_lines, loaded.model = prune_plan(loaded.model, arch, recipe)  # later stages see the pruned shapes
+    arch = get_arch(loaded.model)
     plans = plan_stages(loaded.model, arch, recipe)
     if args.json:
         print(json.dumps({"arch": to_plain(arch), "stages": [
+            pruned_lines[i].strip() if i in pruned_lines else
             [{"name": e.name, "shape": e.shape, "scheme": e.scheme.name if e.scheme else None, "reason": e.reason}
              for e in p.layers] if p is not None else
             [{"prev": a, "balance": b, "inspect": c, "skipped": r} for a, b, c, r in
@@ -158,6 +201,9 @@ def cmd_inspect(args) -> int:
     print("calibration: " + (f"{cal.n_samples} × {cal.seq_len} tokens, kind {cal.kind}, seed {cal.seed}"
                              if cal else "none (no calibration pass)"))
     for i, (stage, plan) in enumerate(zip(recipe.stages, plans)):
+        if i in pruned_lines:
+            print(pruned_lines[i])
+            continue
         if isinstance(stage, KVCacheStage):
             names = attention_modules(arch.block_list(loaded.model)[0])
             print(f"\nstage {i}: kv_cache {stage.dtype}: k_scale / v_scale per attention layer, calibrated on "

@@ -19,6 +19,7 @@ from .arch import get_arch
 from .blockwise import run_blockwise
 from .data import fingerprint, load_texts, random_windows, sample_from_model, tokenize_joined
 from .evaluate.memory import folder_bytes
+from .evaluate.plots import plot_recovery
 from .evaluate.report import evaluate_models, write_report
 from .models import load_model, resolve_device, save_compressed
 from .nn import is_linear
@@ -27,9 +28,10 @@ from .observers import BlockObserver
 from .outliers import plant_outliers
 from .quantize import QuantizeStage, apply_quantize, plan_quantize
 from .kv_cache import KVCacheStage, attention_modules, kv_layers, set_kv_scales, use_kv_attention
+from .model_stages import run_model_stages, work_dir, world
 from .quantizers.awq import AWQStage, awq_block
 from .quantizers.smoothquant import SmoothQuantStage, smoothquant_block
-from .recipe import Recipe, to_plain
+from .recipe import MODEL_STAGES, Recipe, to_plain
 
 
 def set_threads(n: int) -> None:
@@ -59,7 +61,7 @@ def plan_stages(model, arch, recipe: Recipe) -> list:
     quantized again."""
     plans, claimed = [], {}
     for i, stage in enumerate(recipe.stages):
-        if not isinstance(stage, QuantizeStage):
+        if not isinstance(stage, QuantizeStage):  # including MODEL_STAGES (prune, distill)
             plans.append(None)
             continue
         plan = plan_quantize(model, arch, stage)
@@ -108,6 +110,8 @@ class BlockStages:
     def on_block(self, i: int, prefix: str, block, _inputs, observer) -> None:
         input_divisor: dict = {}
         for k, (stage, plan) in enumerate(self.model_stages):
+            if isinstance(stage, MODEL_STAGES):
+                continue  # ran on the whole model before calibration
             if isinstance(stage, AWQStage):
                 _, quantized = self._next_quantized(k, prefix)
                 results = awq_block(block, self.arch.awq, observer, stage, stage.scheme, quantized,
@@ -153,7 +157,8 @@ def kept_in_float(model, arch) -> list[str]:
     return [f"{n}× {k} (weight-only integer schemes apply to linear layers)" for k, n in sorted(kinds.items())]
 
 
-def run(recipe: Recipe, progress: bool = True, log=print) -> dict:
+def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) -> dict:
+    """Run the recipe. `resume` continues a crashed run's distill stage from its newest checkpoint."""
     out = Path(recipe.output.dir)
     check_output(out, recipe.output.overwrite)
     device = resolve_device(recipe.model.device)
@@ -169,6 +174,17 @@ def run(recipe: Recipe, progress: bool = True, log=print) -> dict:
     timings["load"] = time.perf_counter() - t
     plans = plan_stages(model, arch, recipe)  # strict-mode errors surface here, before any heavy work
     n_params = sum(p.numel() for p in model.parameters())
+    t = time.perf_counter()
+    model_reports, before_distill = run_model_stages(model, tokenizer, arch, recipe, recipe.calibration.source()
+                                                     if recipe.calibration else None, out, resume, progress, log)
+    if model_reports:
+        timings["prune_distill"] = time.perf_counter() - t
+    rank, _ = world()
+    if rank != 0:  # `accelerate launch`: the other processes only helped distill
+        return {}
+    if model_reports:
+        arch = get_arch(model)
+        plans = plan_stages(model, arch, recipe)  # on the pruned shapes
 
     report: dict = {
         "compress_version": __version__,
@@ -176,12 +192,14 @@ def run(recipe: Recipe, progress: bool = True, log=print) -> dict:
         "recipe": {"path": recipe.path, "sha256": recipe.sha256, "overrides": list(recipe.overrides),
                    "text": recipe.text, "resolved": to_plain(recipe, skip=("path", "text", "sha256", "overrides"))},
         "model": {"source": loaded.source, "kind": loaded.kind, "family": arch.family, "parameters": n_params,
+                  "parameters_after": sum(p.numel() for p in model.parameters()),
                   "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "device": device,
                   "threads": torch.get_num_threads(), "planted_outliers": planted},
     }
 
     t = time.perf_counter()
-    if recipe.calibration is not None:
+    calibrate = recipe.calibration is not None and any(not isinstance(s, MODEL_STAGES) for s in recipe.stages)
+    if calibrate:
         log("preparing calibration data ...")
         samples, report["calibration"] = calibration_samples(recipe, model, tokenizer)
 
@@ -198,8 +216,9 @@ def run(recipe: Recipe, progress: bool = True, log=print) -> dict:
             apply_quantize(model, plan, stage)
     timings["compress"] = time.perf_counter() - t
     set_threads(recipe.model.threads)
-    blocks = block_stages if recipe.calibration is not None else None
-    report["stages"] = [stage_summary(i, s, p, blocks, model) for i, (s, p) in enumerate(zip(recipe.stages, plans))]
+    blocks = block_stages if calibrate else None
+    report["stages"] = [model_reports[i] if i in model_reports else stage_summary(i, s, p, blocks, model)
+                        for i, (s, p) in enumerate(zip(recipe.stages, plans))]
     report["kept_in_float"] = kept_in_float(model, arch)
 
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -222,7 +241,10 @@ def run(recipe: Recipe, progress: bool = True, log=print) -> dict:
             if recipe.model.plant_outliers:
                 plant_outliers(baseline, arch, recipe.model.plant_outliers)
         log("evaluating ...")
-        models = {"baseline": baseline, "compressed": model} if baseline is not None else {"compressed": model}
+        models = {"baseline": baseline} if baseline is not None else {}
+        if before_distill is not None:
+            models["pruned"] = before_distill  # the same windows before and after distillation
+        models["compressed"] = model
         report["eval"] = evaluate_models(models, tokenizer, recipe.eval, device,
                                          baseline="baseline" if baseline is not None else None, progress=progress)
         timings["eval"] = time.perf_counter() - t
@@ -234,12 +256,16 @@ def run(recipe: Recipe, progress: bool = True, log=print) -> dict:
         (tmp / "recipe.yaml").write_text(recipe.text or recipe.resolved_yaml())
         (tmp / "recipe.resolved.yaml").write_text(recipe.resolved_yaml())
         write_report(report, tmp)
+        for stage in report["stages"]:
+            if stage.get("curve"):
+                plot_recovery(stage, tmp / f"recovery_curve_stage{stage['index']}.png")
         if out.exists():
             shutil.rmtree(out)
         out.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(work_dir(out), ignore_errors=True)  # distillation checkpoints: the run finished
     log(f"wrote {out}/report.md")
     return report
 

@@ -17,8 +17,10 @@ from typing import Any, Literal
 import yaml
 
 from .data import TextSource
+from .distill import DistillStage
 from .kv_cache import KVCacheStage
 from .outliers import PlantSpec
+from .prune.minitron import PruneStage
 from .quantize import QuantizeStage
 from .quantizers.awq import AWQStage
 from .quantizers.smoothquant import SmoothQuantStage
@@ -28,8 +30,9 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CALIB_DIR = PROJECT_ROOT / "calib"
 
 # Stage name -> config class. A new stage = one entry here + its handler in pipeline.STAGE_HANDLERS.
-STAGES: dict[str, type] = {"awq": AWQStage, "smoothquant": SmoothQuantStage, "quantize": QuantizeStage,
-                           "kv_cache": KVCacheStage}
+STAGES: dict[str, type] = {"prune": PruneStage, "distill": DistillStage, "awq": AWQStage,
+                           "smoothquant": SmoothQuantStage, "quantize": QuantizeStage, "kv_cache": KVCacheStage}
+MODEL_STAGES = (PruneStage, DistillStage)  # change the whole model's shape or weights; run before calibration
 
 
 class RecipeError(ValueError):
@@ -247,7 +250,17 @@ def _check_stages(stages: tuple, calibration, file: str) -> tuple:
     """Cross-stage rules: AWQ is followed by a quantize stage with the same scheme (filled in when the
     AWQ stage names none); AWQ and GPTQ need calibration data."""
     out = list(stages)
+    first_other = next((i for i, st in enumerate(stages) if not isinstance(st, MODEL_STAGES)), len(stages))
     for i, st in enumerate(stages):
+        if isinstance(st, MODEL_STAGES) and i > first_other:
+            raise RecipeError(f"{file}: `stages.{i}` ({type(st).__name__}) must come before the quantization stages "
+                              "(prune and distill change the model that calibration sees); move it up")
+        if isinstance(st, PruneStage) and calibration is None:
+            raise RecipeError(f"{file}: `stages.{i}` (prune) scores importance on calibration text; add a "
+                              "`calibration:` section (e.g. `calibration: {preset: wikitext2}`)")
+        if isinstance(st, DistillStage) and not any(isinstance(p, PruneStage) for p in stages[:i]):
+            raise RecipeError(f"{file}: `stages.{i}` (distill) repairs a pruned model from the original; "
+                              "put a `stage: prune` before it")
         needs = isinstance(st, (AWQStage, SmoothQuantStage, KVCacheStage)) or \
             (isinstance(st, QuantizeStage) and st.needs_calibration)
         if needs and calibration is None:

@@ -78,3 +78,33 @@ ARCH_TABLE: dict[str, dict] = {
         no_clip=("attn.c_attn",),
     ),
 }
+
+# Structured pruning (compress/prune): how each axis is cut, per family.
+#   heads: "separate" (q/k/v rows and o columns by head), "fused" (one qkv linear, rows [q | k | v]) or the
+#          reason the family cannot lose heads. mlp_in: linears whose output rows are the intermediate
+#          channels (`fused_halves` when gate and up share one linear, rows [gate | up]); mlp_out: the linear
+#          that reads them. hidden_norms: the norms over the residual width. config: the config keys to update.
+_SEPARATE = dict(q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj", o="self_attn.o_proj")
+_TIED_WIDTH = "{family} derives head_dim from hidden_size / num_attention_heads, so its attention width is tied to {axis}"
+_LLAMA_PRUNE = dict(
+    heads="separate", attn=_SEPARATE, mlp_in=("mlp.gate_proj", "mlp.up_proj"), mlp_out="mlp.down_proj",
+    hidden_norms=("input_layernorm", "post_attention_layernorm"),
+    config=dict(heads="num_attention_heads", kv_heads="num_key_value_heads", head_dim="head_dim",
+                intermediate="intermediate_size", hidden="hidden_size", layers="num_hidden_layers"),
+)
+PRUNE_TABLE: dict[str, dict] = {
+    "llama": _LLAMA_PRUNE, "mistral": _LLAMA_PRUNE, "qwen2": _LLAMA_PRUNE, "qwen3": _LLAMA_PRUNE,
+    "gemma": dict(_LLAMA_PRUNE, embed_scale="sqrt_hidden"),
+    "gemma2": dict(_LLAMA_PRUNE, embed_scale="sqrt_hidden", hidden_norms=ARCH_TABLE["gemma2"]["norms"]),
+    "phi3": dict(_LLAMA_PRUNE, heads="fused", attn=dict(qkv="self_attn.qkv_proj", o="self_attn.o_proj"),
+                 mlp_in=("mlp.gate_up_proj",), fused_halves=True),
+    "opt": dict(heads=_TIED_WIDTH.format(family="OPT", axis="hidden_size"), hidden=_TIED_WIDTH.format(
+        family="OPT", axis="the heads"), mlp_in=("fc1",), mlp_out="fc2",
+        config=dict(intermediate="ffn_dim", layers="num_hidden_layers")),
+    "gpt_neox": dict(heads=_TIED_WIDTH.format(family="GPT-NeoX", axis="hidden_size"), hidden=_TIED_WIDTH.format(
+        family="GPT-NeoX", axis="the heads"), mlp_in=("mlp.dense_h_to_4h",), mlp_out="mlp.dense_4h_to_h",
+        config=dict(intermediate="intermediate_size", layers="num_hidden_layers")),
+    "gpt2": dict(heads=_TIED_WIDTH.format(family="GPT-2", axis="n_embd"), hidden=_TIED_WIDTH.format(
+        family="GPT-2", axis="the heads"), mlp_in=("mlp.c_fc",), mlp_out="mlp.c_proj",
+        config=dict(intermediate="n_inner", layers="n_layer")),
+}

@@ -127,6 +127,50 @@ def _activation_lines(stage: dict, models: dict) -> list[str]:
     return []
 
 
+_SHAPE = (("layers", "decoder blocks"), ("hidden", "hidden size"), ("heads", "query heads"),
+          ("kv_heads", "KV heads"), ("intermediate", "MLP channels"))
+
+
+def _prune_lines(stage: dict) -> list[str]:
+    o, n = stage["original"], stage["pruned"]
+    lines = ["", f"## Stage {stage['index']}: prune (Minitron; axes: {', '.join(stage['axes']) or 'none'})", "",
+             f"Importance from activations on {stage['samples'][0]} × {stage['samples'][1]} calibration tokens "
+             f"(sequence {stage['seq_agg']}, batch {stage['batch_agg']}); parameters "
+             f"{stage['parameters_before']:,} → {stage['parameters_after']:,} ({stage['parameter_ratio']:.1%}).", "",
+             "| axis | original | pruned |", "|---|---:|---:|"]
+    lines += [f"| {label} | {o[k]} | {n[k]} |" for k, label in _SHAPE]
+    depth = stage.get("depth")
+    if depth:
+        lines += ["", f"Depth ({depth['metric']}): dropped blocks {depth['dropped']}."]
+        if depth.get("ppl_without_block"):
+            lines += [f"Perplexity on the scoring windows {depth['ppl']:.2f}; without each block: " +
+                      ", ".join(f"{i}: {p:.1f}" for i, p in enumerate(depth["ppl_without_block"]))]
+    if stage.get("heads"):
+        lines += ["", f"Heads ({stage['heads_mode']}): kept query heads per layer "
+                      f"{stage['heads']['kept_query'][:4]}{' …' if len(stage['heads']['kept_query']) > 4 else ''}"]
+    lines += [f"\nNote: {note}" for note in stage.get("notes", [])]
+    return lines
+
+
+def _distill_lines(stage: dict) -> list[str]:
+    lines = ["", f"## Stage {stage['index']}: distill (knowledge distillation from the original)", "",
+             f"{stage['steps']} steps, {stage['tokens']:,} training tokens from {stage['data']} in "
+             f"{stage['seconds'] / 60:.1f} min ({stage['tokens_per_s']:.0f} tokens/s, {stage['processes']} "
+             f"process{'es' if stage['processes'] > 1 else ''}, mixed precision {stage['mixed_precision']})"
+             + (f"; resumed from step {stage['resumed_from']}" if stage.get("resumed_from") else "") + "."]
+    curve = stage.get("curve") or []
+    if curve:
+        teacher = (stage.get("teacher") or {}).get("ppl")
+        windows, seq = stage.get("eval_windows", ["?", "?"])
+        lines += ["", f"Recovery curve on {windows} held-out WikiText-2 test windows of {seq} tokens"
+                  + (f" (teacher perplexity {teacher:.3f})" if teacher else "") + ":", "",
+                  "| step | tokens | minutes | perplexity | KL to teacher | train loss |", "|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {p['step']} | {p['tokens']:,} | {p['seconds'] / 60:.1f} | {p['ppl']:.3f} | {p['kl']:.4f} | "
+                  f"{_f(p.get('train_loss'))} |" for p in curve]
+        lines += ["", f"![recovery curve](recovery_curve_stage{stage['index']}.png)"]
+    return lines
+
+
 def render_markdown(report: dict) -> str:
     ev = report.get("eval", {})
     models = ev.get("models", {})
@@ -191,6 +235,9 @@ def render_markdown(report: dict) -> str:
         lines.append(f"\nPrefill {s['prefill_tokens']} tokens, then {s['decode_tokens']} greedy decode steps; "
                      f"median of {s['repeats']} runs after a warm-up, on {s['device']}.")
     for stage in report.get("stages", []):
+        if stage["stage"] in ("prune", "distill"):
+            lines += (_prune_lines if stage["stage"] == "prune" else _distill_lines)(stage)
+            continue
         if stage["stage"] == "awq":
             lines += ["", f"## Stage {stage['index']}: awq (for {stage['scheme']})", ""] + \
                 _awq_lines(stage.get("blocks", []))

@@ -1,0 +1,298 @@
+"""Knowledge-distillation repair (Minitron style): train a pruned student to match its teacher.
+
+Loss per micro-batch: T**2 * KL(teacher || student) on T-softened next-token distributions at every
+position, plus optionally `hidden_weight` * MSE(final hidden states) / Var(teacher hidden).
+Runs on Hugging Face accelerate: one process, or DDP under `accelerate launch` (gloo on CPU).
+Data order is a pure function of (seed, step): step s takes rows_per_step rows of a seeded
+per-epoch permutation and gives each (micro-batch, process) its own slice, so a resumed run
+trains on exactly the rows an uninterrupted run would have.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from .data import TextSource
+from .evaluate.ppl import score_windows
+
+STATE_FILE = "distill_state.json"  # written last, so a checkpoint folder without it is incomplete
+# changing these between a run and its resume would silently change what is trained
+_RESUME_FIXED = ("batch_size", "grad_accum", "seq_len", "lr", "min_lr", "warmup_steps", "weight_decay",
+                 "temperature", "hidden_weight", "max_grad_norm", "seed")
+
+
+@dataclass(frozen=True)
+class DistillStage:
+    """Recipe stage `distill`: repair a pruned student by distilling the original model (the teacher) into it."""
+    steps: int = 100  # optimizer steps
+    batch_size: int = 4  # sequences per micro-batch per process
+    grad_accum: int = 1  # micro-batches per optimizer step
+    seq_len: int = 256
+    lr: float = 1e-4  # peak learning rate (AdamW)
+    min_lr: float = 1e-5  # cosine decays to this
+    warmup_steps: int = 10  # linear warm-up from 0
+    weight_decay: float = 0.0
+    temperature: float = 1.0  # KD temperature; loss is multiplied by T**2 (Hinton)
+    hidden_weight: float = 0.0  # weight of the final-hidden-state MSE (needs equal hidden sizes)
+    eval_every: int = 25  # recovery-curve point every N steps (0 = only at start and end)
+    checkpoint_every: int = 50  # accelerator.save_state every N steps and at the end (0 = never)
+    keep_checkpoints: int = 2
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"  # auto: bf16 on CUDA when supported, else no
+    gradient_checkpointing: bool = False
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    # training text (the pipeline cuts it into seq_len windows); kind `self` samples it from the teacher
+    data: TextSource = TextSource("wikitext2", "validation")
+    eval_windows: int = 4  # recovery curve: WikiText-2 test windows (never trained on); 0 = no curve
+    eval_seq_len: int = 1024
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "grad_accum", "seq_len", "keep_checkpoints"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"distill {name}={v!r}; use a positive integer")
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed", "eval_windows"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"distill {name}={v!r}; use an integer >= 0")
+        if self.warmup_steps >= self.steps:
+            raise ValueError(f"distill warmup_steps={self.warmup_steps} >= steps={self.steps}; "
+                             f"use warmup_steps < steps (e.g. {self.steps // 10})")
+        if not 0 < self.min_lr <= self.lr:
+            raise ValueError(f"distill min_lr={self.min_lr}, lr={self.lr}; need 0 < min_lr <= lr")
+        if not self.temperature > 0:
+            raise ValueError(f"distill temperature={self.temperature}; use a temperature > 0 (1.0 = plain KL)")
+        for name in ("weight_decay", "hidden_weight"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"distill {name}={getattr(self, name)}; use a value >= 0")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"distill max_grad_norm={self.max_grad_norm}; use a value > 0 (e.g. 1.0)")
+        if self.mixed_precision not in ("auto", "no", "bf16"):
+            raise ValueError(f"distill mixed_precision={self.mixed_precision!r}; use 'auto', 'no' or 'bf16'")
+
+
+def kd_loss(student_logits: Tensor, teacher_logits: Tensor, temperature: float) -> Tensor:
+    """Forward KL(teacher || student) on softened distributions, mean over tokens, times T**2."""
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(f"student logits {tuple(student_logits.shape)} != teacher logits "
+                         f"{tuple(teacher_logits.shape)}; student and teacher need the same vocabulary")
+    s = F.log_softmax(student_logits.float().flatten(0, -2) / temperature, dim=-1)  # [tokens, V]
+    t = F.log_softmax(teacher_logits.detach().float().flatten(0, -2) / temperature, dim=-1)
+    return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature ** 2
+
+
+def lr_at(step: int, cfg: DistillStage) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warm-up 0 -> lr, cosine lr -> min_lr at steps - 1."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - 1 - cfg.warmup_steps))
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _step_rows(step: int, n_rows: int, cfg: DistillStage, process: int, processes: int) -> Tensor:
+    """Row indices [grad_accum, batch_size] that `process` trains on at `step`."""
+    per_step = cfg.batch_size * cfg.grad_accum * processes
+    steps_per_epoch = n_rows // per_step
+    epoch, k = divmod(step, steps_per_epoch)
+    perm = torch.randperm(n_rows, generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
+    rows = perm[k * per_step:(k + 1) * per_step].view(cfg.grad_accum, processes, cfg.batch_size)
+    return rows[:, process]
+
+
+def _new_accelerator(cfg: DistillStage):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    # AcceleratorState is a process-wide singleton that refuses a second, different mixed_precision;
+    # clear it (PartialState, which owns the process group, stays) so distill can run twice in a process.
+    AcceleratorState._reset_state(reset_partial_state=False)
+    cuda = torch.cuda.is_available()
+    mp = cfg.mixed_precision
+    if mp == "auto":
+        mp = "bf16" if cuda and torch.cuda.is_bf16_supported() else "no"
+    return Accelerator(mixed_precision=mp, gradient_accumulation_steps=cfg.grad_accum, cpu=not cuda)
+
+
+def _set_checkpointing(model: nn.Module, on: bool) -> None:
+    """Activation checkpointing (non-reentrant, so DDP works); transformers 5 renamed the gradient_* methods."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable() if on else model.activation_checkpointing_disable()
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def _restore_forward(model: nn.Module) -> None:
+    """Undo the autocast patch accelerate's prepare puts on model.forward under mixed precision.
+
+    Not accelerator.unwrap_model(keep_fp32_wrapper=False): accelerate 1.15 then unwraps every __wrapped__
+    layer, HF's @can_return_tuple included, and model(..., return_dict=False) breaks afterwards.
+    """
+    original = model.__dict__.pop("_original_forward", None)
+    if original is not None and getattr(original, "__func__", None) is type(model).forward:
+        del model.forward  # back to the class's method
+    elif original is not None:
+        model.forward = original
+
+
+def _latest_checkpoint(work_dir: Path) -> Path | None:
+    done = sorted(p.parent for p in (work_dir / "checkpoints").glob(f"step-*/{STATE_FILE}"))
+    return done[-1] if done else None
+
+
+def distill(student: nn.Module, teacher: nn.Module, train_ids: Tensor, cfg: DistillStage, work_dir: Path, *,
+            eval_ids: Tensor | None = None, resume: bool = False, accelerator=None,
+            progress: bool = True, log=print) -> dict:
+    """Distill `teacher` into `student` in place; return throughput and the recovery curve.
+
+    A passed `accelerator` must have gradient_accumulation_steps == cfg.grad_accum and nothing else
+    prepared; distill releases what it prepared (accelerator.free_memory()) before returning.
+    """
+    work_dir = Path(work_dir)
+    if train_ids.ndim != 2 or train_ids.dtype != torch.long or train_ids.shape[1] != cfg.seq_len:
+        raise ValueError(f"train_ids is {train_ids.dtype} {tuple(train_ids.shape)}; distill needs int64 "
+                         f"windows [N, seq_len={cfg.seq_len}] (cut the text into seq_len windows or set seq_len)")
+    if cfg.hidden_weight > 0 and student.config.hidden_size != teacher.config.hidden_size:
+        raise ValueError(f"hidden_weight={cfg.hidden_weight} needs equal hidden sizes, but student has "
+                         f"{student.config.hidden_size} and teacher {teacher.config.hidden_size}; "
+                         f"set hidden_weight: 0 (width-pruned students match logits only)")
+    acc = accelerator if accelerator is not None else _new_accelerator(cfg)
+    if acc.gradient_accumulation_steps != cfg.grad_accum:
+        raise ValueError(f"accelerator accumulates {acc.gradient_accumulation_steps} micro-batches but "
+                         f"grad_accum={cfg.grad_accum}; create it with gradient_accumulation_steps={cfg.grad_accum}")
+    if acc._models or acc._optimizers:  # save_state would checkpoint those too, and load_state mismatch
+        raise ValueError("the accelerator already holds prepared objects; pass a fresh Accelerator "
+                         "or call accelerator.free_memory() first")
+    main, processes = acc.is_main_process, acc.num_processes
+    say = log if main else (lambda *_: None)
+    rows_per_step = cfg.batch_size * cfg.grad_accum * processes
+    if train_ids.shape[0] < rows_per_step:
+        raise ValueError(f"{train_ids.shape[0]} training windows, but one step needs batch_size * grad_accum * "
+                         f"processes = {rows_per_step}; add windows or lower batch_size/grad_accum")
+    tokens_per_step = rows_per_step * cfg.seq_len
+
+    trainable = [p for p in student.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError("the student has no parameter with requires_grad=True (a copy of a frozen teacher?); "
+                         "call student.requires_grad_(True) before distill")
+    teacher.eval().requires_grad_(False).to(acc.device)
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr,
+                                  betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    # Not prepared: accelerate's scheduler wrapper steps num_processes times per step; its state goes in STATE_FILE.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg) / cfg.lr)
+    had_input_grads_hook = hasattr(student, "_require_grads_hook")  # transformers 5 adds one with checkpointing
+    if cfg.gradient_checkpointing:
+        _set_checkpointing(student, True)
+    student.train()
+    model, optimizer = acc.prepare(student, optimizer)
+
+    step, curve, seconds, teacher_scores, resumed_from = 0, [], 0.0, None, None
+    if resume:
+        ckpt = _latest_checkpoint(work_dir)
+        if ckpt is None:
+            raise FileNotFoundError(f"resume=True but {work_dir / 'checkpoints'} holds no complete checkpoint "
+                                    f"(step-*/{STATE_FILE}); run without resume")
+        state = json.loads((ckpt / STATE_FILE).read_text())
+        changed = [k for k in _RESUME_FIXED if state["config"][k] != getattr(cfg, k)]
+        if changed or state["processes"] != processes:
+            raise ValueError(f"{ckpt} was written with other {changed or 'processes'} than this run; "
+                             f"resume with the same settings or start a new work_dir")
+        acc.load_state(str(ckpt))
+        scheduler.load_state_dict(state["scheduler"])
+        step = resumed_from = state["step"]
+        curve, seconds, teacher_scores = state["curve"], state["seconds"], state["teacher"]
+        say(f"distill: resumed from {ckpt} at step {step}/{cfg.steps}")
+
+    def evaluate(loss_sum: Tensor, n: int) -> None:
+        nonlocal teacher_scores
+        mean_loss = float(acc.reduce(loss_sum, "mean")) / n if n else None  # collective: all ranks
+        point = {"step": step, "tokens": step * tokens_per_step, "seconds": round(seconds, 3),
+                 "ppl": None, "kl": None, "train_loss": mean_loss}
+        if eval_ids is not None and main:
+            raw = acc.unwrap_model(model).eval()
+            scores = score_windows({"teacher": teacher, "student": raw}, eval_ids, baseline="teacher",
+                                   device=str(acc.device), progress=False)
+            raw.train()
+            point["ppl"], point["kl"] = scores["student"].ppl, scores["student"].kl
+            teacher_scores = teacher_scores or {"ppl": scores["teacher"].ppl, "nll": scores["teacher"].nll,
+                                                "tokens": scores["teacher"].tokens}
+        curve.append(point)
+        say(f"distill step {step}/{cfg.steps}: " + ", ".join(
+            f"{k} {v:.4g}" for k, v in point.items() if k != "step" and v is not None))
+        acc.wait_for_everyone()
+
+    def checkpoint() -> None:
+        folder = work_dir / "checkpoints" / f"step-{step:06d}"
+        acc.save_state(str(folder))  # model as safetensors; optimizer, RNG and step counter from accelerate
+        if main:
+            state = {"step": step, "curve": curve, "tokens": step * tokens_per_step, "seconds": seconds,
+                     "teacher": teacher_scores, "processes": processes, "scheduler": scheduler.state_dict(),
+                     "config": asdict(cfg)}
+            (folder / STATE_FILE).write_text(json.dumps(state, indent=1))
+            for old in sorted((work_dir / "checkpoints").glob("step-*"))[:-cfg.keep_checkpoints]:
+                shutil.rmtree(old)
+        acc.wait_for_everyone()
+
+    start_step = step
+    if step == 0:
+        evaluate(torch.zeros((), device=acc.device), 0)
+    say(f"distill: {cfg.steps - step} steps x {rows_per_step} windows x {cfg.seq_len} tokens on {processes} "
+        f"process(es), mixed precision {acc.mixed_precision}")
+    bar = tqdm(total=cfg.steps, initial=step, desc="distill", unit="step", disable=not (progress and main))
+    loss_sum, n_loss = torch.zeros((), device=acc.device), 0
+    while step < cfg.steps:
+        t0 = time.perf_counter()
+        for rows in _step_rows(step, train_ids.shape[0], cfg, acc.process_index, processes):
+            ids = train_ids[rows].to(acc.device)  # [batch_size, seq_len]
+            with acc.accumulate(model):
+                with torch.no_grad(), acc.autocast():
+                    t_out = teacher(input_ids=ids, output_hidden_states=cfg.hidden_weight > 0, use_cache=False)
+                s_out = model(input_ids=ids, output_hidden_states=cfg.hidden_weight > 0, use_cache=False)
+                loss = kd_loss(s_out.logits, t_out.logits, cfg.temperature)
+                if cfg.hidden_weight > 0:
+                    t_h, s_h = t_out.hidden_states[-1].float(), s_out.hidden_states[-1].float()
+                    loss = loss + cfg.hidden_weight * F.mse_loss(s_h, t_h) / t_h.var().clamp_min(1e-12)
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            loss_sum += loss.detach().float() / cfg.grad_accum
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        step, n_loss = step + 1, n_loss + 1
+        seconds += time.perf_counter() - t0
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{lr:.2e}")
+        if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+            evaluate(loss_sum, n_loss)
+            loss_sum, n_loss = torch.zeros((), device=acc.device), 0
+        if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+            checkpoint()
+    bar.close()
+
+    _restore_forward(student)
+    student.eval()
+    if cfg.gradient_checkpointing:
+        _set_checkpointing(student, False)
+        if not had_input_grads_hook and hasattr(student, "_require_grads_hook"):
+            student.disable_input_require_grads()
+    acc.wait_for_everyone()
+    acc.free_memory()
+    tokens = step * tokens_per_step
+    if step > start_step:
+        say(f"distill: {step - start_step} steps in {seconds:.1f} s training time, "
+            f"{tokens / max(seconds, 1e-9):.0f} tokens/s")
+    return {"steps": step, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
+            "processes": processes, "mixed_precision": acc.mixed_precision, "curve": curve,
+            "teacher": teacher_scores, "resumed_from": resumed_from, "config": asdict(cfg)}

@@ -1,0 +1,62 @@
+"""One rank of the multi-process distill test: `torchrun --nproc_per_node 2 tests/distill_worker.py OUT`.
+
+Every rank builds the same tiny llama teacher, noisy student and training windows, distills for 3 steps
+(2 micro-batches each, evaluated on rank 0 only),
+and writes OUT/rank-<i>.json: the sha256 of its initial and final student parameters and of the
+windows its teacher saw at step 0 (recorded by a forward pre-hook, so it is what the rank trained on).
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)  # two OpenMP threads stall on the 2-core CI machines
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from compress.distill import DistillStage, distill  # noqa: E402
+from tests.conftest import make_tiny_model  # noqa: E402
+
+
+def params_sha(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main(out: Path) -> None:
+    teacher = make_tiny_model("llama", seed=0)
+    student = copy.deepcopy(teacher)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in student.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    train_ids = torch.randint(0, 256, (32, 16), generator=g)
+    eval_ids = torch.randint(0, 256, (2, 16), generator=g)
+    initial = params_sha(student)
+    seen = []
+    teacher.register_forward_pre_hook(lambda mod, args, kwargs: seen.append(kwargs["input_ids"].clone()),
+                                      with_kwargs=True)
+    cfg = DistillStage(steps=3, batch_size=2, grad_accum=2, seq_len=16, lr=1e-3, min_lr=1e-4, warmup_steps=0,
+                       eval_every=0, checkpoint_every=0)
+    result = distill(student, teacher, train_ids, cfg, out / "work", eval_ids=eval_ids, progress=False,
+                     log=lambda m: None)
+    from accelerate.state import PartialState
+    state = PartialState()
+    step0 = torch.cat(seen[:cfg.grad_accum])  # step 0's micro-batches, [grad_accum * batch_size, seq_len]
+    (out / f"rank-{state.process_index}.json").write_text(json.dumps({
+        "rank": state.process_index, "processes": result["processes"], "tokens": result["tokens"],
+        "curve_kl": [p["kl"] for p in result["curve"]],
+        "initial_sha": initial, "final_sha": params_sha(student),
+        "step0_rows": sorted(hashlib.sha256(r.numpy().tobytes()).hexdigest() for r in step0),
+    }))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,256 @@
+"""Knowledge-distillation repair: the KD loss and schedule against hand formulas, recovery on a tiny
+noisy student, exact resume from an accelerate checkpoint, and 2-process DDP over gloo."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from compress.distill import DistillStage, distill, kd_loss, lr_at
+from tests.conftest import TINY_CONFIGS, make_tiny_model
+
+torch.set_num_threads(1)  # two OpenMP threads stall on the 2-core CI machines
+REPO = Path(__file__).resolve().parents[1]
+QUIET = dict(progress=False, log=lambda m: None)
+
+
+def noisy_copy(model: torch.nn.Module, std: float = 0.05, seed: int = 1) -> torch.nn.Module:
+    student = copy.deepcopy(model).requires_grad_(True)  # distill freezes the teacher it was copied from
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in student.parameters():
+            p.add_(std * torch.randn(p.shape, generator=g))
+    return student
+
+
+def random_ids(rows: int, seq_len: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (rows, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+def kd_reference(student: torch.Tensor, teacher: torch.Tensor, t: float) -> torch.Tensor:
+    """T**2 * mean over tokens of sum_v p_t (log p_t - log p_s), explicit softmax in fp64."""
+    s, te = student.double().reshape(-1, student.shape[-1]) / t, teacher.double().reshape(-1, teacher.shape[-1]) / t
+    log_ps = s - torch.log(torch.exp(s).sum(-1, keepdim=True))
+    log_pt = te - torch.log(torch.exp(te).sum(-1, keepdim=True))
+    return (torch.exp(log_pt) * (log_pt - log_ps)).sum(-1).mean() * t * t
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.5, 0.5])
+def test_kd_loss_matches_reference_and_gradient(temperature):
+    student = (3 * torch.randn(2, 5, 11)).requires_grad_()
+    teacher = 3 * torch.randn(2, 5, 11)
+    loss = kd_loss(student, teacher, temperature)
+    torch.testing.assert_close(loss.double(), kd_reference(student.detach(), teacher, temperature),
+                               rtol=1e-5, atol=1e-6)
+    loss.backward()
+    # d/dz_s [T^2 KL(p_t || p_s)] = T (p_s - p_t) / tokens
+    expected = temperature * (torch.softmax(student.detach() / temperature, -1)
+                              - torch.softmax(teacher / temperature, -1)) / 10
+    torch.testing.assert_close(student.grad, expected, rtol=1e-4, atol=1e-6)
+    assert kd_loss(teacher, teacher.clone(), temperature).abs().item() < 1e-6
+
+
+def test_kd_loss_rejects_other_vocab():
+    with pytest.raises(ValueError, match="same vocabulary"):
+        kd_loss(torch.randn(3, 8), torch.randn(3, 9), 1.0)
+
+
+def test_lr_schedule_warmup_then_cosine_to_min_lr():
+    cfg = DistillStage(steps=26, warmup_steps=5, lr=1e-3, min_lr=1e-4)
+    lrs = [lr_at(s, cfg) for s in range(cfg.steps)]
+    assert lrs[0] == 0.0
+    assert lrs[:6] == pytest.approx([0, 2e-4, 4e-4, 6e-4, 8e-4, 1e-3])  # linear, peak at warm-up end
+    assert max(lrs) == pytest.approx(1e-3)
+    assert lrs[15] == pytest.approx(5.5e-4)  # cosine midpoint (steps 5..25) = (lr + min_lr) / 2
+    assert lrs[-1] == pytest.approx(1e-4)
+    assert all(a > b for a, b in zip(lrs[5:], lrs[6:]))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(steps=10, warmup_steps=10), "warmup_steps < steps"),
+    (dict(steps=0), "positive integer"),
+    (dict(batch_size=2.5), "positive integer"),
+    (dict(lr=1e-4, min_lr=1e-3), "min_lr <= lr"),
+    (dict(min_lr=0.0), "min_lr <= lr"),
+    (dict(temperature=0.0), "temperature > 0"),
+    (dict(eval_every=-1), ">= 0"),
+    (dict(hidden_weight=-1.0), ">= 0"),
+    (dict(mixed_precision="fp16"), "'auto', 'no' or 'bf16'"),
+])
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DistillStage(**kwargs)
+
+
+def test_distill_reduces_kl_to_teacher(tmp_path):
+    teacher = make_tiny_model("llama")
+    student = noisy_copy(teacher)
+    cfg = DistillStage(steps=30, batch_size=4, seq_len=32, lr=3e-3, min_lr=3e-4, warmup_steps=3,
+                       eval_every=10, checkpoint_every=0)
+    out = distill(student, teacher, random_ids(64, 32, 2), cfg, tmp_path, eval_ids=random_ids(4, 32, 3), **QUIET)
+    curve = out["curve"]
+    assert [p["step"] for p in curve] == [0, 10, 20, 30]
+    assert [p["tokens"] for p in curve] == [0, 1280, 2560, 3840]
+    assert out["tokens"] == 3840 and out["processes"] == 1 and out["mixed_precision"] == "no"
+    assert out["resumed_from"] is None and out["teacher"]["ppl"] > 1
+    # measured: KL 0.104 -> 0.017 nats/token (ratio 0.16)
+    assert curve[-1]["kl"] < 0.35 * curve[0]["kl"]
+    assert curve[-1]["train_loss"] < curve[1]["train_loss"]
+    assert not student.training and not teacher.training
+    assert not any(p.requires_grad for p in teacher.parameters())
+    assert all(p.grad is None or p.grad.abs().sum() == 0 for p in student.parameters())
+
+
+def test_distill_runs_twice_in_one_process_with_other_settings(tmp_path):
+    teacher = make_tiny_model("qwen2")
+    # accelerate's AcceleratorState singleton refuses a second Accelerator with another mixed_precision
+    for grad_accum, mixed_precision in ((1, "bf16"), (2, "no")):
+        student = noisy_copy(teacher)
+        before = [p.clone() for p in student.parameters()]
+        cfg = DistillStage(steps=2, batch_size=2, grad_accum=grad_accum, seq_len=16, lr=1e-3, min_lr=1e-4,
+                           warmup_steps=0, eval_every=0, checkpoint_every=0, mixed_precision=mixed_precision)
+        out = distill(student, teacher, random_ids(8, 16, 4), cfg, tmp_path / str(grad_accum), **QUIET)
+        assert out["tokens"] == 2 * 2 * grad_accum * 16 and out["mixed_precision"] == mixed_precision
+        # accelerate's autocast patch of forward is undone and HF's forward decorators survive
+        assert "forward" not in student.__dict__
+        assert isinstance(student(input_ids=random_ids(1, 16, 0), return_dict=False), tuple)
+        assert any(not torch.equal(a, b) for a, b in zip(before, student.parameters()))
+
+
+def test_gradient_checkpointing_gives_the_same_weights(tmp_path):
+    teacher = make_tiny_model("phi3")
+    initial = noisy_copy(teacher)
+    students, checkpointing_on = [], []
+    for gc in (False, True):
+        students.append(copy.deepcopy(initial))
+        calls = []  # per training forward of layer 0: was checkpointing active
+        students[-1].model.layers[0].register_forward_pre_hook(
+            lambda m, a: calls.append(bool(m.gradient_checkpointing and m.training)))
+        cfg = DistillStage(steps=2, batch_size=2, seq_len=16, lr=1e-3, min_lr=1e-4, warmup_steps=0, eval_every=0,
+                           checkpoint_every=0, gradient_checkpointing=gc)
+        distill(students[-1], teacher, random_ids(4, 16, 10), cfg, tmp_path / str(gc), **QUIET)
+        checkpointing_on.append(calls)
+    assert checkpointing_on == [[False, False], [True, True]]  # checkpointing was on in training forwards
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in students[1].modules())  # disabled after
+    assert not hasattr(students[1], "_require_grads_hook")
+    for a, b in zip(*(s.parameters() for s in students)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(a, b) for a, b in zip(initial.parameters(), students[0].parameters()))
+
+
+def test_resume_continues_exactly(tmp_path):
+    teacher = make_tiny_model("llama")
+    initial = noisy_copy(teacher)
+    train_ids, eval_ids = random_ids(24, 16, 5), random_ids(2, 16, 6)
+    cfg = DistillStage(steps=8, batch_size=2, grad_accum=2, seq_len=16, lr=2e-3, min_lr=2e-4, warmup_steps=2,
+                       eval_every=4, checkpoint_every=2, keep_checkpoints=2)
+
+    with pytest.raises(FileNotFoundError, match="checkpoints"):
+        distill(copy.deepcopy(initial), teacher, train_ids, cfg, tmp_path, resume=True, **QUIET)
+
+    student_a = copy.deepcopy(initial)
+    run_a = distill(student_a, teacher, train_ids, cfg, tmp_path, eval_ids=eval_ids, **QUIET)
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-000006", "step-000008"]  # keep_checkpoints=2
+    assert (ckpts / "step-000008" / "model.safetensors").is_file()
+    shutil.move(ckpts / "step-000008", tmp_path / "a-step-000008")
+
+    student_b = copy.deepcopy(initial)
+    run_b = distill(student_b, teacher, train_ids, cfg, tmp_path, eval_ids=eval_ids, resume=True, **QUIET)
+    assert run_b["resumed_from"] == 6 and run_b["steps"] == 8 and run_b["tokens"] == run_a["tokens"]
+    for (name, a), b in zip(student_a.named_parameters(), student_b.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
+    assert [p["step"] for p in run_b["curve"]] == [0, 4, 8]
+    assert run_b["curve"][:2] == run_a["curve"][:2]
+    assert run_b["curve"][2]["kl"] == pytest.approx(run_a["curve"][2]["kl"], rel=1e-5)
+
+    # optimizer moments, step counts and the scheduler state after the last step match run A's
+    state_a = json.loads((tmp_path / "a-step-000008" / "distill_state.json").read_text())
+    state_b = json.loads((ckpts / "step-000008" / "distill_state.json").read_text())
+    assert state_b["scheduler"] == state_a["scheduler"] and state_b["scheduler"]["last_epoch"] == 8
+    opt_a = torch.load(tmp_path / "a-step-000008" / "optimizer.bin", weights_only=True)
+    opt_b = torch.load(ckpts / "step-000008" / "optimizer.bin", weights_only=True)
+    assert opt_b["param_groups"][0]["lr"] == pytest.approx(opt_a["param_groups"][0]["lr"])
+    for k, sa in opt_a["state"].items():
+        assert float(opt_b["state"][k]["step"]) == float(sa["step"]) == 8
+        torch.testing.assert_close(opt_b["state"][k]["exp_avg_sq"], sa["exp_avg_sq"], rtol=1e-5, atol=1e-12)
+
+    # a finished run resumes to an immediate return with the saved curve and untouched weights
+    student_c = copy.deepcopy(student_b)
+    run_c = distill(student_c, teacher, train_ids, cfg, tmp_path, eval_ids=eval_ids, resume=True, **QUIET)
+    assert run_c["resumed_from"] == 8 and run_c["curve"] == run_b["curve"]
+    for a, c in zip(student_b.parameters(), student_c.parameters()):
+        assert torch.equal(a, c)
+
+
+def test_hidden_state_term(tmp_path):
+    teacher = make_tiny_model("gemma")
+    student = noisy_copy(teacher)
+    seen = []
+    teacher.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"]), with_kwargs=True)
+    losses = {}
+    for w in (0.0, 2.0):  # one step: the logged loss is the loss of the initial student on step 0's batch
+        cfg = DistillStage(steps=1, batch_size=2, seq_len=16, warmup_steps=0, eval_every=0, checkpoint_every=0,
+                           hidden_weight=w)
+        out = distill(copy.deepcopy(student), teacher, random_ids(4, 16, 7), cfg, tmp_path / str(w), **QUIET)
+        losses[w] = out["curve"][-1]["train_loss"]
+    assert torch.equal(seen[0], seen[1])
+    with torch.no_grad():
+        t_h = teacher(input_ids=seen[0], output_hidden_states=True).hidden_states[-1]
+        s_h = student(input_ids=seen[0], output_hidden_states=True).hidden_states[-1]
+    expected = 2.0 * ((s_h - t_h) ** 2).mean() / t_h.var()
+    assert expected > 1e-3
+    assert losses[2.0] - losses[0.0] == pytest.approx(expected.item(), rel=1e-4)
+
+
+def test_hidden_weight_needs_equal_hidden_sizes(tmp_path):
+    teacher = make_tiny_model("llama")
+    config = TINY_CONFIGS["llama"]()
+    config.hidden_size = 32
+    student = type(teacher)(config)
+    cfg = DistillStage(steps=2, batch_size=1, seq_len=16, warmup_steps=0, hidden_weight=1.0)
+    with pytest.raises(ValueError, match="hidden_weight: 0"):
+        distill(student, teacher, random_ids(4, 16, 8), cfg, tmp_path, **QUIET)
+
+
+def test_input_validation(tmp_path):
+    teacher = make_tiny_model("gpt2")
+    cfg = DistillStage(steps=2, batch_size=4, grad_accum=2, seq_len=16, warmup_steps=0)
+    with pytest.raises(ValueError, match="one step needs"):
+        distill(noisy_copy(teacher), teacher, random_ids(7, 16, 9), cfg, tmp_path, **QUIET)
+    with pytest.raises(ValueError, match="seq_len=16"):
+        distill(noisy_copy(teacher), teacher, random_ids(8, 32, 9), cfg, tmp_path, **QUIET)
+    with pytest.raises(ValueError, match="requires_grad_"):
+        distill(noisy_copy(teacher).requires_grad_(False), teacher, random_ids(8, 16, 9), cfg, tmp_path, **QUIET)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_ddp_over_gloo(tmp_path):
+    # accelerate 1.15: `launch --cpu --num_processes 2` starts ONE process (multi-CPU needs mpirun);
+    # `--multi_gpu` goes through torchrun and, with no visible GPU, accelerate picks MULTI_CPU + gloo.
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(_free_port()), str(REPO / "tests" / "distill_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, timeout=300, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank-{i}.json").read_text()) for i in range(2)]
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["processes"] == 2 for r in ranks)
+    assert ranks[0]["tokens"] == 3 * 2 * 2 * 2 * 16  # steps x batch_size x grad_accum x processes x seq_len
+    assert all(kl > 0 for kl in ranks[0]["curve_kl"]) and ranks[1]["curve_kl"] == [None, None]  # main evaluates
+    assert not set(ranks[0]["step0_rows"]) & set(ranks[1]["step0_rows"])  # each rank its own rows
+    assert ranks[0]["final_sha"] == ranks[1]["final_sha"]  # gradients were all-reduced
+    assert ranks[0]["final_sha"] != ranks[0]["initial_sha"]
