@@ -257,7 +257,7 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
         (tmp / "recipe.resolved.yaml").write_text(recipe.resolved_yaml())
         write_report(report, tmp)
         for stage in report["stages"]:
-            if stage.get("curve"):
+            if any(p.get("ppl") is not None for p in stage.get("curve") or ()):
                 plot_recovery(stage, tmp / f"recovery_curve_stage{stage['index']}.png")
         if out.exists():
             shutil.rmtree(out)

@@ -316,3 +316,108 @@ def test_inspect_shows_smoothquant_pairs_kv_and_kernels(tmp_path, model_dir, cal
     out = capsys.readouterr().out
     assert "stage 0: smoothquant, alpha 0.5" in out and "[int8 _int_mm]" in out
     assert "stage 2: kv_cache fp8_e4m3" in out and "self_attn" in out
+
+
+# ---------------------------------------------------------------- prune + distill (Minitron)
+
+def _minitron_recipe(model_dir: Path, calib_file: Path, out: Path, *more_stages, **distill) -> dict:
+    recipe = _recipe(model_dir, calib_file, out)
+    recipe["stages"] = [
+        {"stage": "prune", "mlp": 0.5, "n_samples": 2, "seq_len": SEQ_LEN, "multiple_of": 8},
+        {"stage": "distill", "steps": 4, "batch_size": 2, "seq_len": SEQ_LEN, "warmup_steps": 1, "eval_every": 2,
+         "checkpoint_every": 2, "eval_windows": 0, "data": {"kind": "files", "files": [str(calib_file)]}, **distill},
+        *more_stages]
+    return recipe
+
+
+def test_prune_distill_output_loads_with_plain_transformers(tmp_path, model_dir, calib_file):
+    recipe = _minitron_recipe(model_dir, calib_file, tmp_path / "out")
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert main(["run", str(path), "--no-progress"]) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    prune, distill = report["stages"]
+    assert prune["pruned"]["intermediate"] == 64 and prune["parameter_ratio"] < 0.8
+    assert distill["steps"] == 4 and distill["tokens"] == 4 * 2 * SEQ_LEN and len(distill["curve"]) == 3
+    assert report["model"]["parameters_after"] == prune["parameters_after"]
+    assert not (tmp_path / "out.work").exists()  # checkpoints are removed once the run has finished
+    import transformers
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # no compress code involved
+    assert plain.config.intermediate_size == 64 and plain.model.layers[0].mlp.down_proj.in_features == 64
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "## Stage 0: prune (Minitron; axes: mlp)" in md and "| MLP channels | 128 | 64 |" in md
+    assert "## Stage 1: distill" in md
+
+
+def test_prune_distill_then_quantize_evaluates_before_and_after(tmp_path, model_dir, calib_file):
+    recipe = _minitron_recipe(model_dir, calib_file, tmp_path / "out",
+                              {"stage": "quantize", "method": "rtn", "scheme": {"dtype": "int4", "group_size": 16},
+                               "ignore": ["lm_head"]})
+    recipe["eval"] = {"perplexity": False, "speed": False}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert main(["run", str(path), "--no-progress"]) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert list(report["eval"]["models"]) == ["baseline", "pruned", "compressed"]
+    assert report["stages"][2]["quantized"] == len(LINEARS)
+    reloaded = load_compressed(tmp_path / "out")
+    assert reloaded.model.layers[1].mlp.down_proj.in_features == 64
+    assert isinstance(reloaded.model.layers[1].mlp.down_proj, QuantLinear)
+
+
+def test_inspect_shows_the_pruned_shape_and_plans_on_it(tmp_path, model_dir, calib_file, capsys):
+    recipe = _minitron_recipe(model_dir, calib_file, tmp_path / "out",
+                              {"stage": "quantize", "method": "rtn", "scheme": {"dtype": "int4", "group_size": 16}})
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "stage 0: prune (Minitron), axes mlp:" in out and "MLP 128 -> 2 blocks, hidden 64, 4q/2kv heads, MLP 64" in out
+    assert "stage 1: distill from the original: 4 steps" in out
+    assert "model.layers.0.mlp.down_proj" in out and "64×64" in out  # down_proj planned at its pruned width
+
+
+def test_resume_without_a_checkpoint_exits_2_naming_the_folder(tmp_path, model_dir, calib_file, capsys):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(_minitron_recipe(model_dir, calib_file, tmp_path / "out"), sort_keys=False))
+    assert main(["run", str(path), "--no-progress", "--resume"]) == 2
+    assert "holds no complete checkpoint" in capsys.readouterr().err
+
+
+@requires_data
+def test_distill_recovery_curve_is_plotted(tmp_path, model_dir, calib_file):
+    recipe = _minitron_recipe(model_dir, calib_file, tmp_path / "out", eval_windows=1, eval_seq_len=32)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert main(["run", str(path), "--no-progress"]) == 0
+    curve = json.loads((tmp_path / "out" / "report.json").read_text())["stages"][1]["curve"]
+    assert [p["step"] for p in curve] == [0, 2, 4] and all(p["ppl"] > 1 and p["kl"] >= 0 for p in curve)
+    png = (tmp_path / "out" / "recovery_curve_stage1.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![recovery curve](recovery_curve_stage1.png)" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_accelerate_launch_runs_the_recipe_on_two_processes(tmp_path, model_dir, calib_file):
+    """`accelerate launch` with two CPU processes (DDP over gloo): both distill, only rank 0 writes the output.
+    accelerate's `--cpu` launcher starts one process unless MPI is set up, so `--multi_gpu` with no visible GPU
+    is the way to get torchrun's two processes on CPU."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    recipe = _minitron_recipe(model_dir, calib_file, tmp_path / "out", batch_size=1)
+    recipe["eval"] = {"perplexity": False, "speed": False}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                           "--main_process_port", str(port), "-m", "compress", "run", str(path), "--no-progress"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    distill = json.loads((tmp_path / "out" / "report.json").read_text())["stages"][1]
+    assert distill["processes"] == 2 and distill["tokens"] == 4 * 1 * 2 * SEQ_LEN  # steps × batch × processes

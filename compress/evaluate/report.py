@@ -159,15 +159,16 @@ def _distill_lines(stage: dict) -> list[str]:
              f"process{'es' if stage['processes'] > 1 else ''}, mixed precision {stage['mixed_precision']})"
              + (f"; resumed from step {stage['resumed_from']}" if stage.get("resumed_from") else "") + "."]
     curve = stage.get("curve") or []
-    if curve:
+    if curve:  # without eval_windows only the training loss is known
         teacher = (stage.get("teacher") or {}).get("ppl")
         windows, seq = stage.get("eval_windows", ["?", "?"])
         lines += ["", f"Recovery curve on {windows} held-out WikiText-2 test windows of {seq} tokens"
                   + (f" (teacher perplexity {teacher:.3f})" if teacher else "") + ":", "",
                   "| step | tokens | minutes | perplexity | KL to teacher | train loss |", "|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {p['step']} | {p['tokens']:,} | {p['seconds'] / 60:.1f} | {p['ppl']:.3f} | {p['kl']:.4f} | "
-                  f"{_f(p.get('train_loss'))} |" for p in curve]
-        lines += ["", f"![recovery curve](recovery_curve_stage{stage['index']}.png)"]
+        lines += [f"| {p['step']} | {p['tokens']:,} | {p['seconds'] / 60:.1f} | {_f(p['ppl'], '{:.3f}')} | "
+                  f"{_f(p['kl'])} | {_f(p.get('train_loss'))} |" for p in curve]
+        if any(p["ppl"] is not None for p in curve):
+            lines += ["", f"![recovery curve](recovery_curve_stage{stage['index']}.png)"]
     return lines
 
 
