@@ -47,7 +47,7 @@ class DistillStage:
     eval_every: int = 25  # recovery-curve point every N steps (0 = only at start and end)
     checkpoint_every: int = 50  # accelerator.save_state every N steps and at the end (0 = never)
     keep_checkpoints: int = 2
-    mixed_precision: Literal["auto", "no", "bf16"] = "auto"  # auto: bf16 on CUDA when supported, else no
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"  # auto: bf16 where the hardware has it (native_bf16)
     gradient_checkpointing: bool = False
     max_grad_norm: float = 1.0
     seed: int = 0
@@ -109,6 +109,16 @@ def _step_rows(step: int, n_rows: int, cfg: DistillStage, process: int, processe
     return rows[:, process]
 
 
+def native_bf16() -> bool:
+    """bf16 matmuls in hardware: a CUDA GPU that supports them, or a CPU with AMX or AVX512-BF16 (elsewhere
+    bf16 autocast on CPU is emulated and slower than float32)."""
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    cpu = getattr(torch, "cpu", None)
+    return bool(getattr(cpu, "_is_amx_tile_supported", lambda: False)()
+                or getattr(cpu, "_is_avx512_bf16_supported", lambda: False)())
+
+
 def _new_accelerator(cfg: DistillStage):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
@@ -118,7 +128,7 @@ def _new_accelerator(cfg: DistillStage):
     cuda = torch.cuda.is_available()
     mp = cfg.mixed_precision
     if mp == "auto":
-        mp = "bf16" if cuda and torch.cuda.is_bf16_supported() else "no"
+        mp = "bf16" if native_bf16() else "no"
     return Accelerator(mixed_precision=mp, gradient_accumulation_steps=cfg.grad_accum, cpu=not cuda)
 
 

@@ -421,3 +421,23 @@ def test_accelerate_launch_runs_the_recipe_on_two_processes(tmp_path, model_dir,
     assert done.returncode == 0, done.stderr[-3000:]
     distill = json.loads((tmp_path / "out" / "report.json").read_text())["stages"][1]
     assert distill["processes"] == 2 and distill["tokens"] == 4 * 1 * 2 * SEQ_LEN  # steps × batch × processes
+
+
+def test_a_run_that_fails_after_distillation_resumes_from_its_checkpoint(tmp_path, model_dir, calib_file, capsys):
+    # group 64 divides every layer of the original (64, 128 wide) but not the pruned MLP (96): the quantize
+    # plan made after pruning fails, after distillation has written its checkpoints
+    recipe = _minitron_recipe(model_dir, calib_file, tmp_path / "out",
+                              {"stage": "quantize", "method": "rtn", "scheme": {"dtype": "int4", "group_size": 64}})
+    recipe["stages"][0]["mlp"] = 0.75
+    recipe["eval"] = {"perplexity": False, "speed": False}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert main(["run", str(path), "--no-progress"]) == 2
+    assert "group_size" in capsys.readouterr().err
+    checkpoints = tmp_path / "out.work" / "distill-1" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000002", "step-000004"]
+    assert not (tmp_path / "out").exists()
+    assert main(["run", str(path), "--no-progress", "--resume", "--set", "stages.2.strict=false"]) == 0
+    distill = json.loads((tmp_path / "out" / "report.json").read_text())["stages"][1]
+    assert distill["resumed_from"] == 4 and distill["steps"] == 4
+    assert not (tmp_path / "out.work").exists()
