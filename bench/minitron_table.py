@@ -7,6 +7,9 @@ and is evaluated on WikiText-2 test (8 windows of 2048 by the recipe's eval sect
 
     python bench/minitron_table.py            # about an hour on one CPU core
     python bench/minitron_table.py --reuse    # tabulate runs/minitron_* that already exist
+    python bench/minitron_table.py --reuse --speed   # + decode tok/s of every saved model, one after another,
+                                                     # on an otherwise idle machine (the runs' own figures
+                                                     # may share the CPU with other work)
 """
 from __future__ import annotations
 
@@ -58,10 +61,28 @@ def row(axis: str, folder: Path) -> dict:
     }
 
 
+def quiet_speed(folders: list[Path]) -> dict[str, dict]:
+    """Batch-1 prefill/decode speed of the original and each saved model, measured one after another."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from compress.evaluate.speed import measure_speed
+    from compress.models import load_model
+
+    torch.set_num_threads(1)
+    out = {}
+    for name, source in [("baseline", "default"), *((f.name, str(f)) for f in folders)]:
+        model = load_model(source).model
+        out[name] = measure_speed(model, model.get_input_embeddings().weight.shape[0], 512, 32, 5, "cpu")
+        print(f"[speed] {name}: decode {out[name]['decode_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reuse", action="store_true", help="only tabulate finished runs")
     p.add_argument("--only", nargs="*", help="axes to run (default: all)")
+    p.add_argument("--speed", action="store_true", help="re-measure decode speed of the saved models, one by one")
     args = p.parse_args()
     rows = []
     for axis, (out, sets) in RUNS.items():
@@ -75,6 +96,10 @@ def main() -> None:
             if png:
                 shutil.copy(png, ROOT / "bench" / "results" / f"minitron_{Path(out).name.removeprefix('minitron_')}"
                                                                f"_recovery.png")
+    if args.speed:
+        speeds = quiet_speed([ROOT / r["run"] for r in rows])
+        for r in rows:
+            r["quiet_speed"] = {"baseline": speeds["baseline"], "pruned": speeds[Path(r["run"]).name]}
     (ROOT / "bench" / "results" / "minitron.json").write_text(json.dumps(rows, indent=2))
     print("| pruned axis | shape (layers, hidden, q/kv heads, MLP) | parameters | checkpoint | ppl before distill "
           "| ppl after | gap closed | KL after | decode tok/s (base → after) | distillation |")
@@ -82,6 +107,9 @@ def main() -> None:
     for r in rows:
         s, d = r["shape"], r["distill"]
         speed = r["decode_tok_s"]
+        if "quiet_speed" in r:
+            speed = {"baseline": r["quiet_speed"]["baseline"]["decode_tok_s"],
+                     "compressed": r["quiet_speed"]["pruned"]["decode_tok_s"]}
         print(f"| {r['axis']} | {s['layers']}, {s['hidden']}, {s['heads']}/{s['kv_heads']}, {s['intermediate']} | "
               f"{r['parameters'] / 1e6:.1f}M ({r['parameter_ratio']:.1%}) | {r['checkpoint_bytes'] / 1e6:.0f} MB | "
               f"{r['ppl']['pruned']:.2f} | {r['ppl']['distilled']:.2f} | {r['gap_closed']:.0%} | "

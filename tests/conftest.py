@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: idle threads must not spin
+
 import pytest
 import torch
 import transformers

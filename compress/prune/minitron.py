@@ -186,12 +186,10 @@ def _check_shape(orig: Shape, new: Shape) -> None:
     if grow:
         raise ValueError(f"pruning can only shrink; target {grow[0]}={getattr(new, grow[0])} exceeds the original "
                          f"{getattr(orig, grow[0])}")
-    if new.heads % new.kv_heads or (orig.heads // orig.kv_heads) % (new.heads // new.kv_heads) and \
-            new.kv_heads != orig.kv_heads:
-        raise ValueError(f"{new.heads} query heads over {new.kv_heads} KV heads: query heads must fill whole KV groups")
-    if new.kv_heads == orig.kv_heads and new.heads % orig.kv_heads:
-        raise ValueError(f"keeping all {orig.kv_heads} KV heads, the query heads must be a multiple of it "
-                         f"(got {new.heads})")
+    group = orig.heads // orig.kv_heads
+    if new.heads % new.kv_heads or new.heads // new.kv_heads > group:
+        raise ValueError(f"{new.heads} query heads over {new.kv_heads} KV heads: query heads must fill whole KV groups "
+                         f"of at most {group} (the original {orig.heads} query heads over {orig.kv_heads} KV heads)")
 
 
 def _fit_budget(model: nn.Module, orig: Shape, stage: PruneStage) -> Shape:
