@@ -172,6 +172,13 @@ def sample_from_model(model, n_samples: int, seq_len: int, seed: int, batch_size
     return torch.cat(rows)
 
 
+def calibration_windows(source: TextSource, tokenizer, model, n_samples: int, seq_len: int, seed: int) -> Tensor:
+    """`n_samples` seeded windows [n, seq_len] of the source's text, or sampled from `model` for kind `self`."""
+    if source.kind == "self":
+        return sample_from_model(model, n_samples, seq_len, seed)
+    return random_windows(tokenize_joined(load_texts(source), tokenizer), n_samples, seq_len, seed)
+
+
 def fingerprint(ids: Tensor) -> str:
     """sha256 of the token ids (int64, row-major): identifies exactly what text was used."""
     return hashlib.sha256(ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()

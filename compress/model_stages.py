@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .data import load_texts, random_windows, sample_from_model, sequential_windows, tokenize_joined
+from .data import calibration_windows, load_texts, sample_from_model, sequential_windows, tokenize_joined
 from .distill import DistillStage, distill
 from .evaluate.report import eval_windows
 from .prune.minitron import PruneStage, minitron_prune
@@ -53,11 +53,7 @@ def run_model_stages(model: nn.Module, tokenizer, arch, recipe, calib_source, ou
         if isinstance(stage, PruneStage):
             n = max(stage.n_samples, stage.depth_samples)
             log(f"stage {i}: prune — scoring importance on {n} × {stage.seq_len} calibration tokens ...")
-            if calib_source.kind == "self":
-                samples = sample_from_model(model, n, stage.seq_len, recipe.calibration.seed)
-            else:
-                samples = random_windows(tokenize_joined(load_texts(calib_source), tokenizer), n, stage.seq_len,
-                                         recipe.calibration.seed)
+            samples = calibration_windows(calib_source, tokenizer, model, n, stage.seq_len, recipe.calibration.seed)
             reports[i] = {"index": i, **minitron_prune(model, arch, samples, stage, progress=progress and rank == 0,
                                                        log=log if rank == 0 else (lambda *_: None))}
             continue

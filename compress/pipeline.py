@@ -17,7 +17,7 @@ import torch
 from . import __version__
 from .arch import get_arch
 from .blockwise import run_blockwise
-from .data import fingerprint, load_texts, random_windows, sample_from_model, tokenize_joined
+from .data import calibration_windows, fingerprint
 from .evaluate.memory import folder_bytes
 from .evaluate.plots import plot_recovery
 from .evaluate.report import evaluate_models, write_report
@@ -46,11 +46,7 @@ def check_output(out: Path, overwrite: bool) -> None:
 
 def calibration_samples(recipe: Recipe, model, tokenizer) -> tuple[torch.Tensor, dict]:
     cal = recipe.calibration
-    if cal.kind == "self":
-        samples = sample_from_model(model, cal.n_samples, cal.seq_len, cal.seed)
-    else:
-        samples = random_windows(tokenize_joined(load_texts(cal.source()), tokenizer), cal.n_samples, cal.seq_len,
-                                 cal.seed)
+    samples = calibration_windows(cal.source(), tokenizer, model, cal.n_samples, cal.seq_len, cal.seed)
     info = {k: v for k, v in asdict(cal).items() if v not in (None, ())}
     info.update(fingerprint=fingerprint(samples), tokens=int(samples.numel()))
     return samples, info

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compress.distill import DistillStage, distill, kd_loss, lr_at
+from compress.distill import DistillStage, distill, kd_loss, lr_at, native_bf16
 from tests.conftest import TINY_CONFIGS, make_tiny_model
 
 torch.set_num_threads(1)  # two OpenMP threads stall on the 2-core CI machines
@@ -99,9 +99,11 @@ def test_distill_reduces_kl_to_teacher(tmp_path):
     curve = out["curve"]
     assert [p["step"] for p in curve] == [0, 10, 20, 30]
     assert [p["tokens"] for p in curve] == [0, 1280, 2560, 3840]
-    assert out["tokens"] == 3840 and out["processes"] == 1 and out["mixed_precision"] == "no"
+    # auto: bf16 autocast where the hardware has native bf16 (AMX / AVX512-BF16 CPUs, bf16 GPUs), else float32
+    assert out["tokens"] == 3840 and out["processes"] == 1
+    assert out["mixed_precision"] == ("bf16" if native_bf16() else "no")
     assert out["resumed_from"] is None and out["teacher"]["ppl"] > 1
-    # measured: KL 0.104 -> 0.017 nats/token (ratio 0.16)
+    # measured: KL 0.103 -> 0.016 nats/token (ratio 0.16), the same with float32 and bf16 autocast
     assert curve[-1]["kl"] < 0.35 * curve[0]["kl"]
     assert curve[-1]["train_loss"] < curve[1]["train_loss"]
     assert not student.training and not teacher.training
