@@ -26,6 +26,8 @@ RUNS = {  # axis: (output folder, --set overrides)
     "mlp": ("runs/minitron_mlp", []),
     "depth": ("runs/minitron_depth", ["stages.0.axes=[depth]"]),
     "hidden": ("runs/minitron_hidden", ["stages.0.axes=[hidden]", "stages.0.multiple_of=16"]),
+    "mlp + hidden (uniform ratio)": ("runs/minitron_mlp_hidden", ["stages.0.axes=[mlp,hidden]",
+                                                                 "stages.0.multiple_of=16"]),
     "heads (keep 1 of 3 KV groups)": ("runs/minitron_heads", [
         "stages.0.params=null", "stages.0.axes=[]", "stages.0.heads=0.34", "stages.0.heads_mode=kv_group"]),
     "mlp, then AWQ int4 g64": ("runs/minitron_then_awq_int4", None),  # its own recipe
@@ -81,12 +83,14 @@ def quiet_speed(folders: list[Path]) -> dict[str, dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reuse", action="store_true", help="only tabulate finished runs")
-    p.add_argument("--only", nargs="*", help="axes to run (default: all)")
-    p.add_argument("--speed", action="store_true", help="re-measure decode speed of the saved models, one by one")
+    p.add_argument("--only", nargs="*", help="runs to make, by folder suffix: mlp depth hidden mlp_hidden heads "
+                                             "then_awq_int4 (default: all)")
+    p.add_argument("--speed", action="store_true", help="measure decode speed of the saved models one by one (those "
+                                                        "without a figure in bench/results/minitron.json)")
     args = p.parse_args()
     rows = []
     for axis, (out, sets) in RUNS.items():
-        if args.only and axis.split()[0].rstrip(",") not in args.only:
+        if args.only and Path(out).name.removeprefix("minitron_") not in args.only:
             continue
         if not args.reuse:
             run(axis, out, sets)
@@ -96,11 +100,18 @@ def main() -> None:
             if png:
                 shutil.copy(png, ROOT / "bench" / "results" / f"minitron_{Path(out).name.removeprefix('minitron_')}"
                                                                f"_recovery.png")
-    if args.speed:
-        speeds = quiet_speed([ROOT / r["run"] for r in rows])
-        for r in rows:
+    results = ROOT / "bench" / "results" / "minitron.json"
+    earlier = {r["run"]: r["quiet_speed"] for r in json.loads(results.read_text()) if "quiet_speed" in r} \
+        if results.is_file() else {}
+    for r in rows:  # keep speeds measured by an earlier --speed pass
+        if r["run"] in earlier:
+            r["quiet_speed"] = earlier[r["run"]]
+    if args.speed:  # measure the runs that have no quiet speed yet (all of them the first time)
+        todo = [r for r in rows if "quiet_speed" not in r]
+        speeds = quiet_speed([ROOT / r["run"] for r in todo]) if todo else {}
+        for r in todo:
             r["quiet_speed"] = {"baseline": speeds["baseline"], "pruned": speeds[Path(r["run"]).name]}
-    (ROOT / "bench" / "results" / "minitron.json").write_text(json.dumps(rows, indent=2))
+    results.write_text(json.dumps(rows, indent=2))
     print("| pruned axis | shape (layers, hidden, q/kv heads, MLP) | parameters | checkpoint | ppl before distill "
           "| ppl after | gap closed | KL after | decode tok/s (base → after) | distillation |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -245,3 +245,12 @@ def test_unknown_family_names_the_table():
     model.config.model_type = "mystery"
     with pytest.raises(ValueError, match="PRUNE_TABLE"):
         prune_mlp(model, get_arch(make_tiny_model("llama")), [torch.arange(8)] * 2)
+
+
+def test_hidden_size_stays_a_multiple_of_the_heads():
+    """transformers validates hidden_size % num_attention_heads == 0 at save/load, even with an explicit head_dim."""
+    model = make_tiny_model("llama")  # 4 heads
+    orig, new, _ = resolve_shape(model, get_arch(model), PruneStage(hidden=0.6, multiple_of=6))
+    assert new.hidden % 4 == 0 and new.hidden % 6 == 0
+    with pytest.raises(ValueError, match="not a multiple of the 4 attention heads"):
+        resolve_shape(model, get_arch(model), PruneStage(target=TargetShape(hidden_size=50)))

@@ -154,7 +154,8 @@ def shape_from_ratios(orig: Shape, ratios: dict[str, float], heads_mode: str, mu
     return Shape(heads, kv,
                  _round(orig.intermediate * ratios.get("mlp", 1.0), multiple_of, orig.intermediate)
                  if "mlp" in ratios else orig.intermediate,
-                 _round(orig.hidden * ratios.get("hidden", 1.0), multiple_of, orig.hidden)
+                 # transformers' config validation wants hidden_size divisible by num_attention_heads
+                 _round(orig.hidden * ratios.get("hidden", 1.0), math.lcm(multiple_of, heads), orig.hidden)
                  if "hidden" in ratios else orig.hidden,
                  max(1, round(orig.layers * ratios.get("depth", 1.0))))
 
@@ -186,6 +187,9 @@ def _check_shape(orig: Shape, new: Shape) -> None:
     if grow:
         raise ValueError(f"pruning can only shrink; target {grow[0]}={getattr(new, grow[0])} exceeds the original "
                          f"{getattr(orig, grow[0])}")
+    if new.hidden != orig.hidden and new.hidden % new.heads:
+        raise ValueError(f"hidden_size {new.hidden} is not a multiple of the {new.heads} attention heads; transformers "
+                         f"refuses such a config at save/load. Pick a multiple of {new.heads}")
     group = orig.heads // orig.kv_heads
     if new.heads % new.kv_heads or new.heads // new.kv_heads > group:
         raise ValueError(f"{new.heads} query heads over {new.kv_heads} KV heads: query heads must fill whole KV groups "
