@@ -1,0 +1,117 @@
+"""Export a compressed model to the checkpoint formats serving stacks load.
+
+EXPORTERS maps a format name to an Exporter: who loads it, what it refuses (checked before any file is
+written) and the function that writes it. `export_model` is the one way to write any of them: validate,
+write into a temporary folder beside the target, add `export.json` (format, recipe sha256, toolkit
+version, what happened to every tensor), then rename into place.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from torch import nn
+
+from .. import __version__
+
+EXPORT_META = "export.json"
+GGUF_TYPES = ("f16", "q8_0", "q4_0", "q4_1")  # llama.cpp block formats we write
+
+
+class ExportError(ValueError):
+    """The model cannot be written in the requested format; raised before anything is written."""
+
+
+@dataclass(frozen=True)
+class Exporter:
+    name: str
+    loaders: str  # who reads it, for --help and the README table
+    problems: Callable[[nn.Module], list[str]]  # why this model cannot be exported (empty: it can)
+    write: Callable[..., dict]  # (model, tokenizer, folder, source_gguf=None) -> per-tensor report
+
+
+def _gguf(qtype: str) -> Exporter:
+    def problems(model):
+        from .gguf import gguf_problems
+        return gguf_problems(model, qtype)
+
+    def write(model, tokenizer, folder, source_gguf=None):
+        from .gguf import write_gguf
+        return write_gguf(model, tokenizer, Path(folder) / f"model-{qtype}.gguf", qtype, source_gguf=source_gguf)
+
+    return Exporter(f"gguf-{qtype}", "llama.cpp, llama-cpp-python, Ollama, LM Studio", problems, write)
+
+
+def _registry() -> dict[str, Exporter]:
+    from . import compressed_tensors, fp8, hf
+
+    table = {
+        "dense": Exporter("dense", "transformers, vLLM, SGLang, TensorRT-LLM (plain float checkpoint)",
+                          hf.dense_problems, hf.write_dense),
+        "compressed-tensors": Exporter("compressed-tensors", "vLLM, SGLang, transformers (compressed-tensors)",
+                                       compressed_tensors.problems, compressed_tensors.write),
+        "awq": Exporter("awq", "vLLM, SGLang, transformers (AutoAWQ GEMM layout)", hf.awq_problems, hf.write_awq),
+        "gptq": Exporter("gptq", "vLLM, SGLang, transformers (GPTQ v1 layout)", hf.gptq_problems, hf.write_gptq),
+        "fp8": Exporter("fp8", "vLLM (quant_method fp8), TensorRT-LLM / ModelOpt (hf_quant_config.json)",
+                        fp8.problems, fp8.write),
+    }
+    for qtype in GGUF_TYPES:
+        table[f"gguf-{qtype}"] = _gguf(qtype)
+    return table
+
+
+FORMAT_NAMES = ("dense", "compressed-tensors", "awq", "gptq", "fp8", "gguf-f16", "gguf-q8_0", "gguf-q4_0",
+                "gguf-q4_1")
+
+
+def get_exporter(name: str) -> Exporter:
+    if name not in FORMAT_NAMES:
+        raise ExportError(f"unknown export format {name!r}; choose one of {', '.join(FORMAT_NAMES)}")
+    return _registry()[name]
+
+
+def check_export(model: nn.Module, name: str) -> Exporter:
+    """The exporter for `name`, after checking that this model can be written in it."""
+    exporter = get_exporter(name)
+    problems = exporter.problems(model)
+    if problems:
+        shown = "\n  ".join(problems[:8]) + (f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise ExportError(f"cannot export to {name}:\n  {shown}")
+    return exporter
+
+
+def export_model(model: nn.Module, tokenizer, name: str, out: str | Path, meta: dict | None = None,
+                 overwrite: bool = False, source_gguf: str | None = None) -> dict:
+    """Write `model` as format `name` into folder `out` (atomically). Returns the export record."""
+    out = Path(out)
+    exporter = check_export(model, name)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"export folder {out} exists; pass --overwrite to replace it, or choose another "
+                              "--output")
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        report = exporter.write(model, tokenizer, tmp, source_gguf=source_gguf)
+        record = {"format": name, "loaders": exporter.loaders, "compress_version": __version__, **(meta or {}),
+                  **report}
+        (tmp / EXPORT_META).write_text(json.dumps(record, indent=2, default=str))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return record
+
+
+__all__ = ["EXPORTERS", "FORMAT_NAMES", "ExportError", "Exporter", "check_export", "export_model", "get_exporter"]
+
+
+def __getattr__(attr):  # EXPORTERS is built on first use: the format modules import torch-heavy helpers
+    if attr == "EXPORTERS":
+        return _registry()
+    raise AttributeError(attr)

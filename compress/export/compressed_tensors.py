@@ -1,0 +1,164 @@
+"""compressed-tensors checkpoints, as vLLM, SGLang and transformers read them.
+
+Three on-disk formats, one per kind of layer (names from compressed_tensors.config.CompressionFormat):
+  pack-quantized   weight-only int4 / int8: `weight_packed` int32 [N, K*b/32] (codes + 2^(b-1), packed
+                   along K), `weight_scale` [N, K/G] or [N, 1], `weight_shape` int64 [2], and for
+                   asymmetric grids `weight_zero_point` packed along N (int32 [N*b/32, K/G]).
+  int-quantized    W8A8 int8: `weight` int8 [N, K], `weight_scale` [N, 1] (or [1]), static `input_scale` [1].
+  float-quantized  fp8 e4m3: `weight` float8_e4m3fn [N, K], `weight_scale` [N, 1] / [1] / [N/B, K/B], static
+                   `input_scale` [1].
+KV-cache scales are `<attention>.k_scale` / `.v_scale` with `kv_cache_scheme` in the config.
+The config and the bit packing come from the compressed-tensors library itself (QuantizationConfig,
+pack_to_int32), so field names and layouts are the ones its loaders expect. Layers sharing a scheme share
+a config group; layers left in float are listed in `ignore`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..nn import QuantLinear
+from ..scheme import QuantScheme
+from .hf import config_dtype, conv1d_problems, float_linears, float_tensors, kv_modules, quant_layers, write_hf
+
+FORMATS = {"pack": "pack-quantized", "int": "int-quantized", "float": "float-quantized"}
+
+
+def _library():
+    try:
+        import compressed_tensors  # noqa: F401
+    except ImportError as exc:
+        raise ImportError("the compressed-tensors export needs the `compressed-tensors` package: "
+                          "pip install compressed-tensors") from exc
+
+
+def layer_format(scheme: QuantScheme) -> str:
+    if scheme.is_float:
+        return FORMATS["float"]
+    return FORMATS["int"] if scheme.act is not None else FORMATS["pack"]
+
+
+def scheme_problem(scheme: QuantScheme) -> str | None:
+    """Why vLLM could not serve this layer from a compressed-tensors checkpoint (None: it can)."""
+    act = scheme.act
+    if act is not None and act.outlier_threshold is not None:
+        return "LLM.int8 outlier decomposition has no compressed-tensors format; export `dense` or use W8A8"
+    if scheme.is_float:
+        if scheme.dtype != "fp8_e4m3":
+            return "vLLM serves fp8 e4m3 weights only; use dtype fp8_e4m3"
+        if act is not None and act.dtype != "fp8_e4m3":
+            return "fp8 weights go with fp8 e4m3 activations (or none)"
+        return None
+    if act is not None:  # W8A8 int
+        if scheme.dtype != "int8" or act.dtype != "int8":
+            return "quantized activations go with int8 weights in compressed-tensors (W8A8); use dtype int8"
+        if not scheme.symmetric:
+            return "vLLM's W8A8 int8 kernels need symmetric weights; set symmetric: true (activations may stay " \
+                   "asymmetric)"
+        if scheme.granularity not in ("channel", "tensor"):
+            return "W8A8 int8 weights are per channel or per tensor; set granularity: channel"
+        return None
+    if scheme.bits not in (4, 8):
+        return f"vLLM serves {scheme.bits}-bit weight-only checkpoints from no kernel; use int4 or int8"
+    if scheme.bits == 8 and not scheme.symmetric:
+        return "vLLM's weight-only kernels take zero points for 4-bit weights only; set symmetric: true for int8"
+    if scheme.granularity not in ("group", "channel"):
+        return "weight-only int checkpoints are per group or per channel; set granularity: group or channel"
+    return None
+
+
+def problems(model: nn.Module) -> list[str]:
+    try:
+        _library()
+    except ImportError as exc:
+        return [str(exc)]
+    out = conv1d_problems(model, "compressed-tensors")
+    if not quant_layers(model) and not kv_modules(model):
+        out.append("no layer is quantized; export `dense` for a float model")
+    out += [f"{n} ({m.scheme.name}): {why}" for n, m in quant_layers(model).items()
+            if (why := scheme_problem(m.scheme))]
+    for n, m in kv_modules(model).items():
+        if m.kv_cache_dtype != "fp8_e4m3":
+            out.append(f"{n}: KV cache {m.kv_cache_dtype}; vLLM reads fp8 e4m3 KV-cache scales only")
+    return out
+
+
+def quant_args(scheme: QuantScheme) -> dict:
+    """The weight and input QuantizationArgs fields of a scheme (compressed-tensors' vocabulary)."""
+    w = {"num_bits": scheme.bits, "type": "float" if scheme.is_float else "int", "symmetric": scheme.symmetric,
+         "strategy": scheme.granularity, "dynamic": False}
+    if scheme.granularity == "group":
+        w["group_size"] = scheme.group_size
+    if scheme.granularity == "block":
+        w["block_structure"] = [scheme.group_size, scheme.group_size]
+    act = scheme.act
+    a = None if act is None else {
+        "num_bits": 8, "type": "int" if act.dtype == "int8" else "float", "symmetric": act.symmetric,
+        "strategy": act.granularity, "dynamic": act.dynamic}
+    return {"weights": w, "input_activations": a}
+
+
+def layer_tensors(m: QuantLinear) -> dict[str, torch.Tensor]:
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    qt, s = m.qtensor(), m.scheme
+    scale = qt.scale.reshape(1) if qt.scale.dim() == 0 else qt.scale
+    out: dict[str, torch.Tensor] = {"weight_scale": scale.contiguous()}
+    if layer_format(s) == FORMATS["pack"]:
+        half = 1 << (s.bits - 1)
+        signed = qt.codes() - (half if not s.symmetric else 0)  # compressed-tensors keeps codes signed
+        out["weight_packed"] = pack_to_int32(signed.to(torch.int8), s.bits)
+        out["weight_shape"] = torch.tensor([m.out_features, m.in_features], dtype=torch.int64)
+        if not s.symmetric:
+            zp = qt.zero_point.to(torch.int32) - half
+            out["weight_zero_point"] = pack_to_int32(zp.to(torch.int8), s.bits, packed_dim=0)
+    else:
+        out["weight"] = qt.codes().to(torch.int8) if not s.is_float else qt.qdata
+    if m.input_scale is not None:
+        out["input_scale"] = m.input_scale.detach().float().reshape(1)
+    return out
+
+
+def quantization_config(model: nn.Module) -> dict:
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    by_scheme: dict[QuantScheme, list[str]] = {}
+    for n, m in quant_layers(model).items():
+        by_scheme.setdefault(m.scheme, []).append(n)
+    groups = {}
+    for i, (scheme, names) in enumerate(by_scheme.items()):
+        args = quant_args(scheme)
+        targets = ["Linear"] if len(by_scheme) == 1 else sorted(names)
+        groups[f"group_{i}"] = QuantizationScheme(
+            targets=targets, weights=QuantizationArgs(**args["weights"]),
+            input_activations=None if args["input_activations"] is None else
+            QuantizationArgs(**args["input_activations"]), format=layer_format(scheme))
+    formats = {layer_format(s) for s in by_scheme}
+    kv = None
+    if kv_modules(model):
+        kv = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False)
+    config = QuantizationConfig(config_groups=groups, format=formats.pop() if len(formats) == 1 else
+                                "mixed-precision", ignore=sorted(float_linears(model)), kv_cache_scheme=kv,
+                                quantization_status="compressed")
+    return {**config.model_dump(exclude_none=False), "quant_method": "compressed-tensors"}
+
+
+def write(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.bfloat16, **_) -> dict:
+    _library()
+    tensors = float_tensors(model, dtype)
+    layers = {}
+    for name, m in quant_layers(model).items():
+        for k, v in layer_tensors(m).items():
+            tensors[f"{name}.{k}"] = v
+        if m.bias is not None:
+            tensors[f"{name}.bias"] = m.bias.detach().to(dtype)
+        layers[name] = f"{m.scheme.name} -> {layer_format(m.scheme)} (codes and scales copied exactly)"
+    for name, m in kv_modules(model).items():
+        tensors[f"{name}.k_scale"] = m.k_scale.detach().float().reshape(1)
+        tensors[f"{name}.v_scale"] = m.v_scale.detach().float().reshape(1)
+    config = quantization_config(model)
+    write_hf(model, tokenizer, folder, tensors, config, dtype)
+    return {"layers": layers, "kv_cache_layers": sorted(kv_modules(model)), "float_dtype": config_dtype(dtype),
+            "quantization_config": config, "notes": []}

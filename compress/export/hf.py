@@ -1,0 +1,194 @@
+"""Hugging Face-layout checkpoints: one writer for every safetensors format (float tensors + each
+quantized layer's tensors in the format's own names + config.json with its quantization_config +
+tokenizer + generation config), the dense export, and the AWQ / GPTQ model-level glue around the
+layer layouts in awq.py / gptq.py.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from ..nn import QuantLinear
+from ..qtensor import QuantizedTensor
+
+WEIGHTS = "model.safetensors"
+# transformers models whose linear layers are GPT-2 style Conv1D ([in, out] weights): quantized formats
+# are read into nn.Linear-shaped modules, so their quantized layers have nowhere to go.
+CONV1D_MODEL_TYPES = ("gpt2",)
+
+
+def quant_layers(model: nn.Module) -> dict[str, QuantLinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def float_linears(model: nn.Module) -> list[str]:
+    """Linear layers left in float (they go into a quantized config's `ignore` list)."""
+    from ..nn import LINEAR_TYPES
+    return [n for n, m in model.named_modules() if isinstance(m, LINEAR_TYPES)]
+
+
+def kv_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Attention modules carrying calibrated fp8 KV-cache scales (the kv_cache stage)."""
+    return {n: m for n, m in model.named_modules()
+            if getattr(m, "k_scale", None) is not None and hasattr(m, "kv_cache_dtype")}
+
+
+def conv1d_problems(model: nn.Module, fmt: str) -> list[str]:
+    if quant_layers(model) and getattr(model.config, "model_type", "") in CONV1D_MODEL_TYPES:
+        return [f"{model.config.model_type} keeps its linear layers as Conv1D ([in, out] weights), which the "
+                f"{fmt} loaders do not read quantized; export `dense` or `gguf-*` instead"]
+    return []
+
+
+def per_layer_problems(model: nn.Module, check: Callable[[QuantLinear], str | None]) -> list[str]:
+    return [f"{n} ({m.scheme.name}): {why}" for n, m in quant_layers(model).items() if (why := check(m))]
+
+
+def float_tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, Tensor]:
+    """Every tensor of the state dict outside the quantized layers and KV scales, floats cast to `dtype`.
+    Tied weights (lm_head = embed_tokens) are written once, as save_pretrained does."""
+    quantized, kv = set(quant_layers(model)), set(kv_modules(model))
+    out, seen = {}, set()
+    for name, t in model.state_dict().items():
+        module, _, leaf = name.rpartition(".")
+        if module in quantized or (module in kv and leaf in ("k_scale", "v_scale")):
+            continue
+        key = (t.data_ptr(), tuple(t.shape), t.dtype)
+        if key in seen and t.numel():
+            continue
+        seen.add(key)
+        t = t.detach().cpu()
+        out[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
+    return out
+
+
+def write_hf(model: nn.Module, tokenizer, folder: Path, tensors: dict[str, Tensor], quant_config: dict | None,
+             dtype: torch.dtype, metadata: dict | None = None) -> None:
+    """model.safetensors + config.json (with `quant_config`) + generation config + tokenizer."""
+    folder = Path(folder)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / WEIGHTS),
+              metadata={"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}})
+    config = copy.deepcopy(model.config)
+    config.dtype = str(dtype).replace("torch.", "")
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    if quant_config is not None:
+        config.quantization_config = quant_config
+    config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+
+
+def dense_problems(model: nn.Module) -> list[str]:
+    return []
+
+
+def write_dense(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.bfloat16, **_) -> dict:
+    """A plain float checkpoint any loader reads: quantized layers dequantized, pruned shapes as they are."""
+    tensors = float_tensors(model, dtype)
+    layers: dict[str, str] = {}
+    conv1d = getattr(model.config, "model_type", "") in CONV1D_MODEL_TYPES
+    for name, m in quant_layers(model).items():
+        w = m.qtensor().dequantize(torch.float32)
+        tensors[f"{name}.weight"] = (w.t() if conv1d else w).to(dtype).contiguous()
+        if m.bias is not None:
+            tensors[f"{name}.bias"] = m.bias.detach().to(dtype)
+        note = "" if m.scheme.act is None else "; activations run in float (the dense format stores no " \
+                                               "activation quantization)"
+        layers[name] = f"dequantized from {m.scheme.name} to {config_dtype(dtype)}{note}"
+    notes = []
+    if kv_modules(model):
+        notes.append("fp8 KV-cache scales are not part of a dense checkpoint; they were left out")
+    write_hf(model, tokenizer, folder, tensors, None, dtype)
+    return {"layers": layers, "float_dtype": config_dtype(dtype), "notes": notes}
+
+
+def config_dtype(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _weight_only_int(m: QuantLinear, fmt: str, check) -> str | None:
+    if m.scheme.act is not None:
+        return f"{fmt} checkpoints are weight-only; this layer quantizes its activations (export compressed-tensors)"
+    return check(m.scheme, (m.out_features, m.in_features))
+
+
+def _write_packed(model: nn.Module, tokenizer, folder: Path, layer_tensors: Callable[[QuantizedTensor], dict],
+                  quant_config: dict, dtype: torch.dtype, fmt: str) -> dict:
+    tensors = float_tensors(model, dtype)
+    layers = {}
+    for name, m in quant_layers(model).items():
+        for k, v in layer_tensors(m.qtensor()).items():
+            tensors[f"{name}.{k}"] = v
+        if m.bias is not None:
+            tensors[f"{name}.bias"] = m.bias.detach().to(dtype)
+        layers[name] = f"{m.scheme.name} -> {fmt} (codes and scales copied exactly)"
+    write_hf(model, tokenizer, folder, tensors, quant_config, dtype)
+    notes = ["fp8 KV-cache scales are not part of this format; they were left out"] if kv_modules(model) else []
+    return {"layers": layers, "float_dtype": config_dtype(dtype), "quantization_config": quant_config,
+            "notes": notes}
+
+
+def _single_scheme(model: nn.Module, fmt: str) -> list[str]:
+    schemes = {m.scheme for m in quant_layers(model).values()}
+    if not schemes:
+        return [f"no layer is quantized; {fmt} needs a quantized model (export `dense` for a float one)"]
+    if len(schemes) > 1:
+        return [f"{fmt} config holds one bit width and group size for the whole model, and this model mixes "
+                f"{sorted(s.name for s in schemes)}; export compressed-tensors (one config group per scheme)"]
+    return []
+
+
+def awq_problems(model: nn.Module) -> list[str]:
+    from .awq import awq_problem
+    return conv1d_problems(model, "awq") + _single_scheme(model, "awq") + \
+        per_layer_problems(model, lambda m: _weight_only_int(m, "AWQ", awq_problem))
+
+
+def gptq_problems(model: nn.Module) -> list[str]:
+    from .gptq import gptq_problem
+
+    def check(m: QuantLinear) -> str | None:
+        if (why := _weight_only_int(m, "GPTQ", gptq_problem)) is not None:
+            return why
+        if m.zero_point is not None and bool((m.zero_point == 0).any()):
+            return ("a zero point of 0 (a group with no negative weight) cannot be stored: GPTQ v1 writes "
+                    "zero - 1; quantize with symmetric: true, or export awq")
+        return None
+
+    return conv1d_problems(model, "gptq") + _single_scheme(model, "gptq") + per_layer_problems(model, check)
+
+
+def _unconverted(model: nn.Module) -> list[str]:
+    """Linear layers a loader must leave in float (module names, as AutoAWQ/GPTQ configs list them)."""
+    return sorted(float_linears(model))
+
+
+def write_awq(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.float16, **_) -> dict:
+    from .awq import awq_config, awq_tensors
+    scheme = next(iter(quant_layers(model).values())).scheme
+    config = awq_config(scheme, _unconverted(model))
+    return _write_packed(model, tokenizer, folder, awq_tensors, config, dtype, "AWQ GEMM")
+
+
+def write_gptq(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.float16, **_) -> dict:
+    from .gptq import gptq_config, gptq_tensors
+    scheme = next(iter(quant_layers(model).values())).scheme
+    config = gptq_config(scheme)
+    unconverted = [n for n in _unconverted(model) if n != "lm_head"]  # GPTQ loaders never convert lm_head
+    if unconverted:
+        config["modules_in_block_to_quantize"] = None
+        config["modules_to_not_convert"] = unconverted
+    return _write_packed(model, tokenizer, folder, gptq_tensors, config, dtype, "GPTQ")
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())

@@ -1,0 +1,127 @@
+"""`compress verify`: reload an export through its target's own loader where that loader runs here, and
+measure KL divergence and top-1 agreement of its next-token predictions against the source model.
+
+Loaders: transformers (dense, compressed-tensors, block-scaled fp8), llama-cpp-python (GGUF). vLLM's
+AWQ / GPTQ / per-tensor fp8 kernels need a GPU, so those exports are read back with the format's
+published layout (awq_dequantize, gptq_dequantize, fp8 value × scale) into a dense model, and the
+result says so.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor, nn
+
+from . import EXPORT_META
+
+READER = "compress reader (the format's layout, dequantized; its serving kernels need a GPU)"
+
+
+def read_record(folder: str | Path) -> dict:
+    path = Path(folder) / EXPORT_META
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder} has no {EXPORT_META}; is it a folder written by `compress export`?")
+    return json.loads(path.read_text())
+
+
+def _needs_dequantize(config: dict) -> bool:
+    """transformers' compressed layout for pack-quantized asymmetric weights expects an unpacked zero point,
+    while compressed-tensors writes (and vLLM reads) it packed; the dequantizing load path reads it right."""
+    groups = (config.get("quantization_config") or {}).get("config_groups") or {}
+    return any(g.get("format") == "pack-quantized" and not (g.get("weights") or {}).get("symmetric", True)
+               for g in groups.values())
+
+
+def _dense_from_tensors(folder: Path, dequantize_layer) -> nn.Module:
+    """A float model of the export's config whose quantized layers are filled by `dequantize_layer`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    state = load_file(str(folder / "model.safetensors"))
+    dense: dict[str, Tensor] = {}
+    prefixes = {k.rsplit(".", 1)[0] for k in state if k.endswith((".qweight", ".weight_scale", ".weight_scale_inv"))}
+    for k, v in state.items():
+        module, _, leaf = k.rpartition(".")
+        if module in prefixes and leaf != "bias":
+            continue
+        if leaf in ("k_scale", "v_scale"):
+            continue
+        dense[k] = v.float() if v.is_floating_point() else v
+    for p in prefixes:
+        dense[f"{p}.weight"] = dequantize_layer(p, state)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(dense, strict=False)
+    model.tie_weights()
+    missing = [m for m in missing if not (getattr(config, "tie_word_embeddings", False) and "lm_head" in m)]
+    if missing or unexpected:
+        raise ValueError(f"{folder}: export does not match its config: missing {missing[:5]}, unexpected "
+                         f"{unexpected[:5]}")
+    return model.eval()
+
+
+def load_export(folder: str | Path):
+    """(loader description, model) — a transformers-style model whose forward gives logits — or, for GGUF,
+    (loader, path of the .gguf file)."""
+    folder = Path(folder)
+    record = read_record(folder)
+    fmt = record["format"]
+    if fmt.startswith("gguf-"):
+        return "llama-cpp-python", next(folder.glob("*.gguf"))
+    config = json.loads((folder / "config.json").read_text())
+    quant = config.get("quantization_config") or {}
+    if fmt in ("dense", "compressed-tensors") or (fmt == "fp8" and quant.get("weight_block_size")):
+        from transformers import AutoModelForCausalLM
+        kwargs = {}
+        loader = "transformers"
+        if fmt == "compressed-tensors":
+            from transformers import CompressedTensorsConfig
+            deq = _needs_dequantize(config)
+            kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=deq)
+            loader = "transformers + compressed-tensors" + (" (dequantize on load)" if deq else "")
+        return loader, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
+    if fmt == "awq":
+        from .awq import awq_dequantize
+        return READER, _dense_from_tensors(folder, lambda p, s: awq_dequantize(
+            s[f"{p}.qweight"], s[f"{p}.qzeros"], s[f"{p}.scales"]))
+    if fmt == "gptq":
+        from .gptq import gptq_dequantize
+        return READER, _dense_from_tensors(folder, lambda p, s: gptq_dequantize(
+            s[f"{p}.qweight"], s[f"{p}.qzeros"], s[f"{p}.scales"], s[f"{p}.g_idx"], quant["bits"]))
+    if fmt == "fp8":
+        return READER, _dense_from_tensors(folder, lambda p, s: s[f"{p}.weight"].float() * s[f"{p}.weight_scale"])
+    raise ValueError(f"{folder}: no reader for format {fmt!r}")
+
+
+@torch.no_grad()
+def model_logits(model: nn.Module, windows: Tensor) -> Tensor:
+    """float32 logits [B, T, V] of a transformers-style model, one window at a time."""
+    return torch.stack([model(input_ids=w[None]).logits[0].float() for w in windows])
+
+
+def compare_logits(reference: Tensor, test: Tensor) -> dict:
+    """Mean KL(reference || test) per position (nats) and top-1 agreement, over all positions."""
+    ref = torch.log_softmax(reference.float(), -1)
+    out = torch.log_softmax(test.float(), -1)
+    kl = (ref.exp() * (ref - out)).sum(-1)
+    return {"kl": float(kl.mean()), "top1_agreement": float((ref.argmax(-1) == out.argmax(-1)).float().mean()),
+            "positions": int(kl.numel())}
+
+
+def export_logits(folder: str | Path, windows: Tensor) -> tuple[str, Tensor]:
+    loader, model = load_export(folder)
+    if loader == "llama-cpp-python":
+        from .gguf import llama_cpp_logits
+        return loader, llama_cpp_logits(str(model), windows)
+    return loader, model_logits(model, windows)
+
+
+def verify_export(folder: str | Path, source: nn.Module, windows: Tensor) -> dict:
+    """Reload the export at `folder` and compare its predictions with `source` on `windows` [B, T]."""
+    loader, logits = export_logits(folder, windows)
+    return {"loader": loader, **compare_logits(model_logits(source, windows), logits),
+            "windows": list(windows.shape)}

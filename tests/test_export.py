@@ -1,0 +1,259 @@
+"""Exports reload through the loaders that serve them: compressed-tensors and dense through transformers,
+fp8 / AWQ / GPTQ through their published layouts; refusals come before anything is written; folders are
+replaced atomically; export.json records provenance. GGUF: tests/test_export_gguf.py; AWQ/GPTQ bit
+layouts: tests/test_export_awq_gptq.py."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from compress.arch import get_arch
+from compress.blockwise import run_blockwise
+from compress.export import ExportError, export_model
+from compress.export.verify import compare_logits, load_export, model_logits, verify_export
+from compress.kv_cache import attention_modules, set_kv_scales, use_kv_attention
+from compress.nn import QuantLinear
+from compress.observers import BlockObserver
+from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
+from compress.scheme import FP8, FP8_BLOCK, FP8_DYNAMIC, LLM_INT8, W8A8, W8A8_STATIC, scheme
+from tests.conftest import make_tiny_model
+from tests.tiny_tokenizer import make_tiny_tokenizer
+
+pytest.importorskip("compressed_tensors")
+
+# KL(ours || reloaded) per token. The reloaded models differ from ours only where the float tensors were
+# stored in bfloat16 (embeddings, norms: 2^-9 relative) and in the order of float operations; measured
+# 1e-7 (weight-only) to 1e-5 (fp8 with quantized activations) on these tiny models. The issue's bar is 1e-3.
+KL_BAR = 1e-3
+WINDOWS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+FP8_BLOCK32 = scheme("fp8_e4m3", "block", 32, act=FP8_BLOCK.act)  # tiny model: 64 / 128 not divisible by 128
+
+
+def quantized(sch, family: str = "llama", kv: bool = False) -> torch.nn.Module:
+    """A tiny model quantized by the block-by-block runner (static activation scales need calibration)."""
+    model = make_tiny_model(family)
+    arch, stage = get_arch(model), QuantizeStage(scheme=sch)
+    plan = plan_quantize(model, arch, stage)
+
+    def observe(_i, _prefix, block):
+        return BlockObserver(block, [n for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)], [],
+                             abs_mean=False, hessian=False, keep_samples=0, abs_max=True)
+
+    run_blockwise(model, arch, torch.randint(0, 256, (2, 16)),
+                  lambda _i, prefix, _b, _x, obs: apply_quantize(model, plan, stage, prefix, obs),
+                  progress=False, observe=observe)
+    if kv:
+        for block in arch.block_list(model):
+            for name in attention_modules(block):
+                set_kv_scales(block.get_submodule(name), 3.0, 2.0, "fp8_e4m3")
+        use_kv_attention(model)
+    return model
+
+
+def export(model, fmt: str, tmp_path: Path, **kw) -> Path:
+    out = tmp_path / fmt
+    export_model(model, make_tiny_tokenizer(), fmt, out, {"recipe_sha256": "ab" * 32}, **kw)
+    return out
+
+
+def tensors(folder: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def quant_config(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())["quantization_config"]
+
+
+CT_CASES = {
+    "w4a16-asym-g16": (scheme("int4", "group", 16, symmetric=False), False),
+    "w4a16-sym-g16": (scheme("int4", "group", 16), False),
+    "w4a16-channel": (scheme("int4", "channel"), False),
+    "w8a16": (scheme("int8", "channel"), False),
+    "w8a8-dynamic": (W8A8, False),
+    "w8a8-static": (W8A8_STATIC, False),
+    "fp8-static": (FP8, False),
+    "fp8-dynamic+kv": (FP8_DYNAMIC, True),
+    "fp8-block": (FP8_BLOCK32, False),
+}
+
+
+@pytest.mark.parametrize("case", list(CT_CASES))
+def test_compressed_tensors_reloads_through_transformers(case, tmp_path):
+    sch, kv = CT_CASES[case]
+    model = quantized(sch, kv=kv)
+    out = export(model, "compressed-tensors", tmp_path)
+    result = verify_export(out, model, WINDOWS)
+    assert result["loader"].startswith("transformers + compressed-tensors")
+    assert result["kl"] < KL_BAR and result["top1_agreement"] == 1.0, result
+
+
+def test_compressed_tensors_layout_is_what_vllm_reads(tmp_path):
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    model = quantized(scheme("int4", "group", 16, symmetric=False))
+    out = export(model, "compressed-tensors", tmp_path)
+    t, config = tensors(out), quant_config(out)
+    q = model.model.layers[0].mlp.down_proj  # [64, 128]
+    p = "model.layers.0.mlp.down_proj"
+    assert t[f"{p}.weight_packed"].dtype == torch.int32 and t[f"{p}.weight_packed"].shape == (64, 128 // 8)
+    assert t[f"{p}.weight_zero_point"].shape == (64 // 8, 128 // 16)  # packed along out_features
+    assert t[f"{p}.weight_shape"].tolist() == [64, 128]
+    codes = unpack_from_int32(t[f"{p}.weight_packed"], 4, torch.Size([64, 128]))  # the library's own reader
+    assert torch.equal(codes.to(torch.int32) + 8, q.qtensor().codes())
+    zp = unpack_from_int32(t[f"{p}.weight_zero_point"], 4, torch.Size([64, 8]), packed_dim=0)
+    assert torch.equal(zp.to(torch.int32) + 8, q.zero_point.to(torch.int32))
+    assert torch.equal(t[f"{p}.weight_scale"], q.scale)
+    group = config["config_groups"]["group_0"]
+    assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
+    assert group["targets"] == ["Linear"] and group["weights"] == {**group["weights"], "num_bits": 4, "type": "int",
+                                                                   "symmetric": False, "strategy": "group",
+                                                                   "group_size": 16}
+    assert config["ignore"] == ["lm_head"]
+    assert "lm_head.weight" not in t  # tied to the embedding, written once as save_pretrained does
+
+
+def test_compressed_tensors_fp8_static_with_kv_scales(tmp_path):
+    model = quantized(FP8, kv=True)
+    t, config = tensors(out := export(model, "compressed-tensors", tmp_path)), None
+    config = quant_config(out)
+    p = "model.layers.1.self_attn.o_proj"
+    assert t[f"{p}.weight"].dtype == torch.float8_e4m3fn and t[f"{p}.weight_scale"].shape == (1,)
+    assert float(t[f"{p}.input_scale"]) == float(model.get_submodule(p).input_scale)
+    assert float(t["model.layers.0.self_attn.k_scale"]) == pytest.approx(3.0 / 448)
+    assert config["format"] == "float-quantized" and config["kv_cache_scheme"]["type"] == "float"
+    assert config["config_groups"]["group_0"]["input_activations"]["dynamic"] is False
+
+
+def test_compressed_tensors_mixed_schemes_get_one_group_each(tmp_path):
+    model = quantized(scheme("int4", "group", 16))
+    stage = QuantizeStage(scheme=W8A8)
+    dense = make_tiny_model("llama")
+    plan = plan_quantize(dense, get_arch(dense), stage)
+    apply_quantize(dense, plan, stage)
+    for i in range(2):  # W8A8 MLPs in the int4 model
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            model.model.layers[i].mlp.__setattr__(name, getattr(dense.model.layers[i].mlp, name))
+    out = export(model, "compressed-tensors", tmp_path)
+    config = quant_config(out)
+    assert config["format"] == "mixed-precision"
+    assert sorted(g["format"] for g in config["config_groups"].values()) == ["int-quantized", "pack-quantized"]
+    assert verify_export(out, model, WINDOWS)["kl"] < KL_BAR
+
+
+def test_fp8_format_for_vllm_and_tensorrt_llm(tmp_path):
+    model = quantized(FP8, kv=True)
+    out = export(model, "fp8", tmp_path)
+    t, config = tensors(out), quant_config(out)
+    p = "model.layers.0.mlp.up_proj"
+    assert t[f"{p}.weight"].dtype == torch.float8_e4m3fn and t[f"{p}.weight_scale"].dtype == torch.float32
+    assert t[f"{p}.weight_scale"].shape == (1,) and t[f"{p}.input_scale"].shape == (1,)
+    assert "model.layers.0.self_attn.k_proj.k_scale" in t and "model.layers.0.self_attn.v_proj.v_scale" in t
+    assert config == {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}
+    hf_quant = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
+    assert hf_quant == {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}
+    result = verify_export(out, model, WINDOWS)
+    assert result["loader"].startswith("compress reader") and result["kl"] < KL_BAR
+
+
+def test_fp8_block_format_reloads_through_transformers(tmp_path):
+    model = quantized(FP8_BLOCK32)
+    out = export(model, "fp8", tmp_path)
+    assert quant_config(out)["weight_block_size"] == [32, 32]
+    assert not (out / "hf_quant_config.json").exists()
+    result = verify_export(out, model, WINDOWS)
+    assert result["loader"] == "transformers" and result["kl"] < KL_BAR
+
+
+@pytest.mark.parametrize("fmt,sch", [("awq", scheme("int4", "group", 16, symmetric=False)),
+                                     ("awq", scheme("int4", "group", 32)),
+                                     ("gptq", scheme("int4", "group", 16)),
+                                     ("gptq", scheme("int8", "channel"))])
+def test_awq_and_gptq_checkpoints_read_back_exactly(fmt, sch, tmp_path):
+    model = quantized(sch)
+    out = export(model, fmt, tmp_path)
+    config = quant_config(out)
+    assert config["quant_method"] == fmt and config["bits"] == sch.bits
+    assert config["group_size"] == (sch.group_size or -1)
+    loader, reread = load_export(out)
+    assert loader.startswith("compress reader")
+    for name, m in model.named_modules():  # every quantized weight comes back bit for bit
+        if isinstance(m, QuantLinear):
+            assert torch.equal(reread.get_submodule(name).weight, m.qtensor().dequantize(torch.float32)), name
+    assert compare_logits(model_logits(model, WINDOWS), model_logits(reread, WINDOWS))["kl"] < KL_BAR
+
+
+def test_dense_export_is_a_plain_checkpoint(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = quantized(scheme("int4", "group", 16), kv=True)
+    out = export(model, "dense", tmp_path)
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    plain = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert compare_logits(model_logits(model, WINDOWS), model_logits(plain, WINDOWS))["kl"] < KL_BAR
+    record = json.loads((out / "export.json").read_text())
+    assert any("KV-cache" in n for n in record["notes"])
+
+
+@pytest.mark.parametrize("fmt,sch,family,words", [
+    ("gptq", scheme("int3", "group", 16), "llama", "4- or 8-bit"),
+    ("awq", scheme("int8", "channel"), "llama", "4-bit"),
+    ("compressed-tensors", LLM_INT8, "llama", "LLM.int8"),
+    ("compressed-tensors", scheme("int4", "group", 16), "gpt2", "Conv1D"),
+    ("fp8", FP8_DYNAMIC, "llama", "compressed-tensors"),
+    ("fp8", scheme("int4", "group", 16), "llama", "fp8 e4m3"),
+    ("awq", W8A8, "llama", "weight-only"),
+])
+def test_unsupported_combinations_fail_before_writing(fmt, sch, family, words, tmp_path):
+    model = quantized(sch, family=family)
+    with pytest.raises(ExportError, match=words):
+        export(model, fmt, tmp_path)
+    assert list(tmp_path.iterdir()) == []  # not even a temporary folder
+
+
+def test_unknown_format_names_the_choices(tmp_path):
+    with pytest.raises(ExportError, match="gguf-q4_0"):
+        export(make_tiny_model("llama"), "gguf-q5_k", tmp_path)
+
+
+def test_existing_folder_needs_overwrite_and_is_replaced_whole(tmp_path):
+    model = quantized(scheme("int4", "group", 16))
+    out = export(model, "compressed-tensors", tmp_path)
+    (out / "stale.txt").write_text("from an earlier export")
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        export(model, "compressed-tensors", tmp_path)
+    assert (out / "stale.txt").exists()
+    export(model, "compressed-tensors", tmp_path, overwrite=True)
+    assert not (out / "stale.txt").exists() and (out / "model.safetensors").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["compressed-tensors"]
+
+
+def test_export_records_provenance_and_copies_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    from compress import __version__
+
+    model = quantized(scheme("int4", "group", 16))
+    out = export(model, "compressed-tensors", tmp_path)
+    record = json.loads((out / "export.json").read_text())
+    assert record["format"] == "compressed-tensors" and record["compress_version"] == __version__
+    assert record["recipe_sha256"] == "ab" * 32 and "vLLM" in record["loaders"]
+    assert len(record["layers"]) == 14 and all("exactly" in v for v in record["layers"].values())
+    assert (out / "generation_config.json").exists()
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok("the quick fox").input_ids == make_tiny_tokenizer()("the quick fox").input_ids
+
+
+def test_input_model_folder_is_not_modified(tmp_path):
+    from compress.models import load_model, save_compressed
+
+    src = tmp_path / "run"
+    save_compressed(quantized(scheme("int4", "group", 16)), make_tiny_tokenizer(), src, {})
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    loaded = load_model(str(src))
+    export_model(loaded.model, loaded.tokenizer, "awq", tmp_path / "awq")
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
