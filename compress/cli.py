@@ -33,6 +33,34 @@ EPILOG_INSPECT = """examples:
 """
 
 
+EPILOG_EXPORT = """formats (FORMAT: who loads it):
+  dense               transformers, vLLM, SGLang, TensorRT-LLM: plain float weights (pruned models, any scheme)
+  compressed-tensors  vLLM, SGLang, transformers: W4A16 / W8A16 packed, W8A8 int8, fp8 (+ KV-cache scales)
+  awq                 vLLM, SGLang, transformers: int4 group, AutoAWQ GEMM layout
+  gptq                vLLM, SGLang, transformers: int4 / int8 group or channel, GPTQ v1 layout
+  fp8                 vLLM (quant_method fp8), TensorRT-LLM / ModelOpt (hf_quant_config.json)
+  gguf-f16 | gguf-q8_0 | gguf-q4_0 | gguf-q4_1   llama.cpp: int4 g32 sym -> q4_0, asym -> q4_1, int8 g32 -> q8_0
+                      keep our codes exactly; anything else is dequantized and re-quantized (export.json says
+                      which path each tensor took)
+
+examples:
+  compress export runs/awq_int4 --format compressed-tensors --format awq
+  compress export runs/int8_g32 --format gguf-q8_0 --output /srv/models/smollm2-q8_0 --verify
+
+Exports go to RUN_DIR/exports/FORMAT/ unless --output is given; nothing is recomputed.
+"""
+
+EPILOG_VERIFY = """examples:
+  compress verify runs/awq_int4/exports/compressed-tensors
+  compress verify runs/int8_absmax/exports/gguf-q8_0 --windows 4 --seq-len 512
+
+Reloads the export through its loader (transformers + compressed-tensors, llama-cpp-python; AWQ / GPTQ /
+per-tensor fp8 are read with their published layout, since their serving kernels need a GPU) and prints the
+KL divergence and top-1 agreement of its next-token predictions against the source model, on WikiText-2 test
+windows.
+"""
+
+
 def _add_set(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe value (dotted path, YAML value); repeatable, e.g. "
@@ -74,7 +102,98 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe", help="recipe YAML")
     _add_set(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+    from .export import FORMAT_NAMES
+    p = sub.add_parser("export", help="export a finished run to serving formats (vLLM, SGLang, TensorRT-LLM, "
+                                      "llama.cpp) without recomputing", epilog=EPILOG_EXPORT,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", help="a `compress run` output folder (or any model folder compress loads)")
+    p.add_argument("--format", dest="formats", action="append", required=True, choices=FORMAT_NAMES,
+                   metavar="FORMAT", help="export format; repeatable (see below)")
+    p.add_argument("--output", help="export folder (one --format only; default RUN_DIR/exports/FORMAT)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing export folder")
+    p.add_argument("--verify", action="store_true", help="reload each export and compare it with the run's model")
+    p.add_argument("--windows", type=int, default=2, help="windows for --verify (default 2)")
+    p.add_argument("--seq-len", type=int, default=512, help="window length for --verify (default 512)")
+
+    p = sub.add_parser("verify", help="reload an export through its target's loader and compare it with its source",
+                       epilog=EPILOG_VERIFY, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("export_dir", help="an export folder (has export.json)")
+    p.add_argument("--source", help="model to compare against (default: the run the export came from)")
+    p.add_argument("--windows", type=int, default=2, help="WikiText-2 test windows (default 2)")
+    p.add_argument("--seq-len", type=int, default=512, help="window length in tokens (default 512)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     return parser
+
+
+def _run_source(run_dir: Path) -> str | None:
+    """The model a run started from (its GGUF carries the tokenizer metadata a GGUF export copies)."""
+    for name, keys in (("report.json", ("model", "source")), ("compress.json", ("source",))):
+        path = run_dir / name
+        if path.is_file():
+            value = json.loads(path.read_text())
+            for k in keys:
+                value = value.get(k) if isinstance(value, dict) else None
+            if value:
+                return str(value)
+    return None
+
+
+def _verify_windows(tokenizer, n: int, seq_len: int):
+    from .evaluate.report import eval_windows
+    return eval_windows(tokenizer, "test", seq_len, n)
+
+
+def _print_verify(fmt: str, result: dict) -> None:
+    print(f"{fmt}: loaded with {result['loader']}; over {result['positions']} positions KL {result['kl']:.3e} nats, "
+          f"top-1 agreement {result['top1_agreement']:.4f}")
+
+
+def cmd_export(args) -> int:
+    from .export import check_export, export_model
+    from .export.verify import verify_export
+    from .models import load_model
+
+    run_dir = Path(args.run_dir)
+    if args.output and len(args.formats) > 1:
+        raise ValueError("--output names one folder; give one --format with it (or omit --output)")
+    loaded = load_model(str(run_dir))
+    for fmt in args.formats:  # every format checked before anything is written
+        check_export(loaded.model, fmt)
+    source = _run_source(run_dir)
+    meta = {"source_model": str(run_dir.resolve()), "original_model": source}
+    recipe = run_dir / "recipe.yaml"
+    if recipe.is_file():
+        import hashlib
+        text = recipe.read_text()
+        meta.update(recipe_sha256=hashlib.sha256(text.encode()).hexdigest(), recipe=text)
+    for fmt in args.formats:
+        out = Path(args.output) if args.output else run_dir / "exports" / fmt
+        export_model(loaded.model, loaded.tokenizer, fmt, out, meta, overwrite=args.overwrite,
+                     source_gguf=source if source and source.endswith(".gguf") else None)
+        print(f"{fmt}: wrote {out}")
+        if args.verify:
+            _print_verify(fmt, verify_export(out, loaded.model, _verify_windows(loaded.tokenizer, args.windows,
+                                                                                  args.seq_len)))
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from .export.verify import read_record, verify_export
+    from .models import load_model
+
+    record = read_record(args.export_dir)
+    source = args.source or record.get("source_model")
+    if not source:
+        raise ValueError(f"{args.export_dir}/export.json names no source model; pass --source MODEL")
+    loaded = load_model(source)
+    result = verify_export(args.export_dir, loaded.model, _verify_windows(loaded.tokenizer, args.windows,
+                                                                           args.seq_len))
+    if args.json:
+        print(json.dumps({"format": record["format"], **result}, indent=2))
+    else:
+        _print_verify(record["format"], result)
+    return 0
 
 
 def cmd_run(args) -> int:
@@ -238,7 +357,8 @@ def cmd_inspect(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"run": cmd_run, "eval": cmd_eval, "inspect": cmd_inspect}[args.command]
+    handler = {"run": cmd_run, "eval": cmd_eval, "inspect": cmd_inspect, "export": cmd_export,
+               "verify": cmd_verify}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .arch import get_arch
+from .arch import get_arch, get_module, set_module
 from .blockwise import run_blockwise
 from .data import calibration_windows, fingerprint
 from .evaluate.memory import folder_bytes
@@ -153,6 +153,74 @@ def kept_in_float(model, arch) -> list[str]:
     return [f"{n}× {k} (weight-only integer schemes apply to linear layers)" for k, n in sorted(kinds.items())]
 
 
+def planned_model(model, plans: list) -> torch.nn.Module:
+    """A meta-device copy of `model` with the planned QuantLinear layers: what the export checks see before
+    any weight is quantized."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from .nn import QuantLinear, linear_shape
+
+    with init_empty_weights():
+        meta = AutoModelForCausalLM.from_config(model.config)
+    for plan in plans:
+        for e in (plan.quantized if plan is not None else ()):
+            old = get_module(meta, e.name)
+            out_features, in_features = linear_shape(old)
+            set_module(meta, e.name, QuantLinear(in_features, out_features, e.scheme, bias=old.bias is not None,
+                                                 device="meta"))
+    return meta
+
+
+def check_formats(model, plans: list, formats: tuple[str, ...]) -> None:
+    from .export import check_export
+    if formats:
+        meta = planned_model(model, plans)
+        for fmt in formats:
+            check_export(meta, fmt)
+
+
+def verify_windows(recipe: Recipe, tokenizer, samples: torch.Tensor | None) -> tuple[torch.Tensor | None, str]:
+    """Token windows the exports are compared on: WikiText-2 (the eval split) where it is available, else the
+    calibration windows (both renderings of one model are compared, so held-out text is not essential)."""
+    from .data import find_data_dir
+    from .evaluate.report import eval_windows
+
+    n = recipe.output.verify_windows
+    if not n:
+        return None, "not verified (output.verify_windows: 0)"
+    if find_data_dir() is not None:
+        return eval_windows(tokenizer, recipe.eval.split, min(recipe.eval.seq_len, 512), n), \
+            f"WikiText-2 {recipe.eval.split}"
+    if samples is not None:
+        return samples[:n], "calibration windows (no local WikiText-2)"
+    raise FileNotFoundError("verifying the exports needs text: the shared data folder (COMPRESS_DATA_DIR) or a "
+                            "calibration set; or set output.verify_windows: 0")
+
+
+def write_exports(model, tokenizer, tmp: Path, out: Path, recipe: Recipe, source: str, windows, text: str,
+                  log) -> list[dict]:
+    """Each format of output.formats into OUTPUT/exports/<format>/, reloaded and compared when asked."""
+    from .export import export_model
+    from .export.verify import verify_export
+
+    exports = []
+    for fmt in recipe.output.formats:
+        log(f"exporting {fmt} ...")
+        folder = tmp / "exports" / fmt
+        folder.parent.mkdir(exist_ok=True)
+        record = export_model(model, tokenizer, fmt, folder, {
+            "recipe_sha256": recipe.sha256, "recipe": recipe.text, "source_model": str(out.resolve()),
+            "original_model": source}, source_gguf=source if str(source).endswith(".gguf") else None)
+        entry = {"format": fmt, "folder": f"exports/{fmt}", "loaders": record["loaders"],
+                 "bytes": folder_bytes(folder), "notes": record.get("notes", [])}
+        if windows is not None:
+            log(f"verifying {fmt}: reloading it and comparing predictions on {windows.shape[0]} windows ...")
+            entry["verify"] = {**verify_export(folder, model, windows), "text": text}
+        exports.append(entry)
+    return exports
+
+
 def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) -> dict:
     """Run the recipe. `resume` continues a crashed run's distill stage from its newest checkpoint."""
     out = Path(recipe.output.dir)
@@ -181,6 +249,7 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
     if model_reports:
         arch = get_arch(model)
         plans = plan_stages(model, arch, recipe)  # on the pruned shapes
+    check_formats(model, plans, recipe.output.formats)  # an impossible export fails before the calibration pass
 
     report: dict = {
         "compress_version": __version__,
@@ -248,6 +317,11 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
             "checkpoint_bytes": folder_bytes(tmp) if recipe.output.save_model else None,
             "baseline_checkpoint_bf16_bytes": _bf16_bytes(baseline or model),
         }
+        if recipe.output.formats:
+            t = time.perf_counter()
+            windows, text = verify_windows(recipe, tokenizer, samples if calibrate else None)
+            report["exports"] = write_exports(model, tokenizer, tmp, out, recipe, loaded.source, windows, text, log)
+            timings["export"] = time.perf_counter() - t
         report["timings"] = timings
         (tmp / "recipe.yaml").write_text(recipe.text or recipe.resolved_yaml())
         (tmp / "recipe.resolved.yaml").write_text(recipe.resolved_yaml())

@@ -106,6 +106,20 @@ class OutputSpec:
     save_model: bool = True
     save_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # for tensors left in float
     overwrite: bool = False
+    # export formats, each written to OUTPUT/exports/<format>/ and reloaded through its loader (`compress export
+    # --help` lists them); verify_windows: evaluation windows each export is compared on (0: do not verify)
+    formats: tuple[str, ...] = ()
+    verify_windows: int = 2
+
+    def __post_init__(self):
+        from .export import FORMAT_NAMES
+        unknown = [f for f in self.formats if f not in FORMAT_NAMES]
+        if unknown:
+            raise ValueError(f"unknown export format {unknown[0]!r}; choose from {', '.join(FORMAT_NAMES)}")
+        if len(set(self.formats)) != len(self.formats):
+            raise ValueError(f"formats lists a format twice: {list(self.formats)}")
+        if self.verify_windows < 0:
+            raise ValueError(f"verify_windows must be >= 0, got {self.verify_windows}")
 
 
 @dataclass(frozen=True)

@@ -197,7 +197,7 @@ def test_eval_against_baseline(tmp_path, recipe_file, model_dir, capsys):
     assert "None" not in md and "| model |" in md
 
 
-@pytest.mark.parametrize("command", ["run", "eval", "inspect"])
+@pytest.mark.parametrize("command", ["run", "eval", "inspect", "export", "verify"])
 def test_subcommand_help_shows_an_example(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])
@@ -212,7 +212,7 @@ def test_top_level_help(capsys):
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert "usage: compress" in out and "{run,eval,inspect}" in out
+    assert "usage: compress" in out and "{run,eval,inspect,export,verify}" in out
 
 
 @pytest.mark.parametrize("command", ["run", "inspect"])
@@ -441,3 +441,46 @@ def test_a_run_that_fails_after_distillation_resumes_from_its_checkpoint(tmp_pat
     distill = json.loads((tmp_path / "out" / "report.json").read_text())["stages"][1]
     assert distill["resumed_from"] == 4 and distill["steps"] == 4
     assert not (tmp_path / "out.work").exists()
+
+
+def test_run_exports_each_format_and_verifies_it(tmp_path, model_dir, calib_file):
+    recipe = _recipe(model_dir, calib_file, tmp_path / "out")
+    recipe["output"].update(formats=["compressed-tensors", "dense"], verify_windows=2)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert _run(path) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [e["format"] for e in report["exports"]] == ["compressed-tensors", "dense"]
+    for e in report["exports"]:
+        assert (tmp_path / "out" / e["folder"] / "export.json").is_file()
+        assert e["verify"]["kl"] < 1e-3 and e["verify"]["top1_agreement"] > 0.99, e
+    assert "## Exports" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_run_refuses_an_impossible_export_before_calibrating(tmp_path, model_dir, calib_file, capsys):
+    recipe = _recipe(model_dir, calib_file, tmp_path / "out", scheme={"dtype": "int3", "group_size": 16})
+    recipe["output"]["formats"] = ["gptq"]
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert _run(path) == 2
+    err = capsys.readouterr().err
+    assert "cannot export to gptq" in err and "calibrating" not in err
+    assert not (tmp_path / "out").exists()
+
+
+@requires_data
+def test_export_and_verify_commands_on_a_finished_run(tmp_path, recipe_file, capsys):
+    assert _run(recipe_file) == 0
+    out = tmp_path / "out"
+    before = (out / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    assert main(["export", str(out), "--format", "awq", "--format", "gptq", "--verify", "--windows", "1",
+                 "--seq-len", "64"]) == 0
+    printed = capsys.readouterr().out
+    assert "awq: wrote" in printed and "gptq: loaded with compress reader" in printed
+    assert (out / "model.safetensors").read_bytes() == before  # the run is never modified
+    assert main(["export", str(out), "--format", "awq"]) == 2  # exists: needs --overwrite
+    assert "--overwrite" in capsys.readouterr().err
+    assert main(["verify", str(out / "exports" / "awq"), "--windows", "1", "--seq-len", "64", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["format"] == "awq" and result["kl"] < 1e-3 and result["top1_agreement"] > 0.99

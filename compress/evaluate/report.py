@@ -172,6 +172,22 @@ def _distill_lines(stage: dict) -> list[str]:
     return lines
 
 
+def _export_lines(exports: list[dict]) -> list[str]:
+    if not exports:
+        return []
+    lines = ["", "## Exports", "",
+             "Each export was reloaded through the loader named and compared with the compressed model in memory "
+             "(KL divergence per token and top-1 agreement of next-token predictions).", "",
+             "| format | folder | size | read by | verified with | KL | top-1 |", "|---|---|---:|---|---|---:|---:|"]
+    for e in exports:
+        v = e.get("verify") or {}
+        lines.append(f"| {e['format']} | `{e['folder']}` | {_mb(e.get('bytes'))} | {e['loaders']} | "
+                     f"{v.get('loader', 'not verified')} | {_f(v.get('kl'), '{:.2e}')} | "
+                     f"{_f(v.get('top1_agreement'), '{:.4f}')} |")
+    notes = [f"- {e['format']}: {n}" for e in exports for n in e.get("notes", [])]
+    return lines + ([""] + notes if notes else [])
+
+
 def render_markdown(report: dict) -> str:
     ev = report.get("eval", {})
     models = ev.get("models", {})
@@ -272,6 +288,7 @@ def render_markdown(report: dict) -> str:
                   "Relative error ‖block′(x) − block(x)‖² / ‖block(x)‖² on calibration inputs:", "",
                   "| block | rel. error |", "|---:|---:|"]
         lines += [f"| {i} | {e:.2e} |" for i, e in enumerate(errs)]
+    lines += _export_lines(report.get("exports") or [])
     timings = report.get("timings")
     if timings:
         lines += ["", "Timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())]

@@ -9,6 +9,7 @@ result says so.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -83,7 +84,9 @@ def load_export(folder: str | Path):
             deq = _needs_dequantize(config)
             kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=deq)
             loader = "transformers + compressed-tensors" + (" (dequantize on load)" if deq else "")
-        return loader, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
+        with warnings.catch_warnings():  # "quantization_config from the model will be used": that is the point
+            warnings.simplefilter("ignore", UserWarning)
+            return loader, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
     if fmt == "awq":
         from .awq import awq_dequantize
         return READER, _dense_from_tensors(folder, lambda p, s: awq_dequantize(

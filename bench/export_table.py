@@ -1,0 +1,84 @@
+"""Format × scheme × loader on SmolLM2-135M: every export reloaded by its loader and compared with the
+compressed model in memory (KL per token and top-1 agreement on WikiText-2 test windows).
+
+One `compress run` per scheme (its own process) with `output.formats` listing the exports; each run's
+report.json carries the verification. Writes bench/results/export_table.json and prints a Markdown table.
+
+    python bench/export_table.py            # about 15 minutes on one CPU core
+    python bench/export_table.py --reuse    # tabulate runs/export_* that already exist
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CALIBRATION = {"preset": "wikitext2", "n_samples": 32, "seq_len": 512}
+QUANTIZE = {"stage": "quantize", "method": "rtn", "ignore": ["lm_head"]}
+RUNS = {  # name: (stages, formats)
+    "int4 g32 sym, GPTQ": ([{**QUANTIZE, "method": "gptq", "scheme": {"dtype": "int4", "group_size": 32}}],
+                           ["compressed-tensors", "gptq", "gguf-q4_0"]),
+    "int4 g32 asym, AWQ": ([{"stage": "awq", "search_samples": 4},
+                            {**QUANTIZE, "scheme": {"dtype": "int4", "group_size": 32, "symmetric": False}}],
+                           ["compressed-tensors", "awq", "gguf-q4_1"]),
+    "int8 g32 sym, RTN": ([{**QUANTIZE, "scheme": {"dtype": "int8", "group_size": 32}}],
+                          ["compressed-tensors", "gguf-q8_0", "gguf-f16", "dense"]),
+    "W8A8 int8, dynamic per token": ([{**QUANTIZE, "scheme": "W8A8"}], ["compressed-tensors"]),
+    "fp8 static + fp8 KV cache": ([{**QUANTIZE, "scheme": "FP8"}, {"stage": "kv_cache", "dtype": "fp8_e4m3"}],
+                                  ["compressed-tensors", "fp8"]),
+    "fp8 dynamic (per channel)": ([{**QUANTIZE, "scheme": "FP8_DYNAMIC"}], ["compressed-tensors"]),
+}
+WINDOWS, SEQ_LEN = 4, 512
+
+
+def folder(name: str) -> Path:
+    return ROOT / "runs" / ("export_" + "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_"))
+
+
+def run(name: str, stages: list, formats: list[str]) -> None:
+    recipe = {"model": "default", "calibration": CALIBRATION, "stages": stages,
+              "eval": {"perplexity": False, "speed": False, "baseline": False, "seq_len": SEQ_LEN},
+              "output": {"dir": str(folder(name)), "overwrite": True, "formats": formats,
+                         "verify_windows": WINDOWS}}
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(recipe, f, sort_keys=False)
+    print(f"[{name}] compress run ({', '.join(formats)})", file=sys.stderr, flush=True)
+    subprocess.run([sys.executable, "-m", "compress", "run", f.name, "--no-progress"], cwd=ROOT, check=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reuse", action="store_true", help="only tabulate existing runs")
+    args = ap.parse_args()
+    rows = []
+    for name, (stages, formats) in RUNS.items():
+        if not args.reuse:
+            run(name, stages, formats)
+        report = json.loads((folder(name) / "report.json").read_text())
+        for e in report["exports"]:
+            v = e["verify"]
+            rows.append({"scheme": name, "format": e["format"], "loader": v["loader"], "kl": v["kl"],
+                         "top1_agreement": v["top1_agreement"], "positions": v["positions"], "text": v["text"],
+                         "bytes": e["bytes"], "notes": e["notes"]})
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    result = {"date": datetime.date.today().isoformat(), "commit": commit, "model": "SmolLM2-135M-Instruct (default)",
+              "windows": f"{WINDOWS} × {SEQ_LEN} tokens", "rows": rows}
+    out = ROOT / "bench" / "results" / "export_table.json"
+    out.write_text(json.dumps(result, indent=2))
+    print(f"| scheme | format | size | reloaded with | KL (nats/token) | top-1 agreement |\n|---|---|---:|---|---:|---:|")
+    for r in rows:
+        print(f"| {r['scheme']} | {r['format']} | {r['bytes'] / 1e6:.0f} MB | {r['loader']} | {r['kl']:.2e} | "
+              f"{r['top1_agreement']:.4f} |")
+    print(f"\n{result['windows']} of WikiText-2 test, {result['date']}, commit {commit}")
+
+
+if __name__ == "__main__":
+    main()
