@@ -1,0 +1,635 @@
+"""GGUF for llama.cpp: one .gguf file holding the weights in a llama.cpp block format, the model's
+hyper-parameters, the tokenizer and the chat template.
+
+Block formats (32 weights a block, gguf-py's quants.py and ggml-quants.c):
+  Q8_0  fp16 d, 32 x int8 q                      w = d * q
+  Q4_0  fp16 d, 16 bytes of nibbles              w = d * (n - 8)
+  Q4_1  fp16 d, fp16 m, 16 bytes of nibbles      w = d * n + m
+Nibbles: byte j of a block holds element j in its low half and element j + 16 in its high half.
+
+A quantized layer whose grid is the block format's (symmetric int4 with groups of 32 or a multiple of 32
+-> Q4_0; int4 asymmetric -> Q4_1; symmetric int8 -> Q8_0; narrower grids fit too) is re-encoded from its
+integer codes and scales as they are ("exact"): llama.cpp then computes with the very weights the
+in-memory model uses. Q4_1 stores m = -zero * scale in fp16, so m is rounded (reported). Any other
+quantized layer is dequantized and quantized again with llama.cpp's reference quantizer
+(gguf.quants.quantize, "requantized"); float layers are quantized from float ("quantized-from-float").
+Norms and biases stay F32.
+
+Tensor names and hyper-parameter keys follow llama.cpp's converter (convert_hf_to_gguf.py,
+conversion/llama.py): for the llama architecture the rows of attn_q / attn_k are permuted per head from
+the rotate-half layout transformers uses to the interleaved pairs llama.cpp's RoPE reads. The
+permutation moves whole output rows, so the codes and scales of a quantized layer move with their rows and
+the blocks along the input stay intact.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ..nn import QuantLinear, linear_weight
+from ..qtensor import QuantizedTensor
+
+GGUF_TYPES = ("f16", "q8_0", "q4_0", "q4_1")
+BLOCK = 32  # weights per Q8_0 / Q4_0 / Q4_1 block
+
+# transformers class -> (GGUF architecture, whether attn_q / attn_k rows are permuted for llama.cpp's RoPE)
+ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", True),
+    "MistralForCausalLM": ("llama", True),  # convert_hf_to_gguf.py registers Mistral as LlamaModel
+    "Qwen2ForCausalLM": ("qwen2", False),  # NeoX-style RoPE in llama.cpp: no permutation
+}
+# which projections may carry a bias, per GGUF architecture
+BIASES = {"llama": (), "qwen2": ("q_proj", "k_proj", "v_proj")}
+LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+           "mlp.down_proj": "ffn_down"}
+NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+# llama.cpp's tokenizer.ggml.pre names (src/llama-vocab.cpp maps each to its own splitting regexes) and the
+# Hugging Face pre-tokenizers that split text the same way.
+_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = {
+    "gpt-2": "ByteLevel(use_regex=True)",
+    "smollm": "Sequence[Digits(individual_digits=True), ByteLevel(use_regex=True)]",
+    "llama-bpe": "Sequence[Split(llama-3 regex), ByteLevel(use_regex=False)]",
+    "qwen2": "Sequence[Split(qwen2 regex), ByteLevel(use_regex=False)]",
+}
+# gguf.TokenType values
+NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError as exc:
+        raise ImportError("the GGUF export needs the `gguf` package: pip install gguf") from exc
+    return gguf
+
+
+def _ggml_type(name: str):
+    return getattr(_gguf().GGMLQuantizationType, name.upper())
+
+
+# ---------------------------------------------------------------- model structure
+
+def _rope(config) -> tuple[str, float]:
+    params = getattr(config, "rope_parameters", None) or {}
+    if "full_attention" in params and isinstance(params["full_attention"], dict):
+        params = params["full_attention"]
+    rope_type = params.get("rope_type", "default")
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if getattr(config, "rope_scaling", None):
+        rope_type = config.rope_scaling.get("rope_type", config.rope_scaling.get("type", rope_type))
+    return rope_type, float(theta)
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _tied(model: nn.Module) -> bool:
+    head = model.get_output_embeddings()
+    return head is not None and not isinstance(head, QuantLinear) and \
+        head.weight is model.get_input_embeddings().weight
+
+
+def _entries(model: nn.Module, arch: str) -> list[tuple[str, str, str]]:
+    """(GGUF tensor name, HF module or parameter name, role) for every tensor of the file, in order.
+    Roles: embed, output, linear, norm, bias."""
+    out = [("token_embd.weight", "model.embed_tokens", "embed")]
+    for i in range(model.config.num_hidden_layers):
+        p = f"model.layers.{i}"
+        for hf, gg in NORMS.items():
+            out.append((f"blk.{i}.{gg}.weight", f"{p}.{hf}.weight", "norm"))
+        for hf, gg in LINEARS.items():
+            out.append((f"blk.{i}.{gg}.weight", f"{p}.{hf}", "linear"))
+            if hf.rpartition(".")[2] in BIASES[arch]:
+                out.append((f"blk.{i}.{gg}.bias", f"{p}.{hf}.bias", "bias"))
+    out.append(("output_norm.weight", "model.norm.weight", "norm"))
+    if not _tied(model):
+        out.append(("output.weight", "lm_head", "output"))
+    return out
+
+
+def _state_names(model: nn.Module, entries) -> set[str]:
+    """The state-dict keys the entries cover."""
+    covered = set()
+    for _, hf, role in entries:
+        if role in ("norm", "bias"):
+            covered.add(hf)
+            continue
+        module = model.get_submodule(hf)
+        covered |= {f"{hf}.{k}" for k in module.state_dict()}
+    if _tied(model):
+        covered.add("lm_head.weight")
+    return covered
+
+
+def _permute_rows(t: Tensor, n_head: int) -> Tensor:
+    """convert_hf_to_gguf.py's LlamaModel.permute on the first (output) axis: within each head, rows
+    [r0..r(d/2-1) | r(d/2)..r(d-1)] become interleaved pairs (r0, r(d/2), r1, r(d/2+1), ...)."""
+    rows = t.shape[0]
+    return t.reshape(n_head, 2, rows // n_head // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def gguf_problems(model: nn.Module, qtype: str) -> list[str]:
+    """Why `model` cannot be written as GGUF `qtype` (empty: it can), each with the way out."""
+    if qtype not in GGUF_TYPES:
+        return [f"unknown GGUF type {qtype!r}; choose one of {', '.join(GGUF_TYPES)}"]
+    cls = type(model).__name__
+    if cls not in ARCHITECTURES:
+        return [f"{cls} ({getattr(model.config, 'model_type', '?')}) is not an architecture the GGUF exporter "
+                f"writes (it writes {', '.join(sorted(ARCHITECTURES))}); export `dense` and convert it with "
+                "llama.cpp's convert_hf_to_gguf.py, or export another format"]
+    arch, _ = ARCHITECTURES[cls]
+    config = model.config
+    problems = []
+    if getattr(config, "hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={config.hidden_act!r}: llama.cpp's {arch} graph uses SiLU")
+    rope_type, _ = _rope(config)
+    if rope_type != "default":
+        problems.append(f"RoPE scaling {rope_type!r} is not written by this exporter (plain RoPE only); export "
+                        "`dense` and convert it with llama.cpp's convert_hf_to_gguf.py")
+    if arch == "llama" and (getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False)):
+        problems.append("attention_bias / mlp_bias: this exporter writes bias-free llama models")
+    if arch == "qwen2" and getattr(config, "use_sliding_window", False):
+        problems.append("use_sliding_window: llama.cpp's qwen2 graph attends to the whole context")
+    try:
+        entries = _entries(model, arch)
+        uncovered = sorted(set(model.state_dict()) - _state_names(model, entries))
+    except AttributeError as exc:
+        return problems + [f"{cls}: module layout differs from the one this exporter maps ({exc})"]
+    if uncovered:
+        problems.append(f"tensors with no GGUF counterpart in this exporter: {uncovered[:6]}"
+                        f"{' ...' if len(uncovered) > 6 else ''}")
+    n_head, n_kv, head_dim = config.num_attention_heads, config.num_key_value_heads, _head_dim(config)
+    expect = {"self_attn.q_proj": (n_head * head_dim, config.hidden_size),
+              "self_attn.k_proj": (n_kv * head_dim, config.hidden_size),
+              "self_attn.v_proj": (n_kv * head_dim, config.hidden_size),
+              "self_attn.o_proj": (config.hidden_size, n_head * head_dim),
+              "mlp.gate_proj": (config.intermediate_size, config.hidden_size),
+              "mlp.up_proj": (config.intermediate_size, config.hidden_size),
+              "mlp.down_proj": (config.hidden_size, config.intermediate_size)}
+    for i, layer in enumerate(model.model.layers):
+        for rel, shape in expect.items():
+            m = layer.get_submodule(rel)
+            got = (m.out_features, m.in_features) if isinstance(m, QuantLinear) else tuple(linear_weight(m).shape)
+            if got != shape:
+                problems.append(f"model.layers.{i}.{rel}: shape {got} differs from the config's {shape}; GGUF "
+                                "holds one width per model (fix the config or export `dense`)")
+    act, unaligned = [], []
+    for name, m in model.named_modules():
+        if not isinstance(m, QuantLinear):
+            continue
+        if m.scheme.act is not None:
+            act.append(f"{name} ({m.scheme.name})")
+        elif qtype != "f16" and m.in_features % BLOCK:
+            unaligned.append(f"{name} (in_features={m.in_features})")
+    if act:
+        problems.append(f"{len(act)} layers quantize their activations at run time, e.g. {act[0]}: GGUF stores "
+                        "weight-only formats; export the dense or compressed-tensors format instead")
+    if unaligned:
+        problems.append(f"{len(unaligned)} quantized layers have rows that are not a whole number of {BLOCK}-weight "
+                        f"{qtype.upper()} blocks, e.g. {unaligned[0]}; export gguf-f16, or quantize with a group "
+                        f"size that is a multiple of {BLOCK}")
+    return problems
+
+
+# ---------------------------------------------------------------- block encoding
+
+def _per_block(t: Tensor, qt: QuantizedTensor) -> Tensor:
+    """A scale / zero-point tensor as one value per 32-weight block: float32 [out, in // 32]."""
+    n_out, n_in = qt.shape
+    nb = n_in // BLOCK
+    t = t.float()
+    if qt.scheme.granularity == "group":
+        return t.reshape(n_out, -1).repeat_interleave(qt.scheme.group_size // BLOCK, dim=1)
+    return t.reshape(-1, 1).expand(n_out, nb) if t.numel() > 1 else t.reshape(1, 1).expand(n_out, nb)
+
+
+def _fp16_bytes(x: np.ndarray) -> np.ndarray:
+    """float [R, nb] -> uint8 [R, nb, 2] (little-endian fp16)."""
+    return np.ascontiguousarray(x.astype("<f2")).reshape(*x.shape, 1).view(np.uint8)
+
+
+def _nibbles(n: np.ndarray) -> np.ndarray:
+    """Unsigned 4-bit values [R, nb * 32] -> uint8 [R, nb, 16]: low half element j, high half j + 16."""
+    v = n.astype(np.uint8).reshape(n.shape[0], -1, 2, BLOCK // 2)
+    return v[:, :, 0, :] | (v[:, :, 1, :] << np.uint8(4))
+
+
+def encode_q8_0(q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """int8 values [R, K] and per-block scales [R, K // 32] -> Q8_0 bytes [R, K // 32 * 34]."""
+    qs = np.ascontiguousarray(q.astype(np.int8)).reshape(q.shape[0], -1, BLOCK).view(np.uint8)
+    return np.concatenate([_fp16_bytes(d), qs], axis=-1).reshape(q.shape[0], -1)
+
+
+def encode_q4_0(n: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Nibbles n = q + 8 in [0, 15] [R, K] and scales [R, K // 32] -> Q4_0 bytes [R, K // 32 * 18]."""
+    return np.concatenate([_fp16_bytes(d), _nibbles(n)], axis=-1).reshape(n.shape[0], -1)
+
+
+def encode_q4_1(n: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Nibbles [R, K], scales and minimums [R, K // 32] -> Q4_1 bytes [R, K // 32 * 20]."""
+    return np.concatenate([_fp16_bytes(d), _fp16_bytes(m), _nibbles(n)], axis=-1).reshape(n.shape[0], -1)
+
+
+def exact_fit(qt: QuantizedTensor, qtype: str) -> str | None:
+    """Why this quantized weight cannot be re-encoded exactly as `qtype` (None: it can)."""
+    s = qt.scheme
+    if qtype == "f16":
+        return "F16 holds float weights"
+    if s.act is not None or s.is_float:
+        return f"{s.name} is not an integer weight-only grid"
+    if qt.shape[1] % BLOCK:
+        return f"in_features={qt.shape[1]} is not a multiple of {BLOCK}"
+    if s.granularity == "group" and s.group_size % BLOCK:
+        return f"group_size={s.group_size} is not a multiple of {BLOCK}"
+    if qtype == "q8_0" and not (s.symmetric or s.bits <= 7):
+        return "asymmetric int8 codes minus their zero point span [-255, 255], beyond int8"
+    if qtype == "q4_0" and not (s.symmetric and s.bits <= 4):
+        return "Q4_0 holds symmetric grids of at most 4 bits"
+    if qtype == "q4_1" and s.bits > 4:
+        return "Q4_1 holds grids of at most 4 bits"
+    return None
+
+
+def encode_exact(qt: QuantizedTensor, qtype: str, n_head: int | None = None) -> tuple[np.ndarray, dict]:
+    """Our codes and scales in `qtype`'s blocks, rows permuted per head when n_head is given.
+    Returns the block bytes [out, nbytes] and notes (scale / minimum rounding to fp16)."""
+    s = qt.scheme
+    codes = qt.codes()  # int32 [out, in]: signed (symmetric) or unsigned (asymmetric)
+    d = _per_block(qt.scale, qt)
+    zero = None if qt.zero_point is None else _per_block(qt.zero_point, qt)
+    m = None
+    if qtype == "q8_0":
+        vals = codes if s.symmetric else codes - zero.repeat_interleave(BLOCK, dim=1).to(torch.int32)
+    elif qtype == "q4_0":
+        vals = codes + 8
+    else:  # q4_1: w = d * n + m
+        if s.symmetric:
+            vals, m = codes + 8, -8.0 * d
+        else:
+            vals, m = codes, -zero * d  # exact in float32 (4-bit integer times an fp16 value)
+    if n_head is not None:
+        vals, d = _permute_rows(vals, n_head), _permute_rows(d, n_head)
+        m = None if m is None else _permute_rows(m, n_head)
+    notes = {}
+    d16 = d.half().float()
+    if not torch.isfinite(d16).all():
+        raise ValueError("a scale overflows fp16")
+    if not torch.equal(d16, d):
+        notes["scale_rounded_to_fp16_max_rel"] = float(((d16 - d).abs() / d.abs().clamp(min=1e-30)).max())
+    if m is not None:
+        m_err = float((m.half().float() - m).abs().max())
+        if m_err:
+            notes["m_rounded_to_fp16_max_abs"] = m_err
+    v, dn = vals.numpy(), d.numpy()
+    if qtype == "q8_0":
+        return encode_q8_0(v, dn), notes
+    if qtype == "q4_0":
+        return encode_q4_0(v, dn), notes
+    return encode_q4_1(v, dn, m.numpy()), notes
+
+
+def _quantize_float(w: Tensor, ggml_name: str) -> np.ndarray:
+    """llama.cpp's reference quantizer (gguf-py mirrors ggml-quants.c), or a float cast."""
+    a = w.detach().float().cpu().numpy()
+    if ggml_name == "F32":
+        return a.astype(np.float32)
+    if ggml_name == "F16":
+        return a.astype(np.float16)
+    return _gguf().quants.quantize(a, _ggml_type(ggml_name))
+
+
+# ---------------------------------------------------------------- tokenizer
+
+def _pre_name(spec: dict | None) -> str | None:
+    if spec is None:
+        return None
+    kind = spec.get("type")
+    if kind == "ByteLevel" and spec.get("use_regex", True):
+        return "gpt-2"
+    if kind != "Sequence":
+        return None
+    parts = spec.get("pretokenizers", [])
+    kinds = [p.get("type") for p in parts]
+    if kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits") and parts[1].get("use_regex", True):
+        return "smollm"
+    if kinds == ["Split", "ByteLevel"] and not parts[1].get("use_regex", True):
+        regex = (parts[0].get("pattern") or {}).get("Regex")
+        return {_LLAMA3_REGEX: "llama-bpe", _QWEN2_REGEX: "qwen2"}.get(regex)
+    return None
+
+
+def hf_vocab(tokenizer, n_vocab: int, pre: str | None = None) -> dict:
+    """tokenizer.ggml.* values for a byte-level BPE (GPT-2 style) Hugging Face fast tokenizer, laid out as
+    convert_hf_to_gguf.py's _set_vocab_gpt2 does: ids the tokenizer lacks become UNUSED [PAD<i>] tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError("the GGUF tokenizer is built from a fast (tokenizers) tokenizer; this one is "
+                         f"{type(tokenizer).__name__}. Pass source_gguf= when the model came from a .gguf file")
+    spec = json.loads(backend.to_str())
+    byte_level = "ByteLevel" in json.dumps(spec.get("pre_tokenizer")) or \
+        (spec.get("decoder") or {}).get("type") == "ByteLevel"
+    if spec["model"]["type"] != "BPE" or not byte_level:
+        raise ValueError(f"the GGUF exporter builds byte-level BPE (GPT-2 style) vocabularies; this tokenizer is "
+                         f"{spec['model']['type']} without byte-level pre-tokenization (SentencePiece style). "
+                         "Convert with llama.cpp's convert_hf_to_gguf.py, or pass source_gguf= when the model came "
+                         "from a .gguf file")
+    if pre is None:
+        pre = _pre_name(spec.get("pre_tokenizer"))
+        if pre is None:
+            known = "; ".join(f"{k} = {v}" for k, v in PRE_TOKENIZERS.items())
+            raise ValueError(f"unknown pre-tokenizer {json.dumps(spec.get('pre_tokenizer'))[:300]}: llama.cpp needs "
+                             f"its name (tokenizer.ggml.pre). Known here: {known}. Pass pre=<llama.cpp name> (see "
+                             "llama.cpp's src/llama-vocab.cpp) if you know which one splits the same way")
+    vocab = tokenizer.get_vocab()
+    if max(vocab.values()) >= n_vocab:
+        raise ValueError(f"the tokenizer has ids up to {max(vocab.values())} but the embedding has {n_vocab} rows")
+    reverse = {i: t for t, i in vocab.items()}
+    added = tokenizer.get_added_vocab()
+    decoder = getattr(tokenizer, "added_tokens_decoder", {})
+    tokens, types = [], []
+    for i in range(n_vocab):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            types.append(UNUSED)
+            continue
+        tok = reverse[i]
+        if tok in added:
+            info = decoder.get(i)
+            if info is not None and not info.normalized:  # llama.cpp expects added tokens pre-normalized
+                tok = tokenizer.decode(tokenizer.encode(tok, add_special_tokens=False))
+            types.append(CONTROL if info is None or info.special else USER_DEFINED)
+        else:
+            types.append(NORMAL)
+        tokens.append(tok)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
+    plain = tokenizer("a", add_special_tokens=False).input_ids
+    special = tokenizer("a", add_special_tokens=True).input_ids
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    out = {"model": "gpt2", "pre": pre, "tokens": tokens, "token_type": types, "merges": merges,
+           "bos": bos, "eos": eos, "unk": tokenizer.unk_token_id, "pad": tokenizer.pad_token_id,
+           "add_bos": bos is not None and len(special) > len(plain) and special[0] == bos,
+           "add_eos": eos is not None and len(special) > len(plain) and special[-1] == eos,
+           "chat_template": tokenizer.chat_template if isinstance(getattr(tokenizer, "chat_template", None), str)
+           else None}
+    if not merges:
+        raise ValueError("the tokenizer has no BPE merges; llama.cpp's gpt2 vocabulary needs them")
+    return out
+
+
+def _write_hf_vocab(writer, v: dict) -> None:
+    writer.add_tokenizer_model(v["model"])
+    writer.add_tokenizer_pre(v["pre"])
+    writer.add_token_list(v["tokens"])
+    writer.add_token_types(v["token_type"])
+    writer.add_token_merges(v["merges"])
+    for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
+                     ("unk", writer.add_unk_token_id), ("pad", writer.add_pad_token_id)):
+        if v[key] is not None:
+            add(v[key])
+    writer.add_add_bos_token(v["add_bos"])
+    writer.add_add_eos_token(v["add_eos"])
+    if v["chat_template"]:
+        writer.add_chat_template(v["chat_template"])
+
+
+def copy_gguf_tokenizer(writer, reader, source_gguf: str | Path, n_vocab: int) -> list[str]:
+    """Copy every tokenizer.* key of `reader` (a GGUFReader on source_gguf), types and bytes as they are.
+    Returns the keys."""
+    gguf = _gguf()
+    keys = []
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            sub = field.types[-1]
+            if sub == gguf.GGUFValueType.STRING:
+                value = [bytes(field.parts[i]) for i in field.data]
+            else:
+                value = [x.item() if hasattr(x, "item") else x for x in field.contents()]
+            if key == "tokenizer.ggml.tokens" and len(value) != n_vocab:
+                raise ValueError(f"{source_gguf} has {len(value)} tokens but the model's embedding has {n_vocab} rows")
+            writer.add_key_value(key, value, vtype, sub_type=sub)
+        elif vtype == gguf.GGUFValueType.STRING:
+            writer.add_key_value(key, bytes(field.parts[field.data[0]]), vtype)
+        else:
+            writer.add_key_value(key, field.contents(), vtype)
+        keys.append(key)
+    if "tokenizer.ggml.tokens" not in keys:
+        raise ValueError(f"{source_gguf} has no tokenizer.ggml.tokens; export with source_gguf=None to build the "
+                         "tokenizer from the Hugging Face one")
+    return keys
+
+
+# ---------------------------------------------------------------- writer
+
+def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source_gguf: str | None = None, *,
+               embed_qtype: str | None = None, pre: str | None = None, name: str | None = None) -> dict:
+    """Write `model` to the .gguf file `path` with its weights in `qtype` (one of GGUF_TYPES).
+
+    source_gguf: the .gguf the model was loaded from; its tokenizer.* keys (vocabulary, merges, special ids,
+    chat template) are copied as they are. Without it they are built from `tokenizer` (byte-level BPE).
+    embed_qtype: type of token_embd (and of a float output head); default q8_0 for the 4-bit types (as
+    llama-quantize keeps the output / tied embedding above the 4-bit type), else `qtype`.
+    pre: llama.cpp's pre-tokenizer name, when the Hugging Face one is not in PRE_TOKENIZERS.
+    Returns the report: per GGUF tensor its type and path (exact, requantized, quantized-from-float,
+    dequantized, float), counts, notes.
+    """
+    problems = gguf_problems(model, qtype)
+    if problems:
+        raise ValueError("cannot export to GGUF " + qtype + ":\n  " + "\n  ".join(problems))
+    if embed_qtype is None:
+        embed_qtype = "q8_0" if qtype in ("q4_0", "q4_1") else qtype
+    if embed_qtype not in GGUF_TYPES:
+        raise ValueError(f"embed_qtype={embed_qtype!r}; choose one of {', '.join(GGUF_TYPES)}")
+    gguf = _gguf()
+    arch, permute = ARCHITECTURES[type(model).__name__]
+    config = model.config
+    n_head, n_kv, head_dim = config.num_attention_heads, config.num_key_value_heads, _head_dim(config)
+    embed = model.get_input_embeddings().weight
+    n_vocab, hidden = embed.shape
+    notes: list[str] = []
+
+    # tokenizer first: its errors come before any tensor work
+    vocab = None
+    if source_gguf is None:
+        if tokenizer is None:
+            raise ValueError("write_gguf needs the tokenizer (or source_gguf=, the .gguf the model came from)")
+        vocab = hf_vocab(tokenizer, n_vocab, pre)
+
+    reader = None
+    if source_gguf is not None:
+        reader = gguf.GGUFReader(str(source_gguf))
+        if name is None and "general.name" in reader.fields:
+            name = str(reader.fields["general.name"].contents())
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(name or Path(str(getattr(config, "_name_or_path", "") or arch)).name or arch)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_rope_freq_base(_rope(config)[1])
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim * n_head != hidden:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_vocab_size(n_vocab)
+    file_types = {"f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1"}
+    writer.add_file_type(int(getattr(gguf.LlamaFileType, file_types[qtype])))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    if source_gguf is not None:
+        copy_gguf_tokenizer(writer, reader, source_gguf, n_vocab)
+        tokenizer_note = f"tokenizer.* copied from {source_gguf}"
+    else:
+        _write_hf_vocab(writer, vocab)
+        tokenizer_note = f"built from the Hugging Face tokenizer (tokenizer.ggml.pre={vocab['pre']!r})"
+        if not vocab["chat_template"]:
+            notes.append("the tokenizer has no chat template; none written")
+
+    window = getattr(config, "sliding_window", None)
+    if arch == "llama" and window and window < config.max_position_embeddings:
+        notes.append(f"sliding_window={window}: llama.cpp's llama graph attends to the full context, so outputs "
+                     f"match only for contexts up to {window} tokens")
+    if any(getattr(m, "k_scale", None) is not None and hasattr(m, "kv_cache_dtype") for m in model.modules()):
+        notes.append("fp8 KV-cache scales are not part of GGUF; they were left out (llama.cpp picks its KV type "
+                     "at load time)")
+
+    tensors: dict[str, dict] = {}
+
+    def add_float(gname: str, w: Tensor, target: str, path_name: str, **extra) -> None:
+        ggml = target.upper()
+        if ggml not in ("F16", "F32") and w.shape[-1] % BLOCK:
+            ggml, extra = "F16", {**extra, "note": f"row of {w.shape[-1]} is not a whole number of blocks: F16"}
+        data = _quantize_float(w, ggml)
+        raw = None if ggml in ("F16", "F32") else _ggml_type(ggml)
+        writer.add_tensor(gname, data, raw_dtype=raw)
+        tensors[gname] = {"type": ggml, "path": path_name if ggml != "F16" or target == "f16" else "float",
+                          "shape": list(w.shape), **extra}
+
+    def add_linear(gname: str, module: nn.Module, target: str, heads: int | None) -> None:
+        if not isinstance(module, QuantLinear):
+            w = linear_weight(module).detach().float()
+            w = w if heads is None else _permute_rows(w, heads)
+            add_float(gname, w, target, "float" if target == "f16" else "quantized-from-float")
+            return
+        qt = module.qtensor()
+        why = exact_fit(qt, target)
+        if why is None:
+            data, extra = encode_exact(qt, target, heads)
+            writer.add_tensor(gname, data, raw_dtype=_ggml_type(target))
+            tensors[gname] = {"type": target.upper(), "path": "exact", "shape": list(qt.shape),
+                              "scheme": qt.scheme.name, **extra}
+            return
+        w = qt.dequantize(torch.float32)
+        w = w if heads is None else _permute_rows(w, heads)
+        add_float(gname, w, target, "dequantized" if target == "f16" else "requantized", scheme=qt.scheme.name,
+                  reason=why)
+
+    for gname, hf, role in _entries(model, arch):
+        if role in ("norm", "bias"):
+            add_float(gname, model.get_parameter(hf).detach(), "f32", "float")  # qwen2 biases: rows unpermuted
+        elif role == "embed":
+            add_float(gname, embed.detach(), embed_qtype, "float" if embed_qtype == "f16" else "quantized-from-float")
+        elif role == "output":
+            module = model.get_submodule(hf)
+            add_linear(gname, module, embed_qtype if not isinstance(module, QuantLinear) else qtype, None)
+        else:
+            heads = None
+            if permute and hf.endswith("q_proj"):
+                heads = n_head
+            elif permute and hf.endswith("k_proj"):
+                heads = n_kv
+            add_linear(gname, model.get_submodule(hf), qtype, heads)
+
+    if embed_qtype != qtype:
+        notes.append(f"token_embd{'' if _tied(model) else ' and output'} in {embed_qtype.upper()} (float in the "
+                     f"model; llama-quantize likewise keeps the output / tied embedding above a 4-bit type); "
+                     "pass embed_qtype= to change")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    counts = dict(Counter(t["path"] for t in tensors.values()))
+    types = dict(Counter(t["type"] for t in tensors.values()))
+    return {"qtype": qtype, "arch": arch, "file": Path(path).name, "bytes": Path(path).stat().st_size,
+            "tokenizer": tokenizer_note, "tensors": tensors, "counts": counts, "types": types,
+            "tied_embeddings": _tied(model), "notes": notes}
+
+
+# ---------------------------------------------------------------- running the file in llama.cpp
+
+@contextlib.contextmanager
+def _without_extra_buffers():
+    """llama-cpp-python builds its model params from llama_model_default_params(); turn off use_extra_bufts
+    (weight repacking into AMX / other CPU extra buffer types). llama.cpp's AMX matmul segfaults on some
+    machines (llama.cpp issue #20824, reproduced here on an AMX-capable Xeon: SIGSEGV in
+    ggml_backend_amx_mul_mat) and gave wrong Q4_0 / Q4_1 results before PR #16315; the plain CPU kernels
+    are the reference."""
+    import llama_cpp.llama as module
+
+    lib = module.llama_cpp
+    original = lib.llama_model_default_params
+
+    def params():
+        p = original()
+        if hasattr(p, "use_extra_bufts"):
+            p.use_extra_bufts = False
+        return p
+
+    lib.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        lib.llama_model_default_params = original
+
+
+def load_llama_cpp(path: str | Path, n_ctx: int = 512, extra_buffers: bool = False, **kwargs):
+    """A llama_cpp.Llama on `path` (one thread, quiet, logits for every position)."""
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise ImportError("running a GGUF file needs llama-cpp-python: pip install llama-cpp-python") from exc
+    kwargs = {"logits_all": True, "n_threads": 1, "n_threads_batch": 1, "verbose": False, "n_ctx": n_ctx,
+              "n_batch": n_ctx, "n_ubatch": n_ctx, **kwargs}
+    with contextlib.nullcontext() if extra_buffers else _without_extra_buffers():
+        return llama_cpp.Llama(model_path=str(path), **kwargs)
+
+
+def llama_cpp_logits(path: str | Path, windows: Tensor, n_ctx: int | None = None,
+                     extra_buffers: bool = False) -> Tensor:
+    """llama.cpp's logits for each window of token ids (int64 [B, T]): float32 [B, T, vocab]. The context is
+    cleared between windows; no BOS is added."""
+    windows = torch.as_tensor(windows)
+    if windows.ndim != 2:
+        raise ValueError(f"windows must be [B, T] token ids, got shape {tuple(windows.shape)}")
+    b, t = windows.shape
+    if n_ctx is not None and n_ctx < t:
+        raise ValueError(f"n_ctx={n_ctx} is shorter than the windows ({t} tokens)")
+    llm = load_llama_cpp(path, n_ctx=n_ctx or t, extra_buffers=extra_buffers)
+    try:
+        out = []
+        for row in windows.tolist():
+            llm.reset()
+            llm.eval(row)
+            out.append(torch.from_numpy(np.array(llm.scores[:t], dtype=np.float32)))
+    finally:
+        close = getattr(llm, "close", None)
+        if close is not None:
+            close()
+    return torch.stack(out)
