@@ -53,6 +53,12 @@ def run(name: str, stages: list, formats: list[str]) -> None:
     subprocess.run([sys.executable, "-m", "compress", "run", f.name, "--no-progress"], cwd=ROOT, check=True)
 
 
+def paths(export: Path) -> dict:
+    """How many tensors took each path (GGUF: exact / requantized / quantized-from-float / float; others: layers)."""
+    record = json.loads((export / "export.json").read_text())
+    return record.get("counts") or {"quantized layers copied exactly": len(record.get("layers", {}))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reuse", action="store_true", help="only tabulate existing runs")
@@ -66,17 +72,19 @@ def main() -> None:
             v = e["verify"]
             rows.append({"scheme": name, "format": e["format"], "loader": v["loader"], "kl": v["kl"],
                          "top1_agreement": v["top1_agreement"], "positions": v["positions"], "text": v["text"],
-                         "bytes": e["bytes"], "notes": e["notes"]})
+                         "bytes": e["bytes"], "notes": e["notes"], "tensor_paths": paths(folder(name) / e["folder"])})
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     result = {"date": datetime.date.today().isoformat(), "commit": commit, "model": "SmolLM2-135M-Instruct (default)",
               "windows": f"{WINDOWS} × {SEQ_LEN} tokens", "rows": rows}
     out = ROOT / "bench" / "results" / "export_table.json"
     out.write_text(json.dumps(result, indent=2))
-    print(f"| scheme | format | size | reloaded with | KL (nats/token) | top-1 agreement |\n|---|---|---:|---|---:|---:|")
+    print("| scheme | format | size | reloaded with | KL (nats/token) | top-1 agreement | tensors |\n"
+          "|---|---|---:|---|---:|---:|---|")
     for r in rows:
+        counts = ", ".join(f"{v} {k}" for k, v in r["tensor_paths"].items())
         print(f"| {r['scheme']} | {r['format']} | {r['bytes'] / 1e6:.0f} MB | {r['loader']} | {r['kl']:.2e} | "
-              f"{r['top1_agreement']:.4f} |")
+              f"{r['top1_agreement']:.4f} | {counts} |")
     print(f"\n{result['windows']} of WikiText-2 test, {result['date']}, commit {commit}")
 
 
