@@ -62,10 +62,11 @@ def paths(export: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reuse", action="store_true", help="only tabulate existing runs")
+    ap.add_argument("--only", help="run only the schemes whose name contains this text; reuse the others")
     args = ap.parse_args()
     rows = []
     for name, (stages, formats) in RUNS.items():
-        if not args.reuse:
+        if not args.reuse and (args.only is None or args.only in name):
             run(name, stages, formats)
         report = json.loads((folder(name) / "report.json").read_text())
         for e in report["exports"]:

@@ -65,11 +65,46 @@ def _dense_from_tensors(folder: Path, dequantize_layer) -> nn.Module:
     return model.eval()
 
 
+def apply_kv_scales(model: nn.Module, folder: Path, record: dict) -> bool:
+    """Quantize the reloaded model's KV cache with the fp8 scales stored in the export, as vLLM does when it
+    serves it (transformers reads the weights but leaves these scales unused). True when there were any."""
+    from safetensors import safe_open
+
+    from ..kv_cache import set_kv_scales, use_kv_attention
+    from ..scheme import FP8_MAX
+
+    layers = record.get("kv_cache_layers") or []
+    if not layers:
+        return False
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+
+        def scale(attention: str, which: str) -> float:
+            for key in (f"{attention}.{which}_scale", f"{attention}.{which}_proj.{which}_scale"):
+                if key in names:
+                    return float(f.get_tensor(key))
+            raise ValueError(f"{folder}: export.json lists KV-cache scales for {attention}, and the weights "
+                             f"have no {which}_scale for it")
+
+        for attention in layers:
+            set_kv_scales(model.get_submodule(attention), scale(attention, "k") * FP8_MAX["fp8_e4m3"],
+                          scale(attention, "v") * FP8_MAX["fp8_e4m3"], "fp8_e4m3")
+    use_kv_attention(model)
+    return True
+
+
 def load_export(folder: str | Path):
     """(loader description, model) — a transformers-style model whose forward gives logits — or, for GGUF,
-    (loader, path of the .gguf file)."""
+    (loader, path of the .gguf file). Stored fp8 KV-cache scales are applied to the reloaded model."""
     folder = Path(folder)
     record = read_record(folder)
+    loader, model = _load(folder, record)
+    if not isinstance(model, Path) and apply_kv_scales(model, folder, record):
+        loader += " + the file's fp8 KV-cache scales"
+    return loader, model
+
+
+def _load(folder: Path, record: dict):
     fmt = record["format"]
     if fmt.startswith("gguf-"):
         return "llama-cpp-python", next(folder.glob("*.gguf"))
