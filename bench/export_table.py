@@ -62,17 +62,18 @@ def paths(export: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reuse", action="store_true", help="only tabulate existing runs")
-    ap.add_argument("--only", help="run only the schemes whose name contains this text; reuse the others")
+    ap.add_argument("--only", help="run only the schemes whose name contains one of these comma-separated texts; reuse the others")
     args = ap.parse_args()
     rows = []
     for name, (stages, formats) in RUNS.items():
-        if not args.reuse and (args.only is None or args.only in name):
+        if not args.reuse and (args.only is None or any(t in name for t in args.only.split(","))):
             run(name, stages, formats)
         report = json.loads((folder(name) / "report.json").read_text())
         for e in report["exports"]:
             v = e["verify"]
             rows.append({"scheme": name, "format": e["format"], "loader": v["loader"], "kl": v["kl"],
                          "top1_agreement": v["top1_agreement"], "positions": v["positions"], "text": v["text"],
+                         "activations": v.get("activations", "as computed by the loader"),
                          "bytes": e["bytes"], "notes": e["notes"], "tensor_paths": paths(folder(name) / e["folder"])})
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()

@@ -184,7 +184,9 @@ def _export_lines(exports: list[dict]) -> list[str]:
         lines.append(f"| {e['format']} | `{e['folder']}` | {_mb(e.get('bytes'))} | {e['loaders']} | "
                      f"{v.get('loader', 'not verified')} | {_f(v.get('kl'), '{:.2e}')} | "
                      f"{_f(v.get('top1_agreement'), '{:.4f}')} |")
-    notes = [f"- {e['format']}: {n}" for e in exports for n in e.get("notes", [])]
+    notes = [f"- {e['format']}: {n}" for e in exports
+             for n in [*e.get("notes", []), *([e["verify"]["activations"]] if "activations" in (e.get("verify") or {})
+                                              else [])]]
     return lines + ([""] + notes if notes else [])
 
 
