@@ -56,7 +56,11 @@ def run(name: str, stages: list, formats: list[str]) -> None:
 def paths(export: Path) -> dict:
     """How many tensors took each path (GGUF: exact / requantized / quantized-from-float / float; others: layers)."""
     record = json.loads((export / "export.json").read_text())
-    return record.get("counts") or {"quantized layers copied exactly": len(record.get("layers", {}))}
+    layers = record.get("layers", {}).values()
+    return record.get("counts") or {
+        "layers copied exactly" if exact else "layers dequantized": n
+        for exact, n in ((True, sum("exactly" in v for v in layers)), (False, sum("exactly" not in v for v in layers)))
+        if n}
 
 
 def main() -> None:
