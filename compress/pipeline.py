@@ -21,7 +21,7 @@ from .data import calibration_windows, fingerprint
 from .evaluate.memory import folder_bytes
 from .evaluate.plots import plot_recovery
 from .evaluate.report import evaluate_models, write_report
-from .models import load_model, resolve_device, save_compressed
+from .models import load_compressed, load_model, resolve_device, save_compressed
 from .nn import is_linear
 from .nn import QuantLinear
 from .observers import BlockObserver
@@ -204,6 +204,10 @@ def write_exports(model, tokenizer, tmp: Path, out: Path, recipe: Recipe, source
     from .export import export_model
     from .export.verify import verify_export
 
+    # compared with the model as saved beside them (float tensors at output.save_dtype, as the exports store
+    # them), which is also what `compress verify` reloads later
+    source = load_compressed(tmp, next(model.parameters()).dtype) if windows is not None and \
+        recipe.output.save_model else model
     exports = []
     for fmt in recipe.output.formats:
         log(f"exporting {fmt} ...")
@@ -216,7 +220,7 @@ def write_exports(model, tokenizer, tmp: Path, out: Path, recipe: Recipe, source
                  "bytes": folder_bytes(folder), "notes": record.get("notes", [])}
         if windows is not None:
             log(f"verifying {fmt}: reloading it and comparing predictions on {windows.shape[0]} windows ...")
-            entry["verify"] = {**verify_export(folder, model, windows), "text": text}
+            entry["verify"] = {**verify_export(folder, source, windows), "text": text}
         exports.append(entry)
     return exports
 

@@ -91,6 +91,9 @@ def test_compressed_tensors_reloads_through_transformers(case, tmp_path):
     result = verify_export(out, model, WINDOWS)
     assert result["loader"].startswith("transformers + compressed-tensors")
     assert result["kl"] < KL_BAR and result["top1_agreement"] == 1.0, result
+    if sch.act is not None:  # compared with float inputs on both sides; static scales checked one by one
+        assert "float activations" in result["activations"]
+        assert result["input_scales_match"] is (True if not sch.act.dynamic else None)
 
 
 def test_compressed_tensors_layout_is_what_vllm_reads(tmp_path):

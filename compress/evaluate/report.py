@@ -172,6 +172,15 @@ def _distill_lines(stage: dict) -> list[str]:
     return lines
 
 
+def _activation_notes(verify: dict) -> list[str]:
+    if "activations" not in verify:
+        return []
+    match = verify.get("input_scales_match")
+    return [verify["activations"] + ("" if match is None else
+                                     "; stored static input scales equal ours" if match else
+                                     "; STORED STATIC INPUT SCALES DIFFER FROM OURS")]
+
+
 def _export_lines(exports: list[dict]) -> list[str]:
     if not exports:
         return []
@@ -185,8 +194,7 @@ def _export_lines(exports: list[dict]) -> list[str]:
                      f"{v.get('loader', 'not verified')} | {_f(v.get('kl'), '{:.2e}')} | "
                      f"{_f(v.get('top1_agreement'), '{:.4f}')} |")
     notes = [f"- {e['format']}: {n}" for e in exports
-             for n in [*e.get("notes", []), *([e["verify"]["activations"]] if "activations" in (e.get("verify") or {})
-                                              else [])]]
+             for n in [*e.get("notes", []), *_activation_notes(e.get("verify") or {})]]
     return lines + ([""] + notes if notes else [])
 
 

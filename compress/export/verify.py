@@ -95,6 +95,35 @@ def apply_kv_scales(model: nn.Module, folder: Path, record: dict) -> bool:
     return True
 
 
+def _without_input_quantization(model: nn.Module) -> nn.Module:
+    """Switch off compressed-tensors' reference activation quantization in a reloaded model. Its CPU reference
+    scales symmetric int8 by absmax / 127.5 (compressed_tensors.quantization.utils.calculate_qparams: half the
+    255-code range), while vLLM's kernels and our model use absmax / 127, so the two cannot agree token for
+    token; the stored weights are compared with float inputs on both sides, and the stored input scales are
+    compared with ours exactly (verify_export)."""
+    for m in model.modules():
+        scheme = getattr(m, "quantization_scheme", None)
+        if scheme is not None and scheme.input_activations is not None:
+            m.quantization_scheme = scheme.model_copy(update={"input_activations": None})
+    return model
+
+
+def input_scales_match(folder: Path, source: nn.Module) -> bool | None:
+    """Whether every static input scale in the export equals the source's (None: there are none)."""
+    from safetensors import safe_open
+
+    from ..nn import QuantLinear
+
+    static = {n: m.input_scale for n, m in source.named_modules()
+              if isinstance(m, QuantLinear) and m.input_scale is not None}
+    if not static or not (folder / "model.safetensors").is_file():
+        return None
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        return all(f"{n}.input_scale" in keys and float(f.get_tensor(f"{n}.input_scale")) == float(s)
+                   for n, s in static.items())
+
+
 def load_export(folder: str | Path):
     """(loader description, model) — a transformers-style model whose forward gives logits — or, for GGUF,
     (loader, path of the .gguf file). Stored fp8 KV-cache scales are applied to the reloaded model."""
@@ -123,7 +152,8 @@ def _load(folder: Path, record: dict):
             loader = "transformers + compressed-tensors" + (" (dequantize on load)" if deq else "")
         with warnings.catch_warnings():  # "quantization_config from the model will be used": that is the point
             warnings.simplefilter("ignore", UserWarning)
-            return loader, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
+        return loader, _without_input_quantization(model)
     if fmt == "awq":
         from .awq import awq_dequantize
         return READER, _dense_from_tensors(folder, lambda p, s: awq_dequantize(
@@ -178,16 +208,18 @@ def float_activations(model: nn.Module):
 def verify_export(folder: str | Path, source: nn.Module, windows: Tensor) -> dict:
     """Reload the export at `folder` and compare its predictions with `source` on `windows` [B, T].
 
-    transformers reads compressed-tensors' activation schemes and input scales but runs the layers with float
-    inputs on CPU (the quantized-activation kernels are vLLM's, on a GPU), and the layout readers do the same;
-    the source model then runs with float inputs too, so the comparison is of the stored weights, and the
-    result says so. llama.cpp computes as it serves, and is compared with the source as it runs."""
+    Where layers quantize their activations, both sides run them with float inputs (the layout readers have no
+    activation quantization, and compressed-tensors' CPU reference rounds differently from vLLM: see
+    _without_input_quantization), so the comparison is of the stored weights, the static input scales are
+    checked for equality, and the result says so. llama.cpp computes as it serves and is compared with the
+    source as it runs."""
     loader, logits = export_logits(folder, windows)
     gguf = loader == "llama-cpp-python"
     with contextlib.nullcontext(False) if gguf else float_activations(source) as floated:
         reference = model_logits(source, windows)
     result = {"loader": loader, **compare_logits(reference, logits), "windows": list(windows.shape)}
     if floated:
-        result["activations"] = ("float on both sides: the loader here does not quantize activations (vLLM does, "
-                                 "from the same config and input scales)")
+        result["activations"] = ("weights compared with float activations on both sides (vLLM quantizes them from "
+                                 "the stored config and input scales; no loader here does it as vLLM does)")
+        result["input_scales_match"] = input_scales_match(Path(folder), source)
     return result
