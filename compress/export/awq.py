@@ -35,12 +35,26 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # field i of a word holds column AWQ_ORDER
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column c of the 8 sits in field AWQ_REVERSE_ORDER[c]
 
 
+def common_problem(scheme: QuantScheme, shape: tuple[int, int] | None, fmt: str, example: str) -> str | None:
+    """What AWQ and GPTQ checkpoints both refuse: quantized activations, non-float16 scales (they would not
+    export bit for bit), and a group size that does not divide in_features."""
+    if scheme.act is not None:
+        return (f"{fmt} checkpoints are weight-only, but {scheme.name} also quantizes activations; "
+                f"use a weight-only scheme (act: null) such as {example}")
+    if scheme.scale_dtype != "float16":
+        return (f"{fmt} checkpoints store float16 scales and this scheme's are {scheme.scale_dtype}, which would not "
+                "export bit for bit; set scheme.scale_dtype: float16")
+    if shape is not None and scheme.granularity == "group" and shape[1] % scheme.group_size:
+        return (f"in_features={shape[1]} is not divisible by group_size={scheme.group_size}; pick a group_size "
+                "that divides it (e.g. 64 for 576)")
+    return None
+
+
 def awq_problem(scheme: QuantScheme, shape: tuple[int, int] | None = None) -> str | None:
     """None if a weight of `shape` ([out, in]; None checks the scheme alone) quantized with `scheme` can be
     written as an AWQ GEMM checkpoint bit for bit, else one sentence saying why not and what to change."""
     if scheme.act is not None:
-        return (f"AWQ checkpoints are weight-only, but {scheme.name} also quantizes activations; "
-                "use a weight-only int4 scheme (act: null) such as W4A16_G64")
+        return common_problem(scheme, shape, "AWQ", "W4A16_G64")
     if scheme.dtype != "int4":
         return (f"AWQ GEMM checkpoints hold 4-bit integer weights only, not {scheme.dtype}; use dtype: int4 "
                 "(8-bit weights can be exported as GPTQ instead)")
@@ -48,14 +62,10 @@ def awq_problem(scheme: QuantScheme, shape: tuple[int, int] | None = None) -> st
         return (f"AWQ checkpoints are group-quantized, not per {scheme.granularity}; set granularity: group with "
                 "group_size 32, 64 or 128 (vLLM's AWQ GEMM kernel needs out_features % group_size == 0, so "
                 "per-channel AWQ (group_size -1) does not load there)")
-    if scheme.scale_dtype != "float16":
-        return (f"AWQ checkpoints store float16 scales and this scheme's are {scheme.scale_dtype}, which would not "
-                "export bit for bit; set scheme.scale_dtype: float16")
+    if (why := common_problem(scheme, shape, "AWQ", "W4A16_G64")) is not None:
+        return why
     if shape is not None:
         n, k = shape
-        if k % scheme.group_size:
-            return (f"in_features={k} is not divisible by group_size={scheme.group_size}; pick a group_size that "
-                    "divides it (e.g. 64 for 576)")
         if n % PACK:
             return (f"out_features={n} is not a multiple of {PACK} (AWQ packs 8 output columns per int32); "
                     "leave this layer in float (modules_to_not_convert)")

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ..qtensor import QuantizedTensor
 from ..scheme import QuantScheme
-from .awq import pack_int32_fields
+from .awq import common_problem, pack_int32_fields
 
 
 def gptq_problem(scheme: QuantScheme, shape: tuple[int, int] | None = None) -> str | None:
@@ -37,23 +37,18 @@ def gptq_problem(scheme: QuantScheme, shape: tuple[int, int] | None = None) -> s
     written as a GPTQ v1 checkpoint bit for bit, else one sentence saying why not and what to change.
     (Asymmetric weights with a zero point of 0 are data-dependent and refused by `gptq_tensors`.)"""
     if scheme.act is not None:
-        return (f"GPTQ checkpoints are weight-only, but {scheme.name} also quantizes activations; "
-                "use a weight-only scheme (act: null) such as W4A16 or W8A16")
+        return common_problem(scheme, shape, "GPTQ", "W4A16 or W8A16")
     if scheme.dtype not in ("int4", "int8"):
         return (f"GPTQ checkpoints that vLLM serves are 4- or 8-bit integer weights, not {scheme.dtype}; "
                 "use dtype: int4 or int8")
     if scheme.granularity not in ("group", "channel"):
         return (f"GPTQ checkpoints are per group or per output channel, not per {scheme.granularity}; "
                 "set granularity: group (or channel)")
-    if scheme.scale_dtype != "float16":
-        return (f"GPTQ checkpoints store float16 scales and this scheme's are {scheme.scale_dtype}, which would not "
-                "export bit for bit; set scheme.scale_dtype: float16")
+    if (why := common_problem(scheme, shape, "GPTQ", "W4A16 or W8A16")) is not None:
+        return why
     if shape is not None:
         n, k = shape
         per_word = 32 // scheme.bits
-        if scheme.granularity == "group" and k % scheme.group_size:
-            return (f"in_features={k} is not divisible by group_size={scheme.group_size}; pick a group_size that "
-                    "divides it (e.g. 64 for 576)")
         if k % per_word:
             return (f"in_features={k} is not a multiple of {per_word} ({scheme.bits}-bit codes are packed "
                     f"{per_word} per int32 along in_features); leave this layer in float")

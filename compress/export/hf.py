@@ -115,10 +115,8 @@ def config_dtype(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _weight_only_int(m: QuantLinear, fmt: str, check) -> str | None:
-    if m.scheme.act is not None:
-        return f"{fmt} checkpoints are weight-only; this layer quantizes its activations (export compressed-tensors)"
-    return check(m.scheme, (m.out_features, m.in_features))
+def _layer_check(check):
+    return lambda m: check(m.scheme, (m.out_features, m.in_features))
 
 
 def _write_packed(model: nn.Module, tokenizer, folder: Path, layer_tensors: Callable[[QuantizedTensor], dict],
@@ -150,14 +148,14 @@ def _single_scheme(model: nn.Module, fmt: str) -> list[str]:
 def awq_problems(model: nn.Module) -> list[str]:
     from .awq import awq_problem
     return conv1d_problems(model, "awq") + _single_scheme(model, "awq") + \
-        per_layer_problems(model, lambda m: _weight_only_int(m, "AWQ", awq_problem))
+        per_layer_problems(model, _layer_check(awq_problem))
 
 
 def gptq_problems(model: nn.Module) -> list[str]:
     from .gptq import gptq_problem
 
     def check(m: QuantLinear) -> str | None:
-        if (why := _weight_only_int(m, "GPTQ", gptq_problem)) is not None:
+        if (why := _layer_check(gptq_problem)(m)) is not None:
             return why
         if m.zero_point is not None and bool((m.zero_point == 0).any()):
             return ("a zero point of 0 (a group with no negative weight) cannot be stored: GPTQ v1 writes "
