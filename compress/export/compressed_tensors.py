@@ -146,6 +146,7 @@ def quantization_config(model: nn.Module) -> dict:
 
 
 def write(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.bfloat16, **_) -> dict:
+    kv = kv_modules(model)
     _library()
     tensors = float_tensors(model, dtype)
     layers = {}
@@ -155,10 +156,10 @@ def write(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.
         if m.bias is not None:
             tensors[f"{name}.bias"] = m.bias.detach().to(dtype)
         layers[name] = f"{m.scheme.name} -> {layer_format(m.scheme)} (codes and scales copied exactly)"
-    for name, m in kv_modules(model).items():
+    for name, m in kv.items():
         tensors[f"{name}.k_scale"] = m.k_scale.detach().float().reshape(1)
         tensors[f"{name}.v_scale"] = m.v_scale.detach().float().reshape(1)
     config = quantization_config(model)
     write_hf(model, tokenizer, folder, tensors, config, dtype)
-    return {"layers": layers, "kv_cache_layers": sorted(kv_modules(model)), "float_dtype": config_dtype(dtype),
+    return {"layers": layers, "kv_cache_layers": sorted(kv), "float_dtype": config_dtype(dtype),
             "quantization_config": config, "notes": []}

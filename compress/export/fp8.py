@@ -64,6 +64,7 @@ def _kv_scale_name(model: nn.Module, attention: str, which: str) -> str:
 
 
 def write(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.bfloat16, **_) -> dict:
+    kv = kv_modules(model)
     layers = quant_layers(model)
     tensors = float_tensors(model, dtype)
     report = {}
@@ -81,7 +82,7 @@ def write(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.
         if m.bias is not None:
             tensors[f"{name}.bias"] = m.bias.detach().to(dtype)
         report[name] = f"{m.scheme.name} -> fp8 (values and scales copied exactly)"
-    for name, m in kv_modules(model).items():
+    for name, m in kv.items():
         tensors[_kv_scale_name(model, name, "k")] = m.k_scale.detach().float().reshape(1)
         tensors[_kv_scale_name(model, name, "v")] = m.v_scale.detach().float().reshape(1)
     static = any(m.scheme.act is not None and not m.scheme.act.dynamic for m in layers.values())
@@ -96,13 +97,13 @@ def write(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.
     per_tensor_static = all(m.scheme.granularity == "tensor" and m.input_scale is not None for m in layers.values())
     if per_tensor_static:
         hf_quant = {"producer": {"name": "compress", "version": __version__},
-                    "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8" if kv_modules(model) else None,
+                    "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8" if kv else None,
                                      "exclude_modules": ignored}}
         (Path(folder) / HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=2))
     else:
         notes.append(f"{HF_QUANT_CONFIG} not written: TensorRT-LLM's FP8 recipe needs per-tensor weights with static "
                      "per-tensor input scales (the FP8 preset); vLLM reads this checkpoint as it is")
-    if kv_modules(model):
+    if kv:
         notes.append("vLLM uses the KV-cache scales when served with --kv-cache-dtype fp8")
-    return {"layers": report, "kv_cache_layers": sorted(kv_modules(model)), "float_dtype": config_dtype(dtype),
+    return {"layers": report, "kv_cache_layers": sorted(kv), "float_dtype": config_dtype(dtype),
             "quantization_config": config, "notes": notes}

@@ -6,7 +6,6 @@ layer layouts in awq.py / gptq.py.
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 from typing import Callable
 
@@ -187,6 +186,3 @@ def write_gptq(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = t
         config["modules_to_not_convert"] = unconverted
     return _write_packed(model, tokenizer, folder, gptq_tensors, config, dtype, "GPTQ")
 
-
-def read_json(path: Path) -> dict:
-    return json.loads(Path(path).read_text())
