@@ -150,9 +150,16 @@ def _load(folder: Path, record: dict):
             deq = _needs_dequantize(config)
             kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=deq)
             loader = "transformers + compressed-tensors" + (" (dequantize on load)" if deq else "")
-        with warnings.catch_warnings():  # "quantization_config from the model will be used": that is the point
-            warnings.simplefilter("ignore", UserWarning)
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
+        from transformers.utils import logging as hf_logging
+
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # its load report lists the KV scales as unexpected: applied below
+        try:
+            with warnings.catch_warnings():  # "quantization_config from the model will be used": the point
+                warnings.simplefilter("ignore", UserWarning)
+                model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
+        finally:
+            hf_logging.set_verbosity(verbosity)
         return loader, _without_input_quantization(model)
     if fmt == "awq":
         from .awq import awq_dequantize
