@@ -373,3 +373,29 @@ def test_smollm2_f16_export_matches_our_model(smollm2_int8, tmp_path):
     out = llama_cpp_logits(path, s["win"])
     assert agreement(out, s["ref"]) >= 0.98  # measured 1.0
     assert rel_err(out, s["ref"]) < 0.005  # measured 0.0012
+
+
+def test_pruned_and_quantized_model_exports_dense_and_gguf(tmp_path):
+    """A Minitron-pruned model (MLP 128 -> 64 channels, 2 -> 1 blocks), then int4 g32: the dense export is a
+    plain checkpoint transformers loads, and the GGUF file holds the pruned shapes and runs in llama.cpp."""
+    from transformers import AutoModelForCausalLM
+
+    from compress.export import export_model
+    from compress.prune.slicing import prune_layers, prune_mlp
+
+    model = make_tiny_model("llama")
+    arch = get_arch(model)
+    prune_mlp(model, arch, [torch.arange(0, 128, 2)] * 2)
+    prune_layers(model, arch, [1])
+    stage = QuantizeStage(scheme=scheme("int4", "group", 32))
+    apply_quantize(model, plan_quantize(model, arch, stage), stage)
+    ids = windows()
+    ref = hf_logits(model, ids)
+    export_model(model, byte_bpe_tokenizer(), "dense", tmp_path / "dense")
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.float32)
+    assert (plain.config.intermediate_size, plain.config.num_hidden_layers) == (64, 1)
+    assert rel_err(hf_logits(plain, ids), ref) < 0.01  # measured 0.0022: float tensors stored in bfloat16
+    record = export_model(model, byte_bpe_tokenizer(), "gguf-q4_0", tmp_path / "gguf")
+    assert record["counts"]["exact"] == 7  # q, k, v, o, gate, up, down of the one block left
+    out = llama_cpp_logits(next((tmp_path / "gguf").glob("*.gguf")), ids)
+    assert agreement(out, ref) >= 0.98 and rel_err(out, ref) < 0.05  # measured 1.0 and 0.0084
