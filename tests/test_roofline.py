@@ -1,0 +1,72 @@
+"""The roofline model against the lecture's hand-computed Llama-2-13B figures on an H100, from the config alone."""
+from __future__ import annotations
+
+import pytest
+import transformers
+
+from compress.evaluate.roofline import ACCELERATORS, decode, get_accelerator, max_batch, model_facts, prefill_seconds
+
+
+def llama2_13b(kv_heads: int = 40) -> transformers.LlamaConfig:
+    # meta-llama/Llama-2-13b-hf config.json
+    return transformers.LlamaConfig(vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                                    num_attention_heads=40, num_key_value_heads=kv_heads,
+                                    max_position_embeddings=4096, tie_word_embeddings=False)
+
+
+def test_llama2_13b_on_h100_matches_the_lecture():
+    m = model_facts(llama2_13b())
+    assert m.params == 13_015_864_320  # the published 13.0B
+    assert m.kv_bytes_per_token() == 2 * 40 * 40 * 128 * 2 == 819_200  # K and V, 40 layers, 5120 wide, bf16
+    d = decode(m, ACCELERATORS["H100-SXM"], batch=1, context=1024)
+    assert d["bytes_moved"] / 1e9 == pytest.approx(26.9, abs=0.05)  # 26.03 GB weights + 0.84 GB KV cache
+    assert d["latency_s"] * 1e3 == pytest.approx(8.0, abs=0.05)  # 26.9 GB / 3.35 TB/s
+    assert d["tokens_per_s"] == pytest.approx(125, abs=1)
+    assert d["bound"] == "memory" and d["intensity"] < 2 < d["crossover"]  # ~1 FLOP/byte against ~295
+
+
+def test_grouped_query_attention_fits_a_larger_batch():
+    h100 = ACCELERATORS["H100-SXM"]
+    mha, gqa = model_facts(llama2_13b()), model_facts(llama2_13b(kv_heads=8))
+    assert gqa.kv_bytes_per_token() * 5 == mha.kv_bytes_per_token()
+    # (80 GB - 26.0 GB) / (1024 tokens x KV bytes per token); the GQA model has fewer K/V weights too
+    assert max_batch(mha, h100, 1024) == 64
+    assert max_batch(gqa, h100, 1024) == int((80e9 - gqa.weight_bytes) / (1024 * 163_840))
+    assert max_batch(gqa, h100, 1024) > 5 * max_batch(mha, h100, 1024)
+    # at a batch the MHA model cannot hold, GQA decodes ~14x more tokens/s than MHA at B=1
+    assert decode(gqa, h100, 256, 1024)["tokens_per_s"] > 10 * decode(mha, h100, 1, 1024)["tokens_per_s"]
+
+
+def test_throughput_grows_with_batch_until_compute_bound():
+    m, h100 = model_facts(llama2_13b()), ACCELERATORS["H100-SXM"]
+    speeds = [decode(m, h100, b, 16)["tokens_per_s"] for b in (1, 16, 64, 256, 1024)]
+    assert speeds == sorted(speeds)
+    # short contexts: ~B FLOP per byte of weights passes the ~295 FLOP/byte crossover between 256 and 1024
+    assert decode(m, h100, 256, 16)["bound"] == "memory" and decode(m, h100, 1024, 16)["bound"] == "compute"
+    # long contexts: every sequence reads its own KV cache, so intensity stays low and decode memory-bound
+    assert decode(m, h100, 1024, 1024)["bound"] == "memory"
+
+
+def test_smaller_weights_decode_faster_in_proportion():
+    h100 = ACCELERATORS["H100-SXM"]
+    bf16 = model_facts(llama2_13b())
+    int4 = model_facts(llama2_13b(), weight_bytes=bf16.weight_bytes // 4)
+    ratio = decode(int4, h100, 1, 1)["tokens_per_s"] / decode(bf16, h100, 1, 1)["tokens_per_s"]
+    assert ratio == pytest.approx(4, rel=0.01)
+
+
+def test_prefill_is_compute_bound_and_fp8_halves_it():
+    m, h100 = model_facts(llama2_13b()), ACCELERATORS["H100-SXM"]
+    t = prefill_seconds(m, h100, 1024)
+    assert t == pytest.approx((2 * m.params * 1024 + 2 * 40 * 1024 ** 2 * 5120) / 989.4e12)
+    assert prefill_seconds(m, h100, 1024, fp8=True) == pytest.approx(t / 2, rel=0.01)
+    assert prefill_seconds(m, ACCELERATORS["A100-80GB"], 1024, fp8=True) > t  # no fp8 tensor cores: bf16 rate
+
+
+def test_unknown_accelerator_names_the_known_ones():
+    with pytest.raises(ValueError, match="H100-SXM"):
+        get_accelerator("TPU-v9")
+
+
+def test_weights_that_do_not_fit_give_no_batch():
+    assert max_batch(model_facts(llama2_13b()), ACCELERATORS["RTX-4090"], 1024) == 0  # 26 GB > 24 GB
