@@ -94,10 +94,19 @@ class EvalSpec:
     prefill_tokens: int = 512
     decode_tokens: int = 16
     speed_repeats: int = 3
+    # roofline predictions (compress/evaluate/roofline.py) on these accelerators, at this context and batches
+    accelerators: tuple[str, ...] = ("H100-SXM",)
+    roofline_context: int = 1024
+    roofline_batches: tuple[int, ...] = (1, 16, 64)
 
     def __post_init__(self):
         if self.max_windows is not None and self.max_windows < 1:
             raise ValueError(f"max_windows must be >= 1 or null, got {self.max_windows}")
+        from .evaluate.roofline import get_accelerator
+        for name in self.accelerators:
+            get_accelerator(name)
+        if self.roofline_context < 1 or any(b < 1 for b in self.roofline_batches):
+            raise ValueError("roofline_context and roofline_batches must be >= 1")
 
 
 @dataclass(frozen=True)

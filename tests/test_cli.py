@@ -484,3 +484,22 @@ def test_export_and_verify_commands_on_a_finished_run(tmp_path, recipe_file, cap
     assert main(["verify", str(out / "exports" / "awq"), "--windows", "1", "--seq-len", "64", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["format"] == "awq" and result["kl"] < 1e-3 and result["top1_agreement"] > 0.99
+
+
+def test_report_predicts_serving_on_the_accelerators_asked_for(tmp_path, model_dir, calib_file):
+    from compress.evaluate.roofline import ACCELERATORS, decode, model_facts
+
+    recipe = _recipe(model_dir, calib_file, tmp_path / "out")
+    recipe["eval"].update(accelerators=["H100-SXM", "RTX-4090"], roofline_context=256, roofline_batches=[1, 8])
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert _run(path) == 0
+    models = json.loads((tmp_path / "out" / "report.json").read_text())["eval"]["models"]
+    base, comp = models["baseline"]["roofline"][0], models["compressed"]["roofline"][0]
+    assert [r["accelerator"]["name"] for r in models["compressed"]["roofline"]] == ["H100-SXM", "RTX-4090"]
+    assert comp["weight_bytes"] == models["compressed"]["weights"]["total"] < base["weight_bytes"]
+    expect = decode(model_facts(load_compressed(tmp_path / "out").config, comp["weight_bytes"]),
+                    ACCELERATORS["H100-SXM"], 8, 256)
+    assert comp["decode"]["8"]["tokens_per_s"] == pytest.approx(expect["tokens_per_s"])
+    assert comp["decode"]["1"]["tokens_per_s"] > base["decode"]["1"]["tokens_per_s"]  # fewer bytes per token
+    assert "## Roofline predictions" in (tmp_path / "out" / "report.md").read_text()

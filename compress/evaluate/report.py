@@ -49,6 +49,8 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
             vocab = m.get_input_embeddings().weight.shape[0]
             result["models"][n]["speed"] = measure_speed(m, vocab, spec.prefill_tokens, spec.decode_tokens,
                                                          spec.speed_repeats, device)
+    for n, m in models.items():
+        result["models"][n]["roofline"] = model_roofline(m, result["models"][n]["weights"]["total"], spec)
     result["peak_rss_bytes"] = peak_rss_bytes()
     result["peak_cuda_bytes"] = peak_cuda_bytes()
     return result
@@ -58,6 +60,38 @@ def _llm_int8_layers(model: nn.Module, named: bool = False):
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear) and m.scheme.act is not None
               and m.scheme.act.outlier_threshold is not None]
     return layers if named else [m for _, m in layers]
+
+
+def model_roofline(model: nn.Module, weight_total: int, spec) -> list[dict]:
+    """Predicted serving figures of `model` (its real weight bytes; fp8 KV cache: 1 byte per element)."""
+    from ..kv_cache import kv_layers
+    from .roofline import get_accelerator, model_facts, roofline
+
+    facts = model_facts(model.config, weight_bytes=weight_total)
+    kv_bytes = 1 if kv_layers(model) else 2
+    return [roofline(facts, get_accelerator(a), tuple(getattr(spec, "roofline_batches", (1, 16, 64))),
+                     getattr(spec, "roofline_context", 1024), kv_bytes)
+            for a in getattr(spec, "accelerators", ("H100-SXM",))]
+
+
+def _roofline_lines(models: dict) -> list[str]:
+    rows = [(n, r) for n, m in models.items() for r in m.get("roofline") or ()]
+    if not rows:
+        return []
+    batches = list(rows[0][1]["decode"])
+    lines = ["", "## Roofline predictions", "",
+             f"Decode at context {rows[0][1]['context']}: bytes moved per step ÷ bandwidth (or FLOPs ÷ peak when "
+             "compute-bound); ceilings that ignore kernel efficiency (compress/evaluate/roofline.py).", "",
+             "| model | accelerator | weights | KV / token | latency B=1 | " +
+             " | ".join(f"tok/s B={b}" for b in batches) + " | max batch | prefill |",
+             "|---|---|---:|---:|---:|" + "---:|" * len(batches) + "---:|---:|"]
+    for n, r in rows:
+        d = r["decode"]
+        lines.append(f"| {n} | {r['accelerator']['name']} | {_mb(r['weight_bytes'])} | "
+                     f"{r['kv_bytes_per_token'] / 1e3:,.1f} kB | {d[batches[0]]['latency_s'] * 1e3:.3f} ms | " +
+                     " | ".join(f"{d[b]['tokens_per_s']:,.0f}" for b in batches) +
+                     f" | {r['max_batch']:,} | {r['prefill_s'] * 1e3:.2f} ms |")
+    return lines
 
 
 def write_report(report: dict, folder: str | Path) -> None:
@@ -298,6 +332,7 @@ def render_markdown(report: dict) -> str:
                   "Relative error ‖block′(x) − block(x)‖² / ‖block(x)‖² on calibration inputs:", "",
                   "| block | rel. error |", "|---:|---:|"]
         lines += [f"| {i} | {e:.2e} |" for i, e in enumerate(errs)]
+    lines += _roofline_lines(models)
     lines += _export_lines(report.get("exports") or [])
     timings = report.get("timings")
     if timings:
