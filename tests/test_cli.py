@@ -497,7 +497,7 @@ def test_report_predicts_serving_on_the_accelerators_asked_for(tmp_path, model_d
     models = json.loads((tmp_path / "out" / "report.json").read_text())["eval"]["models"]
     base, comp = models["baseline"]["roofline"][0], models["compressed"]["roofline"][0]
     assert [r["accelerator"]["name"] for r in models["compressed"]["roofline"]] == ["H100-SXM", "RTX-4090"]
-    assert comp["weight_bytes"] == models["compressed"]["weights"]["total"] < base["weight_bytes"]
+    assert comp["weight_bytes"] == models["compressed"]["weights"]["serving_bf16"] < base["weight_bytes"]
     expect = decode(model_facts(load_compressed(tmp_path / "out").config, comp["weight_bytes"]),
                     ACCELERATORS["H100-SXM"], 8, 256)
     assert comp["decode"]["8"]["tokens_per_s"] == pytest.approx(expect["tokens_per_s"])

@@ -70,3 +70,21 @@ def test_unknown_accelerator_names_the_known_ones():
 
 def test_weights_that_do_not_fit_give_no_batch():
     assert max_batch(model_facts(llama2_13b()), ACCELERATORS["RTX-4090"], 1024) == 0  # 26 GB > 24 GB
+
+
+def test_serving_bytes_count_floats_at_bf16_and_quantized_layers_as_stored():
+    from compress.arch import get_arch
+    from compress.evaluate.memory import serving_bytes
+    from compress.nn import QuantLinear
+    from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
+    from compress.scheme import scheme
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model("llama")  # float32 in memory, tied embedding counted once
+    n_params = sum(p.numel() for p in model.parameters())
+    assert serving_bytes(model) == 2 * n_params
+    stage = QuantizeStage(scheme=scheme("int4", "group", 16))
+    apply_quantize(model, plan_quantize(model, get_arch(model), stage), stage)
+    quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    floats = sum(p.numel() for p in model.parameters())
+    assert serving_bytes(model) == 2 * floats + sum(m.qtensor().nbytes for m in quant)

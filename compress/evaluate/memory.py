@@ -54,6 +54,17 @@ def weight_bytes(model: nn.Module) -> dict:
     }
 
 
+def serving_bytes(model: nn.Module, float_bytes: int = 2) -> int:
+    """Weight bytes as a GPU server holds them: quantized layers as stored (codes, scales, zero points), every
+    float tensor at `float_bytes` (bf16), whatever dtype it has in this process (float32 on CPU)."""
+    quant = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    total = 0
+    for name, t in _tensors(model):
+        stored = name.rpartition(".")[0] in quant and not name.endswith("bias")
+        total += t.numel() * (t.element_size() if stored or not t.is_floating_point() else float_bytes)
+    return total
+
+
 def folder_bytes(path: str | Path) -> int:
     path = Path(path)
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and p.suffix in (".safetensors", ".gguf"))

@@ -9,7 +9,7 @@ from torch import nn
 
 from ..data import fingerprint, sequential_windows, tokenize_joined, wikitext2_rows
 from ..nn import QuantLinear
-from .memory import peak_cuda_bytes, peak_rss_bytes, weight_bytes
+from .memory import peak_cuda_bytes, peak_rss_bytes, serving_bytes, weight_bytes
 from .ppl import score_windows
 from .speed import measure_speed
 
@@ -50,7 +50,8 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
             result["models"][n]["speed"] = measure_speed(m, vocab, spec.prefill_tokens, spec.decode_tokens,
                                                          spec.speed_repeats, device)
     for n, m in models.items():
-        result["models"][n]["roofline"] = model_roofline(m, result["models"][n]["weights"]["total"], spec)
+        result["models"][n]["weights"]["serving_bf16"] = serving_bytes(m)
+        result["models"][n]["roofline"] = model_roofline(m, result["models"][n]["weights"]["serving_bf16"], spec)
     result["peak_rss_bytes"] = peak_rss_bytes()
     result["peak_cuda_bytes"] = peak_cuda_bytes()
     return result
@@ -63,7 +64,8 @@ def _llm_int8_layers(model: nn.Module, named: bool = False):
 
 
 def model_roofline(model: nn.Module, weight_total: int, spec) -> list[dict]:
-    """Predicted serving figures of `model` (its real weight bytes; fp8 KV cache: 1 byte per element)."""
+    """Predicted serving figures of `model` from its weight bytes as served (float tensors in bf16, quantized
+    layers as stored) and its KV cache (bf16, or 1 byte per element with calibrated fp8 scales)."""
     from ..kv_cache import kv_layers
     from .roofline import get_accelerator, model_facts, roofline
 
