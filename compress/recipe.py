@@ -94,6 +94,12 @@ class EvalSpec:
     prefill_tokens: int = 512
     decode_tokens: int = 16
     speed_repeats: int = 3
+    # lm-eval tasks (compress/evaluate/harness.py: arc_easy, arc_challenge, piqa, winogrande, boolq, lambada_openai,
+    # wikitext), on the local data folder when there is one; task_limit: documents per task (null: all)
+    tasks: tuple[str, ...] = ()
+    task_limit: int | None = None
+    num_fewshot: int = 0
+    task_batch_size: int = 8
     # roofline predictions (compress/evaluate/roofline.py) on these accelerators, at this context and batches
     accelerators: tuple[str, ...] = ("H100-SXM",)
     roofline_context: int = 1024
@@ -102,6 +108,10 @@ class EvalSpec:
     def __post_init__(self):
         if self.max_windows is not None and self.max_windows < 1:
             raise ValueError(f"max_windows must be >= 1 or null, got {self.max_windows}")
+        from .evaluate.harness import check_tasks
+        check_tasks(self.tasks)
+        if self.task_limit is not None and self.task_limit < 1:
+            raise ValueError(f"task_limit must be >= 1 or null, got {self.task_limit}")
         from .evaluate.roofline import get_accelerator
         for name in self.accelerators:
             get_accelerator(name)

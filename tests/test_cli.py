@@ -503,3 +503,25 @@ def test_report_predicts_serving_on_the_accelerators_asked_for(tmp_path, model_d
     assert comp["decode"]["8"]["tokens_per_s"] == pytest.approx(expect["tokens_per_s"])
     assert comp["decode"]["1"]["tokens_per_s"] > base["decode"]["1"]["tokens_per_s"]  # fewer bytes per token
     assert "## Roofline predictions" in (tmp_path / "out" / "report.md").read_text()
+
+
+@requires_data
+def test_run_scores_lm_eval_tasks_for_baseline_and_compressed(tmp_path, model_dir, calib_file):
+    pytest.importorskip("lm_eval")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.eos_token = "[PAD]"  # lm-eval needs an EOS id; the tiny word-level tokenizer has none
+    tok.save_pretrained(tmp_path / "model")
+    make_tiny_model("llama").save_pretrained(tmp_path / "model")
+    recipe = _recipe(tmp_path / "model", calib_file, tmp_path / "out")
+    recipe["eval"].update(tasks=["lambada_openai"], task_limit=3, speed=False)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert _run(path) == 0
+    lm = json.loads((tmp_path / "out" / "report.json").read_text())["eval"]["lm_eval"]
+    assert set(lm["scores"]) == {"baseline", "compressed"} and lm["limit"] == 3
+    assert lm["recovery"]["compressed"]["lambada_openai"]["acc"] is None or \
+        lm["recovery"]["compressed"]["lambada_openai"]["acc"] >= 0
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "## lm-eval tasks" in md and "| lambada_openai | perplexity |" in md

@@ -49,6 +49,10 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
             vocab = m.get_input_embeddings().weight.shape[0]
             result["models"][n]["speed"] = measure_speed(m, vocab, spec.prefill_tokens, spec.decode_tokens,
                                                          spec.speed_repeats, device)
+    if getattr(spec, "tasks", ()):
+        from .harness import evaluate_tasks
+        result["lm_eval"] = evaluate_tasks(models, tokenizer, spec.tasks, spec.task_limit, spec.num_fewshot,
+                                           spec.task_batch_size, baseline=baseline)
     for n, m in models.items():
         result["models"][n]["weights"]["serving_bf16"] = serving_bytes(m)
         result["models"][n]["roofline"] = model_roofline(m, result["models"][n]["weights"]["serving_bf16"], spec)
@@ -74,6 +78,28 @@ def model_roofline(model: nn.Module, weight_total: int, spec) -> list[dict]:
     return [roofline(facts, get_accelerator(a), tuple(getattr(spec, "roofline_batches", (1, 16, 64))),
                      getattr(spec, "roofline_context", 1024), kv_bytes)
             for a in getattr(spec, "accelerators", ("H100-SXM",))]
+
+
+def _task_lines(lm: dict | None) -> list[str]:
+    if not lm:
+        return []
+    names = list(lm["scores"])
+    lines = ["", "## lm-eval tasks", "",
+             f"{lm['harness']}, {lm['num_fewshot']}-shot, limit {lm['limit'] or 'none (whole split)'}, batch "
+             f"{lm['batch_size']}, BOS {lm['bos']}; data: {lm['data']}. Task versions: " +
+             ", ".join(f"{t} {v['version']}" for t, v in lm["tasks"].items()) + ".", "",
+             "| task | metric | " + " | ".join(names) + (" | recovery |" if lm.get("recovery") else " |"),
+             "|---|---|" + "---:|" * len(names) + ("---:|" if lm.get("recovery") else "")]
+    recovered = next(iter(lm.get("recovery", {}).values()), None)
+    for task, metrics in lm["scores"][names[0]].items():
+        for metric in metrics:
+            cells = []
+            for n in names:
+                v = lm["scores"][n][task][metric]
+                cells.append(f"{v['value']:.4g}" + (f" ± {v['stderr']:.2g}" if v["stderr"] is not None else ""))
+            rec = "" if recovered is None else f" | {_f(recovered[task][metric], '{:.1%}')}"
+            lines.append(f"| {task} | {metric} | " + " | ".join(cells) + rec + " |")
+    return lines
 
 
 def _roofline_lines(models: dict) -> list[str]:
@@ -334,6 +360,7 @@ def render_markdown(report: dict) -> str:
                   "Relative error ‖block′(x) − block(x)‖² / ‖block(x)‖² on calibration inputs:", "",
                   "| block | rel. error |", "|---:|---:|"]
         lines += [f"| {i} | {e:.2e} |" for i, e in enumerate(errs)]
+    lines += _task_lines(ev.get("lm_eval"))
     lines += _roofline_lines(models)
     lines += _export_lines(report.get("exports") or [])
     timings = report.get("timings")
