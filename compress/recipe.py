@@ -94,6 +94,9 @@ class EvalSpec:
     prefill_tokens: int = 512
     decode_tokens: int = 16
     speed_repeats: int = 3
+    # the batch × context sweep (prefill and decode tokens/s at each point that fits in memory); empty: batch 1 only
+    speed_batches: tuple[int, ...] = ()
+    speed_contexts: tuple[int, ...] = (512,)
     # lm-eval tasks (compress/evaluate/harness.py: arc_easy, arc_challenge, piqa, winogrande, boolq, lambada_openai,
     # wikitext), on the local data folder when there is one; task_limit: documents per task (null: all)
     tasks: tuple[str, ...] = ()

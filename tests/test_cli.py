@@ -525,3 +525,20 @@ def test_run_scores_lm_eval_tasks_for_baseline_and_compressed(tmp_path, model_di
         lm["recovery"]["compressed"]["lambada_openai"]["acc"] >= 0
     md = (tmp_path / "out" / "report.md").read_text()
     assert "## lm-eval tasks" in md and "| lambada_openai | perplexity |" in md
+
+
+def test_speed_sweep_over_batch_and_context_skips_what_does_not_fit(tmp_path, model_dir, calib_file):
+    from compress.evaluate.speed import speed_sweep, sweep_bytes
+
+    recipe = _recipe(model_dir, calib_file, tmp_path / "out")
+    recipe["eval"].update(speed_batches=[1, 4], speed_contexts=[8, 16], decode_tokens=2, speed_repeats=1)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert _run(path) == 0
+    sweep = json.loads((tmp_path / "out" / "report.json").read_text())["eval"]["models"]["compressed"]["speed_sweep"]
+    assert [(p["batch"], p["prefill_tokens"]) for p in sweep] == [(1, 8), (4, 8), (1, 16), (4, 16)]
+    assert all(p["prefill_tok_s"] > 0 and p["decode_tok_s"] > 0 and "dequantize" in p["kernel"] for p in sweep)
+    assert "## Speed sweep" in (tmp_path / "out" / "report.md").read_text()
+    model = make_tiny_model("llama")
+    points = speed_sweep(model, 256, [1, 64], [16], decode_tokens=1, repeats=1, budget=sweep_bytes(model, 8, 16))
+    assert "skipped" not in points[0] and "half the free memory" in points[1]["skipped"]

@@ -11,7 +11,7 @@ from ..data import fingerprint, sequential_windows, tokenize_joined, wikitext2_r
 from ..nn import QuantLinear
 from .memory import peak_cuda_bytes, peak_rss_bytes, serving_bytes, weight_bytes
 from .ppl import score_windows
-from .speed import measure_speed
+from .speed import measure_speed, speed_sweep
 
 
 def eval_windows(tokenizer, split: str, seq_len: int, max_windows: int | None) -> torch.Tensor:
@@ -49,6 +49,9 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
             vocab = m.get_input_embeddings().weight.shape[0]
             result["models"][n]["speed"] = measure_speed(m, vocab, spec.prefill_tokens, spec.decode_tokens,
                                                          spec.speed_repeats, device)
+            if getattr(spec, "speed_batches", ()):
+                result["models"][n]["speed_sweep"] = speed_sweep(m, vocab, spec.speed_batches, spec.speed_contexts,
+                                                                 spec.decode_tokens, spec.speed_repeats, device)
     if getattr(spec, "tasks", ()):
         from .harness import evaluate_tasks
         result["lm_eval"] = evaluate_tasks(models, tokenizer, spec.tasks, spec.task_limit, spec.num_fewshot,
@@ -99,6 +102,25 @@ def _task_lines(lm: dict | None) -> list[str]:
                 cells.append(f"{v['value']:.4g}" + (f" ± {v['stderr']:.2g}" if v["stderr"] is not None else ""))
             rec = "" if recovered is None else f" | {_f(recovered[task][metric], '{:.1%}')}"
             lines.append(f"| {task} | {metric} | " + " | ".join(cells) + rec + " |")
+    return lines
+
+
+def _sweep_lines(models: dict) -> list[str]:
+    rows = [(n, p) for n, m in models.items() for p in m.get("speed_sweep") or ()]
+    if not rows:
+        return []
+    first = next(p for _, p in rows if "skipped" not in p)
+    lines = ["", "## Speed sweep", "",
+             f"Tokens/s over the batch (prefill: batch × context tokens in one forward; decode: {first['decode_tokens']}"
+             f" greedy steps for the whole batch), median of {first['repeats']} after a warm-up, "
+             f"{first['threads']} thread(s) on {first['device']}.", "",
+             "| model | batch | context | prefill tok/s | decode tok/s | kernel |", "|---|---:|---:|---:|---:|---|"]
+    for n, p in rows:
+        if "skipped" in p:
+            lines.append(f"| {n} | {p['batch']} | {p['prefill_tokens']} | skipped: {p['skipped']} | | |")
+        else:
+            lines.append(f"| {n} | {p['batch']} | {p['prefill_tokens']} | {p['prefill_tok_s']:,.1f} | "
+                         f"{p['decode_tok_s']:,.1f} | {p['kernel']} |")
     return lines
 
 
@@ -361,6 +383,7 @@ def render_markdown(report: dict) -> str:
                   "| block | rel. error |", "|---:|---:|"]
         lines += [f"| {i} | {e:.2e} |" for i, e in enumerate(errs)]
     lines += _task_lines(ev.get("lm_eval"))
+    lines += _sweep_lines(models)
     lines += _roofline_lines(models)
     lines += _export_lines(report.get("exports") or [])
     timings = report.get("timings")

@@ -1,8 +1,11 @@
-"""Prefill and decode throughput at batch 1: warm-up, repeated runs, the median."""
+"""Prefill and decode throughput: warm-up, repeated runs, the median; at batch 1, or swept over batch sizes
+and context lengths where memory allows."""
 from __future__ import annotations
 
 import inspect
 import statistics
+
+import psutil
 import time
 
 import torch
@@ -36,19 +39,25 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _last_logits_kwarg(model: nn.Module) -> dict:
+    """Prefill needs the last position's logits only (a server samples from them): skip the rest when the model
+    can, so a batch × context × vocabulary logits tensor is never built."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+
 @torch.no_grad()
 def measure_speed(model: nn.Module, vocab_size: int, prefill_tokens: int = 512, decode_tokens: int = 32,
-                  repeats: int = 3, device: str = "cpu", seed: int = 0) -> dict:
-    """Prefill tokens/s (one forward over `prefill_tokens`) and decode tokens/s (greedy steps with the
-    KV cache after a prefill), batch 1, median of `repeats` runs after one warm-up."""
+                  repeats: int = 3, device: str = "cpu", seed: int = 0, batch: int = 1) -> dict:
+    """Prefill tokens/s (one forward over `batch` × `prefill_tokens`) and decode tokens/s (greedy steps for the
+    whole batch with the KV cache after a prefill), median of `repeats` runs after one warm-up."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab_size, (1, prefill_tokens), generator=gen).to(device)
+    ids = torch.randint(0, vocab_size, (batch, prefill_tokens), generator=gen).to(device)
     prefill, decode = [], []
-    cache_kw = _cache_kwarg(model)
+    cache_kw, keep = _cache_kwarg(model), _last_logits_kwarg(model)
     for run in range(repeats + 1):
         _sync(device)
         t0 = time.perf_counter()
-        out = model(input_ids=ids, use_cache=True)
+        out = model(input_ids=ids, use_cache=True, **keep)
         _sync(device)
         t1 = time.perf_counter()
         cache, token = _cache(out), out.logits[:, -1:].argmax(-1)
@@ -58,8 +67,38 @@ def measure_speed(model: nn.Module, vocab_size: int, prefill_tokens: int = 512, 
         _sync(device)
         t2 = time.perf_counter()
         if run:  # run 0 is the warm-up
-            prefill.append(prefill_tokens / (t1 - t0))
-            decode.append(decode_tokens / (t2 - t1))
-    return {"batch": 1, "prefill_tokens": prefill_tokens, "decode_tokens": decode_tokens, "repeats": repeats,
+            prefill.append(batch * prefill_tokens / (t1 - t0))
+            decode.append(batch * decode_tokens / (t2 - t1))
+    return {"batch": batch, "prefill_tokens": prefill_tokens, "decode_tokens": decode_tokens, "repeats": repeats,
             "prefill_tok_s": statistics.median(prefill), "decode_tok_s": statistics.median(decode),
             "kernel": kernel_name(model), "threads": torch.get_num_threads(), "device": device}
+
+
+def sweep_bytes(model: nn.Module, batch: int, context: int) -> int:
+    """A generous estimate of the memory one sweep point needs beyond the weights: the KV cache and the prefill
+    activations (about 16 hidden-size float32 vectors a token live at once, and the MLP's widest)."""
+    cfg = getattr(model.config, "text_config", model.config)
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    kv = 2 * cfg.num_hidden_layers * kv_heads * head_dim * 4
+    width = max(cfg.hidden_size * 16, getattr(cfg, "intermediate_size", 0) * 3, heads * context)
+    return batch * context * (kv + width * 4)
+
+
+def speed_sweep(model: nn.Module, vocab_size: int, batches, contexts, decode_tokens: int = 16, repeats: int = 3,
+                device: str = "cpu", budget: int | None = None) -> list[dict]:
+    """measure_speed at every (batch, context); points whose estimate exceeds half the free memory are skipped
+    and listed with the reason."""
+    if budget is None:
+        budget = (torch.cuda.mem_get_info()[0] if device.startswith("cuda") else psutil.virtual_memory().available) // 2
+    points = []
+    for context in contexts:
+        for batch in batches:
+            need = sweep_bytes(model, batch, context)
+            if need > budget:
+                points.append({"batch": batch, "prefill_tokens": context, "skipped":
+                               f"needs about {need / 1e9:.1f} GB, over half the free memory ({budget / 1e9:.1f} GB)"})
+                continue
+            points.append(measure_speed(model, vocab_size, context, decode_tokens, repeats, device, batch=batch))
+    return points
