@@ -28,6 +28,7 @@ from .scheme import PRESETS, QuantScheme, get_preset
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CALIB_DIR = PROJECT_ROOT / "calib"
+EVAL_DIR = PROJECT_ROOT / "eval"  # evaluation suites (quick.yaml, standard.yaml); lm_eval/ holds the task files
 
 # Stage name -> config class. A new stage = one entry here + its handler in pipeline.STAGE_HANDLERS.
 STAGES: dict[str, type] = {"prune": PruneStage, "distill": DistillStage, "awq": AWQStage,
@@ -323,6 +324,25 @@ def _check_stages(stages: tuple, calibration, file: str) -> tuple:
     return tuple(out)
 
 
+def eval_suites() -> list[str]:
+    return sorted(p.stem for p in EVAL_DIR.glob("*.yaml"))
+
+
+def _eval_suite(value, file: str) -> dict:
+    """`eval: {suite: quick, ...}` (or `eval: quick`): the suite's settings from eval/<suite>.yaml, then the
+    recipe's own keys over them."""
+    if isinstance(value, str):
+        value = {"suite": value}
+    if not isinstance(value, dict) or "suite" not in value:
+        return value
+    name, rest = value["suite"], {k: v for k, v in value.items() if k != "suite"}
+    path = EVAL_DIR / f"{name}.yaml"
+    if not isinstance(name, str) or not path.is_file():
+        raise RecipeError(f"{file}: evaluation suite {name!r} not found in {EVAL_DIR}; known suites: {eval_suites()}")
+    suite = (yaml.safe_load(path.read_text()) or {}).get("eval") or {}
+    return {**suite, **rest}
+
+
 def calib_presets() -> list[str]:
     return sorted(p.stem for p in CALIB_DIR.glob("*.yaml"))
 
@@ -356,7 +376,7 @@ def from_dict(data: dict, file: str = "<recipe>", text: str = "", overrides: tup
         model=model,
         calibration=calibration,
         stages=_check_stages(tuple(_stage(s, i, file) for i, s in enumerate(stages)), calibration, file),
-        eval=build(EvalSpec, data.get("eval") or {}, "eval", file),
+        eval=build(EvalSpec, _eval_suite(data.get("eval") or {}, file), "eval", file),
         output=build(OutputSpec, data.get("output") or {}, "output", file),
         path=file, text=text, sha256=hashlib.sha256(text.encode()).hexdigest() if text else "",
         overrides=overrides,

@@ -312,3 +312,20 @@ def test_resolved_yaml_round_trips(tmp_path):
     again = from_dict(yaml.safe_load(recipe.resolved_yaml()))
     assert again.stages == recipe.stages
     assert (again.model, again.eval, again.output) == (recipe.model, recipe.eval, recipe.output)
+
+
+def test_eval_suite_fills_the_eval_section_and_recipe_keys_win():
+    from compress.recipe import from_dict
+    stages = [{"stage": "quantize", "scheme": "W8A16"}]
+    quick = from_dict({"model": "default", "stages": stages, "eval": {"suite": "quick", "max_windows": 2}})
+    assert quick.eval.tasks == ("arc_easy", "lambada_openai") and quick.eval.task_limit == 20
+    assert quick.eval.max_windows == 2 and quick.eval.seq_len == 1024
+    standard = from_dict({"model": "default", "stages": stages, "eval": "standard"})
+    assert len(standard.eval.tasks) == 7 and standard.eval.speed_batches == (1, 4, 16, 64)
+    assert standard.eval.max_windows is None and standard.eval.accelerators == ("H100-SXM", "H200")
+
+
+def test_unknown_eval_suite_names_the_known_ones():
+    from compress.recipe import RecipeError, from_dict
+    with pytest.raises(RecipeError, match="quick"):
+        from_dict({"model": "default", "stages": [{"stage": "quantize", "scheme": "W8A16"}], "eval": "nightly"})
