@@ -61,6 +61,15 @@ windows.
 """
 
 
+EPILOG_REPORT = """examples:
+  compress report runs/int8_absmax runs/int4_rtn runs/awq_int4 --output runs/report
+  compress report runs/* --output runs/report
+
+Accuracy (perplexity, KL, top-1, lm-eval recovery) against memory (weights as served) and speed (measured
+decode tokens/s, roofline prediction), with the Pareto frontier marked in the table and the PNG plots.
+"""
+
+
 def _add_set(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe value (dotted path, YAML value); repeatable, e.g. "
@@ -123,7 +132,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--windows", type=int, default=2, help="WikiText-2 test windows (default 2)")
     p.add_argument("--seq-len", type=int, default=512, help="window length in tokens (default 512)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+    p = sub.add_parser("report", help="put finished runs side by side: one page, JSON and Pareto plots",
+                       epilog=EPILOG_REPORT, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="folders written by `compress run`")
+    p.add_argument("--output", default="runs/report", help="folder for report.md, report.json and the PNGs "
+                                                          "(default runs/report)")
     return parser
+
+
+def cmd_report(args) -> int:
+    from .evaluate.pareto import write
+
+    out = Path(args.output)
+    write([Path(d) for d in args.run_dirs], out)
+    print((out / "report.md").read_text())
+    return 0
 
 
 def _run_source(run_dir: Path) -> str | None:
@@ -358,7 +382,7 @@ def cmd_inspect(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"run": cmd_run, "eval": cmd_eval, "inspect": cmd_inspect, "export": cmd_export,
-               "verify": cmd_verify}[args.command]
+               "verify": cmd_verify, "report": cmd_report}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt:

@@ -197,7 +197,7 @@ def test_eval_against_baseline(tmp_path, recipe_file, model_dir, capsys):
     assert "None" not in md and "| model |" in md
 
 
-@pytest.mark.parametrize("command", ["run", "eval", "inspect", "export", "verify"])
+@pytest.mark.parametrize("command", ["run", "eval", "inspect", "export", "verify", "report"])
 def test_subcommand_help_shows_an_example(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])
@@ -212,7 +212,7 @@ def test_top_level_help(capsys):
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert "usage: compress" in out and "{run,eval,inspect,export,verify}" in out
+    assert "usage: compress" in out and "{run,eval,inspect,export,verify,report}" in out
 
 
 @pytest.mark.parametrize("command", ["run", "inspect"])
@@ -542,3 +542,23 @@ def test_speed_sweep_over_batch_and_context_skips_what_does_not_fit(tmp_path, mo
     model = make_tiny_model("llama")
     points = speed_sweep(model, 256, [1, 64], [16], decode_tokens=1, repeats=1, budget=sweep_bytes(model, 8, 16))
     assert "skipped" not in points[0] and "half the free memory" in points[1]["skipped"]
+
+
+@requires_data
+def test_report_puts_runs_side_by_side_with_the_frontier(tmp_path, model_dir, calib_file, capsys):
+    for name, sch in (("int4", {"dtype": "int4", "group_size": 16}), ("int8", {"dtype": "int8", "granularity": "channel"})):
+        recipe = _recipe(model_dir, calib_file, tmp_path / name, scheme=sch)
+        recipe["eval"].update(perplexity=True, max_windows=1, seq_len=32, speed_repeats=1)
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(recipe))
+        assert _run(path) == 0
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "int4"), str(tmp_path / "int8"), "--output", str(tmp_path / "rep")]) == 0
+    page = capsys.readouterr().out
+    result = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert [r["run"] for r in result["runs"]] == ["baseline", "int4", "int8"]
+    int4, int8 = result["runs"][1], result["runs"][2]
+    assert int4["weight_bytes"] < int8["weight_bytes"] < result["runs"][0]["weight_bytes"]
+    assert "int4" in result["frontier"]["pareto_memory.png"]  # the smallest is always on the memory frontier
+    for png in ("pareto_memory.png", "pareto_speed_measured.png", "pareto_speed_predicted.png"):
+        assert (tmp_path / "rep" / png).stat().st_size > 1000 and f"![{png}]" in page

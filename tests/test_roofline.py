@@ -88,3 +88,15 @@ def test_serving_bytes_count_floats_at_bf16_and_quantized_layers_as_stored():
     quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
     floats = sum(p.numel() for p in model.parameters())
     assert serving_bytes(model) == 2 * floats + sum(m.qtensor().nbytes for m in quant)
+
+
+def test_pareto_frontier_keeps_exactly_the_undominated_runs():
+    from compress.evaluate.pareto import frontier
+    rows = [{"run": "a", "weight_bytes": 100, "ppl": 20.0}, {"run": "b", "weight_bytes": 50, "ppl": 22.0},
+            {"run": "c", "weight_bytes": 60, "ppl": 23.0},  # dominated by b: bigger and worse
+            {"run": "d", "weight_bytes": 30, "ppl": 30.0}, {"run": "e", "weight_bytes": 100, "ppl": 21.0},  # e: by a
+            {"run": "f", "weight_bytes": None, "ppl": 1.0}]  # not measured: not plotted
+    assert frontier(rows, "weight_bytes", higher_x_better=False) == ["a", "b", "d"]
+    speed = [{"run": "x", "decode_tok_s": 10.0, "ppl": 20.0}, {"run": "y", "decode_tok_s": 30.0, "ppl": 25.0},
+             {"run": "z", "decode_tok_s": 20.0, "ppl": 26.0}]
+    assert frontier(speed, "decode_tok_s", higher_x_better=True) == ["x", "y"]
