@@ -524,7 +524,7 @@ def test_run_scores_lm_eval_tasks_for_baseline_and_compressed(tmp_path, model_di
     assert lm["recovery"]["compressed"]["lambada_openai"]["acc"] is None or \
         lm["recovery"]["compressed"]["lambada_openai"]["acc"] >= 0
     md = (tmp_path / "out" / "report.md").read_text()
-    assert "## lm-eval tasks" in md and "| lambada_openai | perplexity |" in md
+    assert "## lm-eval tasks" in md and "| lambada_openai | perplexity |" in md and "%)" in md
 
 
 def test_speed_sweep_over_batch_and_context_skips_what_does_not_fit(tmp_path, model_dir, calib_file):

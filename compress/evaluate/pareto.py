@@ -21,7 +21,8 @@ def load_row(run_dir: Path, model: str = "compressed") -> dict:
     recovery = (lm.get("recovery") or {}).get(model)
     accs = [v for t in (recovery or {}).values() for k, v in t.items() if k.startswith("acc") and v is not None]
     return {
-        "run": run_dir.name if model == "compressed" else f"{model} ({run_dir.name})",
+        "run": run_dir.name if model == "compressed" else f"{model} ({run_dir.name})" if len(
+            report["eval"]["models"]) <= 3 else model,
         "folder": str(run_dir), "recipe": (report.get("recipe") or {}).get("path"),
         "ppl": m.get("ppl"), "kl": m.get("kl"), "top1": m.get("top1_agreement"),
         "lm_eval_recovery": sum(accs) / len(accs) if accs else None,
@@ -34,14 +35,16 @@ def load_row(run_dir: Path, model: str = "compressed") -> dict:
 
 
 def gather(run_dirs: list[Path]) -> list[dict]:
-    """One row per run (its compressed model), plus the baseline of the first run that evaluated one."""
+    """One row per evaluated model of each run (a run's `compressed` model is named after the run; a prune run
+    adds its `pruned` one), plus the baseline of the first run that evaluated one."""
     rows, baseline = [], None
     for d in run_dirs:
         d = Path(d)
         if not (d / "report.json").is_file():
             raise FileNotFoundError(f"{d} has no report.json; give folders written by `compress run`")
-        rows.append(load_row(d))
-        if baseline is None and "baseline" in json.loads((d / "report.json").read_text())["eval"]["models"]:
+        models = json.loads((d / "report.json").read_text())["eval"]["models"]
+        rows += [load_row(d, name) for name in models if name != "baseline"]
+        if baseline is None and "baseline" in models:
             baseline = load_row(d, "baseline")
             baseline["run"] = "baseline"
     return ([baseline] if baseline else []) + rows

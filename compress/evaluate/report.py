@@ -87,21 +87,22 @@ def _task_lines(lm: dict | None) -> list[str]:
     if not lm:
         return []
     names = list(lm["scores"])
+    recovery = lm.get("recovery") or {}
     lines = ["", "## lm-eval tasks", "",
              f"{lm['harness']}, {lm['num_fewshot']}-shot, limit {lm['limit'] or 'none (whole split)'}, batch "
              f"{lm['batch_size']}, BOS {lm['bos']}; data: {lm['data']}. Task versions: " +
-             ", ".join(f"{t} {v['version']}" for t, v in lm["tasks"].items()) + ".", "",
-             "| task | metric | " + " | ".join(names) + (" | recovery |" if lm.get("recovery") else " |"),
-             "|---|---|" + "---:|" * len(names) + ("---:|" if lm.get("recovery") else "")]
-    recovered = next(iter(lm.get("recovery", {}).values()), None)
+             ", ".join(f"{t} {v['version']}" for t, v in lm["tasks"].items()) + ". Score ± stderr"
+             + (" (recovery: ÷ baseline; baseline ÷ score for perplexities)." if recovery else "."), "",
+             "| task | metric | " + " | ".join(names) + " |", "|---|---|" + "---:|" * len(names)]
     for task, metrics in lm["scores"][names[0]].items():
         for metric in metrics:
             cells = []
             for n in names:
                 v = lm["scores"][n][task][metric]
-                cells.append(f"{v['value']:.4g}" + (f" ± {v['stderr']:.2g}" if v["stderr"] is not None else ""))
-            rec = "" if recovered is None else f" | {_f(recovered[task][metric], '{:.1%}')}"
-            lines.append(f"| {task} | {metric} | " + " | ".join(cells) + rec + " |")
+                rec = recovery.get(n, {}).get(task, {}).get(metric)
+                cells.append(f"{v['value']:.4g}" + (f" ± {v['stderr']:.2g}" if v["stderr"] is not None else "")
+                             + (f" ({rec:.0%})" if rec is not None else ""))
+            lines.append(f"| {task} | {metric} | " + " | ".join(cells) + " |")
     return lines
 
 

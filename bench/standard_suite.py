@@ -1,0 +1,61 @@
+"""The standard evaluation of SmolLM2-135M and its compressed versions, side by side in one report: perplexity,
+KL and top-1 against the original, lm-eval tasks with recovery, memory, measured decode tokens/s at batch 1 and
+16, roofline predictions for the H100 and H200; then the Pareto page (`compress report`).
+
+eval/standard.yaml is the whole protocol (full splits: about 8 hours per model on this CPU). This script runs it
+with the CPU-sized limits below, which the report states: 8 perplexity windows of 2048, 20 documents per task,
+six tasks (wikitext's page-level task alone takes ~12 minutes per model here; our own perplexity covers that
+text). Models come from earlier runs: bench/export_table.py (int8 g32, GPTQ and AWQ int4 g32, fp8 + fp8 KV) and
+bench/minitron_table.py (MLP-pruned and distilled); int4 RTN g64 is quantized here.
+
+    python bench/standard_suite.py      # about 40 minutes on one CPU core
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from compress.arch import get_arch  # noqa: E402
+from compress.evaluate.pareto import write as write_pareto  # noqa: E402
+from compress.evaluate.report import evaluate_models, write_report  # noqa: E402
+from compress.models import load_model  # noqa: E402
+from compress.quantize import QuantizeStage, apply_quantize, plan_quantize  # noqa: E402
+from compress.recipe import from_dict  # noqa: E402
+from compress.scheme import scheme  # noqa: E402
+
+RUNS = {"int8 g32 (RTN)": "runs/export_int8_g32_sym__rtn", "int4 g32 (GPTQ)": "runs/export_int4_g32_sym__gptq",
+        "int4 g32 (AWQ)": "runs/export_int4_g32_asym__awq", "fp8 + fp8 KV cache": "runs/export_fp8_static___fp8_kv_cache",
+        "MLP pruned to 74% + distilled": "runs/minitron_mlp"}
+LIMITS = {"max_windows": 8, "task_limit": 20, "speed_batches": [1, 16], "speed_contexts": [512],
+          "tasks": ["arc_easy", "arc_challenge", "piqa", "winogrande", "boolq", "lambada_openai"]}
+OUT = ROOT / "runs" / "standard_suite"
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    spec = from_dict({"model": "default", "stages": [{"stage": "quantize", "scheme": "W8A16"}],
+                      "eval": {"suite": "standard", **LIMITS}}).eval
+    base = load_model("default")
+    models = {"baseline": base.model}
+    rtn = load_model("default").model
+    stage = QuantizeStage(scheme=scheme("int4", "group", 64, symmetric=False), ignore=("lm_head",))
+    apply_quantize(rtn, plan_quantize(rtn, get_arch(rtn), stage), stage)
+    models["int4 g64 (RTN)"] = rtn
+    for name, folder in RUNS.items():
+        models[name] = load_model(str(ROOT / folder)).model
+    result = evaluate_models(models, base.tokenizer, spec, "cpu", baseline="baseline")
+    OUT.mkdir(parents=True, exist_ok=True)
+    write_report({"model": {"source": base.source, "kind": base.kind}, "eval": result,
+                  "suite": {"name": "standard", "cpu_limits": LIMITS}}, OUT)
+    write_pareto([OUT], OUT / "pareto")
+    print((OUT / "report.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
