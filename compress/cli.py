@@ -23,6 +23,8 @@ Prune and distill (recipes/minitron_prune_distill.yaml) also run data-parallel o
 EPILOG_EVAL = """examples:
   compress eval runs/int4_rtn --baseline default --max-windows 4
   compress eval default --max-windows 2 --no-speed
+  compress eval runs/awq_int4 --baseline default --tasks arc_easy,lambada_openai --task-limit 50
+  compress eval runs/awq_int4/exports/compressed-tensors --baseline default --max-windows 4
 
 MODEL and --baseline accept `default`, a compress output folder, a Hugging Face folder, a .gguf file or a hub id.
 """
@@ -105,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: stable timings)")
     p.add_argument("--output", help="folder for report.json / report.md (default: print the markdown)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("--tasks", help="lm-eval tasks, comma-separated (arc_easy,arc_challenge,piqa,winogrande,boolq,"
+                                   "lambada_openai,wikitext), read from the local data folder")
+    p.add_argument("--task-limit", type=int, help="documents per lm-eval task (default: the whole split)")
 
     p = sub.add_parser("inspect", help="show the resolved per-layer plan of a recipe without running it",
                        epilog=EPILOG_INSPECT, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -249,7 +254,9 @@ def cmd_eval(args) -> int:
     device = resolve_device(args.device)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    spec = EvalSpec(split=args.split, seq_len=args.seq_len, max_windows=args.max_windows, speed=not args.no_speed)
+    spec = EvalSpec(split=args.split, seq_len=args.seq_len, max_windows=args.max_windows, speed=not args.no_speed,
+                    tasks=tuple(t.strip() for t in args.tasks.split(",")) if args.tasks else (),
+                    task_limit=args.task_limit)
     loaded = load_model(args.model, device=device)
     models = {"model": loaded.model}
     if args.baseline:

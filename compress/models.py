@@ -97,6 +97,8 @@ def load_model(source: str = "default", dtype: str = "auto", device: str = "cpu"
         where_load = where
         if revision:
             kwargs["revision"] = revision
+        if kind == "folder":
+            kwargs.update(_compressed_tensors_kwargs(Path(where)))
     try:
         tokenizer = AutoTokenizer.from_pretrained(where_load, **{k: v for k, v in kwargs.items() if k != "dtype"})
         model = AutoModelForCausalLM.from_pretrained(where_load, **kwargs)
@@ -114,6 +116,17 @@ def load_model(source: str = "default", dtype: str = "auto", device: str = "cpu"
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"model {source!r} is an encoder-decoder model; compress handles decoder-only causal LMs")
     return LoadedModel(model, tokenizer, where, "default" if source == "default" else kind)
+
+
+def _compressed_tensors_kwargs(folder: Path) -> dict:
+    """A compressed-tensors export loads dequantized: transformers' compressed layout keeps packed tensors that
+    the evaluation's byte counts and hooks do not read (and for asymmetric weights it expects the zero point
+    unpacked, see export/verify.py). The weights are the export's; their bytes in memory are float."""
+    config = json.loads((folder / "config.json").read_text())
+    if (config.get("quantization_config") or {}).get("quant_method") != "compressed-tensors":
+        return {}
+    from transformers import CompressedTensorsConfig
+    return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
 
 
 def save_compressed(model: nn.Module, tokenizer, out_dir: str | Path, meta: dict, save_dtype: str = "bfloat16") -> Path:

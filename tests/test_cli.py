@@ -562,3 +562,23 @@ def test_report_puts_runs_side_by_side_with_the_frontier(tmp_path, model_dir, ca
     assert "int4" in result["frontier"]["pareto_memory.png"]  # the smallest is always on the memory frontier
     for png in ("pareto_memory.png", "pareto_speed_measured.png", "pareto_speed_predicted.png"):
         assert (tmp_path / "rep" / png).stat().st_size > 1000 and f"![{png}]" in page
+
+
+@requires_data
+def test_eval_scores_an_exported_checkpoint_on_lm_eval_tasks(tmp_path, recipe_file, capsys):
+    pytest.importorskip("lm_eval")
+    from transformers import AutoTokenizer
+
+    assert _run(recipe_file) == 0
+    out = tmp_path / "out"
+    assert main(["export", str(out), "--format", "compressed-tensors"]) == 0
+    export = out / "exports" / "compressed-tensors"
+    tok = AutoTokenizer.from_pretrained(export)
+    tok.eos_token = "[PAD]"  # lm-eval needs an EOS id; the tiny word-level tokenizer has none
+    tok.save_pretrained(export)
+    capsys.readouterr()
+    assert main(["eval", str(export), "--baseline", str(out), "--no-speed", "--max-windows", "1", "--seq-len", "32",
+                 "--tasks", "lambada_openai", "--task-limit", "2", "--output", str(tmp_path / "ev")]) == 0
+    lm = json.loads((tmp_path / "ev" / "report.json").read_text())["eval"]["lm_eval"]
+    assert lm["limit"] == 2 and set(lm["scores"]) == {"baseline", "model"}
+    assert lm["recovery"]["model"]["lambada_openai"]["perplexity"] == pytest.approx(1, rel=0.05)  # same weights
