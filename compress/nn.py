@@ -50,7 +50,8 @@ def int8_path(scheme: QuantScheme) -> bool:
 
 
 def kernel_for(scheme: QuantScheme) -> str:
-    """The matmul path a QuantLinear of this scheme takes on CPU (named in the report and `compress inspect`)."""
+    """The reference matmul path of a QuantLinear of this scheme (named in the report and `compress inspect`);
+    kernels/dispatch.py may route some batch sizes to faster kernels."""
     act = scheme.act
     if act is None:
         return "dequantize+matmul"
@@ -85,6 +86,7 @@ class QuantLinear(nn.Module):
         # LLM.int8 dynamic mode: forwards seen, outlier features used in total, and the most in one forward
         self.outlier_counts = {"forwards": 0, "total": 0, "max": 0}
         self._weight_cache: Tensor | None = None  # set only inside cached_dequantize()
+        self.dispatch = None  # a kernels.dispatch.LayerDispatch once plan_dispatch has run; None: reference path
 
     @classmethod
     def from_module(cls, module: nn.Module, qt: QuantizedTensor) -> "QuantLinear":
@@ -105,12 +107,21 @@ class QuantLinear(nn.Module):
 
     @property
     def kernel(self) -> str:
-        """The matmul path this layer's forward takes on CPU."""
+        """The matmul path this layer's forward takes (per batch size once a dispatch plan is installed)."""
+        if self.dispatch is not None:
+            return self.dispatch.describe().replace("reference", f"reference {kernel_for(self.scheme)}")
         return kernel_for(self.scheme)
 
     def forward(self, x: Tensor) -> Tensor:
         act, bias = self.scheme.act, self.bias
         w = self._weight_cache
+        d = self.dispatch
+        if d is not None and w is None and x.dtype == d.dtype:
+            if d.only is not None:
+                return d.only[0](d.only[1], x, bias)
+            name = d.choose(x.numel() // x.shape[-1])
+            if name in d.states:
+                return d.kernels[name].run(d.states[name], x, bias)
         if act is not None and act.outlier_threshold is not None:
             cols = self.outlier_cols
             if x.is_cuda and cols is None and act.outlier_scaling == "exclude_elements" and \

@@ -1,0 +1,235 @@
+"""The dispatcher: per layer and per batch size (rows of the input), which matmul a QuantLinear runs.
+
+Candidates are the kernels in KERNELS that accept the layer (each says why not otherwise) plus the layer's
+reference path (dequantize-then-matmul, or the int8 `_int_mm` / fake-quantized path for quantized
+activations: kernels/reference.py). `plan_dispatch` times every candidate and the dense layer the quantized one
+replaces (same shape, the model's float dtype) at each batch size, on the model's own device, and gives each
+layer a table of row-count buckets -> the fastest kernel. With `measure=False` it takes the first usable
+kernel in KERNELS order at every size (no timing). The plan lives on the layers (`QuantLinear.dispatch`),
+not in the saved model: it belongs to the machine that measured it.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from . import cpu
+
+REFERENCE = "reference"
+BATCH_SIZES = (1, 4, 16, 64)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A matmul for one family of quantized layers: `reason(layer, dtype, device)` says why it cannot run a
+    QuantLinear (None: it can), `prepare(layer, dtype)` builds its operands once per layer, `run(state, x, bias)`
+    computes y = x W^T + b."""
+    name: str
+    reason: Callable[[Any, torch.dtype, torch.device], str | None]
+    prepare: Callable[[Any, torch.dtype], Any]
+    run: Callable[[Any, Tensor, Tensor | None], Tensor]
+
+
+def _gpu_kernels() -> dict[str, Kernel]:
+    from . import gpu  # CUDA ops and torch's CUDA built-ins; importing needs no GPU
+    return {k.name: k for k in gpu.KERNELS}
+
+
+def _on_qtensor(fn: Callable) -> Callable:
+    """Adapt a kernel function of (QuantizedTensor, ...) to take the layer."""
+    return lambda layer, *args: fn(layer.qtensor(), *args)
+
+
+KERNELS: dict[str, Kernel] = {k.name: k for k in (
+    Kernel("torch int4pack (CPU)", _on_qtensor(cpu.int4pack_reason), _on_qtensor(cpu.prepare_int4pack),
+           cpu.linear_int4pack),
+    Kernel("torch int8pack (CPU)", _on_qtensor(cpu.int8pack_reason), _on_qtensor(cpu.prepare_int8pack),
+           cpu.linear_int8pack),
+)}
+
+
+def registry() -> dict[str, Kernel]:
+    """Every kernel, CPU ones first, in the order `measure=False` prefers them."""
+    return {**KERNELS, **_gpu_kernels()}
+
+
+@dataclass
+class LayerDispatch:
+    """A layer's plan: rows <= bound -> kernel name, in increasing bounds; beyond the last, the last kernel."""
+    buckets: tuple[tuple[int, str], ...]
+    dtype: torch.dtype
+    states: dict[str, Any] = field(default_factory=dict)
+    kernels: dict[str, Kernel] = field(default_factory=dict)
+
+    def __post_init__(self):
+        # one bucket and a prepared kernel: the forward calls it without looking up the row count
+        only = self.buckets[0][1] if len(self.buckets) == 1 else None
+        self.only = (self.kernels[only].run, self.states[only]) if only in self.states else None
+
+    def choose(self, rows: int) -> str:
+        for bound, name in self.buckets:
+            if rows <= bound:
+                return name
+        return self.buckets[-1][1]
+
+    def describe(self) -> str:
+        parts, lo = [], 0
+        for i, (bound, name) in enumerate(self.buckets):
+            last = i == len(self.buckets) - 1
+            span = f"M>{lo}" if last and lo else ("all M" if last else (f"M<={bound}" if not lo else f"M {lo + 1}-{bound}"))
+            parts.append(f"{name} ({span})")
+            lo = bound
+        return ", ".join(parts)
+
+
+def _merge(choices: list[tuple[int, str]]) -> tuple[tuple[int, str], ...]:
+    out: list[tuple[int, str]] = []
+    for bound, name in choices:
+        if out and out[-1][1] == name:
+            out[-1] = (bound, name)
+        else:
+            out.append((bound, name))
+    return tuple(out)
+
+
+def _time(fn: Callable[[], Tensor], device: torch.device, repeats: int) -> float:
+    """Median seconds of `repeats` calls after one warm-up (CUDA: synchronized)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _key(layer) -> tuple:
+    return (layer.out_features, layer.in_features, layer.scheme, layer.bias is not None)
+
+
+@dataclass
+class DispatchRow:
+    """One layer shape at one batch size: every candidate's time, the dense layer's, and the choice."""
+    shape: tuple[int, int]
+    scheme: str
+    layers: int
+    rows: int
+    times_us: dict[str, float]
+    dense_us: float | None
+    choice: str
+
+    @property
+    def vs_dense(self) -> float | None:
+        return None if self.dense_us is None else self.dense_us / self.times_us[self.choice]
+
+
+@dataclass
+class DispatchReport:
+    dtype: str
+    device: str
+    rows: list[DispatchRow]
+    skipped: dict[str, dict[str, str]]  # "N x K scheme" -> {kernel: why it cannot run these layers}
+    layers: int
+    threads: int
+
+    def to_dict(self) -> dict:
+        return {"dtype": self.dtype, "device": self.device, "layers": self.layers, "threads": self.threads,
+                "skipped": self.skipped,
+                "rows": [{"shape": list(r.shape), "scheme": r.scheme, "layers": r.layers, "rows": r.rows,
+                          "times_us": r.times_us, "dense_us": r.dense_us, "choice": r.choice,
+                          "vs_dense": r.vs_dense} for r in self.rows]}
+
+
+@torch.no_grad()
+def plan_dispatch(model: nn.Module, batch_sizes=BATCH_SIZES, measure: bool = True, repeats: int = 5,
+                  kernels: dict[str, Kernel] | None = None, seed: int = 0) -> DispatchReport:
+    """Give every QuantLinear under `model` a LayerDispatch (see the module docstring) and return what was
+    measured. Layers of one shape and scheme share a measurement (taken on the first of them)."""
+    from ..nn import QuantLinear, kernel_for
+
+    kernels = registry() if kernels is None else kernels
+    gen = torch.Generator().manual_seed(seed)
+    groups: dict[tuple, list[QuantLinear]] = {}
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            groups.setdefault(_key(m), []).append(m)
+    rows, skipped = [], {}
+    dtype = device = None
+    for key, layers in groups.items():
+        first = layers[0]
+        dtype = first.bias.dtype if first.bias is not None else _float_dtype(model)
+        device = first.qdata.device
+        label = f"{first.out_features}x{first.in_features} {first.scheme.name}"
+        usable, why = [], {}
+        for name, k in kernels.items():
+            reason = k.reason(first, dtype, device)
+            (why.__setitem__(name, reason) if reason else usable.append(name))
+        if why:
+            skipped[label] = why
+        ref_name = f"{REFERENCE}: {kernel_for(first.scheme)}"
+        choices: list[tuple[int, str]] = []
+        if not measure or not usable:
+            choices = [(max(batch_sizes), usable[0] if usable else REFERENCE)]
+        else:
+            states = {n: kernels[n].prepare(first, dtype) for n in usable}
+            dense_w = torch.randn(first.out_features, first.in_features, generator=gen).to(device, dtype)
+            for b in sorted(batch_sizes):
+                x = torch.randn(b, first.in_features, generator=gen).to(device, dtype)
+                first.dispatch = None
+                t = {REFERENCE: _time(lambda: first(x), device, repeats)}
+                for n in usable:
+                    t[n] = _time(lambda n=n: kernels[n].run(states[n], x, first.bias), device, repeats)
+                dense = _time(lambda: F.linear(x, dense_w), device, repeats)
+                best = min(t, key=t.get)
+                choices.append((b, best))
+                rows.append(DispatchRow((first.out_features, first.in_features), first.scheme.name, len(layers), b,
+                                        {(ref_name if n == REFERENCE else n): v * 1e6 for n, v in t.items()},
+                                        dense * 1e6, ref_name if best == REFERENCE else best))
+            del states
+        buckets = _merge(choices)
+        chosen = {n for _, n in buckets if n != REFERENCE}
+        for layer in layers:
+            layer.dispatch = LayerDispatch(buckets, dtype, {n: kernels[n].prepare(layer, dtype) for n in chosen},
+                                           {n: kernels[n] for n in chosen})
+    return DispatchReport(str(dtype).replace("torch.", "") if dtype else "-", str(device) if device else "-", rows,
+                          skipped, sum(len(v) for v in groups.values()), torch.get_num_threads())
+
+
+def clear_dispatch(model: nn.Module) -> None:
+    """Back to the reference path everywhere (drops the prepared operands)."""
+    from ..nn import QuantLinear
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.dispatch = None
+
+
+def _float_dtype(model: nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def summary(model: nn.Module) -> str:
+    """The kernels the model's quantized layers use, counted by plan (for the report's kernel column)."""
+    from ..nn import QuantLinear, kernel_for
+    kinds: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            d = m.dispatch
+            what = d.describe() if d is not None else kernel_for(m.scheme)
+            if d is not None:
+                what = what.replace(REFERENCE, f"{REFERENCE} {kernel_for(m.scheme)}")
+            kinds[what] = kinds.get(what, 0) + 1
+    if not kinds:
+        return "torch dense matmul"
+    return "; ".join(f"{k} [{n} layers]" for k, n in sorted(kinds.items()))

@@ -1,0 +1,178 @@
+"""The public ops of the CUDA kernels, registered with torch.library: `compress::w4a16_gemm`,
+`compress::fp8_gemm`, `compress::fp8_quantize_rows`.
+
+Every op checks its inputs here (dtype, device, shapes, contiguity, divisibility; the messages carry the values),
+runs the CUDA kernel on CUDA tensors (cuda_ext.py builds it on first use) and the pure-torch reference on any other
+device, and has a fake (meta) implementation, so `torch.compile` traces through it and `torch.library.opcheck`
+tests it on CPU. The reference of w4a16_gemm reads the packed weight the way the kernel does
+(prepack.emulate_w4a16_codes), so the CPU path also exercises the layout.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import cuda_ext
+from .prepack import emulate_w4a16_codes, w4a16_supported
+from .fp8_layout import fp8_supported
+
+FP8 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+HALF = (torch.float16, torch.bfloat16)
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def check_w4a16(x: Tensor, wq: Tensor, scales: Tensor, zeros: Optional[Tensor], n: int, group_size: int) -> None:
+    _need(x.dim() == 2, f"w4a16_gemm: x must be [M, K], got shape {tuple(x.shape)}")
+    m, k = x.shape
+    _need(x.dtype in HALF, f"w4a16_gemm: x must be float16 or bfloat16, got {x.dtype}")
+    why = w4a16_supported(max(m, 1), n, k, group_size)
+    _need(why is None, f"w4a16_gemm: {why}")
+    _need(wq.dtype == torch.int32 and wq.numel() * 8 == n * k,
+          f"w4a16_gemm: wq must be int32 with N*K/8 = {n * k // 8} elements, got {wq.dtype} with {wq.numel()}")
+    groups = 1 if group_size == -1 else k // group_size
+    _need(tuple(scales.shape) == (groups, n) and scales.dtype == x.dtype,
+          f"w4a16_gemm: scales must be [{groups}, {n}] {x.dtype}, got {tuple(scales.shape)} {scales.dtype}")
+    if zeros is not None:
+        _need(tuple(zeros.shape) == (groups, n) and zeros.dtype == x.dtype,
+              f"w4a16_gemm: zeros must be [{groups}, {n}] {x.dtype}, got {tuple(zeros.shape)} {zeros.dtype}")
+    for name, t in (("x", x), ("wq", wq), ("scales", scales), ("zeros", zeros)):
+        if t is not None:
+            _need(t.is_contiguous(), f"w4a16_gemm: {name} must be contiguous (strides {t.stride()})")
+            _need(t.device == x.device, f"w4a16_gemm: {name} is on {t.device}, x on {x.device}")
+
+
+@torch.library.custom_op("compress::w4a16_gemm", mutates_args=())
+def w4a16_gemm(x: Tensor, wq: Tensor, scales: Tensor, zeros: Optional[Tensor], n: int, group_size: int) -> Tensor:
+    """out[M, N] = x[M, K] @ W^T, W[n, k] = (u - z) * s per group; wq from prepack.prepack_w4a16. Reference path
+    (non-CUDA devices): decode the codes as the kernel reads them, dequantize, matmul in float32."""
+    check_w4a16(x, wq, scales, zeros, n, group_size)
+    k = x.shape[1]
+    g = k if group_size == -1 else group_size
+    u = emulate_w4a16_codes(wq.cpu(), n, k).to(x.device).float()  # [N, K]
+    z = 8.0 if zeros is None else zeros.float().t().repeat_interleave(g, 1)
+    w = (u - z) * scales.float().t().repeat_interleave(g, 1)
+    return (x.float() @ w.t()).to(x.dtype)
+
+
+@w4a16_gemm.register_fake
+def _(x, wq, scales, zeros, n, group_size):
+    check_w4a16(x, wq, scales, zeros, n, group_size)
+    return x.new_empty(x.shape[0], n)
+
+
+@w4a16_gemm.register_kernel("cuda")
+def _(x, wq, scales, zeros, n, group_size):
+    check_w4a16(x, wq, scales, zeros, n, group_size)
+    ext = cuda_ext.load()
+    if not ext.ok:
+        raise RuntimeError(f"compress::w4a16_gemm: {ext.reason}")
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0:
+        return out
+    with torch.cuda.device(x.device):
+        status = torch.ops.compress_cuda.w4a16_gemm(x, wq, scales, zeros, out, group_size,
+                                                   torch.cuda.current_stream().cuda_stream)
+    _status("w4a16_gemm", status, x.shape[0], n, x.shape[1])
+    return out
+
+
+def _status(op: str, status: int, m: int, n: int, k: int) -> None:
+    if status == 1:
+        raise ValueError(f"{op}: the kernel does not support M={m}, N={n}, K={k} on this device "
+                         "(alignment or architecture); the dispatcher should have taken the reference path")
+    if status != 0:
+        raise RuntimeError(f"{op}: CUDA launch failed (status {status}) for M={m}, N={n}, K={k}")
+
+
+def check_fp8(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor) -> None:
+    _need(a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[1],
+          f"fp8_gemm: a [M, K] and b [N, K] needed, got {tuple(a.shape)} and {tuple(b.shape)}")
+    _need(a.dtype == FP8 and b.dtype == FP8, f"fp8_gemm: a and b must be float8_e4m3fn, got {a.dtype}, {b.dtype}")
+    m, n = a.shape[0], b.shape[0]
+    _need(a_scale.dtype == torch.float32 and a_scale.numel() in (1, m),
+          f"fp8_gemm: a_scale must be float32 with 1 or M={m} elements, got {a_scale.dtype} with {a_scale.numel()}")
+    _need(b_scale.dtype == torch.float32 and b_scale.numel() in (1, n),
+          f"fp8_gemm: b_scale must be float32 with 1 or N={n} elements, got {b_scale.dtype} with {b_scale.numel()}")
+    for name, t in (("a", a), ("b", b), ("a_scale", a_scale), ("b_scale", b_scale)):
+        _need(t.is_contiguous(), f"fp8_gemm: {name} must be contiguous (strides {t.stride()})")
+        _need(t.device == a.device, f"fp8_gemm: {name} is on {t.device}, a on {a.device}")
+
+
+@torch.library.custom_op("compress::fp8_gemm", mutates_args=())
+def fp8_gemm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor) -> Tensor:
+    """out[M, N] bf16 = (a * a_scale) @ (b * b_scale)^T, a [M, K] and b [N, K] float8 e4m3, fp32 accumulation.
+    Reference path: dequantize to float32 and matmul."""
+    check_fp8(a, b, a_scale, b_scale)
+    y = (a.float() * a_scale.reshape(-1, 1)) @ (b.float() * b_scale.reshape(-1, 1)).t()
+    return y.to(torch.bfloat16)
+
+
+@fp8_gemm.register_fake
+def _(a, b, a_scale, b_scale):
+    check_fp8(a, b, a_scale, b_scale)
+    return a.new_empty(a.shape[0], b.shape[0], dtype=torch.bfloat16)
+
+
+@fp8_gemm.register_kernel("cuda")
+def _(a, b, a_scale, b_scale):
+    check_fp8(a, b, a_scale, b_scale)
+    ext = cuda_ext.load()
+    if not ext.ok:
+        raise RuntimeError(f"compress::fp8_gemm: {ext.reason}")
+    out = torch.empty(a.shape[0], b.shape[0], dtype=torch.bfloat16, device=a.device)
+    if a.shape[0] == 0:
+        return out
+    with torch.cuda.device(a.device):
+        status = torch.ops.compress_cuda.fp8_gemm(a, b, a_scale, b_scale, out, torch.cuda.current_stream().cuda_stream)
+    _status("fp8_gemm", status, a.shape[0], b.shape[0], a.shape[1])
+    return out
+
+
+def _check_rows(x: Tensor) -> None:
+    _need(x.dim() == 2 and x.dtype in HALF, f"fp8_quantize_rows: x must be 2-D float16/bfloat16, got "
+                                            f"{tuple(x.shape)} {x.dtype}")
+    _need(x.is_contiguous(), f"fp8_quantize_rows: x must be contiguous (strides {x.stride()})")
+
+
+@torch.library.custom_op("compress::fp8_quantize_rows", mutates_args=())
+def fp8_quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Dynamic per-token e4m3: scale[m] = max(absmax / 448, 1e-12) (float32), q = saturate(x / scale)."""
+    _check_rows(x)
+    scale = (x.float().abs().amax(dim=1) / E4M3_MAX).clamp(min=1e-12)
+    return (x.float() / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8), scale
+
+
+@fp8_quantize_rows.register_fake
+def _(x):
+    _check_rows(x)
+    return x.new_empty(x.shape, dtype=FP8), x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@fp8_quantize_rows.register_kernel("cuda")
+def _(x):
+    _check_rows(x)
+    ext = cuda_ext.load()
+    if not ext.ok:
+        raise RuntimeError(f"compress::fp8_quantize_rows: {ext.reason}")
+    q = torch.empty(x.shape, dtype=FP8, device=x.device)
+    scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    if x.shape[0]:
+        with torch.cuda.device(x.device):
+            status = torch.ops.compress_cuda.fp8_quantize_rows(x, q, scale, torch.cuda.current_stream().cuda_stream)
+        _status("fp8_quantize_rows", status, x.shape[0], 0, x.shape[1])
+    return q, scale
+
+
+def sm(device: torch.device) -> int:
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
+
+__all__ = ["w4a16_gemm", "fp8_gemm", "fp8_quantize_rows", "check_w4a16", "check_fp8", "fp8_supported", "sm"]

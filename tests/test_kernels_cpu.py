@@ -1,0 +1,234 @@
+"""The fast CPU path, the dispatcher, the torch.library ops and the binding's compile check.
+
+Every kernel is checked against the plain dequantize-then-matmul definition in float64 on fresh random inputs;
+the dispatcher against the layer's reference path on tiny models of several families.
+"""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from compress.arch import get_arch
+from compress.kernels import cpu, dispatch, gpu, ops, prepack
+from compress.kernels.dispatch import REFERENCE, clear_dispatch, plan_dispatch, summary
+from compress.nn import QuantLinear
+from compress.qtensor import QuantizedTensor
+from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
+from compress.scheme import ActScheme, scheme
+
+from .conftest import make_tiny_model
+
+GEN = torch.Generator().manual_seed(1234)
+
+
+def rand_qt(s, n: int, k: int) -> QuantizedTensor:
+    """A random quantized weight of scheme s (codes over the whole grid, positive scales, random zero points)."""
+    from compress.primitives import scale_shape
+    shape = scale_shape(s, n, k)
+    if s.symmetric:
+        q = torch.randint(s.qmin, s.qmax + 1, (n, k), generator=GEN)
+        z = None
+    else:
+        q = torch.randint(0, 2 ** s.bits, (n, k), generator=GEN)
+        z = torch.randint(0, 2 ** s.bits, shape, generator=GEN).float()
+    return QuantizedTensor.from_codes(q, torch.rand(shape, generator=GEN) + 0.5, z, s)
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+def oracle(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
+    return x.double() @ qt.dequantize(torch.float64).t()
+
+
+@pytest.mark.parametrize("s", [scheme("int4", "group", 32, True), scheme("int4", "group", 64, False),
+                               scheme("int4", "group", 128, True), scheme("int4", "channel", None, True),
+                               scheme("int4", "channel", None, False)], ids=lambda s: s.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4pack_matches_dequantize_then_matmul(s, dtype):
+    n, k = 48, 384
+    qt = rand_qt(s, n, k)
+    assert cpu.int4pack_reason(qt, dtype, torch.device("cpu")) is None
+    p = cpu.prepare_int4pack(qt, dtype)
+    for m in (1, 5, 33):
+        x = torch.randn(m, k, generator=GEN).to(dtype)
+        y = cpu.linear_int4pack(p, x, None)
+        assert y.dtype == dtype and y.shape == (m, n)
+        # bf16 rounding of the scales, of the folded zero (8 - z) * s, and of the output: ~3 significant digits
+        assert rel_err(y, oracle(x, qt)) < (8e-3 if dtype == torch.bfloat16 else 2e-3)
+
+
+def test_int4pack_semantics_measured():
+    """The formula the module docstring states, against torch's kernel: w = (u - 8) * s + zf."""
+    n, k, g = 32, 64, 32
+    u = torch.randint(0, 16, (n, k), generator=GEN, dtype=torch.int32)
+    s, zf = torch.rand(n, k // g, generator=GEN) + 0.5, torch.randn(n, k // g, generator=GEN)
+    w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 2)
+    x = torch.randn(3, k, generator=GEN)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, g, torch.stack([s.t(), zf.t()], -1).contiguous())
+    ref = x.double() @ ((u - 8) * s.repeat_interleave(g, 1) + zf.repeat_interleave(g, 1)).double().t()
+    assert rel_err(y, ref) < 1e-5
+
+
+def test_int4pack_refusals_say_why():
+    dev = torch.device("cpu")
+    assert "bf16/fp16" in cpu.int4pack_reason(rand_qt(scheme("int4", "group", 32), 32, 64), torch.float32, dev)
+    assert "multiple of 16" in cpu.int4pack_reason(rand_qt(scheme("int4", "group", 32), 40, 64), torch.bfloat16, dev)
+    assert "in_features=96" in cpu.int4pack_reason(rand_qt(scheme("int4", "group", 96), 32, 96), torch.bfloat16, dev)
+    assert "int4 weight-only" in cpu.int4pack_reason(rand_qt(scheme("int8", "channel", None), 32, 64),
+                                                     torch.bfloat16, dev)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8pack_matches_dequantize_then_matmul(dtype):
+    s = scheme("int8", "channel", None, True)
+    qt = rand_qt(s, 40, 96)
+    assert cpu.int8pack_reason(qt, dtype, torch.device("cpu")) is None
+    p = cpu.prepare_int8pack(qt, dtype)
+    x = torch.randn(7, 96, generator=GEN).to(dtype)
+    assert rel_err(cpu.linear_int8pack(p, x, None), oracle(x, qt)) < (8e-3 if dtype == torch.bfloat16 else 1e-5)
+    grouped = rand_qt(scheme("int8", "group", 32, True), 40, 96)
+    assert "per-channel" in cpu.int8pack_reason(grouped, dtype, torch.device("cpu"))
+
+
+def quantized_tiny(family: str, s, dtype=torch.bfloat16):
+    model = make_tiny_model(family).to(dtype)
+    stage = QuantizeStage(scheme=s, ignore=("lm_head",))
+    apply_quantize(model, plan_quantize(model, get_arch(model), stage), stage)
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "opt", "gpt_neox", "phi3"])
+def test_dispatch_keeps_the_model_output(family):
+    """Planning the dispatch changes the kernels, not the function: logits agree with the reference path."""
+    model = quantized_tiny(family, scheme("int4", "group", 32, True))
+    ids = torch.randint(0, 256, (2, 9), generator=GEN)
+    with torch.no_grad():
+        ref = model(ids).logits.double()
+        report = plan_dispatch(model, batch_sizes=(1, 16), repeats=1)
+        got = model(ids).logits.double()
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert layers and all(m.dispatch is not None for m in layers)
+    assert report.layers == len(layers) and report.rows
+    assert rel_err(got, ref) < 2e-2  # bf16 model: both paths round to bf16 at different points
+    clear_dispatch(model)
+    assert all(m.dispatch is None for m in layers)
+
+
+def test_dispatch_choices_follow_the_timings():
+    """Each bucket's kernel is the fastest measured at that row count, and the layer follows the buckets."""
+    model = quantized_tiny("llama", scheme("int4", "group", 32, True))
+    report = plan_dispatch(model, batch_sizes=(1, 4, 16), repeats=2)
+    for row in report.rows:
+        assert row.choice == min(row.times_us, key=row.times_us.get)
+        assert row.dense_us > 0 and row.vs_dense > 0
+    layer = next(m for m in model.modules() if isinstance(m, QuantLinear))
+    by_rows = {r.rows: r.choice for r in report.rows if r.shape == (layer.out_features, layer.in_features)}
+    for rows, choice in by_rows.items():
+        picked = layer.dispatch.choose(rows)
+        assert (picked if picked != REFERENCE else choice) == choice or choice.startswith(REFERENCE)
+    assert layer.dispatch.choose(10_000) == layer.dispatch.buckets[-1][1]
+
+
+def test_dispatch_without_measuring_prefers_the_kernel_and_reports_refusals():
+    model = quantized_tiny("llama", scheme("int4", "group", 32, True))
+    report = plan_dispatch(model, measure=False)
+    assert "torch int4pack (CPU)" in summary(model)
+    assert not report.rows  # nothing timed
+    refused = next(iter(report.skipped.values()))
+    assert "int8 weight-only" in refused["torch int8pack (CPU)"] and "CUDA only" in refused["compress w4a16 (CUDA)"]
+    fp32 = quantized_tiny("llama", scheme("int4", "group", 32, True), torch.float32)
+    plan_dispatch(fp32, measure=False)
+    assert "reference dequantize+matmul" in summary(fp32)  # int4pack is slow with float32 activations: not offered
+    assert "int4pack" not in summary(fp32)
+
+
+def test_dispatch_leaves_quantized_activations_on_their_path():
+    s = scheme("int8", "channel", None, True, act=ActScheme("int8", "token"))
+    model = quantized_tiny("llama", s, torch.float32)
+    plan_dispatch(model, measure=False)
+    assert "reference int8 _int_mm" in summary(model)
+
+
+def test_buckets_merge_and_describe():
+    d = dispatch.LayerDispatch(dispatch._merge([(1, "a"), (4, "a"), (16, "b"), (64, REFERENCE)]), torch.bfloat16)
+    assert d.buckets == ((4, "a"), (16, "b"), (64, REFERENCE))
+    assert [d.choose(m) for m in (1, 4, 5, 16, 17, 1000)] == ["a", "a", "b", "b", REFERENCE, REFERENCE]
+    assert d.describe() == "a (M<=4), b (M 5-16), reference (M>16)"
+
+
+# ------------------------------------------------------------------ torch.library ops (CPU reference path)
+
+@pytest.mark.parametrize("g,zeros", [(32, False), (64, True), (128, False), (-1, True)])
+def test_w4a16_op_reads_the_kernel_layout(g, zeros):
+    """The op's CPU path decodes the prepacked weight as the kernel reads it; it must equal the layer's
+    dequantize-then-matmul, for the weight as QuantLinear holds it (prepared by the dispatcher's kernel entry)."""
+    s = scheme("int4", "channel", None, not zeros) if g == -1 else scheme("int4", "group", g, not zeros)
+    n, k = 64, 256
+    layer = QuantLinear.from_module(torch.nn.Linear(k, n, bias=False), rand_qt(s, n, k))
+    p = gpu.prepare_w4a16(layer, torch.bfloat16)
+    x = torch.randn(5, k, generator=GEN).bfloat16()
+    y = gpu.linear_w4a16(p, x, None)
+    assert rel_err(y, oracle(x, layer.qtensor())) < 8e-3
+
+
+def test_ops_pass_opcheck_and_check_inputs():
+    n, k, g = 64, 256, 64
+    u = torch.randint(0, 16, (n, k), generator=GEN)
+    pk = prepack.prepack_w4a16(u, torch.rand(n, k // g, generator=GEN) + 0.5, None, g, torch.float16)
+    x = torch.randn(3, k, generator=GEN).half()
+    torch.library.opcheck(ops.w4a16_gemm, (x, pk["wq"], pk["scales"], None, n, g))
+    a = torch.randn(5, 64, generator=GEN).to(torch.float8_e4m3fn)
+    b = torch.randn(32, 64, generator=GEN).to(torch.float8_e4m3fn)
+    # test_schema compares fp8 tensors with allclose, which torch does not implement for float8 on CPU
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(ops.fp8_gemm, (a, b, torch.rand(5) + 0.1, torch.rand(32) + 0.1), test_utils=utils)
+    torch.library.opcheck(ops.fp8_quantize_rows, (torch.randn(4, 64, generator=GEN).bfloat16(),), test_utils=utils)
+    with pytest.raises(ValueError, match=r"scales must be \[4, 64\]"):
+        ops.w4a16_gemm(x, pk["wq"], pk["scales"].t().contiguous(), None, n, g)
+    with pytest.raises(ValueError, match="K=96 is not a positive multiple of 128"):
+        ops.w4a16_gemm(torch.randn(1, 96).half(), pk["wq"], pk["scales"], None, n, g)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        ops.fp8_gemm(a.float(), b, torch.ones(1), torch.ones(1))
+
+
+def test_fp8_paths_match_the_reference_on_cpu():
+    """The fp8 kernel entries (ours through the op's reference path, and torch's _scaled_mm, which also runs
+    on CPU) against the layer's fake-quantized reference."""
+    s = scheme("fp8_e4m3", "channel", None, True, act=ActScheme("fp8_e4m3", "token"))
+    n, k = 64, 128
+    w = torch.randn(n, k, generator=GEN)
+    from compress.primitives import compute_qparams, cast_fp8
+    scale, _ = compute_qparams(w, s)
+    qt = QuantizedTensor.from_codes(cast_fp8(w / scale, "fp8_e4m3"), scale, None, s)
+    layer = QuantLinear.from_module(torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16), qt)
+    x = torch.randn(6, k, generator=GEN).bfloat16()
+    ref = layer(x).double()
+    ours = gpu.linear_fp8(gpu.prepare_fp8(layer, torch.bfloat16), x, None)
+    torchs = gpu.linear_scaled_mm(gpu.prepare_scaled_mm(qt, torch.bfloat16), x, None)
+    assert rel_err(ours, ref) < 1e-2 and rel_err(torchs, ref) < 1e-2
+
+
+def test_binding_compiles_against_this_torch(tmp_path):
+    """binding.cpp includes no CUDA headers of torch, so it compiles against the CPU wheel: a syntax check."""
+    from torch.utils import cpp_extension
+    gxx = cpp_extension.get_cxx_compiler() if hasattr(cpp_extension, "get_cxx_compiler") else "g++"
+    cuda_inc = Path("/usr/local/cuda/include")
+    if not (cuda_inc / "cuda_runtime.h").exists():
+        pytest.skip("cuda_runtime.h not found (CUDA toolkit not installed)")
+    src = Path(cpu.__file__).parent / "cuda" / "binding.cpp"
+    cmd = [gxx, "-std=c++20", "-fsyntax-only", f"-I{cuda_inc}", f"-I{src.parent}",
+           *[f"-I{p}" for p in cpp_extension.include_paths()], str(src)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_arch_list_builds_hopper_as_sm90a():
+    from compress.kernels.cuda_ext import arch_list
+    assert arch_list([(9, 0), (8, 0), (9, 0)]) == "8.0;9.0a"
+    assert arch_list([(8, 9)]) == "8.9"

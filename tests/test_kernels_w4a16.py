@@ -1,0 +1,238 @@
+"""W4A16 kernel checks that need no GPU: the packed layout (CPU emulation of the kernel's reads), the shape
+guard, the float64 reference, and compile-time facts of compress/kernels/cuda/w4a16.cu (no spills, tensor-core
+mma, async copies, ldmatrix) for sm_80 and sm_90a. Running the kernel itself needs a GPU (a separate script)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from compress.kernels import build
+from compress.kernels.prepack import (emulate_w4a16_codes, emulate_w4a16_gemm, prepack_w4a16, w4a16_config,
+                                      w4a16_reference, w4a16_supported)
+
+SOURCE = build.CUDA_DIR / "w4a16.cu"
+
+
+def _inputs(N: int, K: int, group_size: int, asym: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    G = K if group_size == -1 else group_size
+    u = torch.randint(0, 16, (N, K), generator=gen)
+    scales = torch.rand(N, K // G, generator=gen) * 0.1 + 0.01
+    zeros = torch.randint(0, 16, (N, K // G), generator=gen).float() if asym else None
+    return u, scales, zeros
+
+
+# ---- layout ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("N,K,group_size", [
+    (32, 128, 32), (64, 128, -1), (96, 256, 64), (192, 384, 128), (576, 1536, 32), (1536, 640, -1),
+    (1536, 512, 128),
+])
+def test_emulated_kernel_reads_recover_codes(N, K, group_size):
+    u, scales, zeros = _inputs(N, K, group_size, asym=True, seed=N + K)
+    packed = prepack_w4a16(u, scales, zeros, group_size, torch.float16)
+    assert packed["wq"].dtype == torch.int32 and packed["wq"].numel() == N * K // 8
+    assert torch.equal(emulate_w4a16_codes(packed["wq"], N, K, ns=1), u)
+    if N % 64 == 0:  # the two-strip blocks the launcher uses for M > 16
+        assert torch.equal(emulate_w4a16_codes(packed["wq"], N, K, ns=2), u)
+
+
+def test_emulation_sees_a_wrong_layout():
+    """The emulation must notice a layout that differs from the kernel's: swap two words of one lane."""
+    N, K = 64, 128
+    u, scales, _ = _inputs(N, K, 32, asym=False)
+    wq = prepack_w4a16(u, scales, None, 32, torch.float16)["wq"].clone()
+    wq[0], wq[1] = wq[1].clone(), wq[0].clone()
+    assert not torch.equal(emulate_w4a16_codes(wq, N, K), u)
+
+
+def test_one_code_lands_where_the_layout_says():
+    """A single nonzero code at (n, k) appears in word ((n//32 * K/32 + k//32) * 32 + lane) * 4 + j, nibble p."""
+    N, K = 128, 256
+    n = 32 * 3 + 16 + 8 + 5          # strip 3, jj 1, second n8 tile of the pair, g 5
+    k = 32 * 2 + 16 + 8 + 2 * 1 + 1  # k32 slice 2, kh 1, +8 (b1), t 1, odd k
+    u = torch.zeros(N, K, dtype=torch.int64)
+    u[n, k] = 11
+    wq = prepack_w4a16(u, torch.ones(N, K // 128), None, 128, torch.bfloat16)["wq"]
+    lane, j, p = 4 * 5 + 1, 2 * 1 + 1, 7                  # j = 2 kh + jj; p = 7: second tile, k 2t + 9
+    idx = ((3 * (K // 32) + 2) * 32 + lane) * 4 + j
+    assert int(wq[idx]) & 0xFFFFFFFF == 11 << (4 * p)
+    assert int((wq != 0).sum()) == 1
+
+
+def test_prepack_scales_and_zeros_are_group_major():
+    N, K = 128, 256
+    u, scales, zeros = _inputs(N, K, 64, asym=True)
+    packed = prepack_w4a16(u, scales, zeros, 64, torch.bfloat16)
+    assert packed["scales"].shape == (K // 64, N) and packed["scales"].dtype == torch.bfloat16
+    assert packed["scales"].is_contiguous() and packed["zeros"].is_contiguous()
+    assert torch.equal(packed["scales"], scales.t().bfloat16())
+    assert torch.equal(packed["zeros"].float(), zeros.t())
+    assert prepack_w4a16(u, scales, None, 64, torch.float16)["zeros"] is None
+
+
+# ---- shape guard -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("M,N,K,G,fragment", [
+    (1, 4096, 576, 128, "K=576 is not a positive multiple of 128"),
+    (1, 100, 256, 128, "N=100 is not a positive multiple of 32"),
+    (0, 64, 128, 128, "M=0"),
+    (65535 * 64 + 1, 64, 128, 128, "M=4194241"),
+    (1, 64, 128, 16, "group_size=16"),
+    (1, 64, 384, 256, "group_size=256"),
+])
+def test_unsupported_shapes_name_the_reason(M, N, K, G, fragment):
+    reason = w4a16_supported(M, N, K, G)
+    assert reason is not None and fragment in reason
+
+
+@pytest.mark.parametrize("M,N,K,G", [(1, 32, 128, 32), (64, 576, 1536, 64), (200, 4096, 4096, -1), (3, 96, 384, 128)])
+def test_supported_shapes(M, N, K, G):
+    assert w4a16_supported(M, N, K, G) is None
+
+
+def test_prepack_rejects_bad_inputs_with_values():
+    u, scales, _ = _inputs(64, 128, 32, asym=False)
+    with pytest.raises(ValueError, match="K=576"):
+        prepack_w4a16(torch.zeros(64, 576, dtype=torch.int64), torch.ones(64, 576 // 64), None, 64, torch.float16)
+    with pytest.raises(ValueError, match="max 16"):
+        prepack_w4a16(u + 1, scales, None, 32, torch.float16)
+    with pytest.raises(ValueError, match=r"\[64, 4\]"):
+        prepack_w4a16(u, scales[:, :2], None, 32, torch.float16)
+    with pytest.raises(ValueError, match="zeros must be integers"):
+        prepack_w4a16(u, scales, torch.full_like(scales, 2.5), 32, torch.float16)
+    with pytest.raises(ValueError, match="float32"):
+        prepack_w4a16(u, scales, None, 32, torch.float32)
+
+
+def test_c_and_python_rules_agree():
+    """The C guard's numeric rules, read from the .cu, are the ones the Python mirror states."""
+    text = SOURCE.read_text()
+    assert "constexpr int kStrip = 32;" in text and "constexpr int kBK = 128;" in text
+    body = re.search(r"int compress_w4a16_supported\(.*?\n}\n", text, re.S).group(0)
+    assert "N % kStrip != 0" in body and "K % kBK != 0" in body and "sm < 80" in body
+    assert "M < 1 || M > kMaxM" in body and "kMaxM = 65535 * 64;" in text
+    assert "group_size != 32 && group_size != 64 && group_size != 128 && group_size != -1" in body
+
+
+def test_tile_choice_matches_the_launcher():
+    """w4a16_config (used by the emulation) and the C dispatch pick the same (MT, NS)."""
+    text = SOURCE.read_text()
+    body = re.search(r"int dispatch\(.*?\n}\n", text, re.S).group(0)
+    assert "if (M <= 16) return launch<1, 1," in body and "if (M <= 32)" in body
+    assert "N % (2 * kStrip) == 0" in body
+    assert "wide ? launch<2, 2," in body and ": launch<2, 1," in body
+    assert "wide ? launch<4, 2," in body and ": launch<4, 1," in body
+    assert [w4a16_config(M, 64) for M in (1, 16, 17, 32, 33, 64, 65)] == [(1, 1), (1, 1), (2, 2), (2, 2), (4, 2),
+                                                                         (4, 2), (4, 2)]
+    assert [w4a16_config(M, 96) for M in (16, 17, 33)] == [(1, 1), (2, 1), (4, 1)]
+
+
+# ---- reference -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("group_size,asym", [(32, False), (64, True), (128, True), (-1, False)])
+def test_reference_matches_a_plain_float_loop(group_size, asym):
+    M, N, K = 3, 64, 256
+    u, scales, zeros = _inputs(N, K, group_size, asym)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(1))
+    G = K if group_size == -1 else group_size
+    w = torch.empty(N, K, dtype=torch.float64)
+    for n in range(N):
+        for g in range(K // G):
+            z = 8.0 if zeros is None else float(zeros[n, g])
+            w[n, g * G:(g + 1) * G] = (u[n, g * G:(g + 1) * G].double() - z) * float(scales[n, g])
+    want = torch.einsum("mk,nk->mn", x.double(), w)
+    got = w4a16_reference(x, u, scales, zeros, group_size)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+# ---- whole-kernel emulation -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("M,N,K,group_size,asym,dtype", [
+    (1, 64, 128, 32, False, torch.float16),     # (MT, NS) = (1, 1): GEMV-like
+    (5, 96, 256, 64, True, torch.bfloat16),
+    (17, 128, 384, -1, True, torch.float16),    # (2, 2), one group per channel
+    (20, 96, 256, 32, True, torch.bfloat16),    # (2, 1): N not a multiple of 64
+    (33, 64, 256, 128, False, torch.bfloat16),  # (4, 2), rows past M zero-filled
+    (40, 32, 128, -1, True, torch.float16),     # (4, 1)
+    (70, 64, 256, 32, True, torch.float16),     # two blocks along M
+])
+def test_emulated_kernel_matches_reference(M, N, K, group_size, asym, dtype):
+    """The CPU replay of w4a16_kernel (x swizzle + ldmatrix, scale rows per stage, dequantization, fragments,
+    reduction, stores) agrees with the float64 reference. Tolerance: the dequantized weight and the output are
+    each rounded once to the 16-bit dtype (2^-11 for fp16, 2^-8 for bf16), so bf16 gets a looser bound."""
+    u, scales, zeros = _inputs(N, K, group_size, asym, seed=M)
+    packed = prepack_w4a16(u, scales, zeros, group_size, dtype)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M + 1)).to(dtype)
+    got = emulate_w4a16_gemm(x, packed)
+    assert got.dtype == dtype and not got.isnan().any()
+    # the reference sees the scales / zeros as the kernel does (already rounded to dtype)
+    want = w4a16_reference(x, u, packed["scales"].t(), None if zeros is None else packed["zeros"].t(), group_size)
+    rel = ((got.double() - want).norm() / want.norm()).item()
+    assert rel < (1e-3 if dtype == torch.float16 else 5e-3), rel
+
+
+def test_emulated_kernel_sees_wrong_scales():
+    """Guard against a vacuous comparison: scales of the wrong group give a large error."""
+    M, N, K, G = 4, 64, 256, 32
+    u, scales, _ = _inputs(N, K, G, asym=False)
+    packed = prepack_w4a16(u, scales, None, G, torch.float16)
+    packed["scales"] = packed["scales"].roll(1, dims=0).contiguous()
+    x = torch.randn(M, K).half()
+    want = w4a16_reference(x, u, scales.half(), None, G)
+    rel = ((emulate_w4a16_gemm(x, packed).double() - want).norm() / want.norm()).item()
+    assert rel > 0.1
+
+
+# ---- compile checks --------------------------------------------------------------------------------------------
+
+needs_nvcc = pytest.mark.skipif(build.find_tool("nvcc") is None, reason="nvcc not found (CUDA toolkit not installed)")
+needs_cuobjdump = pytest.mark.skipif(
+    build.find_tool("cuobjdump") is None,
+    reason="cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+ARCHS = ["sm_80", "sm_90a"]
+N_KERNELS = 20  # 5 (MT, NS) tilings x 2 dtypes x (symmetric, with zeros)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """Compile w4a16.cu once per architecture, with torch's half-operator macros (as an extension build would)."""
+    out = tmp_path_factory.mktemp("w4a16")
+    flags = ("-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+             "-D__CUDA_NO_HALF2_OPERATORS__")
+    return {arch: build.compile_object(SOURCE, arch, out, flags) for arch in ARCHS}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiles_without_spills(compiled, arch):
+    _, resources = compiled[arch]
+    assert len(resources) == N_KERNELS
+    for r in resources:
+        assert "w4a16_kernel" in r.name
+        assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0), r
+        assert 0 < r.registers <= 255, r
+
+
+@needs_nvcc
+@needs_cuobjdump
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sass_uses_tensor_cores_async_copies_and_ldmatrix(compiled, arch):
+    obj, _ = compiled[arch]
+    functions = build.sass_functions(build.sass(obj))
+    kernels = {name: text for name, text in functions.items() if "w4a16_kernel" in name}
+    assert len(kernels) == N_KERNELS
+    for name, text in kernels.items():
+        counts = build.instruction_counts(text)
+        for op in ("HMMA", "LDGSTS", "LDSM", "LOP3"):
+            assert counts[op] > 0, (arch, name, op, counts)
+        assert counts["LDL"] == 0 and counts["STL"] == 0, (arch, name, counts)
+        mt, ns, dt, _ = map(int, re.search(r"w4a16_kernelILi(\d)ELi(\d)ELi(\d)ELb(\d)E", name).groups())
+        assert ("HMMA.16816.F32.BF16" in text) == (dt == 1), (arch, name)
+        # per stage and warp (the k loop is not unrolled): k32 = 2 k16 halves x 4 NS n8 tiles x MT m16 tiles mma,
+        # and 2 MT ldmatrix.x4 for the x fragments
+        assert counts["HMMA"] == 8 * ns * mt, (arch, name, counts)
+        assert counts["LDSM"] == 2 * mt, (arch, name, counts)
