@@ -32,6 +32,11 @@ MODEL and --baseline accept `default`, a compress output folder, a Hugging Face 
 EPILOG_INSPECT = """examples:
   compress inspect recipes/int4_rtn.yaml
   compress inspect recipes/int4_rtn.yaml --set stages.0.scheme.group_size=128 --set stages.0.strict=false
+  compress inspect runs/int4_rtn --dtype bfloat16          # a finished run: which kernel each layer uses
+
+Given a compressed model folder instead of a recipe, inspect times every kernel that can run each quantized layer
+shape (and the dense layer it replaces) at batch sizes --batches, and prints the dispatcher's choice per batch size
+and why the other kernels cannot run it. bf16 / fp16 activations open torch's fast CPU int4 kernel.
 """
 
 
@@ -113,9 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="show the resolved per-layer plan of a recipe without running it",
                        epilog=EPILOG_INSPECT, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("recipe", help="recipe YAML")
+    p.add_argument("recipe", help="recipe YAML, or a compressed model folder (a run's output) to show its kernels")
     _add_set(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="model folder only: activation dtype to time the kernels in (default bfloat16)")
+    p.add_argument("--device", default="cpu", help="model folder only: cpu or cuda (default cpu)")
+    p.add_argument("--batches", default="1,4,16,64", help="model folder only: batch sizes (rows) to time")
+    p.add_argument("--threads", type=int, default=1, help="model folder only: CPU threads (default 1)")
+    p.add_argument("--float-copy", action="store_true",
+                   help="model folder only: also consider keeping a dequantized float copy of a layer (dense speed "
+                        "at large batch sizes, dense memory where chosen)")
 
     from .export import FORMAT_NAMES
     p = sub.add_parser("export", help="export a finished run to serving formats (vLLM, SGLang, TensorRT-LLM, "
@@ -315,7 +328,34 @@ def prune_plan(model, arch, recipe) -> tuple[dict[int, str], object]:
     return lines, model
 
 
+def cmd_inspect_model(args) -> int:
+    """`compress inspect MODEL_DIR`: the measured kernel dispatch of a compressed model."""
+    import torch
+
+    from .kernels.dispatch import plan_dispatch, render
+    from .models import load_model
+
+    torch.set_num_threads(args.threads)
+    try:
+        batches = tuple(int(b) for b in args.batches.split(","))
+    except ValueError:
+        raise ValueError(f"--batches must be comma-separated integers, got {args.batches!r}") from None
+    loaded = load_model(args.recipe, args.dtype, args.device)
+    plan = plan_dispatch(loaded.model, batches, float_copy=args.float_copy).to_dict()
+    if args.json:
+        print(json.dumps(plan, indent=2))
+        return 0
+    if not plan["layers"]:
+        print(f"{args.recipe}: no quantized layers; every matmul is torch's dense one")
+        return 0
+    print(f"model: {loaded.source} [{loaded.kind}]\n")
+    print("\n".join(render(plan)))
+    return 0
+
+
 def cmd_inspect(args) -> int:
+    if Path(args.recipe).is_dir():
+        return cmd_inspect_model(args)
     from .arch import get_arch
     from .models import load_model
     from .pipeline import plan_stages

@@ -98,6 +98,9 @@ class EvalSpec:
     # the batch × context sweep (prefill and decode tokens/s at each point that fits in memory); empty: batch 1 only
     speed_batches: tuple[int, ...] = ()
     speed_contexts: tuple[int, ...] = (512,)
+    # before measuring speed, time every kernel that can run each quantized layer (kernels/dispatch.py) and use the
+    # fastest per batch size; accuracy is always measured on the reference path
+    dispatch: bool = True
     # lm-eval tasks (compress/evaluate/harness.py: arc_easy, arc_challenge, piqa, winogrande, boolq, lambada_openai,
     # wikitext), on the local data folder when there is one; task_limit: documents per task (null: all)
     tasks: tuple[str, ...] = ()

@@ -232,3 +232,36 @@ def test_arch_list_builds_hopper_as_sm90a():
     from compress.kernels.cuda_ext import arch_list
     assert arch_list([(9, 0), (8, 0), (9, 0)]) == "8.0;9.0a"
     assert arch_list([(8, 9)]) == "8.9"
+
+
+def test_float_copy_only_when_asked_and_measured():
+    model = quantized_tiny("llama", scheme("int4", "group", 32, True))
+    report = plan_dispatch(model, batch_sizes=(1, 64), repeats=1, float_copy=True)
+    assert all("dequantized float copy" in r.times_us or r.choice == "dequantized float copy" for r in report.rows)
+    plan_dispatch(model, measure=False, float_copy=True)  # unmeasured: never picks the memory-costly copy
+    assert "float copy" not in summary(model)
+
+
+def test_inspect_shows_a_models_dispatch(tmp_path, capsys):
+    from compress.cli import main
+    from compress.models import save_compressed
+    model = quantized_tiny("llama", scheme("int4", "group", 32, False))
+    from tests.tiny_tokenizer import make_tiny_tokenizer
+    save_compressed(model, make_tiny_tokenizer(), tmp_path / "m", {"source": "tiny"})
+    assert main(["inspect", str(tmp_path / "m"), "--batches", "1,4"]) == 0
+    out = capsys.readouterr().out
+    assert "| M | chosen kernel |" in out and "torch int4pack (CPU)" in out
+    assert "compress w4a16 (CUDA): CUDA only" in out
+    assert main(["inspect", str(tmp_path / "m"), "--batches", "one"]) == 2
+    assert "--batches must be comma-separated integers" in capsys.readouterr().err
+
+
+def test_report_names_the_dispatch_and_keeps_accuracy_on_the_reference_path():
+    from compress.evaluate.report import evaluate_models
+    from compress.recipe import EvalSpec
+    model = quantized_tiny("llama", scheme("int4", "group", 32, True))
+    spec = EvalSpec(perplexity=False, prefill_tokens=8, decode_tokens=2, speed_repeats=1)
+    result = evaluate_models({"q": model}, None, spec)
+    m = result["models"]["q"]
+    assert "torch int4pack (CPU)" in m["speed"]["kernel"] and m["dispatch"]["rows"]
+    assert all(q.dispatch is None for q in model.modules() if isinstance(q, QuantLinear))

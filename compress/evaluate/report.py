@@ -11,6 +11,7 @@ from ..data import fingerprint, sequential_windows, tokenize_joined, wikitext2_r
 from ..nn import QuantLinear
 from .memory import peak_cuda_bytes, peak_rss_bytes, serving_bytes, weight_bytes
 from .ppl import score_windows
+from ..kernels.dispatch import clear_dispatch, plan_dispatch, render as render_dispatch
 from .speed import measure_speed, speed_sweep
 
 
@@ -47,11 +48,16 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
         result["models"][n]["weights"] = weight_bytes(m)
         if spec.speed:
             vocab = m.get_input_embeddings().weight.shape[0]
+            quantized = any(isinstance(q, QuantLinear) for q in m.modules())
+            if quantized and getattr(spec, "dispatch", True):
+                batches = sorted({1, 4, 16, 64, *getattr(spec, "speed_batches", ())})
+                result["models"][n]["dispatch"] = plan_dispatch(m, batches).to_dict()
             result["models"][n]["speed"] = measure_speed(m, vocab, spec.prefill_tokens, spec.decode_tokens,
                                                          spec.speed_repeats, device)
             if getattr(spec, "speed_batches", ()):
                 result["models"][n]["speed_sweep"] = speed_sweep(m, vocab, spec.speed_batches, spec.speed_contexts,
                                                                  spec.decode_tokens, spec.speed_repeats, device)
+            clear_dispatch(m)  # accuracy (lm-eval below, later evaluations) stays on the reference path
     if getattr(spec, "tasks", ()):
         from .harness import evaluate_tasks
         result["lm_eval"] = evaluate_tasks(models, tokenizer, spec.tasks, spec.task_limit, spec.num_fewshot,
@@ -346,6 +352,12 @@ def render_markdown(report: dict) -> str:
         s = next(m["speed"] for m in models.values() if "speed" in m)
         lines.append(f"\nPrefill {s['prefill_tokens']} tokens, then {s['decode_tokens']} greedy decode steps; "
                      f"median of {s['repeats']} runs after a warm-up, on {s['device']}.")
+    for n, m in models.items():
+        if m.get("dispatch"):
+            lines += ["", f"## Kernel dispatch: {n}", "", "Each quantized layer shape timed with every kernel that "
+                      "can run it and with the dense layer it replaces; the fastest runs at each batch size (M rows). "
+                      "Speed above is measured with these choices; accuracy on the reference path.", ""]
+            lines += render_dispatch(m["dispatch"])
     for stage in report.get("stages", []):
         if stage["stage"] in ("prune", "distill"):
             lines += (_prune_lines if stage["stage"] == "prune" else _distill_lines)(stage)

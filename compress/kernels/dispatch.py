@@ -54,9 +54,17 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
 )}
 
 
-def registry() -> dict[str, Kernel]:
-    """Every kernel, CPU ones first, in the order `measure=False` prefers them."""
-    return {**KERNELS, **_gpu_kernels()}
+FLOAT_COPY = Kernel(
+    "dequantized float copy", lambda layer, dtype, device: None,
+    lambda layer, dtype: layer.qtensor().dequantize(dtype),
+    lambda w, x, bias: F.linear(x, w, None if bias is None else bias.to(x.dtype)))
+
+
+def registry(float_copy: bool = False) -> dict[str, Kernel]:
+    """Every kernel, CPU ones first, in the order `measure=False` prefers them. float_copy adds a kernel that keeps
+    a dequantized copy of the weight: as fast as the dense layer at large batch sizes, at the dense layer's memory
+    cost wherever it is chosen (weight-only schemes; quantized activations keep their own path)."""
+    return {**KERNELS, **_gpu_kernels(), **({FLOAT_COPY.name: FLOAT_COPY} if float_copy else {})}
 
 
 @dataclass
@@ -151,12 +159,13 @@ class DispatchReport:
 
 @torch.no_grad()
 def plan_dispatch(model: nn.Module, batch_sizes=BATCH_SIZES, measure: bool = True, repeats: int = 5,
-                  kernels: dict[str, Kernel] | None = None, seed: int = 0) -> DispatchReport:
+                  kernels: dict[str, Kernel] | None = None, seed: int = 0, float_copy: bool = False) -> DispatchReport:
     """Give every QuantLinear under `model` a LayerDispatch (see the module docstring) and return what was
-    measured. Layers of one shape and scheme share a measurement (taken on the first of them)."""
+    measured. Layers of one shape and scheme share a measurement (taken on the first of them). float_copy: also
+    consider keeping a dequantized float copy of weight-only layers (see `registry`); never chosen unmeasured."""
     from ..nn import QuantLinear, kernel_for
 
-    kernels = registry() if kernels is None else kernels
+    kernels = registry(float_copy and measure) if kernels is None else kernels
     gen = torch.Generator().manual_seed(seed)
     groups: dict[tuple, list[QuantLinear]] = {}
     for m in model.modules():
@@ -171,7 +180,8 @@ def plan_dispatch(model: nn.Module, batch_sizes=BATCH_SIZES, measure: bool = Tru
         label = f"{first.out_features}x{first.in_features} {first.scheme.name}"
         usable, why = [], {}
         for name, k in kernels.items():
-            reason = k.reason(first, dtype, device)
+            reason = k.reason(first, dtype, device) if k is not FLOAT_COPY or first.scheme.act is None else \
+                "weight-only layers only (quantized activations keep their path)"
             (why.__setitem__(name, reason) if reason else usable.append(name))
         if why:
             skipped[label] = why
@@ -233,3 +243,33 @@ def summary(model: nn.Module) -> str:
     if not kinds:
         return "torch dense matmul"
     return "; ".join(f"{k} [{n} layers]" for k, n in sorted(kinds.items()))
+
+
+def render(plan: dict) -> list[str]:
+    """Markdown lines for a DispatchReport.to_dict(): the measured table and the kernels that could not run."""
+    lines = [f"{plan['layers']} quantized layers, activations {plan['dtype']} on {plan['device']}, "
+             f"{plan['threads']} thread(s); times are medians per call.", ""]
+    if plan["rows"]:
+        lines += ["| layer shape (N×K) | scheme | layers | M | chosen kernel | µs | dense µs | vs dense | others (µs) |",
+                  "|---|---|---:|---:|---|---:|---:|---:|---|"]
+        for r in plan["rows"]:
+            others = ", ".join(f"{k} {v:,.0f}" for k, v in r["times_us"].items() if k != r["choice"])
+            vs = r["vs_dense"]
+            lines.append(f"| {r['shape'][0]}×{r['shape'][1]} | {r['scheme']} | {r['layers']} | {r['rows']} | "
+                         f"{r['choice']} | {r['times_us'][r['choice']]:,.0f} | {r['dense_us']:,.0f} | "
+                         f"{'—' if vs is None else f'{vs:.2f}×'} | {others or '—'} |")
+        slower = sorted({r["rows"] for r in plan["rows"] if r["vs_dense"] is not None and r["vs_dense"] < 0.9})
+        if slower:
+            lines += ["", f"More than 10% slower than the dense layer it replaces at M = {', '.join(map(str, slower))}"
+                          " on this device: no kernel that keeps the weights compressed beats the float matmul there"
+                          " (`compress inspect MODEL --float-copy` trades memory for it)."]
+        if any(r["choice"] == FLOAT_COPY.name for r in plan["rows"]):
+            lines += ["", f"Where `{FLOAT_COPY.name}` is chosen, the layer holds a dequantized weight: the dense "
+                          "layer's memory, in addition to the compressed one."]
+    why: dict[str, set] = {}
+    for reasons in plan["skipped"].values():
+        for kernel, reason in reasons.items():
+            why.setdefault(kernel, set()).add(reason)
+    if why:
+        lines += ["", "Kernels not used: " + "; ".join(f"{k}: {' / '.join(sorted(v))}" for k, v in why.items())]
+    return lines
