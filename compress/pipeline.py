@@ -140,6 +140,8 @@ def stage_summary(i: int, stage, plan, blocks: BlockStages | None, model) -> dic
             "scheme_fields": asdict(stage.scheme), "quantized": len(plan.quantized),
             "skipped": [{"name": e.name, "reason": e.reason} for e in plan.skipped],
             "layers": {e.name: e.scheme.name for e in plan.quantized},
+            "untied": {e.name: {"extra_bytes": e.untied_bytes, "note": e.note} for e in plan.quantized
+                       if e.untied_bytes is not None},
             "layer_info": blocks.layer_info.get(i, {}) if blocks else {}}
 
 
@@ -155,14 +157,21 @@ def kept_in_float(model, arch) -> list[str]:
 
 def planned_model(model, plans: list) -> torch.nn.Module:
     """A meta-device copy of `model` with the planned QuantLinear layers: what the export checks see before
-    any weight is quantized."""
+    any weight is quantized. A tied lm_head planned with tied_lm_head: untie is untied in the copy's config
+    too, as apply_quantize will do to the model."""
+    import copy
+
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     from .nn import QuantLinear, linear_shape
 
+    config = copy.deepcopy(model.config)
+    if any(e.untie for plan in plans if plan is not None for e in plan.quantized):
+        for c in {id(c): c for c in (config, config.get_text_config())}.values():
+            c.tie_word_embeddings = False
     with init_empty_weights():
-        meta = AutoModelForCausalLM.from_config(model.config)
+        meta = AutoModelForCausalLM.from_config(config)
     for plan in plans:
         for e in (plan.quantized if plan is not None else ()):
             old = get_module(meta, e.name)

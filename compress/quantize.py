@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import nn
@@ -16,6 +17,7 @@ from .quantizers.rtn import quantize_rtn
 from .scheme import W4A16_G64, QuantScheme
 
 COMMON_GROUP_SIZES = (16, 32, 64, 128, 256)
+TIED_LM_HEAD = ("keep", "untie")
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,15 @@ class QuantizeStage:
     the model's output projection, whatever the family calls it. `ignore` wins over `targets`.
     strict: a layer the scheme cannot hold (group size does not divide in_features) is an error;
     with strict: false it is left in float and listed in the report with the reason.
+    tied_lm_head: what to do with an lm_head that shares its weight with the input embedding
+    (tie_word_embeddings, as in SmolLM2). `keep` leaves it in float (reported): quantizing the shared matrix
+    would also quantize the embedding lookup. `untie` gives lm_head its own copy of the matrix just before it is
+    quantized: the embedding keeps its float weight, the config is marked untied, and the checkpoint grows by the
+    quantized head's bytes (llama.cpp's GGUF files do the same: a separate 4/8-bit `output.weight`). It is an
+    opt-in on top of the selection, not a selection of its own: lm_head must also be matched by `targets` and
+    not by `ignore`. Because the default `ignore: [lm_head]` would silently turn `untie` into a no-op, a stage
+    that says `untie` and still lists `lm_head` in `ignore` is rejected; write `ignore: []` (or a stage with
+    `targets: [lm_head]` and `ignore: []` to quantize the head alone, e.g. at int8 while the body is int4).
     """
 
     method: str = "rtn"
@@ -35,6 +46,7 @@ class QuantizeStage:
     ignore: tuple[str, ...] = ("lm_head",)
     strict: bool = True
     gptq: GPTQConfig = GPTQConfig()  # method: gptq only
+    tied_lm_head: Literal["keep", "untie"] = "keep"
 
     @property
     def needs_calibration(self) -> bool:
@@ -42,6 +54,14 @@ class QuantizeStage:
 
     def __post_init__(self):
         get_quantizer(self.method)  # unknown method -> ValueError listing the known ones
+        if self.tied_lm_head not in TIED_LM_HEAD:
+            raise ValueError(f"tied_lm_head is {self.tied_lm_head!r}; allowed values: "
+                             f"{', '.join(map(repr, TIED_LM_HEAD))} (keep: leave a tied lm_head in float; untie: "
+                             "quantize a separate copy of it)")
+        if self.tied_lm_head == "untie" and "lm_head" in self.ignore:
+            raise ValueError("tied_lm_head: untie quantizes the lm_head, but `ignore` still lists lm_head (the "
+                             "default ignore is [lm_head]); set `ignore: []` (or drop lm_head from it), or use "
+                             "tied_lm_head: keep")
         if self.method == "gptq" and self.scheme.granularity == "block":
             raise ValueError("method gptq quantizes column by column and cannot keep 128x128 block scales; use "
                              "granularity: channel or tensor, or method: rtn")
@@ -60,6 +80,9 @@ class LayerPlan:
     shape: tuple[int, int]  # (out_features, in_features)
     scheme: QuantScheme | None  # None = left in float
     reason: str = ""  # why it is left in float
+    untie: bool = False  # lm_head tied to the input embedding: give it its own copy before quantizing it
+    untied_bytes: int | None = None  # set when apply_quantize untied it: what the separate quantized head adds
+    note: str = ""  # what was done beyond quantizing (untying)
 
 
 @dataclass
@@ -89,8 +112,7 @@ def plan_quantize(model: nn.Module, arch: ArchSpec, stage: QuantizeStage) -> Qua
     """Decide, for every linear layer, the scheme or the reason it stays in float. Raises on a
     layer the scheme cannot hold when stage.strict is set."""
     plan = QuantPlan()
-    tied = bool(getattr(model.config, "tie_word_embeddings", False)) and \
-        get_module(model, arch.lm_head).weight is model.get_input_embeddings().weight
+    tied = _is_tied(model, arch.lm_head)
     sch = stage.scheme
     for name, module in model.named_modules():
         if not is_linear(module):
@@ -104,8 +126,9 @@ def plan_quantize(model: nn.Module, arch: ArchSpec, stage: QuantizeStage) -> Qua
             entry.reason = f"not matched by targets {list(stage.targets)}"
         elif pat := _matches(name, module, stage.ignore, arch.lm_head):
             entry.reason = f"ignored (ignore: {pat})"
-        elif name == arch.lm_head and tied:
-            entry.reason = "lm_head shares its weight with the input embedding (tie_word_embeddings); kept in float"
+        elif name == arch.lm_head and tied and stage.tied_lm_head == "keep":
+            entry.reason = ("lm_head shares its weight with the input embedding (tie_word_embeddings); kept in "
+                            "float; set tied_lm_head: untie to quantize a separate copy")
         elif sch.granularity == "block" and (in_features % sch.group_size or entry.shape[0] % sch.group_size):
             msg = (f"{name}: shape {entry.shape} is not a whole number of {sch.group_size}×{sch.group_size} blocks")
             if stage.strict:
@@ -122,7 +145,35 @@ def plan_quantize(model: nn.Module, arch: ArchSpec, stage: QuantizeStage) -> Qua
             entry.reason = f"in_features={in_features} % group_size={sch.group_size} != 0 (strict: false)"
         else:
             entry.scheme = sch
+            entry.untie = name == arch.lm_head and tied
     return plan
+
+
+def _is_tied(model: nn.Module, head_name: str) -> bool:
+    head = get_module(model, head_name)
+    return bool(getattr(model.config, "tie_word_embeddings", False)) and \
+        getattr(head, "weight", None) is model.get_input_embeddings().weight
+
+
+def untie_lm_head(model: nn.Module, head_name: str) -> None:
+    """Give lm_head its own float copy of the embedding matrix and mark the model untied everywhere transformers
+    looks when it re-ties (transformers 5.x): `tie_word_embeddings` on the config, on `get_text_config()` (composite
+    models keep it there) and on every nested PreTrainedModel's config (`tie_weights()` re-reads each of them), and
+    the cached `all_tied_weights_keys` mapping that `tie_weights(recompute_mapping=False)` and the loaders read.
+    Without the config change, load_compressed's `tie_weights()` would point lm_head back at the embedding."""
+    head, embed = get_module(model, head_name), model.get_input_embeddings()
+    if head.weight is embed.weight:
+        head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=embed.weight.requires_grad)
+    configs = [model.config]
+    if hasattr(model.config, "get_text_config"):
+        configs.append(model.config.get_text_config())
+    configs += [m.config for m in model.modules() if m is not model and hasattr(m, "all_tied_weights_keys")]
+    for config in configs:
+        if getattr(config, "tie_word_embeddings", False):
+            config.tie_word_embeddings = False
+    for m in model.modules():
+        if hasattr(m, "all_tied_weights_keys") and hasattr(m, "get_expanded_tied_weights_keys"):
+            m.all_tied_weights_keys = m.get_expanded_tied_weights_keys(all_submodels=True)
 
 
 def _input_stats(observer, rel: str, name: str, why: str):
@@ -151,6 +202,7 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
         module = get_module(model, entry.name)
         if isinstance(module, QuantLinear):
             continue
+        untied = entry.untie and _is_tied(model, entry.name)
         w = linear_weight(module).detach()
         rel = entry.name[len(prefix) + 1:] if prefix else entry.name
         s = (input_divisor or {}).get(rel)
@@ -182,6 +234,12 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
                     layer.outlier_cols = cols.to(layer.qdata.device)
             if info is not None:
                 info[entry.name] = layer_info
+        if untied:  # only once the head is quantized (an error above leaves the model as it was); afterwards the
+            untie_lm_head(model, entry.name)  # model is untied, so a second call finds nothing to untie
+            bias = 0 if layer.bias is None else layer.bias.numel() * layer.bias.element_size()
+            entry.untied_bytes = qt.nbytes + bias
+            entry.note = (f"untied from the input embedding (tied_lm_head: untie): the embedding stays float, so "
+                          f"the checkpoint grows by this head's {entry.untied_bytes} bytes")
         set_module(model, entry.name, layer)
         count += 1
     return count

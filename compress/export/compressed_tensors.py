@@ -21,7 +21,8 @@ from torch import nn
 
 from ..nn import QuantLinear
 from ..scheme import QuantScheme
-from .hf import config_dtype, conv1d_problems, float_linears, float_tensors, kv_modules, quant_layers, write_hf
+from .hf import (config_dtype, conv1d_problems, float_linears, float_tensors, kv_modules, quant_layers,
+                 quantized_head, write_hf)
 
 FORMATS = {"pack": "pack-quantized", "int": "int-quantized", "float": "float-quantized"}
 
@@ -161,5 +162,9 @@ def write(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.
         tensors[f"{name}.v_scale"] = m.v_scale.detach().float().reshape(1)
     config = quantization_config(model)
     write_hf(model, tokenizer, folder, tensors, config, dtype)
+    notes = []
+    if (head := quantized_head(model)) is not None:
+        notes.append(f"{head} is quantized ({layers[head].split(' ')[0]}); transformers' compressed-tensors loader "
+                     "reads it (compress verify); vLLM serving a quantized lm_head from this format was not checked")
     return {"layers": layers, "kv_cache_layers": sorted(kv), "float_dtype": config_dtype(dtype),
-            "quantization_config": config, "notes": []}
+            "quantization_config": config, "notes": notes}

@@ -19,7 +19,8 @@ from torch import nn
 
 from .. import __version__
 from ..nn import QuantLinear
-from .hf import config_dtype, conv1d_problems, float_linears, float_tensors, kv_modules, quant_layers, write_hf
+from .hf import (config_dtype, conv1d_problems, float_linears, float_tensors, head_problems, kv_modules,
+                 quant_layers, write_hf)
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 
@@ -44,6 +45,8 @@ def problems(model: nn.Module) -> list[str]:
     if not layers:
         out.append("no layer is quantized; quantize with an fp8 scheme (recipes/fp8_dynamic.yaml) first")
     out += [f"{n} ({m.scheme.name}): {why}" for n, m in layers.items() if (why := layer_problem(m))]
+    out += head_problems(model, "the fp8 format's loaders keep the output projection in float (vLLM's Fp8 "
+                         "quantizes linear layers only; transformers skips the output embeddings)")
     static = {m.scheme.act is not None and not m.scheme.act.dynamic for m in layers.values()}
     if len(static) > 1:
         out.append("the fp8 config has one activation_scheme for the whole model, and this model mixes static "

@@ -45,6 +45,25 @@ def conv1d_problems(model: nn.Module, fmt: str) -> list[str]:
     return []
 
 
+def quantized_head(model: nn.Module) -> str | None:
+    """The module name of the output projection (lm_head) when it is quantized, else None."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, QuantLinear):
+        return None
+    return next(n for n, m in model.named_modules() if m is head)
+
+
+def head_problems(model: nn.Module, why: str) -> list[str]:
+    """A quantized lm_head (tied_lm_head: untie, or an untied model with lm_head not ignored) in a format whose
+    loaders keep the output projection in float: refused, since its tensors would be unreadable or dropped."""
+    name = quantized_head(model)
+    if name is None:
+        return []
+    scheme = model.get_submodule(name).scheme.name
+    return [f"{name} ({scheme}): {why}; export compressed-tensors, dense or gguf-*, or keep {name} in float "
+            f"(`ignore: [lm_head]`, the default; tied_lm_head: keep)"]
+
+
 def per_layer_problems(model: nn.Module, check: Callable[[QuantLinear], str | None]) -> list[str]:
     return [f"{n} ({m.scheme.name}): {why}" for n, m in quant_layers(model).items() if (why := check(m))]
 
@@ -147,7 +166,10 @@ def _single_scheme(model: nn.Module, fmt: str) -> list[str]:
 def awq_problems(model: nn.Module) -> list[str]:
     from .awq import awq_problem
     return conv1d_problems(model, "awq") + _single_scheme(model, "awq") + \
-        per_layer_problems(model, _layer_check(awq_problem))
+        per_layer_problems(model, _layer_check(awq_problem)) + \
+        head_problems(model, "AWQ loaders keep the output projection in float (transformers adds it to "
+                      "modules_to_not_convert; vLLM's AWQ quantizes linear layers only), so its packed tensors would "
+                      "not be read")
 
 
 def gptq_problems(model: nn.Module) -> list[str]:
@@ -161,7 +183,9 @@ def gptq_problems(model: nn.Module) -> list[str]:
                     "zero - 1; quantize with symmetric: true, or export awq")
         return None
 
-    return conv1d_problems(model, "gptq") + _single_scheme(model, "gptq") + per_layer_problems(model, check)
+    return conv1d_problems(model, "gptq") + _single_scheme(model, "gptq") + per_layer_problems(model, check) + \
+        head_problems(model, "this exporter writes GPTQ configs with `lm_head: false` (the loaders keep "
+                      "the output projection in float) and not GPTQModel's quantized-head layout")
 
 
 def _unconverted(model: nn.Module) -> list[str]:
