@@ -143,9 +143,22 @@ def test_dispatch_without_measuring_prefers_the_kernel_and_reports_refusals():
     refused = next(iter(report.skipped.values()))
     assert "int8 weight-only" in refused["torch int8pack (CPU)"] and "CUDA only" in refused["compress w4a16 (CUDA)"]
     fp32 = quantized_tiny("llama", scheme("int4", "group", 32, True), torch.float32)
-    plan_dispatch(fp32, measure=False)
-    assert "reference dequantize+matmul" in summary(fp32)  # int4pack is slow with float32 activations: not offered
-    assert "int4pack" not in summary(fp32)
+    report = plan_dispatch(fp32, measure=False)
+    # int4pack is slow with float32 activations: a float32 layer gets it only with its input rounded to bf16
+    assert "torch int4pack (CPU, bf16 activations)" in summary(fp32)
+    assert "bf16/fp16" in next(iter(report.skipped.values()))["torch int4pack (CPU)"]
+
+
+def test_int4pack_for_float32_layers_rounds_the_input_to_bf16():
+    s = scheme("int4", "group", 64, False)
+    qt = rand_qt(s, 32, 128)
+    p = cpu.prepare_int4pack_bf16(qt, torch.float32)
+    x = torch.randn(4, 128, generator=GEN)
+    bias = torch.randn(32, generator=GEN)
+    y = cpu.linear_int4pack_bf16(p, x, bias)
+    assert y.dtype == torch.float32
+    assert rel_err(y, oracle(x, qt) + bias.double()) < 8e-3
+    assert "float32 layers only" in cpu.int4pack_bf16_reason(qt, torch.bfloat16, torch.device("cpu"))
 
 
 def test_dispatch_leaves_quantized_activations_on_their_path():

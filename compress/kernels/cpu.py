@@ -6,8 +6,8 @@
   activations' dtype stored together as [K / G, N, 2]. Our grid w = (u - z) * s maps onto it with zf = (8 - z) * s
   (symmetric schemes: z = 8, so zf = 0). It accepts G in {32, 64, 128, 256} and N % 16 == 0; a per-channel
   scale is written as the largest of those that divides K, repeated. It is fast only for bf16 / fp16
-  activations: with float32 ones it was ~7x slower than float32 F.linear here (4096x4096, M = 1), so float32
-  layers are not offered it.
+  activations: with float32 ones it was ~7x slower than float32 F.linear here (4096x4096, M = 1), so a float32
+  layer is offered it only as `int4pack_bf16`: the input rounded to bf16, the output cast back (named as such).
 - int8 weight-only, symmetric per channel: `aten._weight_int8pack_mm(x, w int8 [N, K], scales [N])`.
 
 Each kernel has a `*_reason(layer) -> str | None` check (None: usable), a `prepare_*` that builds its operands once,
@@ -74,6 +74,21 @@ def prepare_int4pack(qt: QuantizedTensor, dtype: torch.dtype) -> Int4Packed:
     scale, zero = scale.repeat_interleave(reps, 1), zero.repeat_interleave(reps, 1)  # [N, K / G]
     sz = torch.stack([scale.t(), ((8.0 - zero) * scale).t()], dim=-1)  # [K / G, N, 2]
     return Int4Packed(weight, sz.to(dtype).contiguous(), g, n)
+
+
+def int4pack_bf16_reason(qt: QuantizedTensor, dtype: torch.dtype, device: torch.device) -> str | None:
+    if dtype != torch.float32:
+        return "float32 layers only (bf16 / fp16 layers run int4pack directly)"
+    return int4pack_reason(qt, torch.bfloat16, device)
+
+
+def prepare_int4pack_bf16(qt: QuantizedTensor, dtype: torch.dtype) -> Int4Packed:
+    return prepare_int4pack(qt, torch.bfloat16)
+
+
+def linear_int4pack_bf16(p: Int4Packed, x: Tensor, bias: Tensor | None) -> Tensor:
+    y = linear_int4pack(p, x.to(torch.bfloat16), None).to(x.dtype)
+    return y if bias is None else y + bias
 
 
 def linear_int4pack(p: Int4Packed, x: Tensor, bias: Tensor | None) -> Tensor:

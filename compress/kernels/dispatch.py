@@ -51,6 +51,8 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
            cpu.linear_int4pack),
     Kernel("torch int8pack (CPU)", _on_qtensor(cpu.int8pack_reason), _on_qtensor(cpu.prepare_int8pack),
            cpu.linear_int8pack),
+    Kernel("torch int4pack (CPU, bf16 activations)", _on_qtensor(cpu.int4pack_bf16_reason),
+           _on_qtensor(cpu.prepare_int4pack_bf16), cpu.linear_int4pack_bf16),
 )}
 
 
