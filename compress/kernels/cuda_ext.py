@@ -50,7 +50,7 @@ def _build() -> Extension:
         if kwargs:
             Path(kwargs["build_directory"]).mkdir(parents=True, exist_ok=True)
         cpp_extension.load(name="compress_cuda", sources=[str(CUDA_DIR / s) for s in SOURCES],
-                           extra_include_paths=[str(CUDA_DIR)], extra_cflags=["-O3", "-std=c++17"],
+                           extra_include_paths=[str(CUDA_DIR)], extra_cflags=["-O3"],  # torch's own -std (c++20 for its headers)
                            extra_cuda_cflags=["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"],
                            is_python_module=False, verbose=False, **kwargs)
     except Exception as e:  # a failed build leaves the reference path, and says why

@@ -269,6 +269,9 @@ def fp8_quantize_rows_reference(x: Tensor) -> tuple[Tensor, Tensor]:
     """What compress_fp8_quantize_rows computes: scale[m] = max(absmax_m / 448, 1e-12) in fp32 and
     q = saturate(x / scale) rounded to nearest even, as float8_e4m3fn."""
     xf = x.float()
-    scale = torch.clamp(xf.abs().amax(dim=1) / E4M3_MAX, min=1e-12)
+    amax = xf.abs().amax(dim=1)
+    # divide by a tensor, not a Python float: on CUDA torch computes a / scalar as a * (1 / scalar), one ulp off
+    # the kernel's true division in about half the rows (aten BinaryDivTrueKernel.cu)
+    scale = torch.clamp(amax / torch.full_like(amax, E4M3_MAX), min=1e-12)
     q = (xf / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q, scale

@@ -145,7 +145,8 @@ def _check_rows(x: Tensor) -> None:
 def fp8_quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """Dynamic per-token e4m3: scale[m] = max(absmax / 448, 1e-12) (float32), q = saturate(x / scale)."""
     _check_rows(x)
-    scale = (x.float().abs().amax(dim=1) / E4M3_MAX).clamp(min=1e-12)
+    amax = x.float().abs().amax(dim=1)
+    scale = (amax / torch.full_like(amax, E4M3_MAX)).clamp(min=1e-12)  # true division, as the kernel (fp8_layout)
     return (x.float() / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8), scale
 
 

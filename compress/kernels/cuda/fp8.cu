@@ -257,7 +257,8 @@ __global__ void __launch_bounds__(BM * 2) fp8_gemm_sm90(const uint8_t* __restric
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
+               : "r"(addr)
+               : "memory");  // keep the shared-memory reads after the preceding wait / barrier
 }
 
 // D[16 x 8] += A[16 x 32] * B[32 x 8], PTX ISA "Matrix Fragments for mma.m16n8k32" (8-bit types), g = lane / 4,

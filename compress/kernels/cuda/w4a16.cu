@@ -397,8 +397,10 @@ int launch(const void* x, const void* wq, const void* scales, const void* zeros,
            int G, cudaStream_t stream) {
   auto kernel = w4a16_kernel<MT, NS, DT, HAS_ZEROS>;
   constexpr int smem = smem_bytes(MT, NS);
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
+    cudaGetLastError();  // clear it: torch's next launch check would otherwise report it against its own kernel
     return COMPRESS_LAUNCH_ERROR;
+  }
   dim3 grid(N / (kStrip * NS), (M + 16 * MT - 1) / (16 * MT));
   kernel<<<grid, kThreads, smem, stream>>>(static_cast<const uint16_t*>(x), static_cast<const int4*>(wq),
                                            static_cast<const uint16_t*>(scales), static_cast<const uint16_t*>(zeros),
