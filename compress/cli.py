@@ -25,6 +25,7 @@ EPILOG_EVAL = """examples:
   compress eval default --max-windows 2 --no-speed
   compress eval runs/awq_int4 --baseline default --tasks arc_easy,lambada_openai --task-limit 50
   compress eval runs/awq_int4/exports/compressed-tensors --baseline default --max-windows 4
+  compress eval runs/awq_int4 --baseline default --suite quick       # eval/quick.yaml; flags override it
 
 MODEL and --baseline accept `default`, a compress output folder, a Hugging Face folder, a .gguf file or a hub id.
 """
@@ -104,8 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=EPILOG_EVAL, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="model to evaluate")
     p.add_argument("--baseline", help="reference model for KL divergence and top-1 agreement")
-    p.add_argument("--split", default="test", choices=["test", "validation"], help="WikiText-2 split (default test)")
-    p.add_argument("--seq-len", type=int, default=2048, help="window length in tokens (default 2048)")
+    p.add_argument("--suite", help="an evaluation suite from eval/ (quick, standard): its settings, then the flags "
+                                    "given here over them")
+    p.add_argument("--split", choices=["test", "validation"], help="WikiText-2 split (default test)")
+    p.add_argument("--seq-len", type=int, help="window length in tokens (default 2048)")
     p.add_argument("--max-windows", type=int, help="at most N windows (default: the whole split)")
     p.add_argument("--no-speed", action="store_true", help="skip the tokens/s measurement")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
@@ -262,14 +265,17 @@ def cmd_eval(args) -> int:
 
     from .evaluate.report import evaluate_models, render_markdown, write_report
     from .models import load_model, resolve_device
-    from .recipe import EvalSpec
+    from .recipe import EvalSpec, build, eval_suite_settings
 
     device = resolve_device(args.device)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    spec = EvalSpec(split=args.split, seq_len=args.seq_len, max_windows=args.max_windows, speed=not args.no_speed,
-                    tasks=tuple(t.strip() for t in args.tasks.split(",")) if args.tasks else (),
-                    task_limit=args.task_limit)
+    flags = {"split": args.split, "seq_len": args.seq_len, "max_windows": args.max_windows,
+             "speed": False if args.no_speed else None,
+             "tasks": [t.strip() for t in args.tasks.split(",")] if args.tasks else None, "task_limit": args.task_limit}
+    settings = eval_suite_settings(args.suite, "--suite") if args.suite else {}
+    spec = build(EvalSpec, {**settings, **{k: v for k, v in flags.items() if v is not None}}, "eval",
+                 f"--suite {args.suite}" if args.suite else "compress eval")
     loaded = load_model(args.model, device=device)
     models = {"model": loaded.model}
     if args.baseline:

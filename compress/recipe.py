@@ -346,6 +346,11 @@ def _eval_suite(value, file: str) -> dict:
     return {**suite, **rest}
 
 
+def eval_suite_settings(name: str, where: str) -> dict:
+    """The settings of evaluation suite `name` (eval/<name>.yaml), for `compress eval --suite`."""
+    return _eval_suite({"suite": name}, where)
+
+
 def calib_presets() -> list[str]:
     return sorted(p.stem for p in CALIB_DIR.glob("*.yaml"))
 

@@ -197,6 +197,29 @@ def test_eval_against_baseline(tmp_path, recipe_file, model_dir, capsys):
     assert "None" not in md and "| model |" in md
 
 
+@requires_data
+def test_eval_suite_with_flags_over_it(tmp_path, model_dir, capsys):
+    """--suite quick brings its tasks and settings; flags given on the command line win."""
+    pytest.importorskip("lm_eval")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.eos_token = "[PAD]"  # lm-eval needs an EOS id; the tiny word-level tokenizer has none
+    tok.save_pretrained(tmp_path / "model")
+    make_tiny_model("llama").save_pretrained(tmp_path / "model")
+    model_dir = tmp_path / "model"
+    report_dir = tmp_path / "eval"
+    argv = ["eval", str(model_dir), "--suite", "quick", "--no-speed", "--seq-len", "64", "--max-windows", "1",
+            "--task-limit", "2", "--no-progress", "--output", str(report_dir)]
+    assert main(argv) == 0
+    ev = json.loads((report_dir / "report.json").read_text())["eval"]
+    assert (ev["protocol"]["windows"], ev["protocol"]["seq_len"]) == (1, 64)
+    assert sorted(ev["lm_eval"]["tasks"]) == ["arc_easy", "lambada_openai"]  # from eval/quick.yaml
+    assert "speed" not in ev["models"]["model"]
+    assert main(["eval", str(model_dir), "--suite", "nosuch"]) == 2
+    assert "evaluation suite 'nosuch' not found" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", ["run", "eval", "inspect", "export", "verify", "report"])
 def test_subcommand_help_shows_an_example(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
