@@ -108,13 +108,24 @@ def _merge(choices: list[tuple[int, str]]) -> tuple[tuple[int, str], ...]:
     return tuple(out)
 
 
-def _time(fn: Callable[[], Tensor], device: torch.device, repeats: int) -> float:
-    """Median seconds of `repeats` calls after one warm-up (CUDA: synchronized)."""
+# On CUDA, L2 is flushed (read through) before every timed call, so weights come from HBM as in a model's forward.
+# Not on CPU: this VM's timings after a cache-evicting read were slower and noisier than the model's own layers
+# (a 576x576 bf16 GEMV went from ~90 to ~500 us), so CPU times are with the layer's weights cache-warm. That
+# flatters the dense matmul of layers that fit in L2 (the "vs dense" column), never the choice between compressed
+# kernels by much; end-to-end decode (bench/cpu_decode.py) is the arbiter.
+FLUSH_BYTES = {"cuda": 256 * 2 ** 20}
+
+
+def _time(fn: Callable[[], Tensor], device: torch.device, repeats: int, flush: Tensor | None = None) -> float:
+    """Median seconds of `repeats` calls after one warm-up (CUDA: synchronized), `flush` read before each."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
     sync()
     times = []
     for _ in range(repeats):
+        if flush is not None:
+            flush.sum()  # a read: evicts the caches without leaving dirty lines to write back during the call
+            sync()
         t0 = time.perf_counter()
         fn()
         sync()
@@ -193,20 +204,22 @@ def plan_dispatch(model: nn.Module, batch_sizes=BATCH_SIZES, measure: bool = Tru
             choices = [(max(batch_sizes), usable[0] if usable else REFERENCE)]
         else:
             states = {n: kernels[n].prepare(first, dtype) for n in usable}
+            flush = torch.zeros(FLUSH_BYTES[device.type] // 4, dtype=torch.int32, device=device) \
+                if device.type in FLUSH_BYTES else None
             dense_w = torch.randn(first.out_features, first.in_features, generator=gen).to(device, dtype)
             for b in sorted(batch_sizes):
                 x = torch.randn(b, first.in_features, generator=gen).to(device, dtype)
                 first.dispatch = None
-                t = {REFERENCE: _time(lambda: first(x), device, repeats)}
+                t = {REFERENCE: _time(lambda: first(x), device, repeats, flush)}
                 for n in usable:
-                    t[n] = _time(lambda n=n: kernels[n].run(states[n], x, first.bias), device, repeats)
-                dense = _time(lambda: F.linear(x, dense_w), device, repeats)
+                    t[n] = _time(lambda n=n: kernels[n].run(states[n], x, first.bias), device, repeats, flush)
+                dense = _time(lambda: F.linear(x, dense_w), device, repeats, flush)
                 best = min(t, key=t.get)
                 choices.append((b, best))
                 rows.append(DispatchRow((first.out_features, first.in_features), first.scheme.name, len(layers), b,
                                         {(ref_name if n == REFERENCE else n): v * 1e6 for n, v in t.items()},
                                         dense * 1e6, ref_name if best == REFERENCE else best))
-            del states
+            del states, flush
         buckets = _merge(choices)
         chosen = {n for _, n in buckets if n != REFERENCE}
         for layer in layers:
@@ -249,8 +262,11 @@ def summary(model: nn.Module) -> str:
 
 def render(plan: dict) -> list[str]:
     """Markdown lines for a DispatchReport.to_dict(): the measured table and the kernels that could not run."""
+    warm = " CPU times are with the layer's weights cache-warm, which flatters the dense matmul of layers that fit in " \
+        "L2; the end-to-end decode speed is the arbiter." if plan["device"].startswith("cpu") else \
+        " L2 flushed before every call."
     lines = [f"{plan['layers']} quantized layers, activations {plan['dtype']} on {plan['device']}, "
-             f"{plan['threads']} thread(s); times are medians per call.", ""]
+             f"{plan['threads']} thread(s); times are medians per call.{warm}", ""]
     if plan["rows"]:
         lines += ["| layer shape (N×K) | scheme | layers | M | chosen kernel | µs | dense µs | vs dense | others (µs) |",
                   "|---|---|---:|---:|---|---:|---:|---:|---|"]
