@@ -44,6 +44,7 @@ def test_recipe_on_smollm2(tmp_path, recipe_file, max_ppl_increase):
 
 
 @requires_data
+@pytest.mark.slow  # 150-320 s on 2 cores (two full runs, AWQ search); bench/awq_gptq_table.py measures the same claim
 def test_awq_then_gptq_on_smollm2(tmp_path):
     """The headline pipeline on the real model with a small calibration set; RTN on the same windows as the bar."""
     common = ["calibration.n_samples=8", "calibration.seq_len=256", "eval.seq_len=512", "eval.max_windows=2",

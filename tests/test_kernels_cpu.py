@@ -278,3 +278,23 @@ def test_report_names_the_dispatch_and_keeps_accuracy_on_the_reference_path():
     m = result["models"]["q"]
     assert "torch int4pack (CPU)" in m["speed"]["kernel"] and m["dispatch"]["rows"]
     assert all(q.dispatch is None for q in model.modules() if isinstance(q, QuantLinear))
+
+
+def test_torch_compile_traces_through_the_ops():
+    """The fake implementations let torch.compile trace a graph around the custom ops (aot_eager: no C++
+    compiler needed) with the same result as eager."""
+    n, k, g = 64, 256, 128
+    u = torch.randint(0, 16, (n, k), generator=GEN)
+    pk = prepack.prepack_w4a16(u, torch.rand(n, k // g, generator=GEN) + 0.5, None, g, torch.bfloat16)
+    b = torch.randn(32, 128, generator=GEN).to(torch.float8_e4m3fn)
+    sb = torch.rand(32, generator=GEN) + 0.1
+
+    def f(x, x8):
+        y = ops.w4a16_gemm(x, pk["wq"], pk["scales"], None, n, g)
+        q, sa = ops.fp8_quantize_rows(x8)
+        return y.float().sum() + ops.fp8_gemm(q, b, sa, sb).float().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    x, x8 = torch.randn(3, k, generator=GEN).bfloat16(), torch.randn(5, 128, generator=GEN).bfloat16()
+    assert torch.allclose(compiled(x, x8), f(x, x8))
