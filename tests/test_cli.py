@@ -197,17 +197,22 @@ def test_eval_against_baseline(tmp_path, recipe_file, model_dir, capsys):
     assert "None" not in md and "| model |" in md
 
 
-@requires_data
-def test_eval_suite_with_flags_over_it(tmp_path, model_dir, capsys):
-    """--suite quick brings its tasks and settings; flags given on the command line win."""
+def _lm_eval_model(tmp_path, model_dir) -> Path:
+    """The tiny llama with an EOS token, which lm-eval needs (the tiny word-level tokenizer has none)."""
     pytest.importorskip("lm_eval")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    tok.eos_token = "[PAD]"  # lm-eval needs an EOS id; the tiny word-level tokenizer has none
+    tok.eos_token = "[PAD]"
     tok.save_pretrained(tmp_path / "model")
     make_tiny_model("llama").save_pretrained(tmp_path / "model")
-    model_dir = tmp_path / "model"
+    return tmp_path / "model"
+
+
+@requires_data
+def test_eval_suite_with_flags_over_it(tmp_path, model_dir, capsys):
+    """--suite quick brings its tasks and settings; flags given on the command line win."""
+    model_dir = _lm_eval_model(tmp_path, model_dir)
     report_dir = tmp_path / "eval"
     argv = ["eval", str(model_dir), "--suite", "quick", "--no-speed", "--seq-len", "64", "--max-windows", "1",
             "--task-limit", "2", "--no-progress", "--output", str(report_dir)]
@@ -530,14 +535,7 @@ def test_report_predicts_serving_on_the_accelerators_asked_for(tmp_path, model_d
 
 @requires_data
 def test_run_scores_lm_eval_tasks_for_baseline_and_compressed(tmp_path, model_dir, calib_file):
-    pytest.importorskip("lm_eval")
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    tok.eos_token = "[PAD]"  # lm-eval needs an EOS id; the tiny word-level tokenizer has none
-    tok.save_pretrained(tmp_path / "model")
-    make_tiny_model("llama").save_pretrained(tmp_path / "model")
-    recipe = _recipe(tmp_path / "model", calib_file, tmp_path / "out")
+    recipe = _recipe(_lm_eval_model(tmp_path, model_dir), calib_file, tmp_path / "out")
     recipe["eval"].update(tasks=["lambada_openai"], task_limit=3, speed=False)
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(recipe))
