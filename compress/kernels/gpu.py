@@ -72,9 +72,8 @@ def linear_scaled_mm(p: ScaledMM, x: Tensor, bias: Tensor | None) -> Tensor:
     return y.reshape(*x.shape[:-1], p.weight_t.shape[1])
 
 
-def _cuda_reason(device: torch.device) -> str | None:
-    if device.type != "cuda":
-        return f"CUDA only (the layer is on {device.type})"
+def _extension_reason() -> str | None:
+    """Why our CUDA extension is unavailable (its build failed), or None; callers have checked the device."""
     from . import cuda_ext
     ext = cuda_ext.load()
     return None if ext.ok else ext.reason
@@ -96,7 +95,7 @@ def w4a16_reason(layer, dtype: torch.dtype, device: torch.device) -> str | None:
         return why
     if torch.cuda.get_device_capability(device) < (8, 0):
         return "needs sm_80 or newer (mma.sync bf16, cp.async)"
-    return _cuda_reason(device)
+    return _extension_reason()
 
 
 @dataclass
@@ -144,7 +143,7 @@ def fp8_reason(layer, dtype: torch.dtype, device: torch.device) -> str | None:
     why = fp8_supported(1, layer.out_features, layer.in_features, major * 10 + minor)
     if why:
         return why
-    return _cuda_reason(device)
+    return _extension_reason()
 
 
 @dataclass

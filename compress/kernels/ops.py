@@ -171,9 +171,4 @@ def _(x):
     return q, scale
 
 
-def sm(device: torch.device) -> int:
-    major, minor = torch.cuda.get_device_capability(device)
-    return major * 10 + minor
-
-
-__all__ = ["w4a16_gemm", "fp8_gemm", "fp8_quantize_rows", "check_w4a16", "check_fp8", "fp8_supported", "sm"]
+__all__ = ["w4a16_gemm", "fp8_gemm", "fp8_quantize_rows", "check_w4a16", "check_fp8", "fp8_supported"]
