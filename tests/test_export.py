@@ -30,6 +30,7 @@ pytest.importorskip("compressed_tensors")
 # 1e-7 (weight-only) to 1e-5 (fp8 with quantized activations) on these tiny models. The issue's bar is 1e-3.
 KL_BAR = 1e-3
 WINDOWS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+CALIBRATION = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
 FP8_BLOCK32 = scheme("fp8_e4m3", "block", 32, act=FP8_BLOCK.act)  # tiny model: 64 / 128 not divisible by 128
 
 
@@ -43,7 +44,7 @@ def quantized(sch, family: str = "llama", kv: bool = False) -> torch.nn.Module:
         return BlockObserver(block, [n for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)], [],
                              abs_mean=False, hessian=False, keep_samples=0, abs_max=True)
 
-    run_blockwise(model, arch, torch.randint(0, 256, (2, 16)),
+    run_blockwise(model, arch, CALIBRATION,
                   lambda _i, prefix, _b, _x, obs: apply_quantize(model, plan, stage, prefix, obs),
                   progress=False, observe=observe)
     if kv:
@@ -111,7 +112,10 @@ def test_compressed_tensors_layout_is_what_vllm_reads(tmp_path):
     assert torch.equal(codes.to(torch.int32) + 8, q.qtensor().codes())
     zp = unpack_from_int32(t[f"{p}.weight_zero_point"], 4, torch.Size([64, 8]), packed_dim=0)
     assert torch.equal(zp.to(torch.int32) + 8, q.zero_point.to(torch.int32))
-    assert torch.equal(t[f"{p}.weight_scale"], q.scale)
+    # scales in the dtype vLLM holds them in for a weight-only layer: the model's (config) dtype
+    assert t[f"{p}.weight_scale"].dtype == torch.bfloat16
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert torch.equal(t[f"{p}.weight_scale"], q.scale.to(torch.bfloat16))
     group = config["config_groups"]["group_0"]
     assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
     assert group["targets"] == ["Linear"] and group["weights"] == {**group["weights"], "num_bits": 4, "type": "int",
@@ -121,13 +125,28 @@ def test_compressed_tensors_layout_is_what_vllm_reads(tmp_path):
     assert "lm_head.weight" not in t  # tied to the embedding, written once as save_pretrained does
 
 
+def _calibration_absmax(family: str, samples: torch.Tensor, layer: str) -> float:
+    """max |x| of a block-0 layer's inputs on the calibration samples, from a plain hook on the float model (block
+    0's inputs do not depend on any quantization)."""
+    model, seen = make_tiny_model(family), []
+    handle = model.get_submodule(layer).register_forward_hook(lambda _m, a, _o: seen.append(float(a[0].abs().max())))
+    with torch.no_grad():
+        for row in samples:
+            model(row[None])
+    handle.remove()
+    return max(seen)
+
+
 def test_compressed_tensors_fp8_static_with_kv_scales(tmp_path):
     model = quantized(FP8, kv=True)
     t, config = tensors(out := export(model, "compressed-tensors", tmp_path)), None
     config = quant_config(out)
-    p = "model.layers.1.self_attn.o_proj"
+    p = "model.layers.0.self_attn.o_proj"
     assert t[f"{p}.weight"].dtype == torch.float8_e4m3fn and t[f"{p}.weight_scale"].shape == (1,)
-    assert float(t[f"{p}.input_scale"]) == float(model.get_submodule(p).input_scale)
+    assert t[f"{p}.weight_scale"].dtype == torch.float32 and t[f"{p}.input_scale"].dtype == torch.float32
+    # the static input scale is the calibration inputs' max |x| / 448, computed here independently
+    assert float(t[f"{p}.input_scale"]) == pytest.approx(_calibration_absmax("llama", CALIBRATION, p) / 448,
+                                                         rel=1e-6)
     assert float(t["model.layers.0.self_attn.k_scale"]) == pytest.approx(0.05 / 448)
     assert config["format"] == "float-quantized" and config["kv_cache_scheme"]["type"] == "float"
     assert config["config_groups"]["group_0"]["input_activations"]["dynamic"] is False
@@ -262,3 +281,52 @@ def test_input_model_folder_is_not_modified(tmp_path):
     loaded = load_model(str(src))
     export_model(loaded.model, loaded.tokenizer, "awq", tmp_path / "awq")
     assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+
+
+@pytest.mark.parametrize("fmt,sch", [("compressed-tensors", scheme("int4", "group", 16)), ("awq", scheme("int4", "group", 16)),
+                                     ("gptq", scheme("int4", "group", 16)), ("fp8", FP8), ("dense", W8A8)])
+def test_config_names_the_architecture_even_when_the_source_had_none(fmt, sch, tmp_path):
+    """A model loaded from GGUF (or built from a config, like these) has no `architectures`; vLLM picks its model
+    class from that field, so every format writes it."""
+    model = quantized(sch)
+    assert not model.config.architectures
+    out = export(model, fmt, tmp_path)
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert not model.config.architectures  # the in-memory model is left as it was
+
+
+def test_saved_run_names_the_architecture(tmp_path):
+    from compress.models import save_compressed
+
+    save_compressed(quantized(scheme("int4", "group", 16)), make_tiny_tokenizer(), tmp_path / "run", {})
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+@pytest.mark.parametrize("sch,dtype", [(scheme("int4", "group", 16), torch.bfloat16),
+                                       (scheme("int8", "channel"), torch.bfloat16),
+                                       (W8A8_STATIC, torch.float32), (FP8_DYNAMIC, torch.float32)],
+                         ids=["w4a16", "w8a16", "w8a8", "fp8"])
+def test_compressed_tensors_scales_are_in_the_dtype_vllm_allocates(sch, dtype, tmp_path):
+    """vLLM's CompressedTensorsWNA16 holds weight-only scales in the model dtype (params_dtype), W8A8 int8 and fp8
+    in float32: the file holds them so, and says where that rounded our float16 scales."""
+    model = quantized(sch)
+    out = export(model, "compressed-tensors", tmp_path)
+    t = tensors(out)
+    scales = {k: v for k, v in t.items() if k.endswith(".weight_scale")}
+    assert len(scales) == 14 and {v.dtype for v in scales.values()} == {dtype}
+    notes = json.loads((out / "export.json").read_text())["notes"]
+    rounded = any(not torch.equal(v.float(), model.get_submodule(k[:-len(".weight_scale")]).qtensor().scale.float()
+                                  .reshape(v.shape)) for k, v in scales.items())
+    assert rounded == (dtype == torch.bfloat16)  # float16 -> bfloat16 drops 3 mantissa bits
+    assert any("scale_dtype: bfloat16" in n for n in notes) == rounded
+
+
+def test_bfloat16_scales_export_exactly(tmp_path):
+    model = quantized(scheme("int4", "group", 16, scale_dtype="bfloat16"))
+    out = export(model, "compressed-tensors", tmp_path)
+    record = json.loads((out / "export.json").read_text())
+    assert record["notes"] == [] and all("scales copied exactly" in v for v in record["layers"].values())
+    t = tensors(out)
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear):
+            assert torch.equal(t[f"{name}.weight_scale"], m.qtensor().scale), name

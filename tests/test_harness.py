@@ -14,8 +14,9 @@ from tests.tiny_tokenizer import make_tiny_tokenizer
 
 pytest.importorskip("lm_eval")
 from compress.evaluate import harness  # noqa: E402
+from compress.resources import resource_dir  # noqa: E402
 
-TASK_DIR = harness.TASK_DIR
+TASK_DIR = resource_dir("eval") / "lm_eval"
 
 
 def adapters():

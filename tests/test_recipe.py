@@ -12,11 +12,12 @@ import yaml
 
 from compress.arch import get_arch
 from compress.quantize import plan_quantize
-from compress.recipe import PROJECT_ROOT, RecipeError, from_dict, load_recipe
+from compress.recipe import RecipeError, from_dict, load_recipe
+from compress.resources import resource_dir
 from compress.scheme import PRESETS, W4A16_G64
 from tests.conftest import make_tiny_model
 
-RECIPES = sorted((PROJECT_ROOT / "recipes").glob("*.yaml"))
+RECIPES = sorted(resource_dir("recipes").glob("*.yaml"))
 
 BASE = {
     "model": "default",

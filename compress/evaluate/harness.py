@@ -19,7 +19,6 @@ from pathlib import Path
 from torch import nn
 
 TASKS = ("arc_easy", "arc_challenge", "piqa", "winogrande", "boolq", "lambada_openai", "wikitext")
-TASK_DIR = Path(__file__).resolve().parents[2] / "eval" / "lm_eval"
 LOWER_IS_BETTER = ("perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte")
 
 
@@ -35,12 +34,15 @@ def _harness():
 @contextlib.contextmanager
 def task_folder(data_dir: Path):
     """The local task files, rendered for this harness install and data folder, in a temporary folder."""
+    from ..resources import resource_dir
+
     lm_eval = _harness()
-    if not TASK_DIR.is_dir():
-        raise FileNotFoundError(f"the lm-eval task files are missing ({TASK_DIR}); run from a compress checkout")
+    task_dir = resource_dir("eval") / "lm_eval"
+    if not task_dir.is_dir():
+        raise FileNotFoundError(f"the lm-eval task files are missing ({task_dir}); reinstall compress")
     official = Path(lm_eval.__file__).parent / "tasks"
     with tempfile.TemporaryDirectory(prefix="compress-lm-eval-") as tmp:
-        for f in TASK_DIR.iterdir():
+        for f in task_dir.iterdir():
             if f.suffix == ".yaml":
                 text = f.read_text().replace("${LM_EVAL_TASKS}", str(official)).replace("${DATA_DIR}", str(data_dir))
                 (Path(tmp) / f.name).write_text(text)

@@ -101,12 +101,20 @@ def quant_args(scheme: QuantScheme) -> dict:
     return {"weights": w, "input_activations": a}
 
 
-def layer_tensors(m: QuantLinear) -> dict[str, torch.Tensor]:
+def scale_dtype(scheme: QuantScheme, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype vLLM allocates `weight_scale` in, so the file holds what it computes with: the model's dtype for
+    weight-only (pack-quantized) layers (CompressedTensorsWNA16: params_dtype), float32 for W8A8 int8 and fp8
+    (CompressedTensorsW8A8Int8 / W8A8Fp8: torch.float32); vllm/model_executor/layers/quantization/
+    compressed_tensors/schemes/, checked against vLLM 0.33."""
+    return model_dtype if layer_format(scheme) == FORMATS["pack"] else torch.float32
+
+
+def layer_tensors(m: QuantLinear, model_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     qt, s = m.qtensor(), m.scheme
     scale = qt.scale.reshape(1) if qt.scale.dim() == 0 else qt.scale
-    out: dict[str, torch.Tensor] = {"weight_scale": scale.contiguous()}
+    out: dict[str, torch.Tensor] = {"weight_scale": scale.to(scale_dtype(s, model_dtype)).contiguous()}
     if layer_format(s) == FORMATS["pack"]:
         half = 1 << (s.bits - 1)
         signed = qt.codes() - (half if not s.symmetric else 0)  # compressed-tensors keeps codes signed
@@ -146,23 +154,41 @@ def quantization_config(model: nn.Module) -> dict:
     return {**config.model_dump(exclude_none=False), "quant_method": "compressed-tensors"}
 
 
+def _scale_rounding(m: QuantLinear, written: torch.Tensor) -> float:
+    """Largest relative change of a layer's scales between the model and the file (0.0: written exactly)."""
+    ours = m.qtensor().scale.float().reshape(written.shape)
+    return float(((written.float() - ours).abs() / ours.abs().clamp(min=1e-30)).max())
+
+
 def write(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.bfloat16, **_) -> dict:
     kv = kv_modules(model)
     _library()
     tensors = float_tensors(model, dtype)
     layers = {}
+    rounded, worst = 0, 0.0
     for name, m in quant_layers(model).items():
-        for k, v in layer_tensors(m).items():
+        for k, v in layer_tensors(m, dtype).items():
             tensors[f"{name}.{k}"] = v
         if m.bias is not None:
             tensors[f"{name}.bias"] = m.bias.detach().to(dtype)
-        layers[name] = f"{m.scheme.name} -> {layer_format(m.scheme)} (codes and scales copied exactly)"
+        change = _scale_rounding(m, tensors[f"{name}.weight_scale"])
+        if change:
+            rounded, worst = rounded + 1, max(worst, change)
+            layers[name] = (f"{m.scheme.name} -> {layer_format(m.scheme)} (codes copied exactly; {m.scheme.scale_dtype} "
+                            f"scales written as {config_dtype(dtype)}, the dtype vLLM computes them in: up to "
+                            f"{change:.2%} apart)")
+        else:
+            layers[name] = f"{m.scheme.name} -> {layer_format(m.scheme)} (codes and scales copied exactly)"
     for name, m in kv.items():
         tensors[f"{name}.k_scale"] = m.k_scale.detach().float().reshape(1)
         tensors[f"{name}.v_scale"] = m.v_scale.detach().float().reshape(1)
     config = quantization_config(model)
     write_hf(model, tokenizer, folder, tensors, config, dtype)
     notes = []
+    if rounded:
+        notes.append(f"{rounded} layers' scales were rounded to {config_dtype(dtype)} (at most {worst:.2%}), the dtype "
+                     "vLLM holds weight-only scales in for this model; quantize with `scale_dtype: "
+                     f"{config_dtype(dtype)}` in the scheme for an export that is bit for bit the compressed model")
     if (head := quantized_head(model)) is not None:
         notes.append(f"{head} is quantized ({layers[head].split(' ')[0]}); transformers' compressed-tensors loader "
                      "reads it (compress verify); vLLM serving a quantized lm_head from this format was not checked")

@@ -94,6 +94,7 @@ def write_hf(model: nn.Module, tokenizer, folder: Path, tensors: dict[str, Tenso
               metadata={"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}})
     config = copy.deepcopy(model.config)
     config.dtype = str(dtype).replace("torch.", "")
+    set_architectures(config, model)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     if quant_config is not None:
@@ -103,6 +104,13 @@ def write_hf(model: nn.Module, tokenizer, folder: Path, tensors: dict[str, Tenso
         model.generation_config.save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
+
+
+def set_architectures(config, model: nn.Module) -> None:
+    """`architectures` names the model class that loads the checkpoint; vLLM and SGLang pick their implementation
+    from it. A model loaded from a GGUF file (or built from a config) has none, so write the class it runs as."""
+    if not getattr(config, "architectures", None):
+        config.architectures = [type(model).__name__]
 
 
 def dense_problems(model: nn.Module) -> list[str]:
