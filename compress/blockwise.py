@@ -69,8 +69,15 @@ def capture_block_inputs(model: nn.Module, arch: ArchSpec, samples: Tensor, devi
 
 
 @torch.no_grad()
-def block_forward(block: nn.Module, inputs: BlockInputs) -> list[Tensor]:
-    return [_first(block(h, **kw)) for h, kw in zip(inputs.hidden, inputs.kwargs)]
+def block_forward(block: nn.Module, inputs: BlockInputs, compute_dtype: torch.dtype | None = None) -> list[Tensor]:
+    """The block on every sample. `compute_dtype` (bfloat16) runs the matmuls of a float32 block in that dtype under
+    autocast (a 16-bit model already computes in its own dtype); outputs return in the inputs' dtype, so the
+    residual stream between blocks stays float32."""
+    if compute_dtype is None or inputs.hidden[0].dtype != torch.float32 or compute_dtype == torch.float32:
+        return [_first(block(h, **kw)) for h, kw in zip(inputs.hidden, inputs.kwargs)]
+    device = inputs.hidden[0].device.type
+    with torch.autocast(device_type=device, dtype=compute_dtype):
+        return [_first(block(h, **kw)).to(h.dtype) for h, kw in zip(inputs.hidden, inputs.kwargs)]
 
 
 def relative_error(ref: list[Tensor], out: list[Tensor]) -> float:
@@ -96,14 +103,16 @@ Observe = Callable[[int, str, nn.Module], object]  # returns a context manager (
 
 
 def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor, on_block: OnBlock, device="cpu",
-                  offload="cpu", progress: bool = True, observe: Observe | None = None) -> list[float]:
+                  offload="cpu", progress: bool = True, observe: Observe | None = None,
+                  compute_dtype: torch.dtype | None = None) -> list[float]:
     """Apply the stages to each decoder block in turn.
 
     Per block: `observe(index, name, block)` may return a context manager (e.g. a BlockObserver) that
     is active during the block's float forward; `on_block(index, name, block, inputs, observer)` then changes
     the block (smooths, quantizes, replaces layers). The block's outputs are recomputed and become
     the next block's inputs. Returns, per block, the relative output error the stages introduced:
-    ||block'(x) - block(x)||^2 / ||block(x)||^2 on the block's (already compressed) inputs.
+    ||block'(x) - block(x)||^2 / ||block(x)||^2 on the block's (already compressed) inputs. `compute_dtype`: see
+    block_forward (statistics are gathered from the activations as computed in that dtype).
     """
     model.eval()
     _check_uniform_blocks(model, samples.shape[1])
@@ -116,13 +125,13 @@ def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor, on_block: O
         observer = observe(i, f"{arch.blocks}.{i}", block) if observe else None
         if observer is not None:
             with observer:
-                reference = block_forward(block, inputs)
+                reference = block_forward(block, inputs, compute_dtype)
         else:
-            reference = block_forward(block, inputs)
+            reference = block_forward(block, inputs, compute_dtype)
         on_block(i, f"{arch.blocks}.{i}", block, inputs, observer)
         block = get_module(model, f"{arch.blocks}.{i}")  # a stage may have swapped the whole block
         with cached_dequantize(block, inputs.hidden[0].dtype):
-            outputs = block_forward(block, inputs)
+            outputs = block_forward(block, inputs, compute_dtype)
         errors.append(relative_error(reference, outputs))
         inputs = BlockInputs(outputs, inputs.kwargs)
         block.to(offload)

@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", help="reference model for KL divergence and top-1 agreement")
     p.add_argument("--suite", help="an evaluation suite from eval/ (quick, standard): its settings, then the flags "
                                     "given here over them")
-    p.add_argument("--split", choices=["test", "validation"], help="WikiText-2 split (default test)")
+    p.add_argument("--split", help="WikiText-2 split: test (default), validation, or a percent slice such as "
+                                   "'validation[50%%:]'")
     p.add_argument("--seq-len", type=int, help="window length in tokens (default 2048)")
     p.add_argument("--max-windows", type=int, help="at most N windows (default: the whole split)")
     p.add_argument("--no-speed", action="store_true", help="skip the tokens/s measurement")
@@ -241,6 +242,12 @@ def cmd_verify(args) -> int:
     return 0
 
 
+def _quiet_libraries() -> None:
+    """--no-progress also silences the progress bars transformers draws itself (GGUF conversion, weight loading)."""
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+
+
 def cmd_run(args) -> int:
     from .pipeline import run
     from .recipe import load_recipe
@@ -253,6 +260,8 @@ def cmd_run(args) -> int:
     if args.max_windows is not None:
         overrides.append(f"eval.max_windows={args.max_windows}")
     recipe = load_recipe(args.recipe, overrides)
+    if args.no_progress:
+        _quiet_libraries()
     report = run(recipe, progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr), resume=args.resume)
     if not report:  # a helper process under `accelerate launch`: the main process writes the report
         return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -53,14 +54,36 @@ _WIKITEXT_FILES = {"test": "wiki.test.raw", "validation": "wiki.valid.raw", "val
                    "train": "wiki.train.raw"}
 
 
+_SLICE = re.compile(r"^(\w+)(?:\[(\d{0,3})%?:(\d{0,3})%?\])?$")
+
+
+def parse_split(split: str) -> tuple[str, int, int]:
+    """`validation`, or a percent slice of its rows as in Hugging Face datasets: `validation[:50%]`,
+    `validation[50%:]`. Returns (name, start %, end %). Tuning defaults on one half of the validation split and
+    scoring them on the other keeps both off the test split."""
+    m = _SLICE.match(split.strip())
+    if not m or m.group(1) not in _WIKITEXT_FILES:
+        raise ValueError(f"wikitext2 split {split!r}; use one of {sorted(set(_WIKITEXT_FILES) - {'valid'})}, "
+                         "optionally sliced by percent of its rows: validation[:50%], validation[50%:]")
+    start, end = int(m.group(2) or 0), int(m.group(3) or 100)
+    if not 0 <= start < end <= 100:
+        raise ValueError(f"wikitext2 split {split!r}: the slice must satisfy 0 <= start < end <= 100 (percent)")
+    return m.group(1), start, end
+
+
 def wikitext2_rows(split: str) -> list[str]:
     """WikiText-2 raw v1 as the hub's rows (one per line; a blank line of the file is '').
 
     The local raw file is decoded to the hub's rows as described in the data folder's README, so
-    "\\n\\n".join(rows) is byte-for-byte the text the GPTQ/AWQ perplexity protocol tokenizes.
+    "\\n\\n".join(rows) is byte-for-byte the text the GPTQ/AWQ perplexity protocol tokenizes. A percent slice
+    (`validation[50%:]`) keeps those rows of the split.
     """
-    if split not in _WIKITEXT_FILES:
-        raise ValueError(f"wikitext2 split {split!r}; use one of {sorted(set(_WIKITEXT_FILES) - {'valid'})}")
+    name, start, end = parse_split(split)
+    rows = _wikitext2_split_rows(name)
+    return rows[len(rows) * start // 100: len(rows) * end // 100]
+
+
+def _wikitext2_split_rows(split: str) -> list[str]:
     data_dir = find_data_dir()
     path = data_dir / "wikitext-2-raw" / _WIKITEXT_FILES[split] if data_dir else None
     if path is not None and path.is_file():

@@ -27,9 +27,16 @@ class InputStats:
     def abs_mean(self) -> Tensor:
         return self.abs_sum / max(self.tokens, 1)
 
-    def hessian_mean(self) -> Tensor:
-        """H = 2/n sum x x^T, the GPTQ Hessian of ||W X - W' X||^2."""
-        return self.hessian * (2.0 / max(self.tokens, 1))
+    def hessian_mean(self, divisor: Tensor | None = None) -> Tensor:
+        """H = 2/n sum x x^T, the GPTQ Hessian of ||W X - W' X||^2. Where an earlier stage (AWQ, SmoothQuant) has
+        since divided the layer's inputs by s per channel (`divisor`), the inputs it sees now are x / s and their
+        Hessian is H / (s s^T)."""
+        h = self.hessian * (2.0 / max(self.tokens, 1))
+        return h if divisor is None else h / (divisor[:, None] * divisor[None, :])
+
+    def input_absmax(self, divisor: Tensor | None = None) -> Tensor:
+        """max |x| per input channel, of the inputs as the layer sees them now (x / s after a smoothing stage)."""
+        return self.abs_max if divisor is None else self.abs_max / divisor
 
 
 @dataclass
@@ -87,24 +94,45 @@ class BlockObserver:
                 self.stats[name] = self.stats[first]
                 return
             self._seen.append((x, name))
-            st = self.stats.setdefault(name, InputStats())
-            x2 = x.detach().reshape(-1, x.shape[-1]).float()  # [T, K]
-            if self.want_abs:
-                s = x2.abs().sum(dim=0)
-                st.abs_sum = s if st.abs_sum is None else st.abs_sum + s
-            if self.want_max:
-                m = x2.abs().amax(dim=0)
-                st.abs_max = m if st.abs_max is None else torch.maximum(st.abs_max, m)
-            if self.want_hessian:
-                h = x2.T @ x2  # [K, K]
-                st.hessian = h if st.hessian is None else st.hessian.add_(h)
-            if self._sample < self.keep:
-                st.kept.append(x2)
-            st.tokens += x2.shape[0]
+            # statistics in float32 even when the pass runs under bfloat16 autocast (a bf16 X^T X over thousands
+            # of tokens is not even positive definite)
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                self._accumulate(self.stats.setdefault(name, InputStats()), x)
         return hook
 
+    def _accumulate(self, st: InputStats, x: Tensor) -> None:
+        x2 = x.detach().reshape(-1, x.shape[-1]).float()  # [T, K]
+        if self.want_abs:
+            s = x2.abs().sum(dim=0)
+            st.abs_sum = s if st.abs_sum is None else st.abs_sum + s
+        if self.want_max:
+            m = x2.abs().amax(dim=0)
+            st.abs_max = m if st.abs_max is None else torch.maximum(st.abs_max, m)
+        if self.want_hessian:
+            h = x2.T @ x2  # [K, K]
+            st.hessian = h if st.hessian is None else st.hessian.add_(h)
+        if self._sample < self.keep:
+            st.kept.append(x2)
+        st.tokens += x2.shape[0]
+
     def _inspect_hook(self, name: str):
-        def hook(_module, args, kwargs):
+        def hook(module, args, kwargs):
             if self._sample < self.keep:
-                self.calls[name].append(Call(args, dict(kwargs)))
+                # a float32 module observed under bfloat16 autocast receives some bf16 inputs: keep them in the
+                # module's dtype (lossless), so a replay outside autocast runs too
+                dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+                self.calls[name].append(Call(_to_dtype(args, dtype), _to_dtype(dict(kwargs), dtype)))
         return hook
+
+
+def _to_dtype(value, dtype):
+    """Floating tensors in a (nested) call argument, cast to `dtype` (None: as they are)."""
+    if dtype is None:
+        return value
+    if isinstance(value, Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_dtype(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_dtype(v, dtype) for k, v in value.items()}
+    return value

@@ -90,10 +90,15 @@ class BlockStages:
         self.layer_info: dict[int, dict] = {i: {} for i, s in enumerate(stages) if isinstance(s, QuantizeStage)}
         self.kv_report: dict[str, dict] = {}
 
-    def observe(self, _i: int, _prefix: str, block) -> BlockObserver | None:
+    def observe(self, _i: int, prefix: str, block) -> BlockObserver | None:
         if not (self.searchers or self.abs_mean or self.abs_max or self.gptq or self.kv):
             return None
-        linears = [n for n, m in block.named_modules() if n and is_linear(m) and not isinstance(m, QuantLinear)]
+        planned = {e.name for _, plan in self.model_stages if plan is not None for e in plan.quantized
+                   if e.scheme is not None}  # only the layers a stage will use statistics of
+        linears = [n for n, m in block.named_modules() if n and is_linear(m) and not isinstance(m, QuantLinear)
+                   and f"{prefix}.{n}" in planned]
+        if not linears and not self.kv:
+            return None
         inspect = sorted({insp for _, _, insp in self.arch.awq}) if self.searchers else []
         keep = max((s.search_samples for s in self.searchers), default=0)
         return BlockObserver(block, linears, inspect, abs_mean=self.abs_mean, hessian=self.gptq, keep_samples=keep,
@@ -234,6 +239,35 @@ def write_exports(model, tokenizer, tmp: Path, out: Path, recipe: Recipe, source
     return exports
 
 
+def compress_model(model, tokenizer, arch, recipe: Recipe, plans: list, device: str, model_reports: dict | None = None,
+                   progress: bool = True, log=print) -> tuple[dict, torch.Tensor | None]:
+    """The recipe's calibration pass and quantization stages, applied to `model` in place (prune and distill, the
+    model stages, have run before). Returns the report's `calibration`, `block_errors`, `stages` and
+    `kept_in_float` sections, and the calibration windows (None without a calibration pass)."""
+    model_reports = model_reports or {}
+    sections: dict = {}
+    samples, block_stages = None, None
+    if recipe.calibration is not None and any(not isinstance(s, MODEL_STAGES) for s in recipe.stages):
+        log("preparing calibration data ...")
+        samples, sections["calibration"] = calibration_samples(recipe, model, tokenizer)
+        set_threads(recipe.calibration.threads)
+        log(f"calibrating block by block on {device} ({samples.shape[0]} × {samples.shape[1]} tokens, "
+            f"{recipe.calibration.dtype} matmuls, {torch.get_num_threads()} threads) ...")
+        block_stages = BlockStages(model, recipe, arch, plans)
+        if block_stages.kv:
+            use_kv_attention(model)
+        sections["block_errors"] = run_blockwise(model, arch, samples, block_stages.on_block, device=device,
+                                                 progress=progress, observe=block_stages.observe,
+                                                 compute_dtype=getattr(torch, recipe.calibration.dtype))
+    for stage, plan in zip(recipe.stages, plans):  # everything outside the blocks (or all, without calibration)
+        if plan is not None:
+            apply_quantize(model, plan, stage)
+    sections["stages"] = [model_reports[i] if i in model_reports else stage_summary(i, s, p, block_stages, model)
+                          for i, (s, p) in enumerate(zip(recipe.stages, plans))]
+    sections["kept_in_float"] = kept_in_float(model, arch)
+    return sections, samples
+
+
 def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) -> dict:
     """Run the recipe. `resume` continues a crashed run's distill stage from its newest checkpoint."""
     out = Path(recipe.output.dir)
@@ -276,28 +310,10 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
     }
 
     t = time.perf_counter()
-    calibrate = recipe.calibration is not None and any(not isinstance(s, MODEL_STAGES) for s in recipe.stages)
-    if calibrate:
-        log("preparing calibration data ...")
-        samples, report["calibration"] = calibration_samples(recipe, model, tokenizer)
-
-        set_threads(recipe.calibration.threads)
-        log(f"calibrating block by block on {device} ({samples.shape[0]} × {samples.shape[1]} tokens, "
-            f"{torch.get_num_threads()} threads) ...")
-        block_stages = BlockStages(model, recipe, arch, plans)
-        if block_stages.kv:
-            use_kv_attention(model)
-        report["block_errors"] = run_blockwise(model, arch, samples, block_stages.on_block, device=device,
-                                               progress=progress, observe=block_stages.observe)
-    for stage, plan in zip(recipe.stages, plans):  # everything outside the blocks (or all, without calibration)
-        if plan is not None:
-            apply_quantize(model, plan, stage)
+    sections, samples = compress_model(model, tokenizer, arch, recipe, plans, device, model_reports, progress, log)
+    report.update(sections)
     timings["compress"] = time.perf_counter() - t
     set_threads(recipe.model.threads)
-    blocks = block_stages if calibrate else None
-    report["stages"] = [model_reports[i] if i in model_reports else stage_summary(i, s, p, blocks, model)
-                        for i, (s, p) in enumerate(zip(recipe.stages, plans))]
-    report["kept_in_float"] = kept_in_float(model, arch)
 
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -332,7 +348,7 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
         }
         if recipe.output.formats:
             t = time.perf_counter()
-            windows, text = verify_windows(recipe, tokenizer, samples if calibrate else None)
+            windows, text = verify_windows(recipe, tokenizer, samples)
             report["exports"] = write_exports(model, tokenizer, tmp, out, recipe, loaded.source, windows, text, log)
             timings["export"] = time.perf_counter() - t
         report["timings"] = timings

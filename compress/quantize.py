@@ -207,9 +207,7 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
         rel = entry.name[len(prefix) + 1:] if prefix else entry.name
         s = (input_divisor or {}).get(rel)
         if stage.method == "gptq":
-            h = _input_stats(observer, rel, entry.name, "GPTQ").hessian_mean()
-            if s is not None:
-                h = h / (s[:, None] * s[None, :])
+            h = _input_stats(observer, rel, entry.name, "GPTQ").hessian_mean(s)
             qt = quantize_gptq(w, h, entry.scheme, stage.gptq, name=entry.name)
         else:
             qt = quantize_rtn(w, entry.scheme)
@@ -217,11 +215,9 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
         act = entry.scheme.act
         absmax = None
         if needs_input_stats(entry.scheme):
-            absmax = _input_stats(observer, rel, entry.name, "a static activation scheme").abs_max
-        elif observer is not None and rel in observer.stats:
-            absmax = observer.stats[rel].abs_max
-        if absmax is not None and s is not None:
-            absmax = absmax / s
+            absmax = _input_stats(observer, rel, entry.name, "a static activation scheme").input_absmax(s)
+        elif observer is not None and rel in observer.stats and observer.stats[rel].abs_max is not None:
+            absmax = observer.stats[rel].input_absmax(s)
         if act is not None and absmax is not None:
             layer_info = {"input_absmax": float(absmax.max())}
             if not act.dynamic:

@@ -26,9 +26,7 @@ from .quantizers.awq import AWQStage
 from .quantizers.smoothquant import SmoothQuantStage
 from .scheme import PRESETS, QuantScheme, get_preset
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-CALIB_DIR = PROJECT_ROOT / "calib"
-EVAL_DIR = PROJECT_ROOT / "eval"  # evaluation suites (quick.yaml, standard.yaml); lm_eval/ holds the task files
+from .resources import find_recipe, resource_dir
 
 # Stage name -> config class. A new stage = one entry here + its handler in pipeline.STAGE_HANDLERS.
 STAGES: dict[str, type] = {"prune": PruneStage, "distill": DistillStage, "awq": AWQStage,
@@ -70,6 +68,10 @@ class CalibrationSpec:
     seq_len: int = 512
     seed: int = 0
     threads: int = 0  # CPU threads for the calibration pass; 0 = all cores
+    # the block forwards of the calibration pass (statistics, the propagated outputs) run their matmuls in this
+    # dtype (autocast) while weights, statistics and solves stay float32: bfloat16 is what a GPU run computes in,
+    # and 2x faster on a CPU with bf16 instructions. float32: exact float32 passes.
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
 
     def __post_init__(self):
         if self.threads < 0:
@@ -87,7 +89,9 @@ class EvalSpec:
     """Perplexity by the GPTQ/AWQ protocol on WikiText-2, KL/top-1 against the original, memory, speed."""
 
     perplexity: bool = True
-    split: Literal["test", "validation"] = "test"
+    threads: int = 0  # CPU threads for the accuracy passes (perplexity, KL, lm-eval); 0 = all cores. Speed is
+    # measured on model.threads (default 1, for stable timings)
+    split: str = "test"  # WikiText-2 split: test, validation, or a percent slice such as validation[50%:]
     seq_len: int = 2048
     max_windows: int | None = None  # None = the whole split (about 140 windows of 2048 for SmolLM2)
     baseline: bool = True  # evaluate the uncompressed model on the same windows (needed for KL)
@@ -113,6 +117,10 @@ class EvalSpec:
     roofline_batches: tuple[int, ...] = (1, 16, 64)
 
     def __post_init__(self):
+        from .data import parse_split
+        parse_split(self.split)
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0 = all cores), got {self.threads}")
         if self.max_windows is not None and self.max_windows < 1:
             raise ValueError(f"max_windows must be >= 1 or null, got {self.max_windows}")
         from .evaluate.harness import check_tasks
@@ -328,7 +336,7 @@ def _check_stages(stages: tuple, calibration, file: str) -> tuple:
 
 
 def eval_suites() -> list[str]:
-    return sorted(p.stem for p in EVAL_DIR.glob("*.yaml"))
+    return sorted(p.stem for p in resource_dir("eval").glob("*.yaml"))
 
 
 def _eval_suite(value, file: str) -> dict:
@@ -339,9 +347,10 @@ def _eval_suite(value, file: str) -> dict:
     if not isinstance(value, dict) or "suite" not in value:
         return value
     name, rest = value["suite"], {k: v for k, v in value.items() if k != "suite"}
-    path = EVAL_DIR / f"{name}.yaml"
+    folder = resource_dir("eval")  # evaluation suites (quick.yaml, standard.yaml); lm_eval/ holds the task files
+    path = folder / f"{name}.yaml"
     if not isinstance(name, str) or not path.is_file():
-        raise RecipeError(f"{file}: evaluation suite {name!r} not found in {EVAL_DIR}; known suites: {eval_suites()}")
+        raise RecipeError(f"{file}: evaluation suite {name!r} not found in {folder}; known suites: {eval_suites()}")
     suite = (yaml.safe_load(path.read_text()) or {}).get("eval") or {}
     return {**suite, **rest}
 
@@ -352,13 +361,13 @@ def eval_suite_settings(name: str, where: str) -> dict:
 
 
 def calib_presets() -> list[str]:
-    return sorted(p.stem for p in CALIB_DIR.glob("*.yaml"))
+    return sorted(p.stem for p in resource_dir("calib").glob("*.yaml"))
 
 
 def load_calib_preset(name: str, file: str = "<recipe>") -> dict:
-    path = CALIB_DIR / f"{name}.yaml"
+    path = resource_dir("calib") / f"{name}.yaml"
     if not path.is_file():
-        raise RecipeError(f"{file}: calibration preset {name!r} not found in {CALIB_DIR}; "
+        raise RecipeError(f"{file}: calibration preset {name!r} not found in {path.parent}; "
                           f"known presets: {calib_presets()}")
     data = yaml.safe_load(path.read_text()) or {}
     data.pop("description", None)
@@ -392,10 +401,12 @@ def from_dict(data: dict, file: str = "<recipe>", text: str = "", overrides: tup
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """Read a recipe file and apply `key.path=value` overrides (values parsed as YAML)."""
-    path = Path(path)
+    """Read a recipe file and apply `key.path=value` overrides (values parsed as YAML). A path that does not exist
+    but names a recipe shipped with compress (`recipes/awq_int4.yaml` outside a checkout) reads the shipped one."""
+    path = find_recipe(path)
     if not path.is_file():
-        raise RecipeError(f"recipe {path} does not exist")
+        from .resources import shipped_recipes
+        raise RecipeError(f"recipe {path} does not exist; recipes shipped with compress: {', '.join(shipped_recipes())}")
     text = path.read_text()
     try:
         data = yaml.safe_load(text)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: idle threads must not spin
@@ -59,3 +60,34 @@ def shared_data_dir() -> Path | None:
 requires_data = pytest.mark.skipif(
     shared_data_dir() is None,
     reason="needs the shared evaluation data (../shared/data or COMPRESS_DATA_DIR); it is not on this machine")
+
+
+# In CI (CI=true) a skipped test is a failure, except for the one thing CI machines lack: a GPU. A missing package,
+# tool or data folder there means the install is wrong, and a skip would hide it.
+GPU_SKIP = re.compile(r"\b(GPU|CUDA device|no CUDA|cuda is not available)\b", re.I)
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _fail_ci_skip(report) -> None:
+    if not (in_ci() and report.skipped) or hasattr(report, "wasxfail"):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if not GPU_SKIP.search(reason):
+        report.outcome = "failed"
+        report.longrepr = (f"skipped in CI, which must run every test but the GPU ones: {reason}\n"
+                           "Install what it needs in .ci/run (or mark the reason as a missing GPU if that is what it is).")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_ci_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):  # a module-level importorskip skips the whole file at collection
+    outcome = yield
+    _fail_ci_skip(outcome.get_result())

@@ -81,3 +81,22 @@ def test_wikitext_rows_reencode_to_the_pinned_file():
     raw = "".join(" \n" if r == "" else r for r in rows).encode("utf-8")
     assert hashlib.sha256(raw).hexdigest() == "173c87a53759e0201f33e0ccf978e510c2042d7f2cb78229d9a50d79b9e7dd08"
     assert rows[0] == "" and rows[1].startswith(" = Robert Boulter = ")
+
+
+def test_wikitext2_percent_slices_partition_the_split():
+    from compress.data import parse_split
+
+    assert parse_split("validation[:50%]") == ("validation", 0, 50)
+    assert parse_split("validation[50%:]") == ("validation", 50, 100)
+    with pytest.raises(ValueError, match="0 <= start < end"):
+        parse_split("validation[60%:40%]")
+    with pytest.raises(ValueError, match="percent"):
+        parse_split("validation[1:2:3]")
+
+
+@requires_data
+def test_wikitext2_halves_rejoin_to_the_whole_split():
+    from compress.data import wikitext2_rows
+
+    whole, first, second = (wikitext2_rows(s) for s in ("validation", "validation[:50%]", "validation[50%:]"))
+    assert first + second == whole and abs(len(first) - len(second)) <= 1

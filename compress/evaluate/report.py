@@ -1,7 +1,9 @@
 """Evaluate baseline and compressed models side by side; render report.json and report.md."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -19,10 +21,24 @@ def eval_windows(tokenizer, split: str, seq_len: int, max_windows: int | None) -
     return sequential_windows(tokenize_joined(wikitext2_rows(split), tokenizer), seq_len, max_windows)
 
 
+@contextlib.contextmanager
+def cpu_threads(n: int | None):
+    """torch's CPU threads set to n for a while (0: all cores; None: unchanged)."""
+    saved = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n if n > 0 else (os.cpu_count() or 1))
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(saved)
+
+
 def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str = "cpu", baseline: str | None = None,
                     progress: bool = True) -> dict:
-    """Perplexity (+ KL / top-1 against `baseline`), weight bytes and speed for each model, same windows."""
+    """Perplexity (+ KL / top-1 against `baseline`), weight bytes and speed for each model, same windows.
+    Accuracy passes run on `spec.threads` CPU threads, speed on the threads set by the caller."""
     result: dict = {"models": {n: {} for n in models}}
+    accuracy_threads = getattr(spec, "threads", None)
     if spec.perplexity:
         windows = eval_windows(tokenizer, spec.split, spec.seq_len, spec.max_windows)
         dtype = str(next(iter(models.values())).dtype).replace("torch.", "")
@@ -35,7 +51,9 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
         for m in models.values():
             for q in _llm_int8_layers(m):
                 q.outlier_counts.update(forwards=0, total=0, max=0)
-        scores = score_windows(models, windows, baseline=baseline, device=device, progress=progress)
+        with cpu_threads(accuracy_threads) as n:
+            result["protocol"]["threads"] = n
+            scores = score_windows(models, windows, baseline=baseline, device=device, progress=progress)
         for n, s in scores.items():
             result["models"][n].update(ppl=s.ppl, nll=s.nll, tokens=s.tokens, kl=s.kl, top1_agreement=s.top1_agreement)
             outliers = {name: {"forwards": c["forwards"], "mean": c["total"] / c["forwards"], "max": c["max"],
@@ -44,6 +62,8 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
                         if (c := q.outlier_counts)["forwards"]}
             if outliers:  # LLM.int8 dynamic: outlier features computed in float, per evaluation window
                 result["models"][n]["llm_int8_outliers"] = outliers
+            if (share := llm_int8_float_share(models[n])) is not None:
+                result["models"][n]["llm_int8_float_share"] = share
     for n, m in models.items():
         result["models"][n]["weights"] = weight_bytes(m)
         if spec.speed:
@@ -60,14 +80,34 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
             clear_dispatch(m)  # accuracy (lm-eval below, later evaluations) stays on the reference path
     if getattr(spec, "tasks", ()):
         from .harness import evaluate_tasks
-        result["lm_eval"] = evaluate_tasks(models, tokenizer, spec.tasks, spec.task_limit, spec.num_fewshot,
-                                           spec.task_batch_size, baseline=baseline)
+        with cpu_threads(accuracy_threads):
+            result["lm_eval"] = evaluate_tasks(models, tokenizer, spec.tasks, spec.task_limit, spec.num_fewshot,
+                                               spec.task_batch_size, baseline=baseline)
     for n, m in models.items():
         result["models"][n]["weights"]["serving_bf16"] = serving_bytes(m)
         result["models"][n]["roofline"] = model_roofline(m, result["models"][n]["weights"]["serving_bf16"], spec)
     result["peak_rss_bytes"] = peak_rss_bytes()
     result["peak_cuda_bytes"] = peak_cuda_bytes()
     return result
+
+
+def llm_int8_float_share(model: nn.Module) -> dict | None:
+    """The share of the LLM.int8 layers' matmul work done in float: a layer with K inputs, N outputs and k of its
+    input features computed in float spends k / K of its 2·M·N·K multiply-adds in float. Per layer k / K, and
+    overall Σ N·k / Σ N·K (every layer sees the same tokens). k is the static outlier set, or, in dynamic mode, the
+    mean over the forwards since the counts were reset (the perplexity windows). None: no LLM.int8 layer ran."""
+    layers, num, den = {}, 0.0, 0.0
+    for name, q in _llm_int8_layers(model, named=True):
+        c = q.outlier_counts
+        if q.outlier_cols is not None:
+            k = float(q.outlier_cols.numel())
+        elif c["forwards"]:
+            k = c["total"] / c["forwards"]
+        else:
+            continue
+        layers[name] = k / q.in_features
+        num, den = num + k * q.out_features, den + q.in_features * q.out_features
+    return {"overall": num / den, "layers": layers} if layers else None
 
 
 def _llm_int8_layers(model: nn.Module, named: bool = False):
@@ -203,14 +243,25 @@ def _activation_lines(stage: dict, models: dict) -> list[str]:
     if not info:
         return []
     evals = next((m["llm_int8_outliers"] for m in models.values() if "llm_int8_outliers" in m), {})
+    share = next((m["llm_int8_float_share"] for m in models.values() if "llm_int8_float_share" in m), None)
     if any("outlier_features_calibration" in v for v in info.values()):
         lines = ["", "LLM.int8 outlier features (input features computed in float): how many reached the threshold "
-                 "anywhere in the calibration data, and, per evaluation window (dynamic mode), the mean and max used.",
-                 "", "| layer | input max | calibration | eval mean | eval max |", "|---|---:|---:|---:|---:|"]
+                 "anywhere in the calibration data, and, per evaluation window (dynamic mode), the mean and max used; "
+                 "float share = the layer's matmul work done in float (outlier features ÷ input features)."]
+        if share is not None:
+            heavy = sorted(share["layers"].items(), key=lambda kv: -kv[1])
+            lines += ["", f"**{share['overall']:.1%} of the LLM.int8 layers' matmul work ran in float** "
+                      f"(weighted by layer size); the most: " +
+                      ", ".join(f"`{n}` {v:.0%}" for n, v in heavy[:3]) +
+                      ". Where that share is large, a layer is mostly a float layer: its accuracy says little about "
+                      "int8."]
+        lines += ["", "| layer | input max | calibration | eval mean | eval max | float share |",
+                  "|---|---:|---:|---:|---:|---:|"]
         for n, v in info.items():
             e = evals.get(n, {})
+            f = (share or {}).get("layers", {}).get(n)
             lines.append(f"| `{n}` | {v['input_absmax']:.2f} | {v['outlier_features_calibration']} | "
-                         f"{_f(e.get('mean'), '{:.1f}')} | {e.get('max', '—')} |")
+                         f"{_f(e.get('mean'), '{:.1f}')} | {e.get('max', '—')} | {_f(f, '{:.1%}')} |")
         return lines
     if any("input_scale" in v for v in info.values()):
         return ["", "| layer | calibrated input max | static input scale |", "|---|---:|---:|"] + \

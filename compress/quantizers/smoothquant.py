@@ -84,10 +84,7 @@ def smoothquant_block(block: nn.Module, pairs, observer, stage: SmoothQuantStage
     """Smooth every usable pair of one block in place; record what each linear's inputs were divided by."""
     results = []
     for label, prev, balance, balance_names, inspect_name in usable_pairs(block, pairs, quantized, results):
-        x_absmax = observer.stats[balance_names[0]].abs_max
-        div = input_divisor.get(balance_names[0])
-        if div is not None:  # an earlier stage already divided these inputs
-            x_absmax = x_absmax / div
+        x_absmax = observer.stats[balance_names[0]].input_absmax(input_divisor.get(balance_names[0]))
         w_absmax = weight_absmax(balance)
         alpha, loss, loss0 = stage.alpha, None, None
         if stage.alpha_grid:

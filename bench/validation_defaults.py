@@ -1,0 +1,131 @@
+"""Choose recipe defaults on validation text, never on test: AWQ's `search_samples` (4 or 16 windows replayed by
+the scale search) over several calibration seeds, and GPTQ's `act_order`.
+
+Protocol: calibrate on the first half of the WikiText-2 validation rows (`validation[:50%]`, 128 × 512 tokens,
+seeds 0/1/2), score on the first 8 windows of 2048 tokens of the second half (`validation[50%:]`), all models in one
+loop over the same windows against the float32 baseline; the compressed models are saved with float32 float
+tensors, so only the quantization differs. Each run is `compress run` in its own process (wall time and peak RSS
+are its own). The test split is not read.
+
+    python bench/validation_defaults.py                 # about 90 minutes on 2 cores
+    python bench/validation_defaults.py --only "awq int4 s4 seed0" --reuse
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+CALIB = ["calibration.split=validation[:50%]"]
+EVAL_SPLIT, EVAL_WINDOWS, EVAL_SEQ = "validation[50%:]", 8, 2048
+
+
+def _runs() -> dict[str, tuple[str, list[str]]]:
+    runs = {}
+    for bits, recipe in (("int4", "recipes/awq_int4.yaml"), ("int3", "recipes/awq_int3.yaml")):
+        for samples in (4, 16):
+            for seed in (0, 1, 2):
+                runs[f"awq {bits} s{samples} seed{seed}"] = (recipe, [f"stages.0.search_samples={samples}",
+                                                                      f"calibration.seed={seed}"])
+    for act_order in (False, True):
+        runs[f"gptq int4 act_order={act_order}"] = ("recipes/gptq_int4.yaml",
+                                                    [f"stages.0.gptq.act_order={str(act_order).lower()}"])
+        runs[f"awq+gptq int4 act_order={act_order}"] = ("recipes/awq_gptq_int4.yaml",
+                                                        [f"stages.1.gptq.act_order={str(act_order).lower()}"])
+    runs["rtn int4"] = ("recipes/int4_rtn.yaml", ["calibration=null"])
+    runs["rtn int3"] = ("recipes/int4_rtn.yaml", ["calibration=null", "stages.0.scheme.dtype=int3"])
+    return runs
+
+
+def folder(root: Path, name: str) -> Path:
+    return root / name.replace(" ", "_").replace("+", "-").replace("=", "-")
+
+
+def compress_all(root: Path, only: list[str], reuse: bool) -> dict:
+    info = {}
+    for name, (recipe, sets) in _runs().items():
+        if only and name not in only:
+            continue
+        out = folder(root, name)
+        if reuse and (out / "report.json").is_file():
+            report = json.loads((out / "report.json").read_text())
+            info[name] = {"dir": str(out), "compress_s": report["timings"]["compress"], "reused": True}
+            continue
+        cmd = [sys.executable, "-m", "compress", "run", recipe, "--output", str(out), "--overwrite", "--no-progress",
+               "--set", "eval.perplexity=false", "--set", "eval.speed=false", "--set", "eval.baseline=false",
+               "--set", "output.save_dtype=float32"]
+        for s in (sets if "calibration=null" in sets else CALIB + sets):
+            cmd += ["--set", s]
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+        report = json.loads((out / "report.json").read_text())
+        info[name] = {"dir": str(out), "wall_s": time.perf_counter() - t0, "compress_s": report["timings"]["compress"],
+                      "peak_rss_bytes": report["eval"]["peak_rss_bytes"]}
+        print(f"{name}: compress {info[name]['compress_s']:.0f} s", flush=True)
+    return info
+
+
+def score_all(info: dict) -> dict:
+    from compress.evaluate.ppl import score_windows
+    from compress.evaluate.report import eval_windows
+    from compress.models import load_compressed, load_model
+
+    torch.set_num_threads(2)
+    base = load_model("default")
+    models = {"baseline (float32)": base.model}
+    models.update({name: load_compressed(i["dir"]) for name, i in info.items()})
+    windows = eval_windows(base.tokenizer, EVAL_SPLIT, EVAL_SEQ, EVAL_WINDOWS)
+    scores = score_windows(models, windows, baseline="baseline (float32)", progress=False)
+    return {n: {"ppl": s.ppl, "kl": s.kl, "top1": s.top1_agreement, "tokens": s.tokens} for n, s in scores.items()}
+
+
+def summary(scores: dict) -> dict:
+    """Per AWQ setting: the mean and spread over seeds of KL and perplexity."""
+    out = {}
+    for bits in ("int4", "int3"):
+        for samples in (4, 16):
+            rows = [v for k, v in scores.items() if k.startswith(f"awq {bits} s{samples} ")]
+            if rows:
+                out[f"awq {bits} search_samples={samples}"] = {
+                    "seeds": len(rows), "kl_mean": statistics.mean(r["kl"] for r in rows),
+                    "kl_min": min(r["kl"] for r in rows), "kl_max": max(r["kl"] for r in rows),
+                    "ppl_mean": statistics.mean(r["ppl"] for r in rows)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/results/validation_defaults.json")
+    ap.add_argument("--runs-dir", default="runs/bench/validation_defaults")
+    ap.add_argument("--only", nargs="*", default=[], help="subset of run names")
+    ap.add_argument("--reuse", action="store_true", help="score runs already in --runs-dir instead of re-running")
+    args = ap.parse_args()
+    info = compress_all(ROOT / args.runs_dir, args.only, args.reuse)
+    scores = score_all(info)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
+    result = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "calibration": CALIB[0].split("=", 1)[1],
+              "eval": {"split": EVAL_SPLIT, "windows": EVAL_WINDOWS, "seq_len": EVAL_SEQ}, "runs": info,
+              "scores": scores, "summary": summary(scores)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    base = scores["baseline (float32)"]["ppl"]
+    print(f"| run | validation ppl | Δ ppl | KL | top-1 |\n|---|---:|---:|---:|---:|")
+    for name, s in scores.items():
+        print(f"| {name} | {s['ppl']:.3f} | {100 * (s['ppl'] / base - 1):+.1f}% | {s['kl']:.4f} | {s['top1']:.2%} |")
+    for name, s in result["summary"].items():
+        print(f"{name}: KL mean {s['kl_mean']:.4f} (range {s['kl_min']:.4f}-{s['kl_max']:.4f}), "
+              f"ppl mean {s['ppl_mean']:.3f} over {s['seeds']} seeds")
+
+
+if __name__ == "__main__":
+    main()

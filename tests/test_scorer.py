@@ -1,0 +1,82 @@
+"""The scorer (evaluate/ppl.py) against independent computations: transformers' own loss for perplexity, and a
+plain full-logits implementation of KL(baseline || model) and top-1 agreement."""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from compress.arch import get_arch
+from compress.evaluate.ppl import score_windows
+from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
+from compress.scheme import scheme
+from tests.conftest import TINY_CONFIGS, make_tiny_model, requires_data
+
+
+def hf_perplexity(model, windows: torch.Tensor) -> float:
+    """exp of the mean of transformers' own causal-LM loss (mean over each window's seq_len - 1 predictions; every
+    window has as many)."""
+    with torch.no_grad():
+        losses = [float(model(input_ids=w[None], labels=w[None]).loss) for w in windows]
+    return math.exp(sum(losses) / len(losses))
+
+
+def plain_kl_top1(base, model, windows: torch.Tensor) -> tuple[float, float]:
+    """Full logits in float64, every position but the last (it predicts nothing scored)."""
+    kl, agree, n = 0.0, 0, 0
+    with torch.no_grad():
+        for w in windows:
+            p = torch.log_softmax(base(input_ids=w[None]).logits[0, :-1].double(), -1)
+            q = torch.log_softmax(model(input_ids=w[None]).logits[0, :-1].double(), -1)
+            kl += float((p.exp() * (p - q)).sum())
+            agree += int((p.argmax(-1) == q.argmax(-1)).sum())
+            n += p.shape[0]
+    return kl / n, agree / n
+
+
+def _int2(model):
+    m = copy.deepcopy(model)
+    stage = QuantizeStage(scheme=scheme("int2", "group", 16, symmetric=False))
+    apply_quantize(m, plan_quantize(m, get_arch(m), stage), stage)
+    return m
+
+
+@pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
+def test_perplexity_equals_transformers_loss(family):
+    model = make_tiny_model(family)
+    windows = torch.randint(0, 256, (3, 40))
+    ours = score_windows({"m": model}, windows, progress=False)["m"]
+    assert ours.tokens == 3 * 39
+    assert ours.ppl == pytest.approx(hf_perplexity(model, windows), rel=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "opt", "gpt2"])
+def test_kl_and_top1_equal_a_plain_implementation(family):
+    base = make_tiny_model(family)
+    with torch.no_grad():  # sharper next-token distributions than a random init's near-uniform ones
+        head = base.get_output_embeddings()
+        head.weight = torch.nn.Parameter(head.weight.detach() * 20)  # untied from the input embedding
+    quantized = _int2(base)
+    windows = torch.randint(0, 256, (2, 48))
+    scores = score_windows({"base": base, "q": quantized}, windows, baseline="base", progress=False)
+    kl, top1 = plain_kl_top1(base, quantized, windows)
+    assert kl > 1e-3  # int2 g16 moves the distribution: the comparison is not 0 == 0
+    assert scores["q"].kl == pytest.approx(kl, rel=1e-4)
+    assert scores["q"].top1_agreement == pytest.approx(top1, abs=1 / (2 * 47) + 1e-12)  # at most one near-tie flip
+    assert scores["base"].kl == 0 and scores["base"].top1_agreement == 1.0
+
+
+@requires_data
+def test_perplexity_on_the_embedded_model_equals_transformers_loss():
+    from compress.evaluate.report import eval_windows
+    from compress.models import load_model
+
+    loaded = load_model("default")
+    windows = eval_windows(loaded.tokenizer, "test", 512, 2)
+    with torch.no_grad():
+        ours = score_windows({"m": loaded.model}, windows, progress=False)["m"]
+    theirs = hf_perplexity(loaded.model, windows)
+    assert 5 < theirs < 80  # a real language model on WikiText-2
+    assert ours.ppl == pytest.approx(theirs, rel=1e-4)
