@@ -1,38 +1,243 @@
 """bench/gpu_check.py is run once per GPU session with no chance to fix it there: its dry run exercises every
-code path on CPU (the ops' reference paths, which decode the W4A16 layout as the kernel reads it)."""
+code path on CPU (the ops' reference paths, which decode the W4A16 layout as the kernel reads it), in the same
+child processes and results file as on the GPU; the checker is tested here on planted errors."""
 from __future__ import annotations
 
 import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+import torch
+
+from compress.kernels import gpu
+from compress.kernels.prepack import GROUP_SIZES, w4a16_reference
+
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
 
 
-def test_gpu_check_dry_run(tmp_path):
+def _load():
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.main(["--dry-run", "--out", str(tmp_path)]) == 0
-    result = json.loads((tmp_path / "gpu_check.json").read_text())
-    kinds = {(r["kernel"], r.get("dtype") or r.get("scales"), r.get("group")) for r in result["rows"]}
-    assert ("w4a16", "float16", -1) in kinds and ("fp8", "tensor", None) in kinds
-    assert result["verdicts"]["all_correct"]
-    assert all("us" in r and r["rel_err"] < 5e-3 for r in result["rows"])
-    assert all(r["quantize_exact"] for r in result["rows"] if r["kernel"] == "fp8")
-    assert "| kernel | N×K | M |" in (tmp_path / "gpu_check.md").read_text()
-    # the bars are computed from timed rows of the real shapes only
+    return mod
+
+
+gc = _load()
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    rc = gc.main(["--dry-run", "--out", str(out)])
+    return rc, out, json.loads((out / "gpu_check.json").read_text())
+
+
+def test_gpu_check_dry_run(dry_run):
+    rc, out, result = dry_run
+    assert rc == 0 and result["verdicts"]["all_correct"] and result["verdicts"]["complete"]
+    rows = result["rows"]
+    # one child per family wrote a "start" line and a row per planned case, in order, to the results file
+    records = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
+    for fam in gc.FAMILIES:
+        planned = gc.family_cases(fam, True, False)
+        assert [r["id"] for r in rows if r["family"] == fam] == list(range(len(planned)))
+        assert [r["id"] for r in records if r.get("event") == "start" and r["family"] == fam] == \
+            list(range(len(planned)))
+    gemm = [r for r in rows if "tile_err" in r]
+    assert gemm and all(r["ok"] and r["bad"] == 0 and r["deterministic"] and r["finite"] for r in gemm)
+    assert all(r["rel_err"] <= gc.TOL["fp8" if r["kernel"] == "fp8_gemm" else r["dtype"]] for r in gemm)
+    assert "| case | rel. err | worst tile (err) |" in (out / "gpu_check.md").read_text()
+    # the bars are computed from timed rows of the real shapes only, and only rows that passed are timed
     assert "w4a16_ge_3x" not in result["verdicts"] and "w4a16_dispatch_never_slower" in result["verdicts"]
+    assert any("us" in r for r in rows) and all(r["ok"] for r in rows if "us" in r)
+
+
+def test_dry_run_covers_the_edge_cases(dry_run):
+    rows = dry_run[2]["rows"]
+    w4 = [r for r in rows if r["kernel"] == "w4a16" and "tile_err" in r]
+    # every group size x zero point x dtype the kernel accepts
+    assert {(r["dtype"], r["group"], r["zeros"]) for r in w4} == \
+        {(dt, g, z) for dt in ("bfloat16", "float16") for g in GROUP_SIZES for z in (False, True)}
+    assert {96, 192} <= {r["N"] for r in w4}                                # N % 64 != 0: one-strip blocks
+    assert {(r["K"], r["k_padded"]) for r in w4 if r["k_padded"] != r["K"]} == {(576, 640), (200, 256), (64, 128)}
+    assert {1, 3, 17, 65} <= {r["M"] for r in w4}                           # partial M tiles, not powers of two
+    f8 = [r for r in rows if r["kernel"] == "fp8_gemm" and "tile_err" in r]
+    assert {"row x channel", "tensor", "row x tensor", "tensor x channel"} == {r["scales"] for r in f8}
+    assert {(136, 144), (8, 16)} <= {(r["N"], r["K"]) for r in f8}        # partial N and K tiles, smallest shape
+    assert {(576, 576), (64, 200)} <= {(r["N"], r["K"]) for r in f8 if r["path"] == "layer"}  # quantize + GEMM
+    # refusals are checked cases: the rule gives the reason and the path raises instead of running
+    refused = {(r["kernel"], r["N"], r["K"]): r["refused"] for r in rows if "refused" in r}
+    assert "N=100" in refused[("w4a16", 100, 256)] and "group_size=128" in refused[("w4a16", 64, 576)]
+    assert "group_size=16" in refused[("w4a16", 64, 256)] and "multiple of 8" in refused[("fp8_gemm", 100, 256)]
+    assert all(r["ok"] for r in rows if "refused" in r)
+    quant = [r for r in rows if r["kernel"] == "fp8_quantize"]
+    assert quant and all(r["wrong_codes"] == 0 and r["scales_ok"] and r["deterministic"] for r in quant)
+    # each GEMM family proved once that its checker catches planted errors on a real output
+    for fam in ("w4a16", "fp8_gemm"):
+        assert sum("checker_selftest" in r for r in rows if r["family"] == fam) == 1
+    (sanitizer,) = [r for r in rows if r["family"] == "sanitizer"]
+    assert sanitizer["ok"] is None  # recorded, not a failure
+    assert sanitizer["verdict"] in ("compute-sanitizer not installed", "not run in a dry run (CPU)")
+
+
+def _reference_output(m=1024, n=4096, k=128, g=64):
+    """A W4A16 output from the op's CPU reference path (decoding the kernel layout), with its float64 reference."""
+    gen = torch.Generator().manual_seed(0)
+    u = torch.randint(0, 16, (n, k), generator=gen)
+    s = torch.rand(n, k // g, generator=gen) * 0.02 + 0.001
+    z = torch.randint(0, 16, (n, k // g), generator=gen).float()
+    x = (torch.randn(m, k, generator=gen) * 0.5).bfloat16()
+    y = gpu.linear_w4a16(gpu.pack_w4a16(u, s, z, g, torch.bfloat16), x, None)
+    return y, w4a16_reference(x, u, s.bfloat16().double(), z.double(), g)
+
+
+def test_tile_check_catches_one_planted_tile_the_old_check_passes():
+    """1024 x 4096 output, 16384 tiles. An error of 2.5% of the row RMS in one tile moves the whole-matrix error by
+    2.5e-2 / sqrt(16384) = 2e-4 (on 4096 x 14336, by 5e-5): the old check passed it. Per element it is below the
+    element bound (4 bf16 eps x (|ref| + row RMS) = 3.1% of the row RMS and more), so only the tile check sees it."""
+    torch.set_num_threads(1)
+    y, ref = _reference_output()
+    tol, eps = gc.TOL["bfloat16"], gc.EPS["bfloat16"]
+    clean = gc.judge(y, y, ref, tol, eps)
+    assert clean["ok"] and clean["why"] == [], clean
+    planted = gc.plant_tile_error(y, ref, (37, 201), 0.025)
+    found = gc.judge(planted, planted, ref, tol, eps)
+    assert found["rel_err"] <= tol  # what the whole-matrix check alone would have accepted
+    assert found["bad"] == 0  # nor would an element-wise bound
+    assert not found["ok"] and found["worst_tile"] == [37, 201]
+    assert any(w.startswith("tile 37,201 (rows 592.., cols 3216..)") for w in found["why"]), found["why"]
+    assert gc.checker_selftest(y, ref, tol, eps) == []
+
+
+def test_element_count_and_poisoned_outputs():
+    y, ref = _reference_output(m=40, n=96)
+    tol, eps = gc.TOL["bfloat16"], gc.EPS["bfloat16"]
+    one = y.clone()
+    one[33, 70] += 0.3 * ref[33].pow(2).mean().sqrt().item()   # one element: invisible in any whole-tile norm
+    found = gc.judge(one, one, ref, tol, eps)
+    assert found["bad"] == 1 and found["first_bad"] == [33, 70] and not found["ok"]
+    # every output allocation is NaN-poisoned while a case runs: an element the kernel never writes stays NaN
+    never_written, _ = gc.run_twice(lambda: torch.empty(40, 96, dtype=torch.bfloat16), torch.device("cpu"))
+    assert never_written.isnan().all() and not torch.are_deterministic_algorithms_enabled()
+    unwritten = y.clone()
+    unwritten[32:40, 16:32] = never_written[32:40, 16:32]       # an edge tile the kernel never wrote (M = 40)
+    found = gc.judge(unwritten, unwritten, ref, tol, eps)
+    assert not found["finite"] and found["bad"] == 128 and found["worst_tile"] == [2, 1] and not found["ok"]
+
+
+def test_two_runs_must_agree_bit_for_bit():
+    y, ref = _reference_output(m=20, n=64)
+    other = y.clone()
+    other.view(torch.int16)[3, 5] += 1  # one ulp: as accurate, not the same result
+    found = gc.judge(y, other, ref, gc.TOL["bfloat16"], gc.EPS["bfloat16"])
+    assert not found["ok"] and not found["deterministic"]
+    assert found["why"] == ["nondeterministic (race?): the two runs differ in 1 element(s)"]
+    nan = torch.full((2, 2), float("nan"))
+    assert gc.differing(nan, nan.clone()) == 0  # the same bits are the same result, NaN included
+
+
+def test_a_crash_or_a_hang_costs_one_row(tmp_path):
+    """The child hangs in case 2 and aborts (as a CUDA fault does) in the last case: each of those cases gets a failed
+    row saying what happened, and after the hang a fresh child runs the rest."""
+    last = len(gc.family_cases("fp8_quantize", True, False)) - 1
+    rc = gc.main(["--dry-run", "--out", str(tmp_path), "--families", "fp8_quantize", "--no-sanitizer", "--stall", "2",
+                  "--plant", f"fp8_quantize:2:hang,fp8_quantize:{last}:abort"])
+    assert rc == 1
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    rows = {r["id"]: r for r in result["rows"]}
+    assert sorted(rows) == list(range(last + 1))
+    assert rows[2]["ok"] is False and rows[2]["crashed"] and "made no progress for 2 s (hang?)" in rows[2]["why"][0]
+    assert rows[last]["ok"] is False and rows[last]["crashed"]
+    assert "killed by SIGABRT during this case" in rows[last]["why"][0]
+    assert all(rows[i]["ok"] for i in range(last) if i != 2)
+    v = result["verdicts"]
+    assert not v["all_correct"] and v["complete"] and v["failed_cases"] == {"fp8_quantize": 2}
+    assert v["fp8_ge_1_5x"] == v["fp8_within_10pct_of_scaled_mm"] == gc.NOT_EVALUATED
+    failures = (tmp_path / "gpu_check.md").read_text().split("## Failures")[1].split("##")[0]
+    assert rows[last]["case"] in failures and "SIGABRT" in failures
+
+
+def test_a_spent_budget_leaves_cases_not_run(tmp_path):
+    assert gc.main(["--dry-run", "--out", str(tmp_path), "--families", "w4a16", "--no-sanitizer",
+                    "--budget", "5"]) == 1
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["rows"] and all(r["ok"] is None and r["not_run"] == "the run's time budget is spent"
+                                  for r in result["rows"])
+    assert not result["verdicts"]["complete"] and not result["verdicts"]["all_correct"]
 
 
 def test_bars_read_the_right_rows():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    row = dict(kernel="w4a16", N=8192, K=8192, dtype="bfloat16", group=128, ok=True, us=10.0, dense_us=29.0,
-               dispatch_vs_dense=2.9)
-    rows = [dict(row, M=1, vs_dense=3.2), dict(row, M=16, vs_dense=2.9), dict(row, M=64, vs_dense=1.1),
-            dict(kernel="fp8", N=4096, K=4096, M=4096, ok=True, us=1.0, vs_dense=1.6, vs_scaled_mm=0.85)]
-    v = mod.verdicts(rows)
+    row = dict(kernel="w4a16", N=8192, K=8192, dtype="bfloat16", group=128, zeros=False, ok=True, us=10.0,
+               dense_us=29.0, dispatch_vs_dense=2.9)
+    fp8 = dict(kernel="fp8_gemm", N=4096, K=4096, M=4096, ok=True, us=1.0, dense_us=1.6, vs_dense=1.6,
+               vs_scaled_mm=0.85, layer_us=1.2)
+    rows = [dict(row, M=1, vs_dense=3.2), dict(row, M=16, vs_dense=2.9), dict(row, M=64, vs_dense=1.1), fp8]
+    v = gc.verdicts(rows)
     assert v["w4a16_min_speedup_m_le_16_8192"] == 2.9 and not v["w4a16_ge_3x"]  # M = 64 is outside the bar
-    assert v["fp8_ge_1_5x"] and not v["fp8_within_10pct_of_scaled_mm"] and v["all_correct"]
+    # the fp8 layer bar includes the quantize kernel: 1.6 / 1.2 = 1.33 < 1.5 although the GEMM alone is 1.6x
+    assert v["fp8_layer_min_speedup_m4096"] == pytest.approx(1.6 / 1.2) and not v["fp8_ge_1_5x"]
+    assert v["fp8_gemm_min_speedup_m4096"] == 1.6 and not v["fp8_within_10pct_of_scaled_mm"] and v["all_correct"]
+    # a kernel that failed any correctness case gets no speed verdict, whatever its times
+    failed_w4 = dict(row, N=576, K=576, M=3, ok=False, vs_dense=9.0)
+    v = gc.verdicts(rows + [failed_w4])
+    assert v["w4a16_ge_3x"] == v["w4a16_dispatch_never_slower"] == gc.NOT_EVALUATED
+    assert "w4a16_min_speedup_m_le_16_8192" not in v and v["fp8_ge_1_5x"] is False and not v["all_correct"]
+    # the W8A8 bars need the quantize kernel too, and a sanitizer error counts against the kernels it names
+    for bad in (dict(kernel="fp8_quantize", M=3, ok=False),
+                dict(kernel="compute-sanitizer", kernels=["fp8_gemm"], M=None, ok=False)):
+        v = gc.verdicts(rows + [bad])
+        assert v["fp8_ge_1_5x"] == v["fp8_within_10pct_of_scaled_mm"] == gc.NOT_EVALUATED
+        assert v["w4a16_ge_3x"] is False
+    # the cases a child ran under a sanitizer that could not run on the device do not count
+    refused = [dict(kernel="compute-sanitizer", family="sanitizer", tool="memcheck", M=None, ok=None),
+               dict(kernel="w4a16", family="sanitizer:memcheck", M=17, ok=False)]
+    assert gc.verdicts(rows + refused)["all_correct"]
+    assert gc.verdicts(rows + [dict(refused[0], ok=True), refused[1]])["w4a16_ge_3x"] == gc.NOT_EVALUATED
+    # a case that never ran leaves the run incomplete, not correct
+    v = gc.verdicts(rows + [dict(kernel="w4a16", M=1, ok=None, not_run="the run's time budget is spent")])
+    assert not v["all_correct"] and not v["complete"]
+
+
+def test_sanitizer_runs_are_recorded_and_gate_the_kernels_they_name(tmp_path):
+    """run_sanitizer with a stand-in tool (a shell script printing what compute-sanitizer prints): memcheck clean,
+    racecheck reporting a race in the W4A16 kernel. The cases it would run are run here in-process, on CPU."""
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text("#!/bin/sh\n"
+                    'echo "$PYTORCH_NO_CUDA_MEMORY_CACHING $*" >> "$(dirname "$0")/args.txt"\n'
+                    'if [ "$2" = racecheck ]; then\n'
+                    '  echo "========= Error: Race reported between Write access at w4a16_kernel<1, 1, 1, true>+0x1a0"\n'
+                    '  echo "========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)"\n'
+                    'else echo "========= ERROR SUMMARY: 0 errors"; fi\n')
+    fake.chmod(0o755)
+    run = gc.Run(gc.parse_args(["--dry-run", "--out", str(tmp_path)]), tmp_path)
+    gc.run_sanitizer(run, str(fake))
+    calls = (tmp_path / "args.txt").read_text().splitlines()
+    assert [c.split()[:3] for c in calls] == [["1", "--tool", "memcheck"], ["1", "--tool", "racecheck"]]
+    assert "--child sanitizer:memcheck" in calls[0] and "--child sanitizer:racecheck" in calls[1]
+    rows = gc.read_results(run.results)
+    assert [(r["tool"], r["ok"], r["errors"]) for r in rows] == [("memcheck", True, 0), ("racecheck", False, 1)]
+    assert rows[1]["kernels"] == ["w4a16"]
+    v = gc.verdicts(rows)
+    assert v["w4a16_ge_3x"] == gc.NOT_EVALUATED and "fp8_ge_1_5x" not in v and not v["all_correct"]
+    # the cases the tool would wrap run as a child family of their own
+    assert gc.child("sanitizer:memcheck", 0, tmp_path / "cases.jsonl", 1, True, False, 2, None) == 0
+    cases = [r for r in gc.read_results(tmp_path / "cases.jsonl") if "event" not in r]
+    assert {r["kernel"] for r in cases} == set(gc.FAMILIES) and all(r["ok"] for r in cases)
+
+
+def test_sanitizer_reports_are_read(tmp_path, monkeypatch):
+    clean = "========= COMPUTE-SANITIZER\n...\n========= ERROR SUMMARY: 0 errors\n"
+    assert gc.parse_sanitizer(clean) == {"errors": 0, "warnings": 0, "families": []}
+    race = ("========= Error: Race reported between Write access at w4a16_kernel<1, 1, 1, true>+0x1a0\n"
+            "========= RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)\n")
+    assert gc.parse_sanitizer(race) == {"errors": 1, "warnings": 1, "families": ["w4a16"]}
+    refused = "========= Error: Device not supported\n========= Target application returned an error\n"
+    assert gc.parse_sanitizer(refused)["errors"] is None  # the tool could not run: not a kernel failure
+    tool = tmp_path / "bin" / "compute-sanitizer"
+    tool.parent.mkdir()
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    assert gc.find_sanitizer() == str(tool)

@@ -190,6 +190,29 @@ def test_w4a16_op_reads_the_kernel_layout(g, zeros):
     assert rel_err(y, oracle(x, layer.qtensor())) < 8e-3
 
 
+@pytest.mark.parametrize("k", [576, 1536])
+@pytest.mark.parametrize("g", [32, 64, -1])
+@pytest.mark.parametrize("zeros", [False, True])
+def test_w4a16_runs_layers_whose_k_is_not_a_multiple_of_the_k_tile(k, g, zeros):
+    """SmolLM2-135M's K = 576 (and 1536): prepare_w4a16 zero-pads the packed weight to the kernel's k-tile and
+    linear_w4a16 pads x; the op's CPU path (decoding the packed layout as the kernel reads it) still equals the
+    layer's unpadded dequantize-then-matmul."""
+    s = scheme("int4", "channel", None, not zeros) if g == -1 else scheme("int4", "group", g, not zeros)
+    n = 64
+    layer = QuantLinear.from_module(torch.nn.Linear(k, n, bias=True), rand_qt(s, n, k))
+    p = gpu.prepare_w4a16(layer, torch.bfloat16)
+    assert (p.k, p.k_padded) == (k, prepack.padded_k(k)) and p.wq.numel() * 8 == n * p.k_padded
+    x = torch.randn(2, 3, k, generator=GEN).bfloat16()
+    bias = layer.bias.detach()
+    y = gpu.linear_w4a16(p, x, bias)
+    assert y.shape == (2, 3, n)
+    want = oracle(x.reshape(-1, k), layer.qtensor()) + bias.double()
+    assert rel_err(y.reshape(-1, n), want) < 8e-3
+    # the kernel's layout rule takes the layer now; on CPU the reason is only the device
+    assert prepack.w4a16_layer_supported(n, k, g) is None
+    assert gpu.w4a16_reason(layer, torch.bfloat16, torch.device("cpu")) == "CUDA only (the layer is on cpu)"
+
+
 def test_ops_pass_opcheck_and_check_inputs():
     n, k, g = 64, 256, 64
     u = torch.randint(0, 16, (n, k), generator=GEN)
@@ -210,11 +233,12 @@ def test_ops_pass_opcheck_and_check_inputs():
         ops.fp8_gemm(a.float(), b, torch.ones(1), torch.ones(1))
 
 
-def test_fp8_paths_match_the_reference_on_cpu():
+@pytest.mark.parametrize("k", [128, 200])
+def test_fp8_paths_match_the_reference_on_cpu(k):
     """The fp8 kernel entries (ours through the op's reference path, and torch's _scaled_mm, which also runs
-    on CPU) against the layer's fake-quantized reference."""
+    on CPU) against the layer's fake-quantized reference. K = 200 is zero-padded to 208 for our kernel."""
     s = scheme("fp8_e4m3", "channel", None, True, act=ActScheme("fp8_e4m3", "token"))
-    n, k = 64, 128
+    n = 64
     w = torch.randn(n, k, generator=GEN)
     from compress.primitives import compute_qparams, cast_fp8
     scale, _ = compute_qparams(w, s)
@@ -222,9 +246,14 @@ def test_fp8_paths_match_the_reference_on_cpu():
     layer = QuantLinear.from_module(torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16), qt)
     x = torch.randn(6, k, generator=GEN).bfloat16()
     ref = layer(x).double()
-    ours = gpu.linear_fp8(gpu.prepare_fp8(layer, torch.bfloat16), x, None)
-    torchs = gpu.linear_scaled_mm(gpu.prepare_scaled_mm(qt, torch.bfloat16), x, None)
-    assert rel_err(ours, ref) < 1e-2 and rel_err(torchs, ref) < 1e-2
+    p = gpu.prepare_fp8(layer, torch.bfloat16)
+    assert p.weight.shape == (n, -(-k // 16) * 16) and torch.equal(p.weight[:, :k].float(), qt.qdata.float())
+    assert (p.weight[:, k:].float() == 0).all()
+    ours = gpu.linear_fp8(p, x, None)
+    assert rel_err(ours, ref) < 1e-2
+    if k % 16 == 0:  # torch's _scaled_mm (not padded) needs K % 16 == 0
+        torchs = gpu.linear_scaled_mm(gpu.prepare_scaled_mm(qt, torch.bfloat16), x, None)
+        assert rel_err(torchs, ref) < 1e-2
 
 
 def test_binding_compiles_against_this_torch(tmp_path):

@@ -140,6 +140,16 @@ def test_fp8_supported_rules():
     assert L.block_m(64) == 64 and L.block_m(65) == 128
 
 
+def test_layer_rule_pads_k_to_16():
+    """A layer's K is zero-padded to a multiple of 16 (the kernel's 16-byte copies); partial M, N and K tiles need
+    nothing, the kernel zero-fills them."""
+    assert [L.fp8_padded_k(k) for k in (1, 16, 200, 576)] == [16, 16, 208, 576]
+    assert L.fp8_supported(1, 64, 200, 90) == "K must be a positive multiple of 16"
+    assert L.fp8_layer_supported(64, 200, 90) is None and L.fp8_layer_supported(576, 576, 89) is None
+    assert L.fp8_layer_supported(100, 576, 90) == "N must be a positive multiple of 8"
+    assert "sm 89" in L.fp8_layer_supported(64, 576, 80)
+
+
 def test_shape_rules_mirror_the_c_source():
     body = re.search(r"fp8_unsupported_reason\(int M, int N, int K, int sm\) \{(.*?)\n\}", SOURCE, re.S).group(1)
     c_messages = re.findall(r'return "([^"]+)";', body)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from compress.kernels import build
-from compress.kernels.prepack import (emulate_w4a16_codes, emulate_w4a16_gemm, prepack_w4a16, w4a16_config,
-                                      w4a16_reference, w4a16_supported)
+from compress.kernels.prepack import (emulate_w4a16_codes, emulate_w4a16_gemm, pad_k_w4a16, padded_k, prepack_w4a16,
+                                      w4a16_config, w4a16_layer_supported, w4a16_reference, w4a16_supported)
 
 SOURCE = build.CUDA_DIR / "w4a16.cu"
 
@@ -91,6 +91,54 @@ def test_unsupported_shapes_name_the_reason(M, N, K, G, fragment):
 @pytest.mark.parametrize("M,N,K,G", [(1, 32, 128, 32), (64, 576, 1536, 64), (200, 4096, 4096, -1), (3, 96, 384, 128)])
 def test_supported_shapes(M, N, K, G):
     assert w4a16_supported(M, N, K, G) is None
+
+
+def test_layer_rule_pads_k_to_the_k_tile():
+    """A layer's K need not be a multiple of the 128 k-tile: it is zero-padded (SmolLM2-135M: K = 576 -> 640)."""
+    assert [padded_k(k) for k in (64, 128, 200, 576, 1536)] == [128, 128, 256, 640, 1536]
+    assert w4a16_supported(1, 576, 576, 64) is not None  # the kernel itself still needs K % 128 == 0
+    for n, k, g in ((576, 576, 64), (192, 576, 32), (1536, 576, -1), (576, 1536, 128), (64, 200, -1)):
+        assert w4a16_layer_supported(n, k, g) is None, (n, k, g)
+    assert "K=576 is not a multiple of group_size=128" in w4a16_layer_supported(576, 576, 128)
+    assert "N=100" in w4a16_layer_supported(100, 576, 64)
+    assert "group_size=16" in w4a16_layer_supported(64, 576, 16)
+
+
+@pytest.mark.parametrize("K", [576, 1536])
+@pytest.mark.parametrize("group_size", [32, 64, -1])
+@pytest.mark.parametrize("asym", [False, True])
+def test_padded_weight_dequantizes_to_the_layer_and_zeros(K, group_size, asym):
+    """Decoded as the kernel reads the packed layout, a padded weight is the layer's weight in its first K columns
+    and exactly 0 in the padding (new groups of code 8, zero 8, scale 0; per channel: code = the row's zero)."""
+    N = 64
+    u, scales, zeros = _inputs(N, K, group_size, asym, seed=K + group_size)
+    up, sp, zp = pad_k_w4a16(u, scales, zeros, group_size)
+    Kp = padded_k(K)
+    assert up.shape == (N, Kp)
+    packed = prepack_w4a16(up, sp, zp, group_size, torch.bfloat16)
+    G = Kp if group_size == -1 else group_size
+    codes = emulate_w4a16_codes(packed["wq"], N, Kp).double()
+    z = 8.0 if zp is None else packed["zeros"].t().double().repeat_interleave(G, 1)
+    w = (codes - z) * packed["scales"].t().double().repeat_interleave(G, 1)
+    G0 = K if group_size == -1 else group_size
+    z0 = 8.0 if zeros is None else zeros.double().repeat_interleave(G0, 1)
+    want = (u.double() - z0) * scales.bfloat16().double().repeat_interleave(G0, 1)
+    assert torch.equal(w[:, :K], want)
+    assert torch.equal(w[:, K:], torch.zeros(N, Kp - K, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("N,K,group_size,asym", [(64, 192, 64, True), (32, 200, -1, True), (64, 96, 32, False)])
+def test_emulated_kernel_on_a_padded_layer_matches_the_unpadded_reference(N, K, group_size, asym):
+    """The whole-kernel replay on the padded weight and the zero-padded x equals the float64 reference of the
+    unpadded layer (partial last group rows and a one-group-per-channel weight included)."""
+    M, dtype = 5, torch.float16
+    u, scales, zeros = _inputs(N, K, group_size, asym, seed=K)
+    packed = prepack_w4a16(*pad_k_w4a16(u, scales, zeros, group_size), group_size, dtype)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(2)).to(dtype)
+    got = emulate_w4a16_gemm(torch.nn.functional.pad(x, (0, padded_k(K) - K)), packed)
+    want = w4a16_reference(x, u, scales.to(dtype), zeros, group_size)
+    assert not got.isnan().any()
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-3
 
 
 def test_prepack_rejects_bad_inputs_with_values():

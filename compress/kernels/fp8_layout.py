@@ -16,7 +16,8 @@ kernel's own formulas:
 `simulate_*` functions fill a model of shared memory with element ids the way the loader does and read
 them back the way the tensor cores do; a test asserts that every element arrives where it should.
 
-`fp8_reference` is the float64 oracle for the GEMM and `fp8_supported` mirrors the C shape rules.
+`fp8_reference` is the float64 oracle for the GEMM and `fp8_supported` mirrors the C shape rules;
+`fp8_layer_supported` is the rule for a layer whose K gets zero-padded to a multiple of 16 first.
 """
 from __future__ import annotations
 
@@ -48,6 +49,20 @@ def fp8_supported(M: int, N: int, K: int, sm: int) -> str | None:
     if (N + BN - 1) // BN > 65535:
         return "N too large for the grid"
     return None
+
+
+K_ALIGN = 16  # the kernel copies K in 16-byte chunks that never straddle a row's end (fp8_supported)
+
+
+def fp8_padded_k(K: int) -> int:
+    """K rounded up to K_ALIGN: the K a layer's fp8 weight is stored with (gpu.pack_fp8)."""
+    return -(-K // K_ALIGN) * K_ALIGN
+
+
+def fp8_layer_supported(N: int, K: int, sm: int) -> str | None:
+    """None when a layer [N, K] runs on the kernel once K is zero-padded to fp8_padded_k(K), else why not. The
+    kernel itself handles partial M, N and K tiles (zero-filled copies), so only K % 16 needs padding."""
+    return fp8_supported(1, N, fp8_padded_k(K), sm)
 
 
 def block_m(M: int) -> int:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.nn import functional as F
 
 from ..qtensor import QuantizedTensor
 from .dispatch import Kernel
@@ -80,7 +81,7 @@ def _extension_reason() -> str | None:
 
 
 def w4a16_reason(layer, dtype: torch.dtype, device: torch.device) -> str | None:
-    from .prepack import w4a16_supported
+    from .prepack import w4a16_layer_supported
     if device.type != "cuda":
         return f"CUDA only (the layer is on {device.type})"
     s = layer.scheme
@@ -90,7 +91,9 @@ def w4a16_reason(layer, dtype: torch.dtype, device: torch.device) -> str | None:
         return f"group or per-channel scales only (got {s.granularity})"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"float16 / bfloat16 activations only (got {dtype})"
-    why = w4a16_supported(1, layer.out_features, layer.in_features, s.group_size if s.granularity == "group" else -1)
+    # K is zero-padded to the kernel's k-tile at prepare time (pack_w4a16), so K = 576 layers run too
+    why = w4a16_layer_supported(layer.out_features, layer.in_features,
+                                s.group_size if s.granularity == "group" else -1)
     if why:
         return why
     if torch.cuda.get_device_capability(device) < (8, 0):
@@ -100,38 +103,57 @@ def w4a16_reason(layer, dtype: torch.dtype, device: torch.device) -> str | None:
 
 @dataclass
 class W4A16:
-    wq: Tensor
-    scales: Tensor
+    wq: Tensor  # int32 [N * k_padded / 8], the kernel layout (prepack.prepack_w4a16)
+    scales: Tensor  # [k_padded / G, N] in the activation dtype
     zeros: Tensor | None
     n: int
     group_size: int
+    k: int  # the layer's in_features
+    k_padded: int  # k rounded up to the kernel's k-tile; linear_w4a16 pads x with zeros to it
+
+
+def pack_w4a16(u: Tensor, scales: Tensor, zeros: Tensor | None, group_size: int, dtype: torch.dtype,
+               device: torch.device | str | None = None) -> W4A16:
+    """Kernel operands for unsigned codes u [N, K] (0..15; w = (u - z) * s, z = 8 when zeros is None) with scales /
+    zeros [N, K // G] (G = K for group_size -1). A K that is not a multiple of the kernel's k-tile is zero-padded
+    (prepack.pad_k_w4a16: the padded weights dequantize to exactly 0). Raises ValueError naming the rule when
+    the kernel cannot take the layer even padded."""
+    from .prepack import pad_k_w4a16, prepack_w4a16, w4a16_layer_supported
+    n, k = u.shape
+    why = w4a16_layer_supported(n, k, group_size)
+    if why:
+        raise ValueError(f"W4A16 kernel: {why}")
+    dev = u.device if device is None else device
+    u, scales, zeros = pad_k_w4a16(u.cpu(), scales.float().cpu(), None if zeros is None else zeros.float().cpu(),
+                                   group_size)
+    p = prepack_w4a16(u, scales, zeros, group_size, dtype)
+    return W4A16(p["wq"].to(dev), p["scales"].to(dev), None if p["zeros"] is None else p["zeros"].to(dev), n,
+                 group_size, k, u.shape[1])
 
 
 def prepare_w4a16(layer, dtype: torch.dtype) -> W4A16:
-    from .prepack import prepack_w4a16
     qt = layer.qtensor()
     n, k = qt.shape
     u = qt.codes() - (qt.scheme.qmin if qt.zero_point is None else 0)
     g = qt.scheme.group_size if qt.scheme.granularity == "group" else -1
     groups = 1 if g == -1 else k // g
     zeros = None if qt.zero_point is None else qt.zero_point.float().reshape(n, groups)
-    p = prepack_w4a16(u.cpu(), qt.scale.float().reshape(n, groups).cpu(), None if zeros is None else zeros.cpu(), g,
-                      dtype)
-    dev = qt.qdata.device
-    return W4A16(p["wq"].to(dev), p["scales"].to(dev), None if p["zeros"] is None else p["zeros"].to(dev), n, g)
+    return pack_w4a16(u, qt.scale.float().reshape(n, groups), zeros, g, dtype, qt.qdata.device)
 
 
 def linear_w4a16(p: W4A16, x: Tensor, bias: Tensor | None) -> Tensor:
     from . import ops
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y = ops.w4a16_gemm(x2, p.wq, p.scales, p.zeros, p.n, p.group_size)
+    x2 = x.reshape(-1, p.k)
+    if p.k_padded != p.k:  # zero columns meet the zero weight columns pack_w4a16 appended
+        x2 = F.pad(x2, (0, p.k_padded - p.k))
+    y = ops.w4a16_gemm(x2.contiguous(), p.wq, p.scales, p.zeros, p.n, p.group_size)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], p.n)
 
 
 def fp8_reason(layer, dtype: torch.dtype, device: torch.device) -> str | None:
-    from .fp8_layout import fp8_supported
+    from .fp8_layout import fp8_layer_supported
     if device.type != "cuda":
         return f"CUDA only (the layer is on {device.type})"
     why = _fp8_act_reason(layer.qtensor())
@@ -140,7 +162,8 @@ def fp8_reason(layer, dtype: torch.dtype, device: torch.device) -> str | None:
     if dtype not in (torch.float16, torch.bfloat16):
         return f"float16 / bfloat16 activations only (got {dtype})"
     major, minor = torch.cuda.get_device_capability(device)
-    why = fp8_supported(1, layer.out_features, layer.in_features, major * 10 + minor)
+    # K is zero-padded to a multiple of 16 at prepare time (pack_fp8)
+    why = fp8_layer_supported(layer.out_features, layer.in_features, major * 10 + minor)
     if why:
         return why
     return _extension_reason()
@@ -148,21 +171,37 @@ def fp8_reason(layer, dtype: torch.dtype, device: torch.device) -> str | None:
 
 @dataclass
 class FP8:
-    weight: Tensor  # [N, K] e4m3
+    weight: Tensor  # [N, k_padded] e4m3
     scale: Tensor  # float32 [N] or [1]
     input_scale: Tensor | None
     out_dtype: torch.dtype
+    k: int  # the layer's in_features; linear_fp8 pads x with zeros to weight.shape[1]
+
+
+def pack_fp8(weight: Tensor, scale: Tensor, input_scale: Tensor | None, out_dtype: torch.dtype) -> FP8:
+    """Kernel operands for an e4m3 weight [N, K] with float32 scales [N] or [1]. K is zero-padded to a multiple of
+    16 (fp8_layout.fp8_padded_k): zero weights and zero activations add nothing to the output."""
+    from .fp8_layout import fp8_padded_k
+    n, k = weight.shape
+    pad = fp8_padded_k(k) - k
+    w = weight.contiguous()
+    if pad:  # pad the bytes (e4m3 0x00 is +0.0): needs no float8 kernel on any device
+        w = F.pad(w.view(torch.uint8), (0, pad)).view(weight.dtype)
+    return FP8(w, scale.float().reshape(-1).contiguous(),
+               None if input_scale is None else input_scale.float().reshape(1), out_dtype, k)
 
 
 def prepare_fp8(layer, dtype: torch.dtype) -> FP8:
     qt = layer.qtensor()
-    return FP8(qt.qdata.contiguous(), qt.scale.float().reshape(-1).contiguous(),
-               None if layer.input_scale is None else layer.input_scale.float().reshape(1), dtype)
+    return pack_fp8(qt.qdata, qt.scale, layer.input_scale, dtype)
 
 
 def linear_fp8(p: FP8, x: Tensor, bias: Tensor | None) -> Tensor:
     from . import ops
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    x2 = x.reshape(-1, p.k)
+    if p.weight.shape[1] != p.k:  # zero columns: they change neither the row absmax nor the sum
+        x2 = F.pad(x2, (0, p.weight.shape[1] - p.k))
+    x2 = x2.contiguous()
     if p.input_scale is not None:
         xq, sa = (x2.float() / p.input_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), p.input_scale
     else:

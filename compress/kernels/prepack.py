@@ -6,7 +6,9 @@ kernel reads that layout (block / stage / warp / lane / word / register indices,
 where each decoded code lands in the mma: the CPU test of the layout logic, since the kernel cannot run here.
 `emulate_w4a16_gemm` replays the whole kernel (x tile, scales, reduction, stores) the same way.
 `w4a16_supported` mirrors the C function `compress_w4a16_supported`, `w4a16_config` the launcher's tile choice,
-and `w4a16_reference` is the float64 oracle the kernel is checked against.
+and `w4a16_reference` is the float64 oracle the kernel is checked against. `pad_k_w4a16` zero-pads a layer whose
+K is not a multiple of the k-tile (SmolLM2-135M: K = 576) so that the kernel runs it; `w4a16_layer_supported`
+is the rule for such layers.
 
 The layout (see the comment block at the top of w4a16.cu; fragment layouts from the PTX ISA, "Matrix fragments
 for mma.m16n8k16 with floating point type"): int32 words indexed
@@ -46,6 +48,49 @@ def w4a16_supported(M: int, N: int, K: int, group_size: int) -> str | None:
     if group_size > 0 and K % group_size:
         return f"K={K} is not a multiple of group_size={group_size}"
     return None
+
+
+def padded_k(K: int) -> int:
+    """K rounded up to the kernel's k-tile BK: the K a layer is packed with (pad_k_w4a16)."""
+    return -(-K // BK) * BK
+
+
+def w4a16_layer_supported(N: int, K: int, group_size: int) -> str | None:
+    """None when a layer's weight [N, K] can run on the kernel once K is zero-padded to padded_k(K), else why not.
+
+    Padding appends whole groups (every accepted group size divides BK, so a K that is a multiple of the group
+    size stays one after padding, and no real group is split); a K the group size does not divide is refused."""
+    if group_size not in GROUP_SIZES:
+        return f"group_size={group_size} is not one of {GROUP_SIZES} (-1: one group per output channel)"
+    if group_size > 0 and K % group_size:
+        return f"K={K} is not a multiple of group_size={group_size}"
+    if group_size > 0 and padded_k(K) % group_size:  # unreachable while GROUP_SIZES divide BK; kept as the rule
+        return f"padding K={K} to {padded_k(K)} would split a group of {group_size}"
+    return w4a16_supported(1, N, padded_k(K), group_size)
+
+
+def pad_k_w4a16(u: Tensor, scales: Tensor, zeros: Tensor | None,
+                group_size: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Zero-pad codes u [N, K] to [N, padded_k(K)] so that every padded weight dequantizes to exactly 0.
+
+    Grouped scales: the padding is whole new groups of code 8 with zero point 8 (implicit when symmetric) and
+    scale 0, so w = (8 - 8) * 0. One group per channel (group_size -1, where the kernel's group is the padded K):
+    the padded codes take the row's own zero point (8 when symmetric), so w = (z - z) * s. The activation's
+    padded columns are zeros too (gpu.linear_w4a16), so the output is unchanged. Returns (u, scales, zeros)
+    in prepack_w4a16's orientation; the inputs themselves when K needs no padding."""
+    N, K = u.shape
+    pad = padded_k(K) - K
+    if pad == 0:
+        return u, scales, zeros
+    if group_size == -1:
+        fill = torch.full((N, 1), 8, dtype=u.dtype, device=u.device) if zeros is None else \
+            zeros.reshape(N, 1).round().to(u.dtype)
+        return torch.cat([u, fill.expand(N, pad)], dim=1), scales, zeros
+    new_groups = pad // group_size
+    u = torch.cat([u, torch.full((N, pad), 8, dtype=u.dtype, device=u.device)], dim=1)
+    scales = torch.cat([scales, scales.new_zeros(N, new_groups)], dim=1)
+    zeros = None if zeros is None else torch.cat([zeros, zeros.new_full((N, new_groups), 8)], dim=1)
+    return u, scales, zeros
 
 
 def w4a16_config(M: int, N: int) -> tuple[int, int]:
