@@ -14,6 +14,7 @@ from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.quantizers.rtn import quantize_rtn
 from compress.scheme import FP8, FP8_BLOCK, FP8_DYNAMIC, FP8_E5M2_DYNAMIC, FP8_W8A16, ActScheme, QuantScheme, scheme
 from tests.reference.naive_8bit import fp8_table, naive_cast_fp8, naive_fp8_weight
+from tests.conftest import make_tiny_model
 
 
 @pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
@@ -94,7 +95,18 @@ def test_static_activation_scale_is_calibrated_and_used(tiny_llama):
         seen[prefix] = {n: float(st.abs_max.max()) for n, st in observer.stats.items()}
         apply_quantize(tiny_llama, plan, stage, prefix, observer)
 
-    run_blockwise(tiny_llama, arch, torch.randint(0, 256, (2, 16)), on_block, progress=False, observe=observe)
+    samples = torch.randint(0, 256, (2, 16))
+    direct = []  # block 0's down_proj inputs from a plain hook on an untouched float copy (no quantization upstream)
+    plain = make_tiny_model("llama")
+    hook = plain.model.layers[0].mlp.down_proj.register_forward_hook(
+        lambda _m, a, _o: direct.append(float(a[0].abs().max())))
+    with torch.no_grad():
+        for row in samples:
+            plain(row[None])
+    hook.remove()
+    run_blockwise(tiny_llama, arch, samples, on_block, progress=False, observe=observe)
+    layer0 = tiny_llama.model.layers[0].mlp.down_proj
+    assert float(layer0.input_scale) == pytest.approx(max(direct) / 448, rel=1e-6)
     layer = tiny_llama.model.layers[1].mlp.down_proj
     assert isinstance(layer, QuantLinear) and layer.input_scale.dim() == 0
     torch.testing.assert_close(float(layer.input_scale), seen["model.layers.1"]["mlp.down_proj"] / 448)

@@ -80,6 +80,10 @@ def test_kv_fake_quantization_is_fp8_rounding_with_the_layer_scale():
 
 def test_scales_are_applied_in_the_forward():
     model = make_tiny_model("llama")
+    with torch.no_grad():  # sharper attention than a random init's near-uniform one, so the keys matter too
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4)
+            layer.self_attn.k_proj.weight.mul_(4)
     use_kv_attention(model)
     ids = torch.randint(0, 256, (1, 16))
     with torch.no_grad():
@@ -89,13 +93,16 @@ def test_scales_are_applied_in_the_forward():
         set_kv_scales(model.get_submodule(name), k, v, "fp8_e4m3")
     with torch.no_grad():
         calibrated = model(ids).logits
-    for name, (k, v) in recorded.items():  # scales 100x too small: everything saturates
-        set_kv_scales(model.get_submodule(name), k / 100, v / 100, "fp8_e4m3")
-    with torch.no_grad():
-        saturated = model(ids).logits
     err = (calibrated - before).abs().max()
     assert 0 < err < 0.05 * before.abs().max()
-    assert (saturated - before).abs().max() > 5 * err
+    # keys and values are each quantized with their own scale: one of them 100x too small (everything of it
+    # saturates, the other calibrated) must wreck the output on its own
+    for k_div, v_div in ((100, 1), (1, 100)):
+        for name, (k, v) in recorded.items():
+            set_kv_scales(model.get_submodule(name), k / k_div, v / v_div, "fp8_e4m3")
+        with torch.no_grad():
+            saturated = model(ids).logits
+        assert (saturated - before).abs().max() > 5 * err, (k_div, v_div)
 
 
 def test_kv_run_saves_scales_and_reloads_them(tmp_path):

@@ -73,10 +73,32 @@ def test_alpha_search_keeps_the_best_grid_point():
     plant_outliers(model, get_arch(model), PlantSpec(channels=3, factor=40.0))
     grid = (0.2, 0.5, 0.8)
     _, results = _smooth(model, SmoothQuantStage(alpha_grid=grid))
-    for block in results:
-        for p in block:
-            if not p.skipped:
-                assert p.ratio in grid and p.loss is not None and p.loss_identity is not None
+    searched = [p for block in results for p in block if not p.skipped]
+    assert len(searched) == 2 * 3  # q/k/v, gate/up and up -> down in both blocks
+    for p in searched:
+        assert sorted(p.grid) == sorted(grid)
+        assert p.ratio == min(p.grid, key=p.grid.get) and p.loss == min(p.grid.values())
+        assert len(set(p.grid.values())) == len(grid)  # the loss depends on alpha: the search has something to pick
+    # on planted outliers the identity (alpha 0 is not it: s = 1/max|W|) loses to the chosen scales somewhere
+    assert any(p.loss < p.loss_identity for p in searched)
+
+
+def test_alpha_search_picks_what_a_fixed_alpha_run_confirms():
+    """The alpha the search keeps for the first pair (input norm -> q/k/v of block 0, which no earlier smoothing
+    touched) gives that pair the lowest loss: re-running with each grid alpha fixed, the first pair's search
+    loss at the chosen alpha is the smallest of the fixed runs' losses."""
+    grid = (0.2, 0.5, 0.8)
+    model = make_tiny_model("llama")
+    plant_outliers(model, get_arch(model), PlantSpec(channels=3, factor=40.0))
+    samples = torch.randint(0, 256, (2, 24))
+    _, searched = _smooth(copy.deepcopy(model), SmoothQuantStage(alpha_grid=grid), samples=samples)
+    fixed = {}
+    for a in grid:
+        _, res = _smooth(copy.deepcopy(model), SmoothQuantStage(alpha=a, alpha_grid=(a,)), samples=samples)
+        fixed[a] = res[0][0].loss
+    first = searched[0][0]
+    assert first.grid == pytest.approx(fixed, rel=1e-5)
+    assert first.ratio == min(fixed, key=fixed.get)
 
 
 def _recipe(stages):

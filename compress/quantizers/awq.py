@@ -179,6 +179,7 @@ class PairResult:
     loss: float | None = None
     loss_identity: float | None = None
     skipped: str = ""  # reason, when the pair was not scaled
+    grid: dict[float, float] | None = None  # SmoothQuant's alpha search: the loss at every grid point
 
 
 def pair_label(prev_name: str, balance_names) -> str:

@@ -98,5 +98,5 @@ def smoothquant_block(block: nn.Module, pairs, observer, stage: SmoothQuantStage
             loss = losses[alpha]
         s = smoothing_scales(x_absmax, w_absmax, alpha)
         fold_scales(prev, balance, balance_names, s, norm_offset, input_divisor)
-        results.append(PairResult(label, alpha, loss, loss0))
+        results.append(PairResult(label, alpha, loss, loss0, grid=losses if stage.alpha_grid else None))
     return results
