@@ -73,7 +73,7 @@ EPILOG_REPORT = """examples:
   compress report runs/int8_absmax runs/int4_rtn runs/awq_int4 --output runs/report
   compress report runs/* --output runs/report
 
-Accuracy (perplexity, KL, top-1, lm-eval recovery) against memory (weights as served) and speed (measured
+Accuracy (perplexity, KL, top-1, lm-eval accuracy ± stderr) against memory (weights as served) and speed (measured
 decode tokens/s, roofline prediction), with the Pareto frontier marked in the table and the PNG plots.
 """
 

@@ -542,10 +542,16 @@ def test_run_scores_lm_eval_tasks_for_baseline_and_compressed(tmp_path, model_di
     assert _run(path) == 0
     lm = json.loads((tmp_path / "out" / "report.json").read_text())["eval"]["lm_eval"]
     assert set(lm["scores"]) == {"baseline", "compressed"} and lm["limit"] == 3
-    assert lm["recovery"]["compressed"]["lambada_openai"]["acc"] is None or \
-        lm["recovery"]["compressed"]["lambada_openai"]["acc"] >= 0
+    d = lm["vs_baseline"]["compressed"]["lambada_openai"]["acc"]
+    assert d["stderr"] is not None and d["within_noise"] == (abs(d["delta"]) < 2 * d["stderr"])
     md = (tmp_path / "out" / "report.md").read_text()
-    assert "## lm-eval tasks" in md and "| lambada_openai | perplexity |" in md and "%)" in md
+    assert "## lm-eval tasks" in md and "| lambada_openai | perplexity |" in md and "± standard error" in md
+    assert "%)" not in md.split("## lm-eval tasks")[1].split("##")[0]  # no ratio of two noisy scores
+    assert main(["report", str(tmp_path / "out"), "--output", str(tmp_path / "rep")]) == 0
+    row = json.loads((tmp_path / "rep" / "report.json").read_text())["runs"][1]
+    acc = lm["scores"]["compressed"]["lambada_openai"]["acc"]
+    assert row["lm_eval_acc"] == acc["value"] and row["lm_eval_acc_stderr"] == pytest.approx(acc["stderr"])
+    assert f"{acc['value']:.3f} ± {acc['stderr']:.3f} (1 tasks)" in (tmp_path / "rep" / "report.md").read_text()
 
 
 def test_speed_sweep_over_batch_and_context_skips_what_does_not_fit(tmp_path, model_dir, calib_file):

@@ -69,6 +69,10 @@ def test_two_tasks_offline_with_stderr_and_recovery(monkeypatch):
         assert ppl["value"] > 1 and ppl["stderr"] is not None and ppl["stderr"] >= 0
     b, c = (out["scores"][n]["lambada_openai"]["perplexity"]["value"] for n in ("baseline", "compressed"))
     assert out["recovery"]["compressed"]["lambada_openai"]["perplexity"] == pytest.approx(b / c)
+    d = out["vs_baseline"]["compressed"]["lambada_openai"]["perplexity"]
+    bs, cs = (out["scores"][n]["lambada_openai"]["perplexity"]["stderr"] for n in ("baseline", "compressed"))
+    assert d["delta"] == pytest.approx(c - b) and d["stderr"] == pytest.approx((bs ** 2 + cs ** 2) ** 0.5)
+    assert d["within_noise"] == (abs(c - b) < 2 * d["stderr"])
     assert out["tasks"]["arc_easy"] == {"name": "arc_easy_local", "version": 1.0}
     assert out["limit"] == 4 and out["num_fewshot"] == 0 and "lm-eval" in out["harness"]
 
@@ -84,3 +88,11 @@ def test_without_data_or_hub_the_error_names_the_setting(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(RuntimeError, match="COMPRESS_DATA_DIR"):
         harness.evaluate_tasks({"m": make_tiny_model("llama")}, tokenizer(), ["lambada_openai"], limit=1)
+
+
+def test_difference_flags_what_two_standard_errors_cannot_tell_apart():
+    base = {"value": 0.50, "stderr": 0.10}
+    assert harness.difference(base, {"value": 0.60, "stderr": 0.10})["within_noise"]  # 0.10 < 2 * 0.141
+    far = harness.difference(base, {"value": 0.90, "stderr": 0.10})
+    assert far["delta"] == pytest.approx(0.40) and not far["within_noise"]
+    assert harness.difference(base, {"value": 0.6, "stderr": None})["within_noise"] is None

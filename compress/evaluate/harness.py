@@ -88,8 +88,9 @@ def _scores(results: dict, name: str) -> dict:
 
 def evaluate_tasks(models: dict[str, nn.Module], tokenizer, tasks, limit: int | None = None, num_fewshot: int = 0,
                    batch_size: int = 8, data_dir: Path | None = None, baseline: str | None = None) -> dict:
-    """Score every model on `tasks` with the same harness settings; recovery = compressed ÷ baseline (inverted
-    for perplexities)."""
+    """Score every model on `tasks` with the same harness settings. Against the baseline: the difference with its
+    standard error (`vs_baseline`; reports show this), and the ratio (`recovery`, compressed ÷ baseline, inverted
+    for perplexities: kept in the JSON, not shown, since a ratio of two noisy scores hides the noise)."""
     from ..data import DATA_ENV, find_data_dir
 
     check_tasks(tasks)
@@ -127,11 +128,25 @@ def evaluate_tasks(models: dict[str, nn.Module], tokenizer, tasks, limit: int | 
               "num_fewshot": num_fewshot, "limit": limit, "batch_size": batch_size,
               "bos": "added" if bos else "not added (HFLM default for this tokenizer)", "scores": scores}
     if baseline is not None and baseline in scores:
+        result["vs_baseline"] = {
+            m: {t: {k: difference(scores[baseline][t][k], v) for k, v in per.items()} for t, per in by_task.items()}
+            for m, by_task in scores.items() if m != baseline}
         result["recovery"] = {
             m: {t: {k: _recovery(k, scores[baseline][t][k]["value"], v["value"]) for k, v in per.items()}
                 for t, per in by_task.items()}
             for m, by_task in scores.items() if m != baseline}
     return result
+
+
+def difference(base: dict, other: dict) -> dict:
+    """other − baseline with the standard error of the difference, sqrt(se_base² + se_other²) (the two runs score
+    the same documents, so this overstates the error a little; it never understates it). `within_noise`: the
+    difference is under two standard errors, i.e. not distinguishable from zero at this document count."""
+    delta = other["value"] - base["value"]
+    if base["stderr"] is None or other["stderr"] is None:
+        return {"delta": delta, "stderr": None, "within_noise": None}
+    se = (base["stderr"] ** 2 + other["stderr"] ** 2) ** 0.5
+    return {"delta": delta, "stderr": se, "within_noise": abs(delta) < 2 * se}
 
 
 def _recovery(metric: str, base: float, value: float) -> float | None:

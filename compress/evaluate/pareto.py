@@ -2,7 +2,7 @@
 Pareto frontier marked, so the recipe to ship is visible at a glance.
 
 Accuracy is the WikiText-2 perplexity of each run's compressed model (lower is better), with KL and top-1
-against the original and the mean lm-eval recovery where the runs have them; memory is the weight bytes as
+against the original and the mean lm-eval accuracy ± its standard error where the runs have them; memory is the weight bytes as
 served (float tensors at bf16); speed is the measured decode tokens/s at batch 1 and the roofline prediction
 on the first accelerator of the run's report. A run is on the frontier when no other run is at least as good
 on both axes of a plot and better on one.
@@ -18,14 +18,17 @@ def load_row(run_dir: Path, model: str = "compressed") -> dict:
     m = report["eval"]["models"][model]
     roof = (m.get("roofline") or [None])[0]
     lm = report["eval"].get("lm_eval") or {}
-    recovery = (lm.get("recovery") or {}).get(model)
-    accs = [v for t in (recovery or {}).values() for k, v in t.items() if k.startswith("acc") and v is not None]
+    accs = [v for t in ((lm.get("scores") or {}).get(model) or {}).values() for k, v in t.items()
+            if k == "acc" and v["stderr"] is not None]
     return {
         "run": run_dir.name if model == "compressed" else f"{model} ({run_dir.name})" if len(
             report["eval"]["models"]) <= 3 else model,
         "folder": str(run_dir), "recipe": (report.get("recipe") or {}).get("path"),
         "ppl": m.get("ppl"), "kl": m.get("kl"), "top1": m.get("top1_agreement"),
-        "lm_eval_recovery": sum(accs) / len(accs) if accs else None,
+        # mean accuracy over the tasks, with the standard error of that mean (sqrt(sum se^2) / n)
+        "lm_eval_acc": sum(a["value"] for a in accs) / len(accs) if accs else None,
+        "lm_eval_acc_stderr": sum(a["stderr"] ** 2 for a in accs) ** 0.5 / len(accs) if accs else None,
+        "lm_eval_tasks": len(accs),
         "weight_bytes": (m.get("weights") or {}).get("serving_bf16") or (m.get("weights") or {}).get("total"),
         "checkpoint_bytes": (report.get("memory") or {}).get("checkpoint_bytes") if model == "compressed" else None,
         "decode_tok_s": (m.get("speed") or {}).get("decode_tok_s"),
@@ -94,6 +97,12 @@ def plot(rows: list[dict], x: str, label: str, higher: bool, path: Path) -> Path
     return path
 
 
+def _acc(r: dict) -> str:
+    if r.get("lm_eval_acc") is None:
+        return "—"
+    return f"{r['lm_eval_acc']:.3f} ± {r['lm_eval_acc_stderr']:.3f} ({r['lm_eval_tasks']} tasks)"
+
+
 def render(rows: list[dict], plots: list[str]) -> str:
     def f(v, fmt):
         return "—" if v is None else fmt.format(v)
@@ -101,12 +110,14 @@ def render(rows: list[dict], plots: list[str]) -> str:
     mem_front = set(frontier(rows, "weight_bytes", False))
     lines = ["# compress report: runs side by side", "",
              "★ = on the accuracy-against-memory Pareto frontier (no other run is smaller and at least as accurate).",
-             "", "| run | ppl | KL | top-1 | lm-eval recovery | weights | checkpoint | decode tok/s | predicted tok/s |",
+             "lm-eval: mean accuracy over the tasks ± its standard error; differences between runs smaller than "
+             "about two standard errors are noise.",
+             "", "| run | ppl | KL | top-1 | lm-eval acc | weights | checkpoint | decode tok/s | predicted tok/s |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         star = " ★" if r["run"] in mem_front else ""
         lines.append(f"| {r['run']}{star} | {f(r['ppl'], '{:.3f}')} | {f(r['kl'], '{:.4f}')} | "
-                     f"{f(r['top1'], '{:.2%}')} | {f(r['lm_eval_recovery'], '{:.1%}')} | "
+                     f"{f(r['top1'], '{:.2%}')} | {_acc(r)} | "
                      f"{f(r['weight_bytes'] and r['weight_bytes'] / 1e6, '{:,.1f} MB')} | "
                      f"{f(r['checkpoint_bytes'] and r['checkpoint_bytes'] / 1e6, '{:,.1f} MB')} | "
                      f"{f(r['decode_tok_s'], '{:,.1f}')} | "

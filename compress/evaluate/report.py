@@ -133,21 +133,25 @@ def _task_lines(lm: dict | None) -> list[str]:
     if not lm:
         return []
     names = list(lm["scores"])
-    recovery = lm.get("recovery") or {}
+    diffs = lm.get("vs_baseline") or {}
     lines = ["", "## lm-eval tasks", "",
              f"{lm['harness']}, {lm['num_fewshot']}-shot, limit {lm['limit'] or 'none (whole split)'}, batch "
              f"{lm['batch_size']}, BOS {lm['bos']}; data: {lm['data']}. Task versions: " +
-             ", ".join(f"{t} {v['version']}" for t, v in lm["tasks"].items()) + ". Score ± stderr"
-             + (" (recovery: ÷ baseline; baseline ÷ score for perplexities)." if recovery else "."), "",
-             "| task | metric | " + " | ".join(names) + " |", "|---|---|" + "---:|" * len(names)]
+             ", ".join(f"{t} {v['version']}" for t, v in lm["tasks"].items()) + ". Score ± standard error"
+             + ("; in brackets the difference to the baseline ± its standard error, with ≈ where it is under two "
+                "standard errors (not distinguishable from no change at this document count)." if diffs else "."),
+             "", "| task | metric | " + " | ".join(names) + " |", "|---|---|" + "---:|" * len(names)]
     for task, metrics in lm["scores"][names[0]].items():
         for metric in metrics:
             cells = []
             for n in names:
                 v = lm["scores"][n][task][metric]
-                rec = recovery.get(n, {}).get(task, {}).get(metric)
-                cells.append(f"{v['value']:.4g}" + (f" ± {v['stderr']:.2g}" if v["stderr"] is not None else "")
-                             + (f" ({rec:.0%})" if rec is not None else ""))
+                d = diffs.get(n, {}).get(task, {}).get(metric)
+                cell = f"{v['value']:.4g}" + (f" ± {v['stderr']:.2g}" if v["stderr"] is not None else "")
+                if d is not None:
+                    cell += f" ({d['delta']:+.3g}" + (f" ± {d['stderr']:.2g}" if d["stderr"] is not None else "") + \
+                        (", ≈" if d["within_noise"] else "") + ")"
+                cells.append(cell)
             lines.append(f"| {task} | {metric} | " + " | ".join(cells) + " |")
     return lines
 
