@@ -9,6 +9,7 @@ No graph tracing: blocks are called exactly as the model calls them. Peak memory
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -17,7 +18,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .arch import ArchSpec, get_module, set_module
-from .nn import cached_dequantize
+from .nn import QuantLinear, cached_dequantize, is_linear
 
 
 class _StopForward(Exception):
@@ -68,15 +69,37 @@ def capture_block_inputs(model: nn.Module, arch: ArchSpec, samples: Tensor, devi
     return captured
 
 
+def matmul_dtype(inputs: BlockInputs, compute_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a block's matmuls run in: `compute_dtype` (under autocast) for a float32 model, else the model's."""
+    dtype = inputs.hidden[0].dtype
+    return compute_dtype if compute_dtype is not None and dtype == torch.float32 else dtype
+
+
+@contextlib.contextmanager
+def linear_weights_in(block: nn.Module, dtype: torch.dtype):
+    """The float linear weights of `block` held as `dtype` copies for a burst of autocast forwards (autocast would
+    otherwise cast every weight on every call); the float32 weights are back on exit, untouched."""
+    saved = [(m, m.weight.data) for m in block.modules() if is_linear(m) and not isinstance(m, QuantLinear)
+             and m.weight.dtype != dtype]
+    try:
+        for m, w in saved:
+            m.weight.data = w.to(dtype)
+        yield
+    finally:
+        for m, w in saved:
+            m.weight.data = w
+
+
 @torch.no_grad()
 def block_forward(block: nn.Module, inputs: BlockInputs, compute_dtype: torch.dtype | None = None) -> list[Tensor]:
     """The block on every sample. `compute_dtype` (bfloat16) runs the matmuls of a float32 block in that dtype under
     autocast (a 16-bit model already computes in its own dtype); outputs return in the inputs' dtype, so the
     residual stream between blocks stays float32."""
-    if compute_dtype is None or inputs.hidden[0].dtype != torch.float32 or compute_dtype == torch.float32:
+    dtype = matmul_dtype(inputs, compute_dtype)
+    if dtype == inputs.hidden[0].dtype:
         return [_first(block(h, **kw)) for h, kw in zip(inputs.hidden, inputs.kwargs)]
     device = inputs.hidden[0].device.type
-    with torch.autocast(device_type=device, dtype=compute_dtype):
+    with torch.autocast(device_type=device, dtype=dtype), linear_weights_in(block, dtype):
         return [_first(block(h, **kw)).to(h.dtype) for h, kw in zip(inputs.hidden, inputs.kwargs)]
 
 
@@ -130,7 +153,7 @@ def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor, on_block: O
             reference = block_forward(block, inputs, compute_dtype)
         on_block(i, f"{arch.blocks}.{i}", block, inputs, observer)
         block = get_module(model, f"{arch.blocks}.{i}")  # a stage may have swapped the whole block
-        with cached_dequantize(block, inputs.hidden[0].dtype):
+        with cached_dequantize(block, matmul_dtype(inputs, compute_dtype)):
             outputs = block_forward(block, inputs, compute_dtype)
         errors.append(relative_error(reference, outputs))
         inputs = BlockInputs(outputs, inputs.kwargs)

@@ -137,8 +137,8 @@ class QuantLinear(nn.Module):
             return y
         if act is not None and w is None and int8_path(self.scheme):
             return ref.linear_w8a8_int8(x, self.qdata, self.scale, act, self.input_scale, bias)
-        if w is None or w.dtype != x.dtype:
-            w = self.qtensor().dequantize(x.dtype)  # [N, K]
+        if w is None or (w.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type)):
+            w = self.qtensor().dequantize(x.dtype)  # [N, K]; under autocast the matmul casts both operands
         bias = None if bias is None else bias.to(x.dtype)
         if act is not None:
             return ref.linear_fake_quant(x, w, act, self.input_scale, bias)

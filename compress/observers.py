@@ -101,13 +101,17 @@ class BlockObserver:
         return hook
 
     def _accumulate(self, st: InputStats, x: Tensor) -> None:
-        x2 = x.detach().reshape(-1, x.shape[-1]).float()  # [T, K]
+        x2 = x.detach().reshape(-1, x.shape[-1])  # [T, K], in the pass's dtype; sums accumulate in float32
+        if self.want_abs or self.want_max:
+            a = x2.abs()
         if self.want_abs:
-            s = x2.abs().sum(dim=0)
+            s = a.sum(dim=0, dtype=torch.float32)
             st.abs_sum = s if st.abs_sum is None else st.abs_sum + s
         if self.want_max:
-            m = x2.abs().amax(dim=0)
+            m = a.amax(dim=0).float()
             st.abs_max = m if st.abs_max is None else torch.maximum(st.abs_max, m)
+        if self.want_hessian or self._sample < self.keep:
+            x2 = x2.float()
         if self.want_hessian:
             h = x2.T @ x2  # [K, K]
             st.hessian = h if st.hessian is None else st.hessian.add_(h)

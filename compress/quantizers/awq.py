@@ -223,11 +223,14 @@ def fold_scales(prev: nn.Module, balance: list[nn.Module], balance_names, s: Ten
         input_divisor[n] = input_divisor.get(n, torch.ones_like(s)) * s
 
 
+REPLAY_DTYPE = torch.bfloat16
+
+
 def _autocast(t: Tensor):
     """The scale search compares candidates in bfloat16 (AMX / tensor cores: ~4x the float32 matmul rate
     here). Candidates and the reference are computed the same way, so the comparison stays fair;
     the chosen scales are folded into the float32 weights."""
-    return torch.autocast(device_type=t.device.type, dtype=torch.bfloat16)
+    return torch.autocast(device_type=t.device.type, dtype=REPLAY_DTYPE)
 
 
 @torch.no_grad()
@@ -248,7 +251,8 @@ def _replay_loss(inspect: nn.Module, calls, reference: list[Tensor], balance: li
         for m, w0 in zip(balance, originals):
             w = in_weight(m).float()
             trial = fake_quantize(w * s[None, :], scheme) / s[None, :]
-            m.weight.data = (trial.t() if isinstance(m, Conv1D) else trial).to(w0.dtype).contiguous()
+            # held in the replay's matmul dtype: the same values autocast would produce, cast once, not per call
+            m.weight.data = (trial.t() if isinstance(m, Conv1D) else trial).to(REPLAY_DTYPE).contiguous()
         with _autocast(originals[0]):
             outs = _replay(inspect, calls)
         return sum(float((o - r).pow(2).mean()) for o, r in zip(outs, reference)) / len(calls)
