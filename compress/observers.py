@@ -58,6 +58,7 @@ class BlockObserver:
         self.stats: dict[str, InputStats] = {}
         self.calls: dict[str, list[Call]] = {n: [] for n in inspect}
         self._sample = -1
+        self._dtype: torch.dtype | None = None
         self._seen: list[tuple[Tensor, str]] = []  # inputs of the current sample and their first reader
         self._handles: list = []
 
@@ -80,9 +81,10 @@ class BlockObserver:
             h.remove()
         self._handles.clear()
 
-    def _new_sample(self, _module, _args) -> None:
+    def _new_sample(self, _module, args) -> None:
         self._sample += 1
         self._seen = []
+        self._dtype = args[0].dtype if args and isinstance(args[0], Tensor) else None  # the residual stream's
 
     def _linear_hook(self, name: str):
         def hook(_module, args, _output):
@@ -120,12 +122,11 @@ class BlockObserver:
         st.tokens += x2.shape[0]
 
     def _inspect_hook(self, name: str):
-        def hook(module, args, kwargs):
+        def hook(_module, args, kwargs):
             if self._sample < self.keep:
-                # a float32 module observed under bfloat16 autocast receives some bf16 inputs: keep them in the
-                # module's dtype (lossless), so a replay outside autocast runs too
-                dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
-                self.calls[name].append(Call(_to_dtype(args, dtype), _to_dtype(dict(kwargs), dtype)))
+                # a float32 block observed under bfloat16 autocast passes some bf16 tensors: keep them in the
+                # block's own dtype (that of its input; lossless), so a replay outside autocast runs too
+                self.calls[name].append(Call(_to_dtype(args, self._dtype), _to_dtype(dict(kwargs), self._dtype)))
         return hook
 
 

@@ -204,8 +204,7 @@ def verify_windows(recipe: Recipe, tokenizer, samples: torch.Tensor | None) -> t
     if not n:
         return None, "not verified (output.verify_windows: 0)"
     if find_data_dir() is not None:
-        return eval_windows(tokenizer, recipe.eval.split, min(recipe.eval.seq_len, 512), n), \
-            f"WikiText-2 {recipe.eval.split}"
+        return eval_windows(tokenizer, recipe.eval.split, recipe.eval.seq_len, n), f"WikiText-2 {recipe.eval.split}"
     if samples is not None:
         return samples[:n], "calibration windows (no local WikiText-2)"
     raise FileNotFoundError("verifying the exports needs text: the shared data folder (COMPRESS_DATA_DIR) or a "

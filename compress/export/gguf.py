@@ -621,15 +621,20 @@ def llama_cpp_logits(path: str | Path, windows: Tensor, n_ctx: int | None = None
     b, t = windows.shape
     if n_ctx is not None and n_ctx < t:
         raise ValueError(f"n_ctx={n_ctx} is shorter than the windows ({t} tokens)")
+    return torch.stack(list(iter_llama_cpp_logits(path, windows, n_ctx, extra_buffers)))
+
+
+def iter_llama_cpp_logits(path: str | Path, windows: Tensor, n_ctx: int | None = None, extra_buffers: bool = False):
+    """llama_cpp_logits one window at a time (float32 [T, vocab] each), the model loaded once."""
+    windows = torch.as_tensor(windows)
+    t = windows.shape[1]
     llm = load_llama_cpp(path, n_ctx=n_ctx or t, extra_buffers=extra_buffers)
     try:
-        out = []
         for row in windows.tolist():
             llm.reset()
             llm.eval(row)
-            out.append(torch.from_numpy(np.array(llm.scores[:t], dtype=np.float32)))
+            yield torch.from_numpy(np.array(llm.scores[:t], dtype=np.float32))
     finally:
         close = getattr(llm, "close", None)
         if close is not None:
             close()
-    return torch.stack(out)

@@ -220,11 +220,23 @@ def verify_export(folder: str | Path, source: nn.Module, windows: Tensor) -> dic
     _without_input_quantization), so the comparison is of the stored weights, the static input scales are
     checked for equality, and the result says so. llama.cpp computes as it serves and is compared with the
     source as it runs."""
-    loader, logits = export_logits(folder, windows)
+    loader, model = load_export(folder)
     gguf = loader == "llama-cpp-python"
-    with contextlib.nullcontext(False) if gguf else float_activations(source) as floated:
-        reference = model_logits(source, windows)
-    result = {"loader": loader, **compare_logits(reference, logits), "windows": list(windows.shape)}
+    if gguf:
+        from .gguf import iter_llama_cpp_logits
+        theirs = iter_llama_cpp_logits(str(model), windows)
+    else:
+        theirs = (model_logits(model, w[None])[0] for w in windows)
+    kl = agree = positions = 0.0
+    floated = False
+    for w, logits in zip(windows, theirs):  # one window at a time: [T, vocab] logits, never [B, T, vocab]
+        with contextlib.nullcontext(False) if gguf else float_activations(source) as floated:
+            reference = model_logits(source, w[None])[0]
+        c = compare_logits(reference, logits)
+        kl, agree, positions = kl + c["kl"] * c["positions"], agree + c["top1_agreement"] * c["positions"], \
+            positions + c["positions"]
+    result = {"loader": loader, "kl": kl / positions, "top1_agreement": agree / positions,
+              "positions": int(positions), "windows": list(windows.shape)}
     if floated:
         result["activations"] = ("weights compared with float activations on both sides (vLLM quantizes them from "
                                  "the stored config and input scales; no loader here does it as vLLM does)")
