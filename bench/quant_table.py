@@ -1,9 +1,9 @@
 """Results table for the README: baseline vs RTN int8/int4 (absmax and zero-point) on SmolLM2-135M.
 
-All models are scored in one loop over the same WikiText-2 test windows (GPTQ/AWQ protocol), so
-KL and top-1 agreement compare like with like. One CPU thread.
+All models are scored in one loop over the same WikiText-2 test windows (bench/protocol.py), so KL and
+top-1 agreement compare like with like. Quantized in memory from the float32 model: only the quantization differs.
 
-    python bench/quant_table.py --max-windows 16 --out bench/results/quant_table.json
+    python bench/quant_table.py       # the README protocol (bench/protocol.py)
 """
 from __future__ import annotations
 
@@ -11,18 +11,22 @@ import argparse
 import copy
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from compress.arch import get_arch
-from compress.evaluate.memory import peak_rss_bytes, weight_bytes
-from compress.evaluate.ppl import score_windows
-from compress.evaluate.report import eval_windows
-from compress.models import load_model
-from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
-from compress.scheme import scheme
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import protocol  # noqa: E402
+from compress.arch import get_arch  # noqa: E402
+from compress.evaluate.memory import peak_rss_bytes, weight_bytes  # noqa: E402
+from compress.evaluate.ppl import score_windows  # noqa: E402
+from compress.evaluate.report import eval_windows  # noqa: E402
+from compress.models import load_model  # noqa: E402
+from compress.quantize import QuantizeStage, apply_quantize, plan_quantize  # noqa: E402
+from compress.scheme import scheme  # noqa: E402
 
 CONFIGS = {
     "int8 absmax per-channel": scheme("int8", "channel", symmetric=True),
@@ -35,11 +39,12 @@ CONFIGS = {
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
-    ap.add_argument("--max-windows", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--max-windows", type=int, default=protocol.WINDOWS)
+    ap.add_argument("--seq-len", type=int, default=protocol.SEQ_LEN)
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads for scoring")
     ap.add_argument("--out", default="bench/results/quant_table.json")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     loaded = load_model(args.model)
     base = loaded.model
@@ -50,7 +55,7 @@ def main() -> None:
         stage = QuantizeStage(method="rtn", scheme=sch)
         apply_quantize(m, plan_quantize(m, arch, stage), stage)
         models[name] = m
-    windows = eval_windows(loaded.tokenizer, "test", args.seq_len, args.max_windows)
+    windows = eval_windows(loaded.tokenizer, protocol.SPLIT, args.seq_len, args.max_windows)
     scores = score_windows(models, windows, baseline="baseline (float32)")
     rows = {}
     for name, m in models.items():
@@ -59,7 +64,7 @@ def main() -> None:
                       "quantized_linears_over_bf16": w["quantized_over_bf16"], "weight_bytes": w["total"]}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"model": loaded.source, "windows": int(windows.shape[0]), "seq_len": args.seq_len,
-              "split": "test", "threads": 1, "commit": commit, "date": time.strftime("%Y-%m-%d"),
+              "split": protocol.SPLIT, "threads": args.threads, "protocol": protocol.as_dict(), "commit": commit, "date": time.strftime("%Y-%m-%d"),
               "seconds": time.perf_counter() - t0, "peak_rss_bytes": peak_rss_bytes(), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
