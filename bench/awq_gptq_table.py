@@ -1,10 +1,11 @@
 """RTN vs AWQ vs GPTQ vs AWQ+GPTQ at int4 and int3 (group 64, zero-point) on SmolLM2-135M.
 
 Phase 1 runs each recipe with `compress run` in its own process (so wall time and peak RSS are the
-run's own), calibration 128 × 512 WikiText-2 validation, evaluation switched off. Phase 2 scores the
-saved models and the baseline in one loop over the same WikiText-2 test windows (2048 tokens).
+run's own), calibration 128 × 512 WikiText-2 validation, evaluation switched off, float tensors saved in
+float32. Phase 2 scores the saved models and the baseline in one loop over the protocol's windows
+(bench/protocol.py).
 
-    python bench/awq_gptq_table.py --max-windows 16
+    python bench/awq_gptq_table.py
 """
 from __future__ import annotations
 
@@ -17,6 +18,11 @@ from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import protocol  # noqa: E402
+
 RUNS = {  # name: (recipe, extra --set overrides)
     "rtn int4": ("recipes/gptq_int4.yaml", ["stages.0.method=rtn", "calibration=null"]),
     "awq int4": ("recipes/awq_int4.yaml", []),
@@ -26,7 +32,6 @@ RUNS = {  # name: (recipe, extra --set overrides)
     "awq int3": ("recipes/awq_int3.yaml", []),
     "gptq int3": ("recipes/gptq_int4.yaml", ["stages.0.scheme.dtype=int3"]),
     "awq+gptq int3": ("recipes/awq_gptq_int4.yaml", ["stages.1.scheme.dtype=int3"]),
-    "awq int3 (search_samples 16)": ("recipes/awq_int3.yaml", ["stages.0.search_samples=16"]),
 }
 
 
@@ -37,7 +42,8 @@ def compress_all(out_root: Path, only: list[str]) -> dict:
             continue
         out = out_root / name.replace(" ", "_").replace("+", "-").replace("(", "").replace(")", "")
         cmd = [sys.executable, "-m", "compress", "run", recipe, "--output", str(out), "--overwrite", "--no-progress",
-               "--set", "eval.perplexity=false", "--set", "eval.speed=false", "--set", "eval.baseline=false"]
+               "--set", "eval.perplexity=false", "--set", "eval.speed=false", "--set", "eval.baseline=false",
+               *protocol.SAVE_FLOAT32]
         for s in sets:
             cmd += ["--set", s]
         t0 = time.perf_counter()
@@ -56,18 +62,18 @@ def score_all(info: dict, max_windows: int) -> dict:
     from compress.evaluate.report import eval_windows
     from compress.models import load_compressed, load_model
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(2)
     base = load_model("default")
     models = {"baseline (float32)": base.model}
     models.update({name: load_compressed(i["dir"]) for name, i in info.items()})
-    windows = eval_windows(base.tokenizer, "test", 2048, max_windows)
+    windows = eval_windows(base.tokenizer, protocol.SPLIT, protocol.SEQ_LEN, max_windows)
     scores = score_windows(models, windows, baseline="baseline (float32)")
     return {n: {"ppl": s.ppl, "kl": s.kl, "top1": s.top1_agreement, "tokens": s.tokens} for n, s in scores.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--max-windows", type=int, default=16)
+    ap.add_argument("--max-windows", type=int, default=protocol.WINDOWS)
     ap.add_argument("--out", default="bench/results/awq_gptq_table.json")
     ap.add_argument("--runs-dir", default="runs/bench")
     ap.add_argument("--only", nargs="*", default=[], help="subset of run names")
@@ -75,7 +81,8 @@ def main() -> None:
     info = compress_all(Path(args.runs_dir), args.only)
     scores = score_all(info, args.max_windows)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "windows": args.max_windows, "runs": info,
+    result = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "windows": args.max_windows,
+              "protocol": protocol.as_dict(), "runs": info,
               "scores": scores}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -1,10 +1,11 @@
 """Format × scheme × loader on SmolLM2-135M: every export reloaded by its loader and compared with the
-compressed model in memory (KL per token and top-1 agreement on WikiText-2 test windows).
+compressed model as saved beside it (KL per token and top-1 agreement on the protocol's WikiText-2 test windows,
+bench/protocol.py; the run saves float tensors in float32, so that model is the one in memory).
 
 One `compress run` per scheme (its own process) with `output.formats` listing the exports; each run's
 report.json carries the verification. Writes bench/results/export_table.json and prints a Markdown table.
 
-    python bench/export_table.py            # about 15 minutes on one CPU core
+    python bench/export_table.py            # about 30 minutes on 2 cores
     python bench/export_table.py --reuse    # tabulate runs/export_* that already exist
 """
 from __future__ import annotations
@@ -20,6 +21,10 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import protocol  # noqa: E402
+
 CALIBRATION = {"preset": "wikitext2", "n_samples": 32, "seq_len": 512}
 QUANTIZE = {"stage": "quantize", "method": "rtn", "ignore": ["lm_head"]}
 RUNS = {  # name: (stages, formats)
@@ -35,7 +40,7 @@ RUNS = {  # name: (stages, formats)
                                   ["compressed-tensors", "fp8"]),
     "fp8 dynamic (per channel)": ([{**QUANTIZE, "scheme": "FP8_DYNAMIC"}], ["compressed-tensors"]),
 }
-WINDOWS, SEQ_LEN = 4, 512
+WINDOWS, SEQ_LEN = protocol.WINDOWS, protocol.SEQ_LEN
 
 
 def folder(name: str) -> Path:
@@ -46,7 +51,7 @@ def run(name: str, stages: list, formats: list[str]) -> None:
     recipe = {"model": "default", "calibration": CALIBRATION, "stages": stages,
               "eval": {"perplexity": False, "speed": False, "baseline": False, "seq_len": SEQ_LEN},
               "output": {"dir": str(folder(name)), "overwrite": True, "formats": formats,
-                         "verify_windows": WINDOWS}}
+                         "verify_windows": WINDOWS, "save_dtype": "float32"}}
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(recipe, f, sort_keys=False)
     print(f"[{name}] compress run ({', '.join(formats)})", file=sys.stderr, flush=True)
@@ -82,7 +87,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     result = {"date": datetime.date.today().isoformat(), "commit": commit, "model": "SmolLM2-135M-Instruct (default)",
-              "windows": f"{WINDOWS} × {SEQ_LEN} tokens", "rows": rows}
+              "windows": f"{WINDOWS} × {SEQ_LEN} tokens", "protocol": protocol.as_dict(), "rows": rows}
     out = ROOT / "bench" / "results" / "export_table.json"
     out.write_text(json.dumps(result, indent=2))
     print("| scheme | format | size | reloaded with | KL (nats/token) | top-1 agreement | tensors |\n"

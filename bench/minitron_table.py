@@ -36,7 +36,8 @@ RUNS = {  # axis: (output folder, --set overrides)
 
 def run(axis: str, out: str, sets: list[str] | None) -> None:
     recipe = "recipes/minitron_then_awq_int4.yaml" if sets is None else RECIPE
-    cmd = [sys.executable, "-m", "compress", "run", recipe, "--no-progress", "--overwrite", "--output", out]
+    cmd = [sys.executable, "-m", "compress", "run", recipe, "--no-progress", "--overwrite", "--output", out,
+           "--set", "output.save_dtype=float32"]  # the saved model is the evaluated one (standard_suite reuses it)
     for s in sets or ():
         cmd += ["--set", s]
     print(f"[{axis}] {' '.join(cmd[1:])}", file=sys.stderr, flush=True)

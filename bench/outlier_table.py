@@ -5,7 +5,10 @@ Phase 1 runs each recipe with `compress run` in its own process (evaluation off)
 Phase 2 scores, per variant, the baseline, every saved model and bitsandbytes' own LLM.int8 (Linear8bitLt
 quantizing the float weights itself, on CPU) in one loop over the same WikiText-2 test windows.
 
-    python bench/outlier_table.py --max-windows 8
+    python bench/outlier_table.py       # the README protocol (bench/protocol.py)
+
+LLM.int8 rows also get the share of their int8 layers' matmul work that ran in float (outlier features ÷ input
+features, per layer and overall): where it is large, "LLM.int8 holds" means "the layer ran in float".
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `compress` and tests.reference from a checkout, installed or not
+
+from bench import protocol  # noqa: E402
 
 PLANT = {"channels": 4, "factor": 40.0, "seed": 0}
 NO_CALIB = ["calibration=null"]
@@ -96,7 +101,7 @@ def compress_all(out_root: Path, variant: str, only: list[str], reuse: bool) -> 
 def score_variant(info: dict, variant: str, max_windows: int, with_bnb: bool) -> dict:
     from compress.arch import get_arch
     from compress.evaluate.ppl import score_windows
-    from compress.evaluate.report import eval_windows
+    from compress.evaluate.report import eval_windows, llm_int8_float_share
     from compress.models import load_compressed, load_model
     from compress.outliers import PlantSpec, plant_outliers
     from tests.reference.bnb_llm_int8 import to_bitsandbytes_int8
@@ -114,26 +119,38 @@ def score_variant(info: dict, variant: str, max_windows: int, with_bnb: bool) ->
         to_bitsandbytes_int8(bnb, get_arch(bnb).blocks, threshold=6.0)
         models[BNB] = bnb
     models.update({name: load_compressed(i["dir"]) for name, i in info.items()})
-    windows = eval_windows(base.tokenizer, "test", 2048, max_windows)
+    windows = eval_windows(base.tokenizer, protocol.SPLIT, protocol.SEQ_LEN, max_windows)
     t0 = time.perf_counter()
     scores = score_windows(models, windows, baseline="baseline (float32)")
     print(f"[{variant}] scored {len(models)} models on {windows.shape[0]} windows in {time.perf_counter() - t0:.0f} s",
           flush=True)
-    return {n: {"ppl": s.ppl, "kl": s.kl, "top1": s.top1_agreement, "tokens": s.tokens} for n, s in scores.items()}
+    out = {n: {"ppl": s.ppl, "kl": s.kl, "top1": s.top1_agreement, "tokens": s.tokens} for n, s in scores.items()}
+    for n, m in models.items():  # LLM.int8: outlier counts accumulated over these windows (dynamic) or fixed
+        share = llm_int8_float_share(m)
+        if share is not None:
+            heavy = sorted(share["layers"].items(), key=lambda kv: -kv[1])
+            out[n]["float_share"] = {"overall": share["overall"], "max_layer": heavy[0][0],
+                                     "max_layer_share": heavy[0][1],
+                                     "layers_over_half": sum(v > 0.5 for v in share["layers"].values()),
+                                     "layers": share["layers"]}
+    return out
 
 
 def table(scores: dict) -> list[str]:
     base = scores["baseline (float32)"]["ppl"]
-    lines = ["| method | WikiText-2 ppl | Δ ppl | KL (nats/token) | top-1 agreement |", "|---|---:|---:|---:|---:|"]
+    lines = ["| method | WikiText-2 ppl | Δ ppl | KL (nats/token) | top-1 agreement | matmul work in float |",
+             "|---|---:|---:|---:|---:|---:|"]
     for n, s in scores.items():
         d = "—" if n.startswith("baseline") else f"{100 * (s['ppl'] / base - 1):+.2f}%"
-        lines.append(f"| {n} | {s['ppl']:.3f} | {d} | {s['kl']:.4f} | {s['top1']:.2%} |")
+        f = s.get("float_share")
+        share = "—" if f is None else f"{f['overall']:.1%} (max {f['max_layer_share']:.0%})"
+        lines.append(f"| {n} | {s['ppl']:.3f} | {d} | {s['kl']:.4f} | {s['top1']:.2%} | {share} |")
     return lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--max-windows", type=int, default=8)
+    ap.add_argument("--max-windows", type=int, default=protocol.WINDOWS)
     ap.add_argument("--variants", nargs="*", default=["original", "planted"],
                     help="original, planted (factor 40) or planted:FACTOR")
     ap.add_argument("--only", nargs="*", default=[], help="subset of row names")
@@ -145,7 +162,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "windows": args.max_windows, "seq_len": 2048,
+    result = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "windows": args.max_windows,
+              "seq_len": protocol.SEQ_LEN, "protocol": protocol.as_dict(),
               "plant": {v: plant_spec(v) for v in args.variants}, "variants": {}}
     for variant in args.variants:
         info = compress_all(Path(args.runs_dir), variant, args.only, args.reuse)

@@ -1,5 +1,5 @@
 """The standard evaluation of SmolLM2-135M and its compressed versions, side by side in one report: perplexity,
-KL and top-1 against the original, lm-eval tasks with recovery, memory, measured decode tokens/s at batch 1 and
+KL and top-1 against the original, lm-eval task scores ± standard error, memory, measured decode tokens/s at batch 1 and
 16, roofline predictions for the H100 and H200; then the Pareto page (`compress report`).
 
 eval/standard.yaml is the whole protocol (full splits: about 8 hours per model on this CPU). This script runs it
