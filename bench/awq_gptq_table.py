@@ -1,4 +1,4 @@
-"""RTN vs AWQ vs GPTQ vs AWQ+GPTQ at int4 and int3 (group 64, zero-point) on SmolLM2-135M.
+"""RTN vs AWQ vs GPTQ vs AWQ+GPTQ vs HQQ at int4 and int3 (group 64, zero-point) on SmolLM2-135M.
 
 Phase 1 runs each recipe with `compress run` in its own process (so wall time and peak RSS are the
 run's own), calibration 128 × 512 WikiText-2 validation, evaluation switched off, float tensors saved in
@@ -6,6 +6,8 @@ float32. Phase 2 scores the saved models and the baseline in one loop over the p
 (bench/protocol.py).
 
     python bench/awq_gptq_table.py
+    python bench/awq_gptq_table.py --only "rtn int4" "hqq int4" "hqq int4, rounded zero points" "gptq int4" \
+        "rtn int3" "hqq int3" "gptq int3" --out bench/results/hqq_table.json      # the HQQ table
 """
 from __future__ import annotations
 
@@ -32,6 +34,10 @@ RUNS = {  # name: (recipe, extra --set overrides)
     "awq int3": ("recipes/awq_int3.yaml", []),
     "gptq int3": ("recipes/gptq_int4.yaml", ["stages.0.scheme.dtype=int3"]),
     "awq+gptq int3": ("recipes/awq_gptq_int4.yaml", ["stages.1.scheme.dtype=int3"]),
+    # HQQ (no calibration): fractional float16 zero points, and rounded to uint8 (what AWQ/GPTQ/compressed-tensors hold)
+    "hqq int4": ("recipes/hqq_int4.yaml", []),
+    "hqq int4, rounded zero points": ("recipes/hqq_int4.yaml", ["stages.0.scheme.zero_point_dtype=uint8"]),
+    "hqq int3": ("recipes/hqq_int4.yaml", ["stages.0.scheme.dtype=int3"]),
 }
 
 
@@ -40,7 +46,7 @@ def compress_all(out_root: Path, only: list[str]) -> dict:
     for name, (recipe, sets) in RUNS.items():
         if only and name not in only:
             continue
-        out = out_root / name.replace(" ", "_").replace("+", "-").replace("(", "").replace(")", "")
+        out = out_root / name.replace(" ", "_").replace("+", "-").replace("(", "").replace(")", "").replace(",", "")
         cmd = [sys.executable, "-m", "compress", "run", recipe, "--output", str(out), "--overwrite", "--no-progress",
                "--set", "eval.perplexity=false", "--set", "eval.speed=false", "--set", "eval.baseline=false",
                *protocol.SAVE_FLOAT32]

@@ -45,8 +45,8 @@ ROWS = {  # name: (recipe, --set overrides)
     "fp8 dynamic + GPTQ": ("recipes/fp8_dynamic.yaml", []),
     # GPTQ's act_order default was chosen on int4 (validation); these two rows check it on the fp8 grid
     "fp8 weight-only + GPTQ, no act order": ("recipes/fp8_dynamic.yaml",
-                                             ["stages.0.scheme=FP8_W8A16", "stages.0.gptq.act_order=false"]),
-    "fp8 dynamic + GPTQ, no act order": ("recipes/fp8_dynamic.yaml", ["stages.0.gptq.act_order=false"]),
+                                             ["stages.0.scheme=FP8_W8A16", "stages.0.options.act_order=false"]),
+    "fp8 dynamic + GPTQ, no act order": ("recipes/fp8_dynamic.yaml", ["stages.0.options.act_order=false"]),
     "fp8 dynamic + fp8 KV cache": ("recipes/fp8_static_kv.yaml", ["stages.0.scheme=FP8_DYNAMIC"]),
 }
 BNB = "LLM.int8 (bitsandbytes Linear8bitLt)"

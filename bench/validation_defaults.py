@@ -41,9 +41,9 @@ def _runs() -> dict[str, tuple[str, list[str]]]:
                                                                       f"calibration.seed={seed}"])
     for act_order in (False, True):
         runs[f"gptq int4 act_order={act_order}"] = ("recipes/gptq_int4.yaml",
-                                                    [f"stages.0.gptq.act_order={str(act_order).lower()}"])
+                                                    [f"stages.0.options.act_order={str(act_order).lower()}"])
         runs[f"awq+gptq int4 act_order={act_order}"] = ("recipes/awq_gptq_int4.yaml",
-                                                        [f"stages.1.gptq.act_order={str(act_order).lower()}"])
+                                                        [f"stages.1.options.act_order={str(act_order).lower()}"])
     runs["rtn int4"] = ("recipes/int4_rtn.yaml", ["calibration=null"])
     runs["rtn int3"] = ("recipes/int4_rtn.yaml", ["calibration=null", "stages.0.scheme.dtype=int3"])
     return runs

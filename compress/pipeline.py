@@ -29,6 +29,7 @@ from .outliers import plant_outliers
 from .quantize import QuantizeStage, apply_quantize, plan_quantize
 from .kv_cache import KVCacheStage, attention_modules, kv_layers, set_kv_scales, use_kv_attention
 from .model_stages import run_model_stages, work_dir, world
+from .quantizers import get_quantizer
 from .quantizers.awq import AWQStage, awq_block
 from .quantizers.smoothquant import SmoothQuantStage, smoothquant_block
 from .recipe import MODEL_STAGES, Recipe, to_plain
@@ -83,7 +84,7 @@ class BlockStages:
         self.abs_mean = any(isinstance(s, AWQStage) for s in stages)
         self.abs_max = any(isinstance(s, SmoothQuantStage) or (isinstance(s, QuantizeStage) and s.scheme.act)
                            for s in stages)
-        self.gptq = any(isinstance(s, QuantizeStage) and s.method == "gptq" for s in stages)
+        self.hessian = any(isinstance(s, QuantizeStage) and get_quantizer(s.method).needs_hessian for s in stages)
         self.kv = any(isinstance(s, KVCacheStage) for s in stages)
         self.pair_report: dict[int, list] = {i: [] for i, s in enumerate(stages)
                                              if isinstance(s, (AWQStage, SmoothQuantStage))}
@@ -91,7 +92,7 @@ class BlockStages:
         self.kv_report: dict[str, dict] = {}
 
     def observe(self, _i: int, prefix: str, block) -> BlockObserver | None:
-        if not (self.searchers or self.abs_mean or self.abs_max or self.gptq or self.kv):
+        if not (self.searchers or self.abs_mean or self.abs_max or self.hessian or self.kv):
             return None
         planned = {e.name for _, plan in self.model_stages if plan is not None for e in plan.quantized
                    if e.scheme is not None}  # only the layers a stage will use statistics of
@@ -101,7 +102,7 @@ class BlockStages:
             return None
         inspect = sorted({insp for _, _, insp in self.arch.awq}) if self.searchers else []
         keep = max((s.search_samples for s in self.searchers), default=0)
-        return BlockObserver(block, linears, inspect, abs_mean=self.abs_mean, hessian=self.gptq, keep_samples=keep,
+        return BlockObserver(block, linears, inspect, abs_mean=self.abs_mean, hessian=self.hessian, keep_samples=keep,
                              abs_max=self.abs_max, kv=tuple(attention_modules(block)) if self.kv else ())
 
     def _next_quantized(self, k: int, prefix: str):

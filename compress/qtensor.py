@@ -67,7 +67,7 @@ class QuantizedTensor:
     # is what the matmuls read: symmetric int8 (int8 [out, in] codes) and fp8 (float8 [out, in] values).
     qdata: Tensor
     scale: Tensor  # [] | [out, 1] | [out, in // group_size] | [out // B, in // B], in scheme.scale_dtype
-    zero_point: Tensor | None  # uint8, same shape as scale; None for symmetric schemes
+    zero_point: Tensor | None  # scheme.zero_point_dtype (uint8, or float16: fractional), shape of scale; None: symmetric
     scheme: QuantScheme
     shape: tuple[int, int]
 
@@ -84,7 +84,7 @@ class QuantizedTensor:
         return cls(
             qdata=pack_codes(u, scheme.bits),
             scale=scale.to(getattr(torch, scheme.scale_dtype)),
-            zero_point=None if zero_point is None else zero_point.to(torch.uint8),
+            zero_point=None if zero_point is None else zero_point.to(getattr(torch, scheme.zero_point_dtype)),
             scheme=scheme,
             shape=tuple(q.shape),
         )

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -11,9 +11,7 @@ from torch import nn
 from .arch import ArchSpec, get_module, set_module
 from .nn import QuantLinear, is_linear, linear_shape, linear_weight
 from .observers import BlockObserver
-from .quantizers import get_quantizer
-from .quantizers.gptq import GPTQConfig, quantize_gptq
-from .quantizers.rtn import quantize_rtn
+from .quantizers import LayerInputs, build_options, get_quantizer
 from .scheme import W4A16_G64, QuantScheme
 
 COMMON_GROUP_SIZES = (16, 32, 64, 128, 256)
@@ -29,6 +27,8 @@ class QuantizeStage:
     the model's output projection, whatever the family calls it. `ignore` wins over `targets`.
     strict: a layer the scheme cannot hold (group size does not divide in_features) is an error;
     with strict: false it is left in float and listed in the report with the reason.
+    method: a name in quantizers.QUANTIZERS (rtn, gptq, hqq); options: that method's settings (a mapping, e.g.
+    `options: {act_order: false}` for gptq), validated against its options dataclass.
     tied_lm_head: what to do with an lm_head that shares its weight with the input embedding
     (tie_word_embeddings, as in SmolLM2). `keep` leaves it in float (reported): quantizing the shared matrix
     would also quantize the embedding lookup. `untie` gives lm_head its own copy of the matrix just before it is
@@ -45,15 +45,18 @@ class QuantizeStage:
     targets: tuple[str, ...] = ("Linear", "Conv1D")
     ignore: tuple[str, ...] = ("lm_head",)
     strict: bool = True
-    gptq: GPTQConfig = GPTQConfig()  # method: gptq only
+    options: Any = None  # the method's options dataclass (a mapping in a recipe; None: its defaults)
     tied_lm_head: Literal["keep", "untie"] = "keep"
 
     @property
     def needs_calibration(self) -> bool:
-        return self.method == "gptq" or needs_input_stats(self.scheme)
+        return get_quantizer(self.method).needs_hessian or needs_input_stats(self.scheme)
 
     def __post_init__(self):
-        get_quantizer(self.method)  # unknown method -> ValueError listing the known ones
+        quantizer = get_quantizer(self.method)  # unknown method -> ValueError listing the known ones
+        object.__setattr__(self, "options", build_options(self.method, self.options))
+        if (why := quantizer.problem(self.scheme)) is not None:
+            raise ValueError(f"method {self.method} with scheme {self.scheme.name}: {why}")
         if self.tied_lm_head not in TIED_LM_HEAD:
             raise ValueError(f"tied_lm_head is {self.tied_lm_head!r}; allowed values: "
                              f"{', '.join(map(repr, TIED_LM_HEAD))} (keep: leave a tied lm_head in float; untie: "
@@ -62,9 +65,6 @@ class QuantizeStage:
             raise ValueError("tied_lm_head: untie quantizes the lm_head, but `ignore` still lists lm_head (the "
                              "default ignore is [lm_head]); set `ignore: []` (or drop lm_head from it), or use "
                              "tied_lm_head: keep")
-        if self.method == "gptq" and self.scheme.granularity == "block":
-            raise ValueError("method gptq quantizes column by column and cannot keep 128x128 block scales; use "
-                             "granularity: channel or tensor, or method: rtn")
 
 
 def needs_input_stats(scheme: QuantScheme) -> bool:
@@ -176,25 +176,18 @@ def untie_lm_head(model: nn.Module, head_name: str) -> None:
             m.all_tied_weights_keys = m.get_expanded_tied_weights_keys(all_submodels=True)
 
 
-def _input_stats(observer, rel: str, name: str, why: str):
-    if observer is None or rel not in observer.stats:
-        raise ValueError(f"{name}: {why} needs the layer's calibration inputs, and this layer was not seen by the "
-                         "block-by-block pass (it is outside the decoder blocks). Add it to `ignore:` or quantize it "
-                         "in a separate stage with a weight-only or dynamic scheme.")
-    return observer.stats[rel]
-
-
 @torch.no_grad()
 def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, prefix: str | None = None,
                    observer: BlockObserver | None = None, input_divisor: dict | None = None,
                    info: dict | None = None) -> int:
     """Replace the planned layers (only those under `prefix`, when given) by QuantLinear. Returns the count.
 
-    GPTQ reads each layer's input Hessian from `observer` (keys relative to `prefix`); where an earlier
-    AWQ or SmoothQuant stage divided a layer's inputs by s (`input_divisor`), the Hessian becomes H / (s s^T)
-    and the recorded input maxima max|x| / s. Static activation scales and LLM.int8 outlier features come
-    from those maxima; what was found per layer goes into `info[name]`.
+    Each layer goes through the stage's registered quantizer with its calibration inputs (`observer`, keys
+    relative to `prefix`) as a LayerInputs, which corrects them for the scales an earlier AWQ or SmoothQuant stage
+    divided the inputs by (`input_divisor`). Static activation scales and LLM.int8 outlier features come from the
+    corrected input maxima; what was found per layer goes into `info[name]`.
     """
+    quantizer = get_quantizer(stage.method)
     count = 0
     for entry in plan.quantized:
         if prefix is not None and not entry.name.startswith(prefix + "."):
@@ -205,19 +198,16 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
         untied = entry.untie and _is_tied(model, entry.name)
         w = linear_weight(module).detach()
         rel = entry.name[len(prefix) + 1:] if prefix else entry.name
-        s = (input_divisor or {}).get(rel)
-        if stage.method == "gptq":
-            h = _input_stats(observer, rel, entry.name, "GPTQ").hessian_mean(s)
-            qt = quantize_gptq(w, h, entry.scheme, stage.gptq, name=entry.name)
-        else:
-            qt = quantize_rtn(w, entry.scheme)
+        stats = None if observer is None else observer.stats.get(rel)
+        inputs = LayerInputs(entry.name, stats, (input_divisor or {}).get(rel))
+        qt = quantizer.quantize(w, entry.scheme, stage.options, inputs)
         layer = QuantLinear.from_module(module, qt)
         act = entry.scheme.act
         absmax = None
         if needs_input_stats(entry.scheme):
-            absmax = _input_stats(observer, rel, entry.name, "a static activation scheme").input_absmax(s)
-        elif observer is not None and rel in observer.stats and observer.stats[rel].abs_max is not None:
-            absmax = observer.stats[rel].input_absmax(s)
+            absmax = inputs.absmax()
+        elif stats is not None and stats.abs_max is not None:
+            absmax = inputs.absmax()
         if act is not None and absmax is not None:
             layer_info = {"input_absmax": float(absmax.max())}
             if not act.dynamic:

@@ -95,6 +95,8 @@ class QuantScheme:
     fp8 dtypes store w / s as real float8 values (torch.float8_e4m3fn / float8_e5m2, saturating at the
     format's largest finite value), s = absmax / fp8_max; they are symmetric.
     `act` (None = weight-only) says how the input is quantized for the matmul (W8A8, fp8 W8A8, LLM.int8).
+    zero_point_dtype (asymmetric integer grids): uint8 holds integer zero points, the layout every checkpoint
+    format and kernel reads; float16 holds fractional ones (HQQ's), w = (q - z) * s with z not on the grid.
     """
 
     dtype: Literal["int8", "int4", "int3", "int2", "fp8_e4m3", "fp8_e5m2"] = "int4"
@@ -103,6 +105,7 @@ class QuantScheme:
     symmetric: bool = True
     scale_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
     act: ActScheme | None = None
+    zero_point_dtype: Literal["uint8", "float16"] = "uint8"
 
     def __post_init__(self):
         if self.dtype not in BITS:
@@ -113,6 +116,12 @@ class QuantScheme:
             raise ValueError(f"scale_dtype={self.scale_dtype!r}; use one of {list(SCALE_DTYPES)}")
         if self.is_float and not self.symmetric:
             raise ValueError(f"{self.dtype} weights are symmetric (absmax scaled); remove symmetric: false")
+        if self.zero_point_dtype not in ("uint8", "float16"):
+            raise ValueError(f"zero_point_dtype={self.zero_point_dtype!r}; use 'uint8' (integer zero points) or "
+                             "'float16' (fractional, HQQ)")
+        if self.zero_point_dtype == "float16" and (self.symmetric or self.is_float):
+            raise ValueError("zero_point_dtype: float16 (fractional zero points) needs an asymmetric integer scheme; "
+                             "set symmetric: false, or remove zero_point_dtype")
         if self.granularity == "block" and not self.is_float:
             raise ValueError("granularity='block' (square tiles) is for fp8 weights; integer schemes use 'group'")
         if self.act is not None and self.act.outlier_threshold is not None and \
@@ -153,6 +162,7 @@ class QuantScheme:
         gran = {"tensor": "tensor", "channel": "channel", "block": f"b{self.group_size}"}.get(
             self.granularity, f"g{self.group_size}")
         base = f"{self.dtype}-{gran}-{'sym' if self.symmetric else 'asym'}"
+        base += "-fz16" if self.zero_point_dtype == "float16" else ""
         return base if self.act is None else f"{base}+{self.act.name}"
 
     def to_dict(self) -> dict:

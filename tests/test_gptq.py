@@ -68,7 +68,7 @@ def test_dead_inputs_are_zeroed_not_an_error():
 
 def test_singular_hessian_is_a_clear_error():
     h = -torch.eye(64)  # negative definite: no dampening of 1% of the (negative) mean diagonal fixes it
-    with pytest.raises(SingularHessianError, match="Raise `gptq.dampening`"):
+    with pytest.raises(SingularHessianError, match="`options.dampening`"):
         quantize_gptq(torch.randn(8, 64), h, scheme("int4", "group", 32), name="model.layers.0.mlp.up_proj")
 
 

@@ -127,6 +127,6 @@ def test_presets_and_registry():
     assert all(isinstance(s, QuantScheme) for s in PRESETS.values())
     with pytest.raises(ValueError, match="known presets"):
         get_preset("W5A16")
-    assert get_quantizer("rtn") is quantize_rtn
-    with pytest.raises(ValueError, match="known: \\['gptq', 'rtn'\\]"):
+    assert get_quantizer("rtn").quantize is quantize_rtn
+    with pytest.raises(ValueError, match="known: \\['gptq', 'hqq', 'rtn'\\]"):
         get_quantizer("magic")

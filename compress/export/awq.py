@@ -41,6 +41,9 @@ def common_problem(scheme: QuantScheme, shape: tuple[int, int] | None, fmt: str,
     if scheme.act is not None:
         return (f"{fmt} checkpoints are weight-only, but {scheme.name} also quantizes activations; "
                 f"use a weight-only scheme (act: null) such as {example}")
+    if scheme.zero_point_dtype != "uint8":
+        return (f"{fmt} checkpoints store integer zero points, and this scheme's are fractional (zero_point_dtype: "
+                "float16, HQQ); set zero_point_dtype: uint8 (HQQ then rounds them) or export `dense`")
     if scheme.scale_dtype != "float16":
         return (f"{fmt} checkpoints store float16 scales and this scheme's are {scheme.scale_dtype}, which would not "
                 "export bit for bit; set scheme.scale_dtype: float16")

@@ -61,6 +61,9 @@ def scheme_problem(scheme: QuantScheme) -> str | None:
         if scheme.granularity not in ("channel", "tensor"):
             return "W8A8 int8 weights are per channel or per tensor; set granularity: channel"
         return None
+    if scheme.zero_point_dtype != "uint8":
+        return ("compressed-tensors stores integer zero points, and this scheme's are fractional (zero_point_dtype: "
+                "float16, HQQ); set zero_point_dtype: uint8 (HQQ then rounds them) or export `dense`")
     if scheme.bits not in (4, 8):
         return f"vLLM serves {scheme.bits}-bit weight-only checkpoints from no kernel; use int4 or int8"
     if scheme.bits == 8 and not scheme.symmetric:

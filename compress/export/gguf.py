@@ -254,6 +254,8 @@ def exact_fit(qt: QuantizedTensor, qtype: str) -> str | None:
         return f"in_features={qt.shape[1]} is not a multiple of {BLOCK}"
     if s.granularity == "group" and s.group_size % BLOCK:
         return f"group_size={s.group_size} is not a multiple of {BLOCK}"
+    if s.zero_point_dtype != "uint8" and qtype != "q4_1":
+        return "fractional zero points (HQQ) fit Q4_1's float minimum only"
     if qtype == "q8_0" and not (s.symmetric or s.bits <= 7):
         return "asymmetric int8 codes minus their zero point span [-255, 255], beyond int8"
     if qtype == "q4_0" and not (s.symmetric and s.bits <= 4):

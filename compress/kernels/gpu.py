@@ -89,6 +89,8 @@ def w4a16_reason(layer, dtype: torch.dtype, device: torch.device) -> str | None:
         return f"int4 weight-only only (scheme {s.name})"
     if s.granularity not in ("group", "channel"):
         return f"group or per-channel scales only (got {s.granularity})"
+    if s.zero_point_dtype != "uint8":
+        return "integer zero points only (prepack takes codes 0..15); fractional ones run on the reference path"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"float16 / bfloat16 activations only (got {dtype})"
     # K is zero-padded to the kernel's k-tile at prepare time (pack_w4a16), so K = 576 layers run too

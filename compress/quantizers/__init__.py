@@ -1,16 +1,104 @@
-"""Weight quantizers: pure functions (weight, stats, scheme, cfg) -> QuantizedTensor."""
+"""Weight quantizers and their registry.
+
+A quantizer is one function of one signature, `quantize(w [out, in], scheme, options, inputs) -> QuantizedTensor`,
+and a frozen dataclass of its options. `QUANTIZERS` maps a recipe's `method:` to it; the quantize stage, recipe
+validation, `compress inspect` and the calibration pass reach every method through this table and nothing else.
+A new method is its own file, one line in `QUANTIZERS`, and its tests (`hqq.py` is the worked example).
+"""
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable
 
-from .gptq import quantize_gptq
-from .rtn import quantize_rtn
+from torch import Tensor
 
-# name -> function(weight [out, in], scheme, ...) -> QuantizedTensor. GPTQ also takes the input Hessian.
-QUANTIZERS: dict[str, Callable] = {"rtn": quantize_rtn, "gptq": quantize_gptq}
+from ..observers import InputStats
+from ..qtensor import QuantizedTensor
+from ..scheme import QuantScheme
+from .gptq import GPTQConfig, gptq_problem, quantize_gptq_layer
+from .hqq import HQQOptions, hqq_problem, quantize_hqq
+from .rtn import RTNOptions, quantize_rtn
 
 
-def get_quantizer(name: str) -> Callable:
+@dataclass(frozen=True)
+class LayerInputs:
+    """What the calibration pass saw of one layer's inputs, as the layer sees them now: where an earlier stage
+    (AWQ, SmoothQuant) divided them by s per channel (`divisor`), the statistics are corrected for it here, once.
+    `stats` is None for a layer the pass did not observe (calibration-free methods need nothing)."""
+
+    name: str
+    stats: InputStats | None = None
+    divisor: Tensor | None = None
+
+    def _need(self, why: str) -> InputStats:
+        if self.stats is None:
+            raise ValueError(f"{self.name}: {why} needs the layer's calibration inputs, and this layer was not seen by "
+                             "the block-by-block pass (it is outside the decoder blocks). Add it to `ignore:` or "
+                             "quantize it in a separate stage with a calibration-free method or a dynamic scheme.")
+        return self.stats
+
+    def hessian(self, why: str = "GPTQ") -> Tensor:
+        """H = 2/n Σ x xᵀ of the inputs the layer sees now (H / (s sᵀ) after a smoothing stage)."""
+        return self._need(why).hessian_mean(self.divisor)
+
+    def absmax(self, why: str = "a static activation scheme") -> Tensor:
+        """max |x| per input channel, as the layer sees its inputs now."""
+        return self._need(why).input_absmax(self.divisor)
+
+
+def _any_scheme(scheme: QuantScheme) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Quantizer:
+    """A registered weight quantization method."""
+
+    quantize: Callable[[Tensor, QuantScheme, Any, LayerInputs], QuantizedTensor]
+    options: type  # frozen dataclass; a recipe sets its fields under the stage's `options:`
+    needs_hessian: bool = False  # the calibration pass accumulates each planned layer's input Hessian
+    problem: Callable[[QuantScheme], str | None] = _any_scheme  # why it cannot produce a scheme (None: it can)
+    summary: str = ""
+
+
+QUANTIZERS: dict[str, Quantizer] = {
+    "rtn": Quantizer(quantize_rtn, RTNOptions, summary="round to nearest, scales from min/max or absmax"),
+    "gptq": Quantizer(quantize_gptq_layer, GPTQConfig, needs_hessian=True, problem=gptq_problem,
+                      summary="GPTQ: second-order rounding with the calibration inputs' Hessian"),
+    "hqq": Quantizer(quantize_hqq, HQQOptions, problem=hqq_problem,
+                     summary="HQQ: zero points solved for a robust l_p error, no calibration data"),
+}
+
+
+def get_quantizer(name: str) -> Quantizer:
     if name not in QUANTIZERS:
         raise ValueError(f"unknown quantization method {name!r}; known: {sorted(QUANTIZERS)}")
     return QUANTIZERS[name]
+
+
+def build_options(method: str, values: Any) -> Any:
+    """The options dataclass of `method` from a recipe mapping (None: the defaults), checking names and types."""
+    cls = get_quantizer(method).options
+    if values is None:
+        return cls()
+    if isinstance(values, cls):
+        return values
+    if not isinstance(values, dict):
+        raise ValueError(f"`options` of method {method} must be a mapping, got {values!r}")
+    fields = [f.name for f in dataclasses.fields(cls)]
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        if key not in fields:
+            raise ValueError(f"unknown option `{key}` for method {method}; its options: {fields or 'none'}")
+        tp = hints[key]
+        ok = isinstance(value, bool) if tp is bool else \
+            (isinstance(value, (int, float)) and not isinstance(value, bool)) if tp is float else \
+            (isinstance(value, int) and not isinstance(value, bool)) if tp is int else True
+        if not ok:
+            raise ValueError(f"option `{key}` of method {method} must be {tp.__name__}, got {value!r}")
+    return cls(**{k: float(v) if hints[k] is float else v for k, v in values.items()})
+
+
+__all__ = ["QUANTIZERS", "Quantizer", "LayerInputs", "get_quantizer", "build_options", "quantize_rtn"]

@@ -42,6 +42,21 @@ class SingularHessianError(ValueError):
     pass
 
 
+def gptq_problem(scheme: QuantScheme) -> str | None:
+    """Why GPTQ cannot produce `scheme` (None: it can)."""
+    if scheme.granularity == "block":
+        return ("GPTQ quantizes column by column and cannot keep 128x128 block scales; use granularity: channel or "
+                "tensor, or method: rtn")
+    if scheme.zero_point_dtype != "uint8":
+        return "GPTQ rounds onto an integer grid; fractional zero points (zero_point_dtype: float16) are HQQ's"
+    return None
+
+
+def quantize_gptq_layer(w: Tensor, scheme: QuantScheme, options: GPTQConfig, inputs) -> QuantizedTensor:
+    """The registry's signature: the Hessian comes from the layer's calibration inputs."""
+    return quantize_gptq(w, inputs.hessian("GPTQ"), scheme, options, name=inputs.name)
+
+
 def _inverse_hessian_factor(h: Tensor, dampening: float, name: str) -> Tensor:
     """Upper Cholesky factor of H^-1 after dampening (the GPTQ 'Hinv' rows)."""
     k = h.shape[0]
@@ -51,7 +66,7 @@ def _inverse_hessian_factor(h: Tensor, dampening: float, name: str) -> Tensor:
     if int(info) != 0:
         raise SingularHessianError(
             f"{name}: the Hessian is not positive definite even after dampening {dampening:g} of its mean "
-            f"diagonal. Raise `gptq.dampening` (e.g. 0.1), give more calibration samples, or check the "
+            f"diagonal. Raise the stage's `options.dampening` (e.g. 0.1), give more calibration samples, or check the "
             "calibration inputs for NaN/inf.")
     h_inv = torch.cholesky_inverse(factor)
     return torch.linalg.cholesky(h_inv, upper=True)

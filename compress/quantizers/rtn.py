@@ -1,6 +1,8 @@
 """Round-to-nearest (RTN): scales from the weight's own range, codes by rounding."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import Tensor
 
 from ..primitives import compute_qparams, quantize_affine
@@ -8,7 +10,12 @@ from ..qtensor import QuantizedTensor
 from ..scheme import QuantScheme
 
 
-def quantize_rtn(w: Tensor, scheme: QuantScheme) -> QuantizedTensor:
+@dataclass(frozen=True)
+class RTNOptions:
+    """Round-to-nearest has no options."""
+
+
+def quantize_rtn(w: Tensor, scheme: QuantScheme, options: RTNOptions | None = None, inputs=None) -> QuantizedTensor:
     """Quantize a [out, in] weight with absmax (symmetric) or min/max (asymmetric) scales."""
     if w.dim() != 2:
         raise ValueError(f"quantize_rtn expects a 2-D [out, in] weight, got shape {tuple(w.shape)}")
