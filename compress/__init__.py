@@ -1,7 +1,7 @@
 """compress: quantize, prune and distill Hugging Face causal LMs, and score what it cost."""
 import os
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: F401
 
 # With several OpenMP threads, idle threads spin by default and stall small VMs; passive waiting costs
 # nothing on a busy machine. Must be set before torch loads its OpenMP runtime (a user's value wins).

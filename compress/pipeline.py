@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
+from ._version import __version__
 from .arch import get_arch, get_module, set_module
 from .blockwise import run_blockwise
 from .data import calibration_windows, fingerprint

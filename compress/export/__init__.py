@@ -16,7 +16,7 @@ from typing import Callable
 
 from torch import nn
 
-from .. import __version__
+from .._version import __version__
 
 EXPORT_META = "export.json"
 GGUF_TYPES = ("f16", "q8_0", "q4_0", "q4_1")  # llama.cpp block formats we write

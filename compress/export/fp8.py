@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import __version__
+from .._version import __version__
 from ..nn import QuantLinear
 from .hf import (config_dtype, conv1d_problems, float_linears, float_tensors, head_problems, kv_modules,
                  quant_layers, write_hf)

@@ -20,20 +20,10 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from . import cpu
+from .kernel import Kernel
 
 REFERENCE = "reference"
 BATCH_SIZES = (1, 4, 16, 64)
-
-
-@dataclass(frozen=True)
-class Kernel:
-    """A matmul for one family of quantized layers: `reason(layer, dtype, device)` says why it cannot run a
-    QuantLinear (None: it can), `prepare(layer, dtype)` builds its operands once per layer, `run(state, x, bias)`
-    computes y = x W^T + b."""
-    name: str
-    reason: Callable[[Any, torch.dtype, torch.device], str | None]
-    prepare: Callable[[Any, torch.dtype], Any]
-    run: Callable[[Any, Tensor, Tensor | None], Tensor]
 
 
 def _gpu_kernels() -> dict[str, Kernel]:

@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from ..qtensor import QuantizedTensor
-from .dispatch import Kernel
+from .kernel import Kernel
 
 FP8_MAX = 448.0
 
