@@ -84,9 +84,9 @@ def main() -> None:
     ap.add_argument("--runs-dir", default="runs/bench")
     ap.add_argument("--only", nargs="*", default=[], help="subset of run names")
     args = ap.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     info = compress_all(Path(args.runs_dir), args.only)
     scores = score_all(info, args.max_windows)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "windows": args.max_windows,
               "protocol": protocol.as_dict(), "runs": info,
               "scores": scores}
