@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 from compress.arch import get_arch
 from compress.kernels import cpu, dispatch, gpu, ops, prepack
-from compress.kernels.dispatch import REFERENCE, clear_dispatch, plan_dispatch, summary
+from compress.kernels.dispatch import REFERENCE, clear_dispatch, plan_dispatch, summary, use_dispatch
 from compress.nn import QuantLinear
 from compress.qtensor import QuantizedTensor
 from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
@@ -117,6 +117,20 @@ def test_dispatch_keeps_the_model_output(family):
     assert report.layers == len(layers) and report.rows
     assert rel_err(got, ref) < 2e-2  # bf16 model: both paths round to bf16 at different points
     clear_dispatch(model)
+    assert all(m.dispatch is None for m in layers)
+
+
+def test_use_dispatch_installs_the_plan_only_inside_its_block():
+    """The kernels run inside `with use_dispatch(...)`; on leaving it, an exception included, every layer is back on
+    the reference path (accuracy passes after a speed measurement must not run on the timed kernels)."""
+    model = quantized_tiny("llama", scheme("int4", "group", 32, True))
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    with use_dispatch(model, batch_sizes=(1,), measure=False) as report:
+        assert report.layers == len(layers) and all(m.dispatch is not None for m in layers)
+    assert all(m.dispatch is None for m in layers)
+    with pytest.raises(RuntimeError, match="speed run failed"):
+        with use_dispatch(model, batch_sizes=(1,), measure=False):
+            raise RuntimeError("speed run failed")
     assert all(m.dispatch is None for m in layers)
 
 

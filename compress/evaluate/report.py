@@ -13,7 +13,7 @@ from ..data import fingerprint, sequential_windows, tokenize_joined, wikitext2_r
 from ..nn import QuantLinear
 from .memory import peak_cuda_bytes, peak_rss_bytes, serving_bytes, weight_bytes
 from .ppl import score_windows
-from ..kernels.dispatch import clear_dispatch, plan_dispatch, render as render_dispatch
+from ..kernels.dispatch import render as render_dispatch, use_dispatch
 from .speed import measure_speed, speed_sweep
 
 
@@ -69,15 +69,18 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
         if spec.speed:
             vocab = m.get_input_embeddings().weight.shape[0]
             quantized = any(isinstance(q, QuantLinear) for q in m.modules())
-            if quantized and getattr(spec, "dispatch", True):
-                batches = sorted({1, 4, 16, 64, *getattr(spec, "speed_batches", ())})
-                result["models"][n]["dispatch"] = plan_dispatch(m, batches).to_dict()
-            result["models"][n]["speed"] = measure_speed(m, vocab, spec.prefill_tokens, spec.decode_tokens,
-                                                         spec.speed_repeats, device)
-            if getattr(spec, "speed_batches", ()):
-                result["models"][n]["speed_sweep"] = speed_sweep(m, vocab, spec.speed_batches, spec.speed_contexts,
-                                                                 spec.decode_tokens, spec.speed_repeats, device)
-            clear_dispatch(m)  # accuracy (lm-eval below, later evaluations) stays on the reference path
+            batches = sorted({1, 4, 16, 64, *getattr(spec, "speed_batches", ())})
+            dispatch = use_dispatch(m, batches) if quantized and getattr(spec, "dispatch", True) else \
+                contextlib.nullcontext()
+            with dispatch as plan:  # accuracy (lm-eval below, later evaluations) stays on the reference path
+                if plan is not None:
+                    result["models"][n]["dispatch"] = plan.to_dict()
+                result["models"][n]["speed"] = measure_speed(m, vocab, spec.prefill_tokens, spec.decode_tokens,
+                                                             spec.speed_repeats, device)
+                if getattr(spec, "speed_batches", ()):
+                    result["models"][n]["speed_sweep"] = speed_sweep(m, vocab, spec.speed_batches,
+                                                                     spec.speed_contexts, spec.decode_tokens,
+                                                                     spec.speed_repeats, device)
     if getattr(spec, "tasks", ()):
         from .harness import evaluate_tasks
         with cpu_threads(accuracy_threads):

@@ -10,6 +10,7 @@ not in the saved model: it belongs to the machine that measured it.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -217,6 +218,18 @@ def plan_dispatch(model: nn.Module, batch_sizes=BATCH_SIZES, measure: bool = Tru
                                            {n: kernels[n] for n in chosen})
     return DispatchReport(str(dtype).replace("torch.", "") if dtype else "-", str(device) if device else "-", rows,
                           skipped, sum(len(v) for v in groups.values()), torch.get_num_threads())
+
+
+@contextlib.contextmanager
+def use_dispatch(model: nn.Module, batch_sizes=BATCH_SIZES, **kwargs):
+    """Run `model`'s quantized layers on the kernels plan_dispatch picks, inside this block only: the plan (its
+    DispatchReport is yielded) is installed on entry and removed on exit, an exception included, so accuracy
+    passes after it run on the reference path."""
+    report = plan_dispatch(model, batch_sizes, **kwargs)
+    try:
+        yield report
+    finally:
+        clear_dispatch(model)
 
 
 def clear_dispatch(model: nn.Module) -> None:
