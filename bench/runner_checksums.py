@@ -48,7 +48,8 @@ def main() -> None:
     out = {}
     for family in FAMILIES:
         for name in RECIPES:
-            recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml", ["calibration.n_samples=4", "calibration.seq_len=32"])
+            recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml",
+                                 ["calibration.n_samples=4", "calibration.seq_len=32"])
             model = make_tiny_model(family)
             arch = get_arch(model)
             compress_model(model, make_tiny_tokenizer(), arch, recipe, plan_stages(model, arch, recipe), "cpu",

@@ -203,11 +203,9 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
         qt = quantizer.quantize(w, entry.scheme, stage.options, inputs)
         layer = QuantLinear.from_module(module, qt)
         act = entry.scheme.act
-        absmax = None
-        if needs_input_stats(entry.scheme):
-            absmax = inputs.absmax()
-        elif stats is not None and stats.abs_max is not None:
-            absmax = inputs.absmax()
+        # needed for static schemes (a clear error without calibration), recorded whenever observed
+        observed = stats is not None and stats.abs_max is not None
+        absmax = inputs.absmax() if needs_input_stats(entry.scheme) or observed else None
         if act is not None and absmax is not None:
             layer_info = {"input_absmax": float(absmax.max())}
             if not act.dynamic:

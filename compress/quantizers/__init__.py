@@ -60,15 +60,12 @@ class Quantizer:
     options: type  # frozen dataclass; a recipe sets its fields under the stage's `options:`
     needs_hessian: bool = False  # the calibration pass accumulates each planned layer's input Hessian
     problem: Callable[[QuantScheme], str | None] = _any_scheme  # why it cannot produce a scheme (None: it can)
-    summary: str = ""
 
 
 QUANTIZERS: dict[str, Quantizer] = {
-    "rtn": Quantizer(quantize_rtn, RTNOptions, summary="round to nearest, scales from min/max or absmax"),
-    "gptq": Quantizer(quantize_gptq_layer, GPTQConfig, needs_hessian=True, problem=gptq_problem,
-                      summary="GPTQ: second-order rounding with the calibration inputs' Hessian"),
-    "hqq": Quantizer(quantize_hqq, HQQOptions, problem=hqq_problem,
-                     summary="HQQ: zero points solved for a robust l_p error, no calibration data"),
+    "rtn": Quantizer(quantize_rtn, RTNOptions),  # round to nearest: scales from min/max or absmax
+    "gptq": Quantizer(quantize_gptq_layer, GPTQConfig, needs_hessian=True, problem=gptq_problem),
+    "hqq": Quantizer(quantize_hqq, HQQOptions, problem=hqq_problem),  # no calibration data
 }
 
 

@@ -10,9 +10,10 @@ splitting: with s the scale and Ŵ = (clamp(round(W / s + z)) - z) · s,
 
 until the mean |W - Ŵ| stops falling. At a trained layer's scale (|w| ~ 0.02) every rounding error is under the
 shrink threshold (1/β)|e|^(p-1), which passes only |e| > 0.17 at β = 10, so W_e = 0 and each step is the closed-form
-least-squares zero point for the current codes; the shrink acts on larger weights. Unlike HQQ's own solver, which returns the zero point of the step that made
-things worse, this one keeps the best. The zero points are fractional: with the scheme's `zero_point_dtype: float16`
-they are stored as they are (at float16), with `uint8` they are rounded to the integer grid after the solve.
+least-squares zero point for the current codes; the shrink acts on larger weights. Unlike HQQ's own solver, which
+returns the zero point of the step that made things worse, this one keeps the best. The zero points are fractional:
+with the scheme's `zero_point_dtype: float16` they are stored as they are (at float16), with `uint8` they are
+rounded to the integer grid after the solve.
 """
 from __future__ import annotations
 
