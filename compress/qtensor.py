@@ -67,7 +67,7 @@ class QuantizedTensor:
     # is what the matmuls read: symmetric int8 (int8 [out, in] codes) and fp8 (float8 [out, in] values).
     qdata: Tensor
     scale: Tensor  # [] | [out, 1] | [out, in // group_size] | [out // B, in // B], in scheme.scale_dtype
-    zero_point: Tensor | None  # scheme.zero_point_dtype (uint8, or float16: fractional), shape of scale; None: symmetric
+    zero_point: Tensor | None  # scheme.zero_point_dtype (uint8; float16: fractional), shape of scale; None: symmetric
     scheme: QuantScheme
     shape: tuple[int, int]
 

@@ -35,15 +35,22 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # field i of a word holds column AWQ_ORDER
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column c of the 8 sits in field AWQ_REVERSE_ORDER[c]
 
 
+def fractional_zero_problem(scheme: QuantScheme, fmt: str) -> str | None:
+    """Formats that store integer zero points (AWQ, GPTQ, compressed-tensors) cannot hold HQQ's fractional ones."""
+    if scheme.zero_point_dtype == "uint8":
+        return None
+    return (f"{fmt} checkpoints store integer zero points, and this scheme's are fractional (zero_point_dtype: "
+            "float16, HQQ); set zero_point_dtype: uint8 (HQQ then rounds them) or export `dense`")
+
+
 def common_problem(scheme: QuantScheme, shape: tuple[int, int] | None, fmt: str, example: str) -> str | None:
     """What AWQ and GPTQ checkpoints both refuse: quantized activations, non-float16 scales (they would not
     export bit for bit), and a group size that does not divide in_features."""
     if scheme.act is not None:
         return (f"{fmt} checkpoints are weight-only, but {scheme.name} also quantizes activations; "
                 f"use a weight-only scheme (act: null) such as {example}")
-    if scheme.zero_point_dtype != "uint8":
-        return (f"{fmt} checkpoints store integer zero points, and this scheme's are fractional (zero_point_dtype: "
-                "float16, HQQ); set zero_point_dtype: uint8 (HQQ then rounds them) or export `dense`")
+    if (why := fractional_zero_problem(scheme, fmt)) is not None:
+        return why
     if scheme.scale_dtype != "float16":
         return (f"{fmt} checkpoints store float16 scales and this scheme's are {scheme.scale_dtype}, which would not "
                 "export bit for bit; set scheme.scale_dtype: float16")

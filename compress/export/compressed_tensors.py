@@ -21,6 +21,7 @@ from torch import nn
 
 from ..nn import QuantLinear
 from ..scheme import QuantScheme
+from .awq import fractional_zero_problem
 from .hf import (config_dtype, conv1d_problems, float_linears, float_tensors, kv_modules, quant_layers,
                  quantized_head, write_hf)
 
@@ -61,9 +62,8 @@ def scheme_problem(scheme: QuantScheme) -> str | None:
         if scheme.granularity not in ("channel", "tensor"):
             return "W8A8 int8 weights are per channel or per tensor; set granularity: channel"
         return None
-    if scheme.zero_point_dtype != "uint8":
-        return ("compressed-tensors stores integer zero points, and this scheme's are fractional (zero_point_dtype: "
-                "float16, HQQ); set zero_point_dtype: uint8 (HQQ then rounds them) or export `dense`")
+    if (why := fractional_zero_problem(scheme, "compressed-tensors")) is not None:
+        return why
     if scheme.bits not in (4, 8):
         return f"vLLM serves {scheme.bits}-bit weight-only checkpoints from no kernel; use int4 or int8"
     if scheme.bits == 8 and not scheme.symmetric:
