@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import os
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: idle threads must not spin
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+import os
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: idle threads must not spin
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent

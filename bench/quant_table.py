@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import os
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: idle threads must not spin
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -25,7 +27,7 @@ from compress.evaluate.memory import peak_rss_bytes, weight_bytes  # noqa: E402
 from compress.evaluate.ppl import score_windows  # noqa: E402
 from compress.evaluate.report import eval_windows  # noqa: E402
 from compress.models import load_model  # noqa: E402
-from compress.quantize import QuantizeStage, apply_quantize, plan_quantize  # noqa: E402
+from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize  # noqa: E402
 from compress.scheme import scheme  # noqa: E402
 
 CONFIGS = {

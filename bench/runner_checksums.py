@@ -1,6 +1,7 @@
 """Checksums of every tensor a shipped quantization recipe leaves in a model (QuantLinear buffers and the float
-tensors), on tiny random Llama, Qwen2 and OPT models, 4 x 32 calibration tokens. Run it in two checkouts and compare
-the files: a refactor of the runner, the stages or the quantizers must leave every checksum unchanged.
+tensors), and of the report sections the run writes (calibration, per-block errors, every stage's section, what was
+kept in float), on tiny random Llama, Qwen2 and OPT models, 4 x 32 calibration tokens. Run it in two checkouts and
+compare the files: a refactor of the runner, the stages or the quantizers must leave every checksum unchanged.
 
     python bench/runner_checksums.py OUT.json
 """
@@ -18,13 +19,14 @@ sys.path.insert(0, str(ROOT))
 
 from compress.arch import get_arch  # noqa: E402
 from compress.nn import QuantLinear  # noqa: E402
-from compress.pipeline import compress_model, plan_stages  # noqa: E402
+from compress.pipeline import compress_model  # noqa: E402
 from compress.recipe import load_recipe  # noqa: E402
+from compress.stages import make_plan  # noqa: E402
 from tests.conftest import make_tiny_model  # noqa: E402
 from tests.tiny_tokenizer import make_tiny_tokenizer  # noqa: E402
 
 RECIPES = ("int4_rtn", "int8_absmax", "gptq_int4", "awq_int4", "awq_gptq_int4", "awq_int3", "smoothquant_w8a8",
-           "llm_int8", "fp8_dynamic", "fp8_static_kv")
+           "llm_int8", "fp8_dynamic", "fp8_static_kv", "hqq_int4", "int8_zeropoint")
 FAMILIES = ("llama", "qwen2", "opt")
 
 
@@ -52,9 +54,12 @@ def main() -> None:
                                  ["calibration.n_samples=4", "calibration.seq_len=32"])
             model = make_tiny_model(family)
             arch = get_arch(model)
-            compress_model(model, make_tiny_tokenizer(), arch, recipe, plan_stages(model, arch, recipe), "cpu",
-                           progress=False, log=lambda m: None)
+            sections, _ = compress_model(model, make_tiny_tokenizer(), recipe, make_plan(model, arch, recipe.stages),
+                                         "cpu", progress=False, log=lambda m: None)
             out[f"{family}/{name}"] = checksum(model)
+            # the report sections the run writes (calibration, block errors, each stage's section, kept in float)
+            out[f"{family}/{name}/report"] = hashlib.sha256(json.dumps(sections, sort_keys=True, default=str)
+                                                            .encode()).hexdigest()
     Path(sys.argv[1]).write_text(json.dumps(out, indent=1))
     print(f"{len(out)} checksums written to {sys.argv[1]}")
 

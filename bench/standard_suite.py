@@ -30,7 +30,7 @@ from compress.arch import get_arch  # noqa: E402
 from compress.evaluate.pareto import write as write_pareto  # noqa: E402
 from compress.evaluate.report import evaluate_models, write_report  # noqa: E402
 from compress.models import load_model  # noqa: E402
-from compress.quantize import QuantizeStage, apply_quantize, plan_quantize  # noqa: E402
+from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize  # noqa: E402
 from compress.recipe import from_dict  # noqa: E402
 from compress.scheme import scheme  # noqa: E402
 

@@ -1,17 +1,20 @@
-"""compress: quantize, prune and distill Hugging Face causal LMs, and score what it cost."""
-import os
+"""compress: quantize, prune and distill Hugging Face causal LMs, and score what it cost.
 
-from ._version import __version__  # noqa: F401
-
-# With several OpenMP threads, idle threads spin by default and stall small VMs; passive waiting costs
-# nothing on a busy machine. Must be set before torch loads its OpenMP runtime (a user's value wins).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-from .qtensor import QuantizedTensor  # noqa: E402
-from .quantizers import quantize_rtn  # noqa: E402
-from .scheme import PRESETS, QuantScheme  # noqa: E402
+Importing the package changes nothing in the process (no environment variables, no torch import): the names below
+load on first use. The `compress` command sets its own process defaults in cli.py.
+"""
+from ._version import __version__
 
 __all__ = ["__version__", "QuantScheme", "QuantizedTensor", "PRESETS", "quantize_rtn", "load_recipe", "run"]
+
+_LAZY = {"QuantScheme": "scheme", "PRESETS": "scheme", "QuantizedTensor": "qtensor", "quantize_rtn": "quantizers"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'compress' has no attribute {name!r}")
 
 
 def load_recipe(path, overrides=()):

@@ -3,8 +3,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+
+# The `compress` program's process defaults (importing the package sets none), before torch loads its OpenMP
+# runtime: with several threads, idle OpenMP threads spin by default and stall small VMs; passive waiting costs
+# nothing on a busy machine. A value the user set wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 EPILOG_RUN = """examples:
   compress run recipes/int4_rtn.yaml
@@ -301,48 +307,6 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def awq_pairs(model, arch, recipe, plans, index: int) -> list[tuple]:
-    """(prev, balance, inspect, skip reason or None) for the AWQ stage at `index`, on block 0."""
-    from .quantizers.awq import pair_skip_reason
-
-    nxt = next(p for p in plans[index + 1:] if p is not None)
-    prefix = f"{arch.blocks}.0"
-    quantized = {e.name[len(prefix) + 1:] for e in nxt.quantized if e.name.startswith(prefix + ".")}
-    block = arch.block_list(model)[0]
-    return [(prev, bal, insp, pair_skip_reason(block, prev, bal, quantized)) for prev, bal, insp in arch.awq]
-
-
-def prune_plan(model, arch, recipe) -> tuple[dict[int, str], object]:
-    """What the prune / distill stages will do (shapes and parameter counts, no data needed), and a meta-device
-    model of the pruned shape for planning the stages after them."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from .arch import get_arch
-    from .distill import DistillStage
-    from .prune.minitron import PruneStage, count_params, resolve_shape, shaped_config
-
-    lines: dict[int, str] = {}
-    for i, stage in enumerate(recipe.stages):
-        if isinstance(stage, PruneStage):
-            orig, new, changed = resolve_shape(model, arch, stage)
-            before, config = count_params(model.config), shaped_config(model, new)
-            after = count_params(config)
-            lines[i] = (f"\nstage {i}: prune (Minitron), axes {', '.join(changed) or 'none'}: "
-                        f"{orig.layers} blocks, hidden {orig.hidden}, {orig.heads}q/{orig.kv_heads}kv heads, MLP "
-                        f"{orig.intermediate} -> {new.layers} blocks, hidden {new.hidden}, {new.heads}q/{new.kv_heads}kv "
-                        f"heads, MLP {new.intermediate}; parameters {before:,} -> {after:,} ({after / before:.1%})")
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(config)
-            arch = get_arch(model)
-        elif isinstance(stage, DistillStage):
-            tokens = stage.steps * stage.batch_size * stage.grad_accum * stage.seq_len
-            lines[i] = (f"\nstage {i}: distill from the original: {stage.steps} steps × {stage.batch_size} × "
-                        f"{stage.grad_accum} × {stage.seq_len} = {tokens:,} tokens per process from "
-                        f"{stage.data.kind}, lr {stage.lr}, temperature {stage.temperature}")
-    return lines, model
-
-
 def cmd_inspect_model(args) -> int:
     """`compress inspect MODEL_DIR`: the measured kernel dispatch of a compressed model."""
     import torch
@@ -373,29 +337,17 @@ def cmd_inspect(args) -> int:
         return cmd_inspect_model(args)
     from .arch import get_arch
     from .models import load_model
-    from .pipeline import plan_stages
-    from .kv_cache import KVCacheStage, attention_modules
-    from .nn import kernel_for
-    from .quantizers.awq import pair_label
-    from .quantizers.smoothquant import SmoothQuantStage
     from .recipe import load_recipe, to_plain
+    from .stages import make_plan
 
     recipe = load_recipe(args.recipe, args.overrides)
     loaded = load_model(recipe.model.source, recipe.model.dtype, "cpu", recipe.model.revision,
                         recipe.model.trust_remote_code)
     arch = get_arch(loaded.model)
-    pruned_lines, loaded.model = prune_plan(loaded.model, arch, recipe)  # later stages see the pruned shapes
-    arch = get_arch(loaded.model)
-    plans = plan_stages(loaded.model, arch, recipe)
+    plan = make_plan(loaded.model, arch, recipe.stages)  # the plan `compress run` follows
+    described = [stage.describe(plan, i) for i, stage in enumerate(recipe.stages)]
     if args.json:
-        print(json.dumps({"arch": to_plain(arch), "stages": [
-            pruned_lines[i].strip() if i in pruned_lines else
-            [{"name": e.name, "shape": e.shape, "scheme": e.scheme.name if e.scheme else None, "reason": e.reason}
-             for e in p.layers] if p is not None else
-            [{"prev": a, "balance": b, "inspect": c, "skipped": r} for a, b, c, r in
-             awq_pairs(loaded.model, arch, recipe, plans, i)] if not isinstance(recipe.stages[i], KVCacheStage) else
-            attention_modules(arch.block_list(loaded.model)[0])
-            for i, p in enumerate(plans)]}, indent=2))
+        print(json.dumps({"arch": to_plain(arch), "stages": [data for _, data in described]}, indent=2))
         return 0
     print(f"recipe: {recipe.path} (sha256 {recipe.sha256[:16]}…)")
     print(f"model: {loaded.source} [{loaded.kind}], family {arch.family}, blocks at `{arch.blocks}` "
@@ -405,39 +357,8 @@ def cmd_inspect(args) -> int:
     cal = recipe.calibration
     print("calibration: " + (f"{cal.n_samples} × {cal.seq_len} tokens, kind {cal.kind}, seed {cal.seed}"
                              if cal else "none (no calibration pass)"))
-    for i, (stage, plan) in enumerate(zip(recipe.stages, plans)):
-        if i in pruned_lines:
-            print(pruned_lines[i])
-            continue
-        if isinstance(stage, KVCacheStage):
-            names = attention_modules(arch.block_list(loaded.model)[0])
-            print(f"\nstage {i}: kv_cache {stage.dtype}: k_scale / v_scale per attention layer, calibrated on "
-                  f"`{', '.join(names)}` of each of the {len(arch.block_list(loaded.model))} blocks")
-            continue
-        if plan is None:  # awq / smoothquant: the scaling pairs, checked on block 0 (every block has the same shapes)
-            if isinstance(stage, SmoothQuantStage):
-                how = f"alpha searched over {list(stage.alpha_grid)}" if stage.alpha_grid else f"alpha {stage.alpha}"
-                print(f"\nstage {i}: smoothquant, {how}; scaling pairs per block:")
-            else:
-                print(f"\nstage {i}: awq for {stage.scheme.name}, grid {stage.n_grid}, search on "
-                      f"{stage.search_samples} calibration windows, clipping {'on' if stage.clip else 'off'}; "
-                      "scaling pairs per block:")
-            searched = not isinstance(stage, SmoothQuantStage) or bool(stage.alpha_grid)
-            for prev, balance, inspect_name, reason in awq_pairs(loaded.model, arch, recipe, plans, i):
-                what = f"skipped: {reason}" if reason else \
-                    f"scaled (search compares `{inspect_name}` outputs)" if searched else "scaled"
-                print(f"  {pair_label(prev, balance):<70} {what}")
-            for pair, reason in arch.awq_skip:
-                print(f"  {pair:<70} skipped: {reason}")
-            continue
-        print(f"\nstage {i}: quantize, method {stage.method}, scheme {stage.scheme.name}: "
-              f"{len(plan.quantized)} layers quantized, {len(plan.skipped)} left in float")
-        width = max(len(e.name) for e in plan.layers)
-        for e in plan.layers:
-            what = e.scheme.name if e.scheme else f"float  ({e.reason})"
-            if e.scheme and e.scheme.act is not None:
-                what += f"  [{kernel_for(e.scheme)}]"
-            print(f"  {e.name:<{width}}  {e.shape[0]:>6}×{e.shape[1]:<6} {what}")
+    for lines, _ in described:
+        print("\n".join(lines))
     return 0
 
 

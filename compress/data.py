@@ -205,3 +205,8 @@ def calibration_windows(source: TextSource, tokenizer, model, n_samples: int, se
 def fingerprint(ids: Tensor) -> str:
     """sha256 of the token ids (int64, row-major): identifies exactly what text was used."""
     return hashlib.sha256(ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
+
+
+def eval_windows(tokenizer, split: str, seq_len: int, max_windows: int | None) -> torch.Tensor:
+    """WikiText-2 `split` as consecutive windows of seq_len tokens (the GPTQ/AWQ perplexity protocol)."""
+    return sequential_windows(tokenize_joined(wikitext2_rows(split), tokenizer), seq_len, max_windows)

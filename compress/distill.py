@@ -13,72 +13,20 @@ import json
 import math
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .data import TextSource
 from .evaluate.ppl import score_windows
 
 STATE_FILE = "distill_state.json"  # written last, so a checkpoint folder without it is incomplete
 # changing these between a run and its resume would silently change what is trained
 _RESUME_FIXED = ("batch_size", "grad_accum", "seq_len", "lr", "min_lr", "warmup_steps", "weight_decay",
                  "temperature", "hidden_weight", "max_grad_norm", "seed")
-
-
-@dataclass(frozen=True)
-class DistillStage:
-    """Recipe stage `distill`: repair a pruned student by distilling the original model (the teacher) into it."""
-    steps: int = 100  # optimizer steps
-    batch_size: int = 4  # sequences per micro-batch per process
-    grad_accum: int = 1  # micro-batches per optimizer step
-    seq_len: int = 256
-    lr: float = 1e-4  # peak learning rate (AdamW)
-    min_lr: float = 1e-5  # cosine decays to this
-    warmup_steps: int = 10  # linear warm-up from 0
-    weight_decay: float = 0.0
-    temperature: float = 1.0  # KD temperature; loss is multiplied by T**2 (Hinton)
-    hidden_weight: float = 0.0  # weight of the final-hidden-state MSE (needs equal hidden sizes)
-    eval_every: int = 25  # recovery-curve point every N steps (0 = only at start and end)
-    checkpoint_every: int = 50  # accelerator.save_state every N steps and at the end (0 = never)
-    keep_checkpoints: int = 2
-    mixed_precision: Literal["auto", "no", "bf16"] = "auto"  # auto: bf16 where the hardware has it (native_bf16)
-    gradient_checkpointing: bool = False
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    # training text (the pipeline cuts it into seq_len windows); kind `self` samples it from the teacher
-    data: TextSource = TextSource("wikitext2", "validation")
-    eval_windows: int = 4  # recovery curve: WikiText-2 test windows (never trained on); 0 = no curve
-    eval_seq_len: int = 1024
-
-    def __post_init__(self):
-        for name in ("steps", "batch_size", "grad_accum", "seq_len", "keep_checkpoints"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"distill {name}={v!r}; use a positive integer")
-        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed", "eval_windows"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"distill {name}={v!r}; use an integer >= 0")
-        if self.warmup_steps >= self.steps:
-            raise ValueError(f"distill warmup_steps={self.warmup_steps} >= steps={self.steps}; "
-                             f"use warmup_steps < steps (e.g. {self.steps // 10})")
-        if not 0 < self.min_lr <= self.lr:
-            raise ValueError(f"distill min_lr={self.min_lr}, lr={self.lr}; need 0 < min_lr <= lr")
-        if not self.temperature > 0:
-            raise ValueError(f"distill temperature={self.temperature}; use a temperature > 0 (1.0 = plain KL)")
-        for name in ("weight_decay", "hidden_weight"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"distill {name}={getattr(self, name)}; use a value >= 0")
-        if not self.max_grad_norm > 0:
-            raise ValueError(f"distill max_grad_norm={self.max_grad_norm}; use a value > 0 (e.g. 1.0)")
-        if self.mixed_precision not in ("auto", "no", "bf16"):
-            raise ValueError(f"distill mixed_precision={self.mixed_precision!r}; use 'auto', 'no' or 'bf16'")
 
 
 def kd_loss(student_logits: Tensor, teacher_logits: Tensor, temperature: float) -> Tensor:
@@ -91,7 +39,7 @@ def kd_loss(student_logits: Tensor, teacher_logits: Tensor, temperature: float) 
     return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature ** 2
 
 
-def lr_at(step: int, cfg: DistillStage) -> float:
+def lr_at(step: int, cfg) -> float:
     """Learning rate of optimizer step `step` (0-based): linear warm-up 0 -> lr, cosine lr -> min_lr at steps - 1."""
     if step < cfg.warmup_steps:
         return cfg.lr * step / cfg.warmup_steps
@@ -99,7 +47,7 @@ def lr_at(step: int, cfg: DistillStage) -> float:
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def _step_rows(step: int, n_rows: int, cfg: DistillStage, process: int, processes: int) -> Tensor:
+def _step_rows(step: int, n_rows: int, cfg, process: int, processes: int) -> Tensor:
     """Row indices [grad_accum, batch_size] that `process` trains on at `step`."""
     per_step = cfg.batch_size * cfg.grad_accum * processes
     steps_per_epoch = n_rows // per_step
@@ -119,7 +67,7 @@ def native_bf16() -> bool:
                 or getattr(cpu, "_is_avx512_bf16_supported", lambda: False)())
 
 
-def _new_accelerator(cfg: DistillStage):
+def _new_accelerator(cfg):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     # AcceleratorState is a process-wide singleton that refuses a second, different mixed_precision;
@@ -160,7 +108,7 @@ def _latest_checkpoint(work_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def distill(student: nn.Module, teacher: nn.Module, train_ids: Tensor, cfg: DistillStage, work_dir: Path, *,
+def distill(student: nn.Module, teacher: nn.Module, train_ids: Tensor, cfg, work_dir: Path, *,
             eval_ids: Tensor | None = None, resume: bool = False, accelerator=None,
             progress: bool = True, log=print) -> dict:
     """Distill `teacher` into `student` in place; return throughput and the recovery curve.

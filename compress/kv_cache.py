@@ -9,9 +9,8 @@ the family's eager function), so no model code is copied or traced.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -25,15 +24,23 @@ from .scheme import FP8_MAX
 WRAPPED = {"sdpa": "compress_kv_sdpa", "eager": "compress_kv_eager"}  # base implementation -> our name
 
 
-@dataclass(frozen=True)
-class KVCacheStage:
-    """Recipe entry `- stage: kv_cache`: calibrate per-layer fp8 key/value scales (needs calibration data)."""
+_RECORD = "_compress_kv_record"  # set on an attention module only inside recording_kv (this file reads and writes it)
 
-    dtype: Literal["fp8_e4m3", "fp8_e5m2"] = "fp8_e4m3"
 
-    def __post_init__(self):
-        if self.dtype not in FP8_MAX:
-            raise ValueError(f"kv_cache dtype={self.dtype!r}; use 'fp8_e4m3' or 'fp8_e5m2'")
+@contextlib.contextmanager
+def recording_kv(block: nn.Module, records: dict[str, list[float]]):
+    """While active, records[name] = [max |k|, max |v|] over the calls of each attention module of `block` (keys
+    after the rotary embedding: what the cache holds). Transformers hands the attention function only the module,
+    so the running maxima ride on it, under a private name, for the duration."""
+    names = attention_modules(block)
+    for name in names:
+        records[name] = [0.0, 0.0]
+        setattr(block.get_submodule(name), _RECORD, records[name])
+    try:
+        yield records
+    finally:
+        for name in names:
+            setattr(block.get_submodule(name), _RECORD, None)
 
 
 def attention_modules(block: nn.Module) -> list[str]:
@@ -58,7 +65,7 @@ def _base_function(module: nn.Module, base: str):
 
 def _wrapper(base: str):
     def attention(module, query, key, value, attention_mask, **kwargs):
-        record = getattr(module, "kv_record", None)
+        record = getattr(module, _RECORD, None)
         if record is not None:  # calibration: running maxima of |k| and |v|
             record[0] = max(record[0], float(key.detach().abs().amax()))
             record[1] = max(record[1], float(value.detach().abs().amax()))

@@ -19,7 +19,7 @@ from torch import nn
 from .arch import set_module
 from .default_model import default_model_path
 from .export.hf import set_architectures
-from .nn import QuantLinear
+from .nn import QuantLinear, linear_shape
 from .kv_cache import kv_layers, set_kv_scales, use_kv_attention
 from .scheme import FP8_MAX, QuantScheme
 
@@ -152,22 +152,30 @@ def save_compressed(model: nn.Module, tokenizer, out_dir: str | Path, meta: dict
     return out_dir
 
 
+def quantized_skeleton(config, layers: dict[str, QuantScheme], dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A meta-device model of `config` (no weights) whose modules named in `layers` are QuantLinear layers of those
+    schemes: what a saved compressed model is rebuilt into, and what the export checks of a plan look at."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    for name, scheme in layers.items():
+        old = model.get_submodule(name)
+        out_features, in_features = linear_shape(old)
+        set_module(model, name, QuantLinear(in_features, out_features, scheme, bias=old.bias is not None, dtype=dtype,
+                                            device="meta"))
+    return model
+
+
 def load_compressed(folder: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
     """Rebuild a model saved by save_compressed: the config's architecture with QuantLinear layers."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     folder = Path(folder)
     meta = json.loads((folder / COMPRESS_META).read_text())
-    config = AutoConfig.from_pretrained(folder)
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    for name, fields in meta["layers"].items():
-        old = model.get_submodule(name)
-        out_features, in_features = (old.weight.shape[1], old.weight.shape[0]) if type(old).__name__ == "Conv1D" \
-            else (old.out_features, old.in_features)
-        set_module(model, name, QuantLinear(in_features, out_features, QuantScheme.from_dict(fields),
-                                            bias=old.bias is not None, dtype=dtype, device="meta"))
+    model = quantized_skeleton(AutoConfig.from_pretrained(folder),
+                               {name: QuantScheme.from_dict(fields) for name, fields in meta["layers"].items()}, dtype)
     for name, fields in meta.get("kv_cache", {}).items():
         set_kv_scales(model.get_submodule(name), fields["k_scale"] * FP8_MAX[fields["dtype"]],
                       fields["v_scale"] * FP8_MAX[fields["dtype"]], fields["dtype"])

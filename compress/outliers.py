@@ -11,6 +11,9 @@ dimensions in every layer, as in the large models.
 
 (Scaling the residual stream itself would not preserve the function: RMSNorm and LayerNorm divide by a
 statistic of all channels, which a scaled channel changes.)
+
+A test and benchmark aid, not a compression step: a recipe's `model.plant_outliers` applies it right after loading
+(to the baseline too, and the report records it); no shipped recipe uses it.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import torch
 from torch import nn
 
 from .arch import ArchSpec
-from .quantizers.awq import apply_smoothing, in_weight, pair_skip_reason
+from .smoothing import apply_smoothing, in_weight, pair_skip_reason
 
 
 @dataclass(frozen=True)

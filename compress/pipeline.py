@@ -5,6 +5,7 @@ place at the end, so a crash or Ctrl-C never leaves a half-written output.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import shutil
@@ -15,24 +16,19 @@ from pathlib import Path
 import torch
 
 from ._version import __version__
-from .arch import get_arch, get_module, set_module
+from .arch import get_arch
 from .blockwise import run_blockwise
 from .data import calibration_windows, fingerprint
 from .evaluate.memory import folder_bytes
 from .evaluate.plots import plot_recovery
 from .evaluate.report import evaluate_models, write_report
-from .models import load_compressed, load_model, resolve_device, save_compressed
-from .nn import is_linear
-from .nn import QuantLinear
+from .models import load_compressed, load_model, quantized_skeleton, resolve_device, save_compressed
+from .nn import QuantLinear, is_linear
 from .observers import BlockObserver
 from .outliers import plant_outliers
-from .quantize import QuantizeStage, apply_quantize, plan_quantize
-from .kv_cache import KVCacheStage, attention_modules, kv_layers, set_kv_scales, use_kv_attention
 from .model_stages import run_model_stages, work_dir, world
-from .quantizers import get_quantizer
-from .quantizers.awq import AWQStage, awq_block
-from .quantizers.smoothquant import SmoothQuantStage, smoothquant_block
-from .recipe import MODEL_STAGES, Recipe, to_plain
+from .recipe import Recipe, to_plain
+from .stages.base import BlockState, Plan, RunContext, make_plan
 
 
 def set_threads(n: int) -> None:
@@ -53,105 +49,60 @@ def calibration_samples(recipe: Recipe, model, tokenizer) -> tuple[torch.Tensor,
     return samples, info
 
 
-def plan_stages(model, arch, recipe: Recipe) -> list:
-    """One plan per quantize stage (None for other stages); a layer claimed by an earlier stage is not
-    quantized again."""
-    plans, claimed = [], {}
-    for i, stage in enumerate(recipe.stages):
-        if not isinstance(stage, QuantizeStage):  # including MODEL_STAGES (prune, distill)
-            plans.append(None)
-            continue
-        plan = plan_quantize(model, arch, stage)
-        for entry in plan.quantized:
-            if entry.name in claimed:
-                entry.scheme, entry.reason = None, f"quantized by stage {claimed[entry.name]}"
-            else:
-                claimed[entry.name] = i
-        plans.append(plan)
-    return plans
+class StagePass:
+    """The block stages of a plan inside the calibration pass: per block, what to observe during its float forward
+    (the statistics the stages' `needs` ask for, of the layers the plan quantizes, plus each stage's own
+    `observing`), then each stage's `on_block` in recipe order."""
 
+    def __init__(self, ctx: RunContext):
+        self.ctx = ctx
+        self.stages = [(i, ctx.plan.stages[i]) for i in ctx.plan.block_stages]
+        self.needs = ctx.plan.needs()
+        self.observed = ctx.plan.observed_layers()  # only the layers a stage will use statistics of
 
-class BlockStages:
-    """What the recipe's stages do to one decoder block: which statistics to observe, then apply in order."""
-
-    def __init__(self, model, recipe: Recipe, arch, plans: list):
-        self.model = model
-        self.model_stages = list(zip(recipe.stages, plans))
-        self.arch = arch
-        stages = recipe.stages
-        self.searchers = [s for s in stages if isinstance(s, AWQStage) or
-                          (isinstance(s, SmoothQuantStage) and s.alpha_grid)]  # replay inspect modules
-        self.abs_mean = any(isinstance(s, AWQStage) for s in stages)
-        self.abs_max = any(isinstance(s, SmoothQuantStage) or (isinstance(s, QuantizeStage) and s.scheme.act)
-                           for s in stages)
-        self.hessian = any(isinstance(s, QuantizeStage) and get_quantizer(s.method).needs_hessian for s in stages)
-        self.kv = any(isinstance(s, KVCacheStage) for s in stages)
-        self.pair_report: dict[int, list] = {i: [] for i, s in enumerate(stages)
-                                             if isinstance(s, (AWQStage, SmoothQuantStage))}
-        self.layer_info: dict[int, dict] = {i: {} for i, s in enumerate(stages) if isinstance(s, QuantizeStage)}
-        self.kv_report: dict[str, dict] = {}
-
-    def observe(self, _i: int, prefix: str, block) -> BlockObserver | None:
-        if not (self.searchers or self.abs_mean or self.abs_max or self.hessian or self.kv):
-            return None
-        planned = {e.name for _, plan in self.model_stages if plan is not None for e in plan.quantized
-                   if e.scheme is not None}  # only the layers a stage will use statistics of
+    def observe(self, i: int, prefix: str, block) -> "_Observing":
         linears = [n for n, m in block.named_modules() if n and is_linear(m) and not isinstance(m, QuantLinear)
-                   and f"{prefix}.{n}" in planned]
-        if not linears and not self.kv:
-            return None
-        inspect = sorted({insp for _, _, insp in self.arch.awq}) if self.searchers else []
-        keep = max((s.search_samples for s in self.searchers), default=0)
-        return BlockObserver(block, linears, inspect, abs_mean=self.abs_mean, hessian=self.hessian, keep_samples=keep,
-                             abs_max=self.abs_max, kv=tuple(attention_modules(block)) if self.kv else ())
+                   and f"{prefix}.{n}" in self.observed]
+        observer = None
+        if linears and self.needs.any:
+            nd = self.needs
+            inspect = sorted({insp for _, _, insp in self.ctx.arch.awq}) if nd.replay_samples else []
+            observer = BlockObserver(block, linears, inspect, abs_mean=nd.abs_mean, hessian=nd.hessian,
+                                     keep_samples=nd.replay_samples, abs_max=nd.abs_max)
+        state = BlockState(i, prefix, block, observer)
+        return _Observing(state, ([observer] if observer is not None else []) +
+                          [stage.observing(state, k) for k, stage in self.stages])
 
-    def _next_quantized(self, k: int, prefix: str):
-        stage, plan = next((s, p) for s, p in self.model_stages[k + 1:] if p is not None)
-        return stage, {e.name[len(prefix) + 1:] for e in plan.quantized if e.name.startswith(prefix + ".")}
-
-    def on_block(self, i: int, prefix: str, block, _inputs, observer) -> None:
-        input_divisor: dict = {}
-        for k, (stage, plan) in enumerate(self.model_stages):
-            if isinstance(stage, MODEL_STAGES):
-                continue  # ran on the whole model before calibration
-            if isinstance(stage, AWQStage):
-                _, quantized = self._next_quantized(k, prefix)
-                results = awq_block(block, self.arch.awq, observer, stage, stage.scheme, quantized,
-                                    self.arch.no_clip, self.arch.norm_offset, input_divisor)
-                self.pair_report[k].append({"block": i, "pairs": [asdict(r) for r in results]})
-            elif isinstance(stage, SmoothQuantStage):
-                nxt, quantized = self._next_quantized(k, prefix)
-                results = smoothquant_block(block, self.arch.awq, observer, stage, nxt.scheme, quantized,
-                                            self.arch.norm_offset, input_divisor)
-                self.pair_report[k].append({"block": i, "pairs": [asdict(r) for r in results]})
-            elif isinstance(stage, KVCacheStage):
-                for name, (k_max, v_max) in observer.kv_absmax.items():
-                    set_kv_scales(block.get_submodule(name), k_max, v_max, stage.dtype)
-            else:
-                apply_quantize(self.model, plan, stage, prefix, observer, input_divisor, self.layer_info[k])
+    def on_block(self, _i: int, _prefix: str, _block, _inputs, observing: "_Observing") -> None:
+        for k, stage in self.stages:
+            stage.on_block(self.ctx, observing.state, k)
 
 
-def stage_summary(i: int, stage, plan, blocks: BlockStages | None, model) -> dict:
-    if isinstance(stage, AWQStage):
-        return {"index": i, "stage": "awq", "scheme": stage.scheme.name, "n_grid": stage.n_grid,
-                "search_samples": stage.search_samples, "clip": stage.clip, "quantized": 0, "skipped": [],
-                "blocks": blocks.pair_report[i] if blocks else []}
-    if isinstance(stage, SmoothQuantStage):
-        return {"index": i, "stage": "smoothquant", "alpha": stage.alpha, "alpha_grid": list(stage.alpha_grid),
-                "quantized": 0, "skipped": [], "blocks": blocks.pair_report[i] if blocks else []}
-    if isinstance(stage, KVCacheStage):
-        return {"index": i, "stage": "kv_cache", "dtype": stage.dtype, "quantized": 0, "skipped": [],
-                "layers": kv_layers(model)}
-    return {"index": i, "stage": "quantize", "method": stage.method, "scheme": stage.scheme.name,
-            "scheme_fields": asdict(stage.scheme), "quantized": len(plan.quantized),
-            "skipped": [{"name": e.name, "reason": e.reason} for e in plan.skipped],
-            "layers": {e.name: e.scheme.name for e in plan.quantized},
-            "untied": {e.name: {"extra_bytes": e.untied_bytes, "note": e.note} for e in plan.quantized
-                       if e.untied_bytes is not None},
-            "layer_info": blocks.layer_info.get(i, {}) if blocks else {}}
+class _Observing:
+    """The context managers active during one block's float forward, and the block's state for the stages."""
+
+    def __init__(self, state: BlockState, contexts: list):
+        self.state, self.contexts = state, contexts
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> "_Observing":
+        for c in self.contexts:
+            self._stack.enter_context(c)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.__exit__(*exc)
 
 
-def kept_in_float(model, arch) -> list[str]:
+def start_stages(model, plan: Plan) -> RunContext:
+    """The run context, after each block stage's `begin` (before the calibration pass, or instead of it)."""
+    ctx = RunContext(model, plan)
+    for i in plan.block_stages:
+        plan.stages[i].begin(ctx, i)
+    return ctx
+
+
+def kept_in_float(model) -> list[str]:
     """Weight-holding modules outside the linear layers (embeddings, norms): reported, never silent."""
     kinds: dict[str, int] = {}
     for name, m in model.named_modules():
@@ -161,36 +112,24 @@ def kept_in_float(model, arch) -> list[str]:
     return [f"{n}× {k} (weight-only integer schemes apply to linear layers)" for k, n in sorted(kinds.items())]
 
 
-def planned_model(model, plans: list) -> torch.nn.Module:
+def planned_model(model, plan: Plan) -> torch.nn.Module:
     """A meta-device copy of `model` with the planned QuantLinear layers: what the export checks see before
     any weight is quantized. A tied lm_head planned with tied_lm_head: untie is untied in the copy's config
     too, as apply_quantize will do to the model."""
     import copy
 
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    from .nn import QuantLinear, linear_shape
-
+    entries = [e for stage, step in zip(plan.stages, plan.steps) if stage.stores_weights for e in step.quantized]
     config = copy.deepcopy(model.config)
-    if any(e.untie for plan in plans if plan is not None for e in plan.quantized):
+    if any(e.untie for e in entries):
         for c in {id(c): c for c in (config, config.get_text_config())}.values():
             c.tie_word_embeddings = False
-    with init_empty_weights():
-        meta = AutoModelForCausalLM.from_config(config)
-    for plan in plans:
-        for e in (plan.quantized if plan is not None else ()):
-            old = get_module(meta, e.name)
-            out_features, in_features = linear_shape(old)
-            set_module(meta, e.name, QuantLinear(in_features, out_features, e.scheme, bias=old.bias is not None,
-                                                 device="meta"))
-    return meta
+    return quantized_skeleton(config, {e.name: e.scheme for e in entries})
 
 
-def check_formats(model, plans: list, formats: tuple[str, ...]) -> None:
+def check_formats(model, plan: Plan, formats: tuple[str, ...]) -> None:
     from .export import check_export
     if formats:
-        meta = planned_model(model, plans)
+        meta = planned_model(model, plan)
         for fmt in formats:
             check_export(meta, fmt)
 
@@ -239,32 +178,30 @@ def write_exports(model, tokenizer, tmp: Path, out: Path, recipe: Recipe, source
     return exports
 
 
-def compress_model(model, tokenizer, arch, recipe: Recipe, plans: list, device: str, model_reports: dict | None = None,
+def compress_model(model, tokenizer, recipe: Recipe, plan: Plan, device: str, model_reports: dict | None = None,
                    progress: bool = True, log=print) -> tuple[dict, torch.Tensor | None]:
-    """The recipe's calibration pass and quantization stages, applied to `model` in place (prune and distill, the
-    model stages, have run before). Returns the report's `calibration`, `block_errors`, `stages` and
-    `kept_in_float` sections, and the calibration windows (None without a calibration pass)."""
+    """The recipe's calibration pass and block stages, applied to `model` in place (the whole-model stages, prune
+    and distill, have run before). Returns the report's `calibration`, `block_errors`, `stages` and `kept_in_float`
+    sections, and the calibration windows (None without a calibration pass)."""
     model_reports = model_reports or {}
     sections: dict = {}
-    samples, block_stages = None, None
-    if recipe.calibration is not None and any(not isinstance(s, MODEL_STAGES) for s in recipe.stages):
+    samples = None
+    ctx = start_stages(model, plan)
+    if recipe.calibration is not None and plan.block_stages:
         log("preparing calibration data ...")
         samples, sections["calibration"] = calibration_samples(recipe, model, tokenizer)
         set_threads(recipe.calibration.threads)
         log(f"calibrating block by block on {device} ({samples.shape[0]} × {samples.shape[1]} tokens, "
             f"{recipe.calibration.dtype} matmuls, {torch.get_num_threads()} threads) ...")
-        block_stages = BlockStages(model, recipe, arch, plans)
-        if block_stages.kv:
-            use_kv_attention(model)
-        sections["block_errors"] = run_blockwise(model, arch, samples, block_stages.on_block, device=device,
-                                                 progress=progress, observe=block_stages.observe,
+        stage_pass = StagePass(ctx)
+        sections["block_errors"] = run_blockwise(model, plan.arch, samples, stage_pass.on_block, device=device,
+                                                 progress=progress, observe=stage_pass.observe,
                                                  compute_dtype=getattr(torch, recipe.calibration.dtype))
-    for stage, plan in zip(recipe.stages, plans):  # everything outside the blocks (or all, without calibration)
-        if plan is not None:
-            apply_quantize(model, plan, stage)
-    sections["stages"] = [model_reports[i] if i in model_reports else stage_summary(i, s, p, block_stages, model)
-                          for i, (s, p) in enumerate(zip(recipe.stages, plans))]
-    sections["kept_in_float"] = kept_in_float(model, arch)
+    for i in plan.block_stages:  # the whole model (what lies outside the blocks; all of it without calibration)
+        plan.stages[i].finalize(ctx, i)
+    sections["stages"] = [model_reports[i] if i in model_reports else stage.report(ctx, i)
+                          for i, stage in enumerate(plan.stages)]
+    sections["kept_in_float"] = kept_in_float(model)
     return sections, samples
 
 
@@ -274,31 +211,68 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
     check_output(out, recipe.output.overwrite)
     device = resolve_device(recipe.model.device)
     set_threads(recipe.model.threads)
-    timings: dict[str, float] = {}
-    t = time.perf_counter()
-    log(f"loading model {recipe.model.source!r} ...")
-    loaded = load_model(recipe.model.source, recipe.model.dtype, device, recipe.model.revision,
-                        recipe.model.trust_remote_code)
+    timings = Timings()
+    with timings("load"):
+        log(f"loading model {recipe.model.source!r} ...")
+        loaded, planted = load_source(recipe, device)
     model, tokenizer = loaded.model, loaded.tokenizer
-    arch = get_arch(model)
-    planted = plant_outliers(model, arch, recipe.model.plant_outliers) if recipe.model.plant_outliers else None
-    timings["load"] = time.perf_counter() - t
-    plans = plan_stages(model, arch, recipe)  # strict-mode errors surface here, before any heavy work
     n_params = sum(p.numel() for p in model.parameters())
-    t = time.perf_counter()
-    model_reports, before_distill = run_model_stages(model, tokenizer, arch, recipe, recipe.calibration.source()
-                                                     if recipe.calibration else None, out, resume, progress, log)
-    if model_reports:
-        timings["prune_distill"] = time.perf_counter() - t
-    rank, _ = world()
-    if rank != 0:  # `accelerate launch`: the other processes only helped distill
+    # strict-mode errors and impossible exports surface here, on the shapes after pruning, before any heavy work
+    plan = make_plan(model, get_arch(model), recipe.stages)
+    check_formats(plan.model, plan, recipe.output.formats)
+    with timings("prune_distill", any(s.whole_model for s in recipe.stages)):
+        model_reports, before_distill = run_model_stages(model, tokenizer, get_arch(model), recipe, out, resume,
+                                                         progress, log)
+    if world()[0] != 0:  # `accelerate launch`: the other processes only helped distill
         return {}
-    if model_reports:
-        arch = get_arch(model)
-        plans = plan_stages(model, arch, recipe)  # on the pruned shapes
-    check_formats(model, plans, recipe.output.formats)  # an impossible export fails before the calibration pass
+    if model_reports:  # planned again on the model as pruned and distilled
+        plan = make_plan(model, get_arch(model), recipe.stages, model_stages_done=True)
+        check_formats(model, plan, recipe.output.formats)
+    report = run_header(recipe, loaded, model, plan.arch, n_params, device, planted)
+    with timings("compress"):
+        sections, samples = compress_model(model, tokenizer, recipe, plan, device, model_reports, progress, log)
+    report.update(sections)
+    set_threads(recipe.model.threads)
+    with staged_output(out) as tmp:
+        report.update(save_and_evaluate(recipe, loaded, model, before_distill, plan.arch, samples, device, tmp, out,
+                                        timings, progress, log))
+        write_run_report(report, tmp)
+    shutil.rmtree(work_dir(out), ignore_errors=True)  # distillation checkpoints: the run finished
+    log(f"wrote {out}/report.md")
+    return report
 
-    report: dict = {
+
+def write_run_report(report: dict, folder: Path) -> None:
+    """report.json, report.md, and a recovery-curve plot for each stage section that has one (distill)."""
+    write_report(report, folder)
+    for section in report["stages"]:
+        if any(p.get("ppl") is not None for p in section.get("curve") or ()):
+            plot_recovery(section, folder / f"recovery_curve_stage{section['index']}.png")
+
+
+class Timings(dict):
+    """Seconds per phase of a run: `with timings("load"): ...` (not recorded when `when` is false)."""
+
+    @contextlib.contextmanager
+    def __call__(self, key: str, when: bool = True):
+        t = time.perf_counter()
+        yield
+        if when:
+            self[key] = time.perf_counter() - t
+
+
+def load_source(recipe: Recipe, device: str):
+    """The recipe's model (and its planted outliers, a benchmark aid: see outliers.py)."""
+    spec = recipe.model
+    loaded = load_model(spec.source, spec.dtype, device, spec.revision, spec.trust_remote_code)
+    planted = plant_outliers(loaded.model, get_arch(loaded.model), spec.plant_outliers) if spec.plant_outliers \
+        else None
+    return loaded, planted
+
+
+def run_header(recipe: Recipe, loaded, model, arch, n_params: int, device: str, planted) -> dict:
+    """The report's provenance: compress version, time, the recipe as written and as resolved, the model."""
+    return {
         "compress_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "recipe": {"path": recipe.path, "sha256": recipe.sha256, "overrides": list(recipe.overrides),
@@ -309,63 +283,57 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
                   "threads": torch.get_num_threads(), "planted_outliers": planted},
     }
 
-    t = time.perf_counter()
-    sections, samples = compress_model(model, tokenizer, arch, recipe, plans, device, model_reports, progress, log)
-    report.update(sections)
-    timings["compress"] = time.perf_counter() - t
-    set_threads(recipe.model.threads)
 
+@contextlib.contextmanager
+def staged_output(out: Path):
+    """A temporary folder beside `out`, renamed into place when the block completes; removed on any error or
+    Ctrl-C, so a failed run never leaves a half-written output (nor replaces an existing one)."""
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        if recipe.output.save_model:
-            t = time.perf_counter()
-            log(f"saving the compressed model ...")
-            save_compressed(model, tokenizer, tmp, {"compress_version": __version__, "recipe_sha256": recipe.sha256,
-                                                    "recipe": recipe.text, "source": loaded.source},
-                            recipe.output.save_dtype)
-            timings["save"] = time.perf_counter() - t
-        t = time.perf_counter()
-        baseline = None
-        if recipe.eval.baseline:  # reloaded rather than copied up front: keeps the calibration pass's peak low
-            log("reloading the original model as the baseline ...")
-            baseline = load_model(recipe.model.source, recipe.model.dtype, device, recipe.model.revision,
-                                  recipe.model.trust_remote_code).model
-            if recipe.model.plant_outliers:
-                plant_outliers(baseline, arch, recipe.model.plant_outliers)
-        log("evaluating ...")
-        models = {"baseline": baseline} if baseline is not None else {}
-        if before_distill is not None:
-            models["pruned"] = before_distill  # the same windows before and after distillation
-        models["compressed"] = model
-        report["eval"] = evaluate_models(models, tokenizer, recipe.eval, device,
-                                         baseline="baseline" if baseline is not None else None, progress=progress)
-        timings["eval"] = time.perf_counter() - t
-        report["memory"] = {
-            "checkpoint_bytes": folder_bytes(tmp) if recipe.output.save_model else None,
-            "baseline_checkpoint_bf16_bytes": _bf16_bytes(baseline or model),
-        }
-        if recipe.output.formats:
-            t = time.perf_counter()
-            windows, text = verify_windows(recipe, tokenizer, samples)
-            report["exports"] = write_exports(model, tokenizer, tmp, out, recipe, loaded.source, windows, text, log)
-            timings["export"] = time.perf_counter() - t
-        report["timings"] = timings
-        (tmp / "recipe.yaml").write_text(recipe.text or recipe.resolved_yaml())
-        (tmp / "recipe.resolved.yaml").write_text(recipe.resolved_yaml())
-        write_report(report, tmp)
-        for stage in report["stages"]:
-            if any(p.get("ppl") is not None for p in stage.get("curve") or ()):
-                plot_recovery(stage, tmp / f"recovery_curve_stage{stage['index']}.png")
+        yield tmp
         if out.exists():
             shutil.rmtree(out)
         out.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    shutil.rmtree(work_dir(out), ignore_errors=True)  # distillation checkpoints: the run finished
-    log(f"wrote {out}/report.md")
+
+
+def save_and_evaluate(recipe: Recipe, loaded, model, before_distill, arch, samples, device: str, tmp: Path, out: Path,
+                      timings: Timings, progress: bool, log) -> dict:
+    """Save the compressed model into `tmp`, evaluate it beside the baseline (and the pruned model before
+    distillation), write the exports, then the report; returns the report sections added here."""
+    report: dict = {}
+    if recipe.output.save_model:
+        with timings("save"):
+            log("saving the compressed model ...")
+            save_compressed(model, loaded.tokenizer, tmp, {"compress_version": __version__,
+                                                           "recipe_sha256": recipe.sha256, "recipe": recipe.text,
+                                                           "source": loaded.source}, recipe.output.save_dtype)
+    with timings("eval"):
+        baseline = None
+        if recipe.eval.baseline:  # reloaded rather than copied up front: keeps the calibration pass's peak low
+            log("reloading the original model as the baseline ...")
+            baseline = load_source(recipe, device)[0].model
+        log("evaluating ...")
+        models = {"baseline": baseline} if baseline is not None else {}
+        if before_distill is not None:
+            models["pruned"] = before_distill  # the same windows before and after distillation
+        models["compressed"] = model
+        report["eval"] = evaluate_models(models, loaded.tokenizer, recipe.eval, device,
+                                         baseline="baseline" if baseline is not None else None, progress=progress)
+    report["memory"] = {"checkpoint_bytes": folder_bytes(tmp) if recipe.output.save_model else None,
+                        "baseline_checkpoint_bf16_bytes": _bf16_bytes(baseline or model)}
+    if recipe.output.formats:
+        with timings("export"):
+            windows, text = verify_windows(recipe, loaded.tokenizer, samples)
+            report["exports"] = write_exports(model, loaded.tokenizer, tmp, out, recipe, loaded.source, windows,
+                                              text, log)
+    report["timings"] = dict(timings)
+    (tmp / "recipe.yaml").write_text(recipe.text or recipe.resolved_yaml())
+    (tmp / "recipe.resolved.yaml").write_text(recipe.resolved_yaml())
     return report
 
 
@@ -378,4 +346,4 @@ def _bf16_bytes(model) -> int:
     return total
 
 
-__all__ = ["run", "QuantizeStage"]
+__all__ = ["run", "compress_model", "make_plan"]

@@ -17,21 +17,10 @@ from typing import Any, Literal
 import yaml
 
 from .data import TextSource
-from .distill import DistillStage
-from .kv_cache import KVCacheStage
 from .outliers import PlantSpec
-from .prune.minitron import PruneStage
-from .quantize import QuantizeStage
-from .quantizers.awq import AWQStage
-from .quantizers.smoothquant import SmoothQuantStage
-from .scheme import PRESETS, QuantScheme, get_preset
-
 from .resources import find_recipe, resource_dir
-
-# Stage name -> config class. A new stage = one entry here + its handler in pipeline.STAGE_HANDLERS.
-STAGES: dict[str, type] = {"prune": PruneStage, "distill": DistillStage, "awq": AWQStage,
-                           "smoothquant": SmoothQuantStage, "quantize": QuantizeStage, "kv_cache": KVCacheStage}
-MODEL_STAGES = (PruneStage, DistillStage)  # change the whole model's shape or weights; run before calibration
+from .scheme import PRESETS, QuantScheme, get_preset
+from .stages import STAGES
 
 
 class RecipeError(ValueError):
@@ -295,43 +284,18 @@ def _calibration(value, file: str) -> CalibrationSpec | None:
 
 
 def _check_stages(stages: tuple, calibration, file: str) -> tuple:
-    """Cross-stage rules: AWQ is followed by a quantize stage with the same scheme (filled in when the
-    AWQ stage names none); AWQ and GPTQ need calibration data."""
-    out = list(stages)
-    first_other = next((i for i, st in enumerate(stages) if not isinstance(st, MODEL_STAGES)), len(stages))
+    """Cross-stage rules: the whole-model stages (prune, distill) come first; then each stage checks itself against
+    the others (`check` in stages/base.py: calibration data, the quantize stage a smoothing stage prepares for)."""
+    first_other = next((i for i, st in enumerate(stages) if not st.whole_model), len(stages))
+    out = []
     for i, st in enumerate(stages):
-        if isinstance(st, MODEL_STAGES) and i > first_other:
-            raise RecipeError(f"{file}: `stages.{i}` ({type(st).__name__}) must come before the quantization stages "
+        if st.whole_model and i > first_other:
+            raise RecipeError(f"{file}: `stages.{i}` ({st.name}) must come before the quantization stages "
                               "(prune and distill change the model that calibration sees); move it up")
-        if isinstance(st, PruneStage) and calibration is None:
-            raise RecipeError(f"{file}: `stages.{i}` (prune) scores importance on calibration text; add a "
-                              "`calibration:` section (e.g. `calibration: {preset: wikitext2}`)")
-        if isinstance(st, DistillStage) and not any(isinstance(p, PruneStage) for p in stages[:i]):
-            raise RecipeError(f"{file}: `stages.{i}` (distill) repairs a pruned model from the original; "
-                              "put a `stage: prune` before it")
-        needs = isinstance(st, (AWQStage, SmoothQuantStage, KVCacheStage)) or \
-            (isinstance(st, QuantizeStage) and st.needs_calibration)
-        if needs and calibration is None:
-            raise RecipeError(f"{file}: `stages.{i}` needs calibration data; add a `calibration:` section "
-                              "(e.g. `calibration: {preset: wikitext2}`)")
-        if isinstance(st, SmoothQuantStage):
-            nxt = next((stages[j] for j in range(i + 1, len(stages)) if isinstance(stages[j], QuantizeStage)), None)
-            act = None if nxt is None else nxt.scheme.act
-            if act is None or act.outlier_threshold is not None:
-                raise RecipeError(f"{file}: `stages.{i}` (smoothquant) migrates activation outliers into the weights; "
-                                  "a later `stage: quantize` must quantize activations without LLM.int8's outlier "
-                                  "split (e.g. scheme: W8A8 or FP8_DYNAMIC)")
-        if isinstance(st, AWQStage):
-            nxt = next((j for j in range(i + 1, len(stages)) if isinstance(stages[j], QuantizeStage)), None)
-            if nxt is None:
-                raise RecipeError(f"{file}: `stages.{i}` (awq) only moves scales; a later `stage: quantize` must "
-                                  "store the weights")
-            if st.scheme is None:
-                out[i] = dataclasses.replace(st, scheme=stages[nxt].scheme)
-            elif st.scheme != stages[nxt].scheme:
-                raise RecipeError(f"{file}: `stages.{i}.scheme` ({st.scheme.name}) differs from `stages.{nxt}.scheme` "
-                                  f"({stages[nxt].scheme.name}); AWQ must search for the format that is stored. "
-                                  "Remove the awq scheme to inherit it.")
+        try:
+            out.append(st.check(i, stages, calibration is not None))
+        except ValueError as exc:
+            raise RecipeError(f"{file}: {exc}") from None
     return tuple(out)
 
 

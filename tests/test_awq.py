@@ -9,10 +9,12 @@ from torch import nn
 from compress.arch import get_arch
 from compress.blockwise import run_blockwise
 from compress.nn import QuantLinear
-from compress.pipeline import BlockStages, plan_stages
+from compress.pipeline import StagePass, start_stages
+from compress.stages import make_plan
 from compress.quantizers import quantize_rtn
-from compress.quantizers.awq import (apply_smoothing, fake_quantize, in_weight, out_channels, search_clip,
-                                     search_scales)
+from compress.quantizers.awq import search_clip, search_scales
+from compress.quantizers.rtn import fake_quantize
+from compress.smoothing import apply_smoothing, in_weight, out_channels
 from compress.recipe import from_dict
 from compress.scheme import scheme
 from tests.conftest import TINY_CONFIGS, make_tiny_model
@@ -111,19 +113,20 @@ def test_every_architecture_runs_awq_and_gptq(family, stages):
     ids = torch.randint(0, 256, (4, 16))
     with torch.no_grad():
         before = model(ids).logits
-    plans = plan_stages(model, arch, recipe)
-    block_stages = BlockStages(model, recipe, arch, plans)
-    errors = run_blockwise(model, arch, ids, block_stages.on_block, observe=block_stages.observe, progress=False)
+    plan = make_plan(model, arch, recipe.stages)
+    ctx = start_stages(model, plan)
+    stage_pass = StagePass(ctx)
+    errors = run_blockwise(model, arch, ids, stage_pass.on_block, observe=stage_pass.observe, progress=False)
     assert len(errors) == len(arch.block_list(model)) and all(e > 0 for e in errors)
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    assert len(quantized) == len(plans[-1].quantized)
+    assert len(quantized) == len(plan.steps[-1].quantized)
     with torch.no_grad():
         after = model(ids).logits
     assert torch.isfinite(after).all()
     rel = float((after - before).norm() / before.norm())
     assert 0 < rel < 0.6  # measured 0.01-0.29 on these random tiny models at 3-4 bits
     if stages[0]["stage"] == "awq":
-        pairs = [p for blk in block_stages.pair_report[0] for p in blk["pairs"]]
+        pairs = [p for blk in ctx.records[0] for p in blk["pairs"]]
         assert pairs and all(p["skipped"] or p["loss"] <= p["loss_identity"] for p in pairs)
 
 
@@ -132,11 +135,11 @@ def test_awq_gqa_v_to_o_is_skipped_with_reason():
     arch = get_arch(model)
     recipe = _recipe([{"stage": "awq", "n_grid": 3, "search_samples": 1},
                       {"stage": "quantize", "scheme": {"dtype": "int4", "group_size": 16}}])
-    plans = plan_stages(model, arch, recipe)
-    block_stages = BlockStages(model, recipe, arch, plans)
-    run_blockwise(model, arch, torch.randint(0, 256, (2, 8)), block_stages.on_block, observe=block_stages.observe,
+    ctx = start_stages(model, make_plan(model, arch, recipe.stages))
+    stage_pass = StagePass(ctx)
+    run_blockwise(model, arch, torch.randint(0, 256, (2, 8)), stage_pass.on_block, observe=stage_pass.observe,
                   progress=False)
-    v_o = [p for p in block_stages.pair_report[0][0]["pairs"] if p["pair"].startswith("self_attn.v_proj")]
+    v_o = [p for p in ctx.records[0][0]["pairs"] if p["pair"].startswith("self_attn.v_proj")]
     assert v_o and "grouped-query attention" in v_o[0]["skipped"]
 
 
@@ -154,9 +157,16 @@ def test_awq_and_gptq_need_calibration():
         from_dict({"model": "x", "stages": [{"stage": "quantize", "method": "gptq"}]})
 
 
-def test_awq_inherits_the_quantize_scheme():
-    recipe = _recipe([{"stage": "awq"}, {"stage": "quantize", "scheme": "W4A16_G64"}])
-    assert recipe.stages[0].scheme == recipe.stages[1].scheme
+def test_awq_searches_for_the_scheme_of_the_next_quantize_stage():
+    """AWQ names no scheme of its own: the plan resolves its target, the next quantize stage, in one place (the
+    same lookup SmoothQuant uses), and the report names that scheme."""
+    recipe = _recipe([{"stage": "awq"}, {"stage": "kv_cache"}, {"stage": "quantize", "scheme": "W4A16_G64"},
+                      {"stage": "quantize", "scheme": "W8A16", "targets": ["lm_head"], "ignore": []}])
+    assert recipe.stages[0].scheme is None
+    model = make_tiny_model("llama")
+    plan = make_plan(model, get_arch(model), recipe.stages)
+    assert plan.target(0) == (recipe.stages[2], plan.steps[2])
+    assert recipe.stages[0].report(start_stages(model, plan), 0)["scheme"] == recipe.stages[2].scheme.name
 
 
 @pytest.mark.parametrize("sch", [scheme("int4", "group", 64, True), scheme("int3", "group", 32, False),

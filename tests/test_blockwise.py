@@ -9,7 +9,7 @@ from torch import nn
 from compress.arch import get_arch, get_module
 from compress.blockwise import BlockInputs, block_forward, capture_block_inputs, relative_error, run_blockwise
 from compress.nn import QuantLinear, is_linear
-from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
+from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.scheme import scheme
 from tests.conftest import TINY_CONFIGS, make_tiny_model
 

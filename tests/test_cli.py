@@ -451,21 +451,41 @@ def test_accelerate_launch_runs_the_recipe_on_two_processes(tmp_path, model_dir,
     assert distill["processes"] == 2 and distill["tokens"] == 4 * 1 * 2 * SEQ_LEN  # steps × batch × processes
 
 
-def test_a_run_that_fails_after_distillation_resumes_from_its_checkpoint(tmp_path, model_dir, calib_file, capsys):
-    # group 64 divides every layer of the original (64, 128 wide) but not the pruned MLP (96): the quantize
-    # plan made after pruning fails, after distillation has written its checkpoints
+def test_a_plan_that_fails_on_the_pruned_shapes_fails_before_distillation(tmp_path, model_dir, calib_file, capsys):
+    # group 64 divides every layer of the original (64, 128 wide) but not the pruned MLP (96): the plan is made on a
+    # meta model of the pruned shape before any pruning or training, so nothing is spent and nothing is left behind
     recipe = _minitron_recipe(model_dir, calib_file, tmp_path / "out",
                               {"stage": "quantize", "method": "rtn", "scheme": {"dtype": "int4", "group_size": 64}})
+    recipe["stages"][0]["mlp"] = 0.75
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert main(["run", str(path), "--no-progress"]) == 2
+    assert "mlp.down_proj: in_features=96 is not divisible by group_size=64" in capsys.readouterr().err
+    assert not (tmp_path / "out.work").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_run_that_fails_after_distillation_resumes_from_its_checkpoint(tmp_path, model_dir, calib_file, capsys,
+                                                                        monkeypatch):
+    import compress.pipeline
+
+    recipe = _minitron_recipe(model_dir, calib_file, tmp_path / "out",
+                              {"stage": "quantize", "method": "rtn", "scheme": {"dtype": "int4", "group_size": 32}})
     recipe["stages"][0]["mlp"] = 0.75
     recipe["eval"] = {"perplexity": False, "speed": False}
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    assert main(["run", str(path), "--no-progress"]) == 2
-    assert "group_size" in capsys.readouterr().err
+
+    def crash(*_args, **_kwargs):  # the process dies in the calibration pass, after distillation
+        raise RuntimeError("simulated crash after distillation")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(compress.pipeline, "compress_model", crash)
+        assert main(["run", str(path), "--no-progress"]) == 2
+    assert "simulated crash" in capsys.readouterr().err
     checkpoints = tmp_path / "out.work" / "distill-1" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000002", "step-000004"]
     assert not (tmp_path / "out").exists()
-    assert main(["run", str(path), "--no-progress", "--resume", "--set", "stages.2.strict=false"]) == 0
+    assert main(["run", str(path), "--no-progress", "--resume"]) == 0
     distill = json.loads((tmp_path / "out" / "report.json").read_text())["stages"][1]
     assert distill["resumed_from"] == 4 and distill["steps"] == 4
     assert not (tmp_path / "out.work").exists()

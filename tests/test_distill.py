@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from compress.distill import DistillStage, distill, kd_loss, lr_at, native_bf16
+from compress.distill import distill, kd_loss, lr_at, native_bf16
+from compress.stages.distill import DistillStage
 from tests.conftest import TINY_CONFIGS, make_tiny_model
 
 torch.set_num_threads(1)  # two OpenMP threads stall on the 2-core CI machines

@@ -18,7 +18,7 @@ from compress.export.verify import compare_logits, load_export, model_logits, ve
 from compress.kv_cache import attention_modules, restore_attention, set_kv_scales, use_kv_attention
 from compress.nn import QuantLinear
 from compress.observers import BlockObserver
-from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
+from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.scheme import FP8, FP8_BLOCK, FP8_DYNAMIC, LLM_INT8, W8A8, W8A8_STATIC, scheme
 from tests.conftest import make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer

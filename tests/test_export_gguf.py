@@ -10,7 +10,7 @@ import transformers
 
 from compress.arch import get_arch
 from compress.export.gguf import GGUF_TYPES, gguf_problems, llama_cpp_logits, load_llama_cpp, write_gguf
-from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
+from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.scheme import W8A8, scheme
 from tests.conftest import make_tiny_model
 from tests.tiny_tokenizer import WORDS

@@ -22,7 +22,7 @@ from compress.arch import get_arch
 from compress.export import export_model
 from compress.export.verify import compare_logits, export_logits, model_logits
 from compress.nn import QuantLinear
-from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
+from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.scheme import QuantScheme, scheme
 from tests.conftest import requires_data
 from tests.test_export_awq_gptq import unpack_awq, unpack_gptq

@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 from compress.nn import QuantLinear
 from compress.primitives import cast_fp8, fake_quantize_activation
-from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
+from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.quantizers.rtn import quantize_rtn
 from compress.scheme import FP8, FP8_BLOCK, FP8_DYNAMIC, FP8_E5M2_DYNAMIC, FP8_W8A16, ActScheme, QuantScheme, scheme
 from tests.reference.naive_8bit import fp8_table, naive_cast_fp8, naive_fp8_weight

@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from compress.arch import get_arch
-from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
+from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.scheme import scheme
 from tests.conftest import make_tiny_model, requires_data, shared_data_dir
 from tests.tiny_tokenizer import make_tiny_tokenizer

@@ -12,7 +12,7 @@ from compress.arch import get_arch
 from compress.export import ExportError, check_export, export_model
 from compress.models import load_compressed, save_compressed
 from compress.nn import QuantLinear
-from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
+from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.quantizers import QUANTIZERS, get_quantizer, quantize_rtn
 from compress.quantizers.hqq import HQQOptions, quantize_hqq
 from compress.recipe import RecipeError, load_recipe

@@ -3,6 +3,9 @@ functions: a deferred import hides a cycle, it does not remove it."""
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import compress
@@ -74,3 +77,13 @@ def test_the_cycle_finder_finds_a_deferred_cycle(tmp_path):
     (pkg / "b.py").write_text("def f():\n    from .a import g\n")  # deferred, still a cycle
     (pkg / "c.py").write_text("from . import a\n")
     assert find_cycle(import_graph(pkg)) == ["pkg.a", "pkg.b", "pkg.a"]
+
+
+def test_importing_the_package_changes_nothing_in_the_process():
+    """`import compress` sets no environment variable and loads no torch (the CLI sets its own process defaults)."""
+    code = ("import os, sys; before = dict(os.environ); import compress; "
+            "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items()); "
+            "assert 'torch' not in sys.modules; assert compress.QuantScheme.__name__ == 'QuantScheme'")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -14,10 +14,11 @@ from torch.nn import functional as F
 
 from compress.arch import get_arch
 from compress.kernels import cpu, dispatch, gpu, ops, prepack
-from compress.kernels.dispatch import REFERENCE, clear_dispatch, plan_dispatch, summary, use_dispatch
+from compress.kernels.dispatch import (REFERENCE, clear_dispatch, install_dispatch, plan_dispatch, summary,
+                                       use_dispatch)
 from compress.nn import QuantLinear
 from compress.qtensor import QuantizedTensor
-from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
+from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.scheme import ActScheme, scheme
 
 from .conftest import make_tiny_model
@@ -111,9 +112,11 @@ def test_dispatch_keeps_the_model_output(family):
     with torch.no_grad():
         ref = model(ids).logits.double()
         report = plan_dispatch(model, batch_sizes=(1, 16), repeats=1)
+        layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        assert layers and all(m.dispatch is None for m in layers)  # planning is pure: nothing installed
+        install_dispatch(model, report)
         got = model(ids).logits.double()
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    assert layers and all(m.dispatch is not None for m in layers)
+    assert all(m.dispatch is not None for m in layers)
     assert report.layers == len(layers) and report.rows
     assert rel_err(got, ref) < 2e-2  # bf16 model: both paths round to bf16 at different points
     clear_dispatch(model)
@@ -125,11 +128,11 @@ def test_use_dispatch_installs_the_plan_only_inside_its_block():
     the reference path (accuracy passes after a speed measurement must not run on the timed kernels)."""
     model = quantized_tiny("llama", scheme("int4", "group", 32, True))
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    with use_dispatch(model, batch_sizes=(1,), measure=False) as report:
+    with use_dispatch(model, plan_dispatch(model, batch_sizes=(1,), measure=False)) as report:
         assert report.layers == len(layers) and all(m.dispatch is not None for m in layers)
     assert all(m.dispatch is None for m in layers)
     with pytest.raises(RuntimeError, match="speed run failed"):
-        with use_dispatch(model, batch_sizes=(1,), measure=False):
+        with use_dispatch(model, plan_dispatch(model, batch_sizes=(1,), measure=False)):
             raise RuntimeError("speed run failed")
     assert all(m.dispatch is None for m in layers)
 
@@ -138,6 +141,7 @@ def test_dispatch_choices_follow_the_timings():
     """Each bucket's kernel is the fastest measured at that row count, and the layer follows the buckets."""
     model = quantized_tiny("llama", scheme("int4", "group", 32, True))
     report = plan_dispatch(model, batch_sizes=(1, 4, 16), repeats=2)
+    install_dispatch(model, report)
     for row in report.rows:
         assert row.choice == min(row.times_us, key=row.times_us.get)
         assert row.dense_us > 0 and row.vs_dense > 0
@@ -152,12 +156,14 @@ def test_dispatch_choices_follow_the_timings():
 def test_dispatch_without_measuring_prefers_the_kernel_and_reports_refusals():
     model = quantized_tiny("llama", scheme("int4", "group", 32, True))
     report = plan_dispatch(model, measure=False)
+    install_dispatch(model, report)
     assert "torch int4pack (CPU)" in summary(model)
     assert not report.rows  # nothing timed
     refused = next(iter(report.skipped.values()))
     assert "int8 weight-only" in refused["torch int8pack (CPU)"] and "CUDA only" in refused["compress w4a16 (CUDA)"]
     fp32 = quantized_tiny("llama", scheme("int4", "group", 32, True), torch.float32)
     report = plan_dispatch(fp32, measure=False)
+    install_dispatch(fp32, report)
     # int4pack is slow with float32 activations: a float32 layer gets it only with its input rounded to bf16
     assert "torch int4pack (CPU, bf16 activations)" in summary(fp32)
     assert "bf16/fp16" in next(iter(report.skipped.values()))["torch int4pack (CPU)"]
@@ -178,7 +184,7 @@ def test_int4pack_for_float32_layers_rounds_the_input_to_bf16():
 def test_dispatch_leaves_quantized_activations_on_their_path():
     s = scheme("int8", "channel", None, True, act=ActScheme("int8", "token"))
     model = quantized_tiny("llama", s, torch.float32)
-    plan_dispatch(model, measure=False)
+    install_dispatch(model, plan_dispatch(model, measure=False))
     assert "reference int8 _int_mm" in summary(model)
 
 
@@ -294,7 +300,7 @@ def test_float_copy_only_when_asked_and_measured():
     model = quantized_tiny("llama", scheme("int4", "group", 32, True))
     report = plan_dispatch(model, batch_sizes=(1, 64), repeats=1, float_copy=True)
     assert all("dequantized float copy" in r.times_us or r.choice == "dequantized float copy" for r in report.rows)
-    plan_dispatch(model, measure=False, float_copy=True)  # unmeasured: never picks the memory-costly copy
+    install_dispatch(model, plan_dispatch(model, measure=False, float_copy=True))  # unmeasured: never the costly copy
     assert "float copy" not in summary(model)
 
 

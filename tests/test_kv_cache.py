@@ -3,15 +3,17 @@ of the keys (after the rotary embedding) and values attention reads, the scales 
 fp8 rounding should, and they survive save/load."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from compress.arch import get_arch
-from compress.kv_cache import attention_modules, fake_quantize_kv, restore_attention, set_kv_scales, use_kv_attention
+from compress.kv_cache import fake_quantize_kv, recording_kv, restore_attention, set_kv_scales, use_kv_attention
 from compress.primitives import cast_fp8
-from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
+from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.scheme import FP8_DYNAMIC
 from tests.conftest import TINY_CONFIGS, make_tiny_model
 
@@ -28,15 +30,14 @@ AttentionInterface.register("test_capture_kv", _capture)
 
 def _record(model, ids):
     arch = get_arch(model)
-    names = [f"{arch.blocks}.{i}.{n}" for i, b in enumerate(arch.block_list(model)) for n in attention_modules(b)]
-    for n in names:
-        model.get_submodule(n).kv_record = [0.0, 0.0]
-    with torch.no_grad():
-        model(ids)
-    out = {n: list(model.get_submodule(n).kv_record) for n in names}
-    for n in names:
-        model.get_submodule(n).kv_record = None
-    return out
+    out = {}
+    with contextlib.ExitStack() as stack:
+        for i, block in enumerate(arch.block_list(model)):
+            records = stack.enter_context(recording_kv(block, {}))
+            out.update({f"{arch.blocks}.{i}.{n}": r for n, r in records.items()})
+        with torch.no_grad():
+            model(ids)
+    return {n: list(r) for n, r in out.items()}
 
 
 @pytest.mark.parametrize("family", sorted(TINY_CONFIGS))

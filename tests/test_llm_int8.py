@@ -13,7 +13,7 @@ from compress.kernels.reference import linear_bitsandbytes, linear_llm_int8, lin
 from compress.nn import QuantLinear
 from compress.outliers import PlantSpec, plant_outliers
 from compress.primitives import activation_qparams, fake_quantize_activation, quantize_activation
-from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
+from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.quantizers.rtn import quantize_rtn
 from compress.scheme import (LLM_INT8, LLM_INT8_BNB, LLM_INT8_STATIC, W8A8, W8A8_ASYM, W8A8_STATIC, ActScheme,
                              QuantScheme)

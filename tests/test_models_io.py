@@ -11,7 +11,7 @@ from torch import nn
 from compress.arch import get_arch
 from compress.models import COMPRESS_META, WEIGHTS, load_compressed, load_model, save_compressed
 from compress.nn import QuantLinear
-from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
+from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.scheme import scheme
 from tests.conftest import make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer, word_text

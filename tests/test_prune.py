@@ -8,7 +8,8 @@ import torch
 import transformers
 
 from compress.arch import get_arch
-from compress.prune import PruneStage, TargetShape, count_params, minitron_prune, resolve_shape
+from compress.prune import TargetShape, count_params, minitron_prune, resolve_shape
+from compress.stages.prune import PruneStage
 from compress.prune.importance import BatchAggregate, activation_importance, aggregate_seq
 from compress.prune.slicing import prune_heads, prune_hidden, prune_layers, prune_mlp
 from tests.conftest import TINY_CONFIGS, make_tiny_model

@@ -20,7 +20,8 @@ from compress.arch import get_arch
 from compress.evaluate.ppl import score_windows
 from compress.evaluate.report import eval_windows
 from compress.nn import QuantLinear
-from compress.pipeline import compress_model, plan_stages
+from compress.pipeline import compress_model
+from compress.stages import make_plan
 from compress.recipe import load_recipe
 from tests.conftest import requires_data
 
@@ -54,8 +55,8 @@ def compress_and_score():
     for name, (recipe_file, q, extra) in RUNS.items():
         recipe = load_recipe(recipe_file, CALIBRATION + extra + [f"stages.{q}.targets={TARGETS}"])
         model = copy.deepcopy(base)
-        plans = plan_stages(model, arch, recipe)
-        reports[name], _ = compress_model(model, tokenizer, arch, recipe, plans, "cpu", progress=False,
+        plan = make_plan(model, arch, recipe.stages)
+        reports[name], _ = compress_model(model, tokenizer, recipe, plan, "cpu", progress=False,
                                           log=lambda m: None)
         models[name] = model
     windows = eval_windows(tokenizer, "test", 512, 4)

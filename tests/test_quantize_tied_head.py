@@ -10,8 +10,9 @@ from compress.arch import get_arch
 from compress.export import ExportError, export_model
 from compress.models import load_compressed, save_compressed
 from compress.nn import QuantLinear
-from compress.pipeline import plan_stages, planned_model, stage_summary
-from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
+from compress.pipeline import planned_model
+from compress.stages import Plan, RunContext, make_plan
+from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.quantizers.rtn import quantize_rtn
 from compress.recipe import Recipe, RecipeError, from_dict
 from compress.scheme import scheme
@@ -79,7 +80,7 @@ def test_untie_records_the_extra_bytes_in_the_plan_and_the_stage_summary():
     assert head.untied_bytes == vocab * hidden + vocab * 2  # int8 codes + one float16 scale per row
     assert "untied" in head.note and f"{head.untied_bytes} bytes" in head.note
     assert [e.untied_bytes for e in plan.quantized if e.name != "lm_head"] == [None] * 14
-    summary = stage_summary(0, stage, plan, None, model)
+    summary = stage.report(RunContext(model, Plan((stage,), [plan], model, get_arch(model))), 0)
     assert summary["untied"] == {"lm_head": {"extra_bytes": head.untied_bytes, "note": head.note}}
     assert summary["layers"]["lm_head"] == INT8_CHANNEL.name
 
@@ -91,8 +92,9 @@ def test_untying_happens_once_in_a_recipe_with_a_separate_head_stage():
     body = QuantizeStage(scheme=INT4_G16)
     head = QuantizeStage(scheme=INT8_CHANNEL, **HEAD_ONLY)
     recipe = Recipe(stages=(body, head))
-    plans = plan_stages(model, arch, recipe)
-    assert planned_model(model, plans).config.tie_word_embeddings is False  # what the export checks see
+    plan = make_plan(model, arch, recipe.stages)
+    plans = plan.steps
+    assert planned_model(model, plan).config.tie_word_embeddings is False  # what the export checks see
     assert model.config.tie_word_embeddings  # planning changes nothing
     assert apply_quantize(model, plans[0], body) == 14 and _tied(model)
     assert apply_quantize(model, plans[1], head) == 1 and not _tied(model)

@@ -11,7 +11,7 @@ import transformers
 import yaml
 
 from compress.arch import get_arch
-from compress.quantize import plan_quantize
+from compress.stages.quantize import plan_quantize
 from compress.recipe import RecipeError, from_dict, load_recipe
 from compress.resources import resource_dir
 from compress.scheme import PRESETS, W4A16_G64
@@ -57,7 +57,7 @@ def test_shipped_recipes_load(path):
     recipe = load_recipe(path)
     assert recipe.path == str(path)
     assert len(recipe.stages) >= 1
-    assert all(st.scheme.bits in (3, 4, 8) for st in recipe.stages if hasattr(st, "scheme"))
+    assert all(st.scheme.bits in (3, 4, 8) for st in recipe.stages if getattr(st, "scheme", None) is not None)
     assert recipe.output.dir.startswith("runs/")
 
 
@@ -103,7 +103,7 @@ BAD = [
     pytest.param(_with(stages=[_stage(), {"stage": "sparsify"}]), r"`stages\.1\.stage` is 'sparsify'; known stages",
                  id="unknown-stage"),
     pytest.param(_with(stages=[_stage(), {"stage": "prune", "mlp": 0.5}]),
-                 r"`stages\.1` \(PruneStage\) must come before the quantization stages", id="prune-after-quantize"),
+                 r"`stages\.1` \(prune\) must come before the quantization stages", id="prune-after-quantize"),
     pytest.param(_with(stages=[{"stage": "distill"}]), r"`stages\.0` \(distill\) repairs a pruned model.*"
                  r"put a `stage: prune` before it", id="distill-without-prune"),
     pytest.param(_with(stages=[{"stage": "prune"}]), r"`stages\.0`: prune needs exactly one of", id="prune-no-target"),

@@ -76,7 +76,7 @@ def test_serving_bytes_count_floats_at_bf16_and_quantized_layers_as_stored():
     from compress.arch import get_arch
     from compress.evaluate.memory import serving_bytes
     from compress.nn import QuantLinear
-    from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
+    from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
     from compress.scheme import scheme
     from tests.conftest import make_tiny_model
 

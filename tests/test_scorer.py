@@ -10,7 +10,7 @@ import torch
 
 from compress.arch import get_arch
 from compress.evaluate.ppl import score_windows
-from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
+from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.scheme import scheme
 from tests.conftest import TINY_CONFIGS, make_tiny_model, requires_data
 

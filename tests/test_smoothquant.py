@@ -12,8 +12,9 @@ from compress.arch import get_arch
 from compress.blockwise import run_blockwise
 from compress.observers import BlockObserver
 from compress.outliers import PlantSpec, plant_outliers
-from compress.quantize import QuantizeStage, apply_quantize, plan_quantize
-from compress.quantizers.smoothquant import SmoothQuantStage, smoothing_scales, smoothquant_block
+from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
+from compress.quantizers.smoothquant import smoothing_scales, smoothquant_block
+from compress.stages.smoothquant import SmoothQuantStage
 from compress.recipe import RecipeError, from_dict
 from compress.scheme import W8A8
 from tests.conftest import make_tiny_model

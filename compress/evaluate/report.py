@@ -9,16 +9,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..data import fingerprint, sequential_windows, tokenize_joined, wikitext2_rows
+from ..data import eval_windows, fingerprint
 from ..nn import QuantLinear
+from ..stages import get_stage
+from .fmt import mb as _mb, num as _f
 from .memory import peak_cuda_bytes, peak_rss_bytes, serving_bytes, weight_bytes
 from .ppl import score_windows
-from ..kernels.dispatch import render as render_dispatch, use_dispatch
+from ..kernels.dispatch import plan_dispatch, render as render_dispatch, use_dispatch
 from .speed import measure_speed, speed_sweep
-
-
-def eval_windows(tokenizer, split: str, seq_len: int, max_windows: int | None) -> torch.Tensor:
-    return sequential_windows(tokenize_joined(wikitext2_rows(split), tokenizer), seq_len, max_windows)
 
 
 @contextlib.contextmanager
@@ -70,7 +68,7 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
             vocab = m.get_input_embeddings().weight.shape[0]
             quantized = any(isinstance(q, QuantLinear) for q in m.modules())
             batches = sorted({1, 4, 16, 64, *getattr(spec, "speed_batches", ())})
-            dispatch = use_dispatch(m, batches) if quantized and getattr(spec, "dispatch", True) else \
+            dispatch = use_dispatch(m, plan_dispatch(m, batches)) if quantized and getattr(spec, "dispatch", True) else \
                 contextlib.nullcontext()
             with dispatch as plan:  # accuracy (lm-eval below, later evaluations) stays on the reference path
                 if plan is not None:
@@ -204,14 +202,6 @@ def write_report(report: dict, folder: str | Path) -> None:
     (folder / "report.md").write_text(render_markdown(report))
 
 
-def _mb(n) -> str:
-    return "—" if n is None else f"{n / 1e6:,.1f} MB"
-
-
-def _f(x, fmt="{:.4f}") -> str:
-    return "—" if x is None else fmt.format(x)
-
-
 def _calib_where(cal: dict) -> str:
     kind = cal.get("kind")
     if kind == "files":
@@ -244,83 +234,6 @@ def _awq_lines(blocks: list[dict], what: str = "mean exponent r") -> list[str]:
     return lines
 
 
-def _activation_lines(stage: dict, models: dict) -> list[str]:
-    """Quantized-activation facts per layer: calibrated input scale, LLM.int8 outlier features."""
-    info = stage.get("layer_info") or {}
-    if not info:
-        return []
-    evals = next((m["llm_int8_outliers"] for m in models.values() if "llm_int8_outliers" in m), {})
-    share = next((m["llm_int8_float_share"] for m in models.values() if "llm_int8_float_share" in m), None)
-    if any("outlier_features_calibration" in v for v in info.values()):
-        lines = ["", "LLM.int8 outlier features (input features computed in float): how many reached the threshold "
-                 "anywhere in the calibration data, and, per evaluation window (dynamic mode), the mean and max used; "
-                 "float share = the layer's matmul work done in float (outlier features ÷ input features)."]
-        if share is not None:
-            heavy = sorted(share["layers"].items(), key=lambda kv: -kv[1])
-            lines += ["", f"**{share['overall']:.1%} of the LLM.int8 layers' matmul work ran in float** "
-                      f"(weighted by layer size); the most: " +
-                      ", ".join(f"`{n}` {v:.0%}" for n, v in heavy[:3]) +
-                      ". Where that share is large, a layer is mostly a float layer: its accuracy says little about "
-                      "int8."]
-        lines += ["", "| layer | input max | calibration | eval mean | eval max | float share |",
-                  "|---|---:|---:|---:|---:|---:|"]
-        for n, v in info.items():
-            e = evals.get(n, {})
-            f = (share or {}).get("layers", {}).get(n)
-            lines.append(f"| `{n}` | {v['input_absmax']:.2f} | {v['outlier_features_calibration']} | "
-                         f"{_f(e.get('mean'), '{:.1f}')} | {e.get('max', '—')} | {_f(f, '{:.1%}')} |")
-        return lines
-    if any("input_scale" in v for v in info.values()):
-        return ["", "| layer | calibrated input max | static input scale |", "|---|---:|---:|"] + \
-            [f"| `{n}` | {v['input_absmax']:.3g} | {v['input_scale']:.3g} |" for n, v in info.items()]
-    return []
-
-
-_SHAPE = (("layers", "decoder blocks"), ("hidden", "hidden size"), ("heads", "query heads"),
-          ("kv_heads", "KV heads"), ("intermediate", "MLP channels"))
-
-
-def _prune_lines(stage: dict) -> list[str]:
-    o, n = stage["original"], stage["pruned"]
-    lines = ["", f"## Stage {stage['index']}: prune (Minitron; axes: {', '.join(stage['axes']) or 'none'})", "",
-             f"Importance from activations on {stage['samples'][0]} × {stage['samples'][1]} calibration tokens "
-             f"(sequence {stage['seq_agg']}, batch {stage['batch_agg']}); parameters "
-             f"{stage['parameters_before']:,} → {stage['parameters_after']:,} ({stage['parameter_ratio']:.1%}).", "",
-             "| axis | original | pruned |", "|---|---:|---:|"]
-    lines += [f"| {label} | {o[k]} | {n[k]} |" for k, label in _SHAPE]
-    depth = stage.get("depth")
-    if depth:
-        lines += ["", f"Depth ({depth['metric']}): dropped blocks {depth['dropped']}."]
-        if depth.get("ppl_without_block"):
-            lines += [f"Perplexity on the scoring windows {depth['ppl']:.2f}; without each block: " +
-                      ", ".join(f"{i}: {p:.1f}" for i, p in enumerate(depth["ppl_without_block"]))]
-    if stage.get("heads"):
-        lines += ["", f"Heads ({stage['heads_mode']}): kept query heads per layer "
-                      f"{stage['heads']['kept_query'][:4]}{' …' if len(stage['heads']['kept_query']) > 4 else ''}"]
-    lines += [f"\nNote: {note}" for note in stage.get("notes", [])]
-    return lines
-
-
-def _distill_lines(stage: dict) -> list[str]:
-    lines = ["", f"## Stage {stage['index']}: distill (knowledge distillation from the original)", "",
-             f"{stage['steps']} steps, {stage['tokens']:,} training tokens from {stage['data']} in "
-             f"{stage['seconds'] / 60:.1f} min ({stage['tokens_per_s']:.0f} tokens/s, {stage['processes']} "
-             f"process{'es' if stage['processes'] > 1 else ''}, mixed precision {stage['mixed_precision']})"
-             + (f"; resumed from step {stage['resumed_from']}" if stage.get("resumed_from") else "") + "."]
-    curve = stage.get("curve") or []
-    if curve:  # without eval_windows only the training loss is known
-        teacher = (stage.get("teacher") or {}).get("ppl")
-        windows, seq = stage.get("eval_windows", ["?", "?"])
-        lines += ["", f"Recovery curve on {windows} held-out WikiText-2 test windows of {seq} tokens"
-                  + (f" (teacher perplexity {teacher:.3f})" if teacher else "") + ":", "",
-                  "| step | tokens | minutes | perplexity | KL to teacher | train loss |", "|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {p['step']} | {p['tokens']:,} | {p['seconds'] / 60:.1f} | {_f(p['ppl'], '{:.3f}')} | "
-                  f"{_f(p['kl'])} | {_f(p.get('train_loss'))} |" for p in curve]
-        if any(p["ppl"] is not None for p in curve):
-            lines += ["", f"![recovery curve](recovery_curve_stage{stage['index']}.png)"]
-    return lines
-
-
 def _activation_notes(verify: dict) -> list[str]:
     if "activations" not in verify:
         return []
@@ -347,9 +260,11 @@ def _export_lines(exports: list[dict]) -> list[str]:
     return lines + ([""] + notes if notes else [])
 
 
-def render_markdown(report: dict) -> str:
-    ev = report.get("eval", {})
-    models = ev.get("models", {})
+def _models(report: dict) -> dict:
+    return report.get("eval", {}).get("models", {})
+
+
+def _header_lines(report: dict) -> list[str]:
     lines = ["# compress report", ""]
     rec = report.get("recipe", {})
     if rec:
@@ -367,26 +282,34 @@ def render_markdown(report: dict) -> str:
         lines += [f"- calibration: {cal.get('n_samples')} × {cal.get('seq_len')} tokens from {cal.get('kind')}"
                   f" ({_calib_where(cal)}), seed {cal.get('seed')}, "
                   f"fingerprint `{cal.get('fingerprint', '')[:16]}…`"]
-    proto = ev.get("protocol")
+    proto = report.get("eval", {}).get("protocol")
     if proto:
         lines += [f"- perplexity: WikiText-2 {proto['split']}, rows joined with \"\\n\\n\", seq_len {proto['seq_len']}, "
                   f"stride {proto['stride']}, {proto['windows']} windows"
                   + (" (limited by max_windows)" if proto.get("max_windows") else " (whole split)")
                   + f", {proto['dtype']}"]
-    lines += ["", "## Accuracy", ""]
-    if not proto:
-        lines.append("Perplexity, KL and top-1 agreement: not evaluated (eval.perplexity: false).")
-    else:
-        lines += ["| model | perplexity | Δ ppl | KL to baseline (nats/token) | top-1 agreement |",
-                  "|---|---:|---:|---:|---:|"]
-    base_ppl = next((m.get("ppl") for n, m in models.items() if n == "baseline"), None)
-    for n, m in (models.items() if proto else ()):
+    return lines
+
+
+def _accuracy_lines(report: dict) -> list[str]:
+    models = _models(report)
+    lines = ["", "## Accuracy", ""]
+    if not report.get("eval", {}).get("protocol"):
+        return lines + ["Perplexity, KL and top-1 agreement: not evaluated (eval.perplexity: false)."]
+    lines += ["| model | perplexity | Δ ppl | KL to baseline (nats/token) | top-1 agreement |",
+              "|---|---:|---:|---:|---:|"]
+    base_ppl = models.get("baseline", {}).get("ppl")
+    for n, m in models.items():
         delta = f"{100 * (m['ppl'] / base_ppl - 1):+.2f}%" if base_ppl and m.get("ppl") and n != "baseline" else "—"
         lines.append(f"| {n} | {_f(m.get('ppl'), '{:.3f}')} | {delta} | {_f(m.get('kl'))} | "
                      f"{_f(m.get('top1_agreement'), '{:.2%}')} |")
-    lines += ["", "## Memory", "", "| model | weights in memory | linear layers | quantized linears vs bf16 | "
-              "checkpoint on disk |", "|---|---:|---:|---:|---:|"]
-    mem = report.get("memory", {})
+    return lines
+
+
+def _memory_lines(report: dict) -> list[str]:
+    ev, models, mem = report.get("eval", {}), _models(report), report.get("memory", {})
+    lines = ["", "## Memory", "", "| model | weights in memory | linear layers | quantized linears vs bf16 | "
+             "checkpoint on disk |", "|---|---:|---:|---:|---:|"]
     for n, m in models.items():
         w = m.get("weights", {})
         ratio = w.get("quantized_over_bf16")
@@ -396,68 +319,67 @@ def render_markdown(report: dict) -> str:
     for n, m in models.items():
         bd = m.get("weights", {}).get("by_dtype", {})
         lines.append(f"\n{n} weight bytes by dtype: " + ", ".join(f"{k} {_mb(v)}" for k, v in bd.items()))
-    lines += ["", f"Peak RSS: {_mb(ev.get('peak_rss_bytes'))}"
-              + (f"; peak CUDA memory: {_mb(ev['peak_cuda_bytes'])}" if ev.get("peak_cuda_bytes") else "")
-              + (" (baseline checkpoint bytes are its weights at bf16)" if mem else "")]
-    if any("speed" in m for m in models.values()):
-        lines += ["", "## Speed (batch 1)", "", "| model | prefill tok/s | decode tok/s | kernel | threads |",
-                  "|---|---:|---:|---|---:|"]
-        for n, m in models.items():
-            s = m.get("speed")
-            if s:
-                lines.append(f"| {n} | {s['prefill_tok_s']:.1f} | {s['decode_tok_s']:.1f} | {s['kernel']} | "
-                             f"{s['threads']} |")
-        s = next(m["speed"] for m in models.values() if "speed" in m)
-        lines.append(f"\nPrefill {s['prefill_tokens']} tokens, then {s['decode_tokens']} greedy decode steps; "
-                     f"median of {s['repeats']} runs after a warm-up, on {s['device']}.")
+    return lines + ["", f"Peak RSS: {_mb(ev.get('peak_rss_bytes'))}"
+                    + (f"; peak CUDA memory: {_mb(ev['peak_cuda_bytes'])}" if ev.get("peak_cuda_bytes") else "")
+                    + (" (baseline checkpoint bytes are its weights at bf16)" if mem else "")]
+
+
+def _speed_lines(report: dict) -> list[str]:
+    models = _models(report)
+    if not any("speed" in m for m in models.values()):
+        return []
+    lines = ["", "## Speed (batch 1)", "", "| model | prefill tok/s | decode tok/s | kernel | threads |",
+             "|---|---:|---:|---|---:|"]
     for n, m in models.items():
+        s = m.get("speed")
+        if s:
+            lines.append(f"| {n} | {s['prefill_tok_s']:.1f} | {s['decode_tok_s']:.1f} | {s['kernel']} | "
+                         f"{s['threads']} |")
+    s = next(m["speed"] for m in models.values() if "speed" in m)
+    return lines + [f"\nPrefill {s['prefill_tokens']} tokens, then {s['decode_tokens']} greedy decode steps; "
+                    f"median of {s['repeats']} runs after a warm-up, on {s['device']}."]
+
+
+def _dispatch_lines(report: dict) -> list[str]:
+    lines = []
+    for n, m in _models(report).items():
         if m.get("dispatch"):
             lines += ["", f"## Kernel dispatch: {n}", "", "Each quantized layer shape timed with every kernel that "
                       "can run it and with the dense layer it replaces; the fastest runs at each batch size (M rows). "
                       "Speed above is measured with these choices; accuracy on the reference path.", ""]
             lines += render_dispatch(m["dispatch"])
-    for stage in report.get("stages", []):
-        if stage["stage"] in ("prune", "distill"):
-            lines += (_prune_lines if stage["stage"] == "prune" else _distill_lines)(stage)
-            continue
-        if stage["stage"] == "awq":
-            lines += ["", f"## Stage {stage['index']}: awq (for {stage['scheme']})", ""] + \
-                _awq_lines(stage.get("blocks", []))
-            continue
-        if stage["stage"] == "smoothquant":
-            how = f"alpha searched over {stage['alpha_grid']}" if stage["alpha_grid"] else f"alpha {stage['alpha']}"
-            lines += ["", f"## Stage {stage['index']}: smoothquant ({how})", ""] + \
-                _awq_lines(stage.get("blocks", []), "mean alpha")
-            continue
-        if stage["stage"] == "kv_cache":
-            kv = stage.get("layers", {})
-            lines += ["", f"## Stage {stage['index']}: kv_cache ({stage['dtype']})", "",
-                      f"{len(kv)} attention layers with calibrated scales (max|k| / fp8 max, max|v| / fp8 max), "
-                      "applied to the keys and values every attention call reads during evaluation.", "",
-                      "| attention layer | k_scale | v_scale |", "|---|---:|---:|"]
-            lines += [f"| `{n}` | {v['k_scale']:.4g} | {v['v_scale']:.4g} |" for n, v in kv.items()]
-            continue
-        lines += ["", f"## Stage {stage['index']}: {stage['stage']} ({stage.get('method', '')}, "
-                      f"{stage.get('scheme', '')})", "",
-                  f"{stage['quantized']} layers quantized; {len(stage['skipped'])} left in float."]
-        if stage["skipped"]:
-            lines += ["", "| layer | reason left in float |", "|---|---|"]
-            lines += [f"| `{s['name']}` | {s['reason']} |" for s in stage["skipped"]]
-        lines += _activation_lines(stage, models)
+    return lines
+
+
+def _stage_lines(report: dict) -> list[str]:
+    lines = []
+    for section in report.get("stages", []):  # each stage renders its own section (stages/)
+        lines += get_stage(section["stage"]).render(section, _models(report))
     kept = report.get("kept_in_float")
-    if kept:
-        lines += ["", "Not linear layers, kept in float: " + "; ".join(kept)]
+    return lines + (["", "Not linear layers, kept in float: " + "; ".join(kept)] if kept else [])
+
+
+def _block_error_lines(report: dict) -> list[str]:
     errs = report.get("block_errors")
-    if errs:
-        lines += ["", "## Per-block output error", "",
-                  "Relative error ‖block′(x) − block(x)‖² / ‖block(x)‖² on calibration inputs:", "",
-                  "| block | rel. error |", "|---:|---:|"]
-        lines += [f"| {i} | {e:.2e} |" for i, e in enumerate(errs)]
-    lines += _task_lines(ev.get("lm_eval"))
-    lines += _sweep_lines(models)
-    lines += _roofline_lines(models)
-    lines += _export_lines(report.get("exports") or [])
+    if not errs:
+        return []
+    return ["", "## Per-block output error", "",
+            "Relative error ‖block′(x) − block(x)‖² / ‖block(x)‖² on calibration inputs:", "",
+            "| block | rel. error |", "|---:|---:|"] + [f"| {i} | {e:.2e} |" for i, e in enumerate(errs)]
+
+
+def _timing_lines(report: dict) -> list[str]:
     timings = report.get("timings")
-    if timings:
-        lines += ["", "Timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())]
-    return "\n".join(lines) + "\n"
+    return ["", "Timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())] if timings else []
+
+
+# report.md, section by section, in this order; each reads its part of report.json (`compress report` re-renders
+# a saved report.json with the same functions)
+SECTIONS = (_header_lines, _accuracy_lines, _memory_lines, _speed_lines, _dispatch_lines, _stage_lines,
+            _block_error_lines, lambda r: _task_lines(r.get("eval", {}).get("lm_eval")),
+            lambda r: _sweep_lines(_models(r)), lambda r: _roofline_lines(_models(r)),
+            lambda r: _export_lines(r.get("exports") or []), _timing_lines)
+
+
+def render_markdown(report: dict) -> str:
+    return "\n".join(line for section in SECTIONS for line in section(report)) + "\n"

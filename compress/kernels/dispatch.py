@@ -3,10 +3,11 @@
 Candidates are the kernels in KERNELS that accept the layer (each says why not otherwise) plus the layer's
 reference path (dequantize-then-matmul, or the int8 `_int_mm` / fake-quantized path for quantized
 activations: kernels/reference.py). `plan_dispatch` times every candidate and the dense layer the quantized one
-replaces (same shape, the model's float dtype) at each batch size, on the model's own device, and gives each
-layer a table of row-count buckets -> the fastest kernel. With `measure=False` it takes the first usable
-kernel in KERNELS order at every size (no timing). The plan lives on the layers (`QuantLinear.dispatch`),
-not in the saved model: it belongs to the machine that measured it.
+replaces (same shape, the model's float dtype) at each batch size, on the model's own device, and chooses for
+each layer a table of row-count buckets -> the fastest kernel, changing nothing. With `measure=False` it takes the
+first usable kernel in KERNELS order at every size (no timing). `with use_dispatch(model, report):` puts the
+choice on the layers (`QuantLinear.dispatch`) for the duration of the block; it is never saved with the model: it
+belongs to the machine that measured it.
 """
 from __future__ import annotations
 
@@ -152,6 +153,10 @@ class DispatchReport:
     skipped: dict[str, dict[str, str]]  # "N x K scheme" -> {kernel: why it cannot run these layers}
     layers: int
     threads: int
+    # what install_dispatch puts on each layer: "N x K scheme" group key -> (buckets, activation dtype), and the
+    # kernels those name (not part of the report's dict)
+    choices: dict[tuple, tuple] = field(default_factory=dict)
+    kernels: dict[str, Kernel] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"dtype": self.dtype, "device": self.device, "layers": self.layers, "threads": self.threads,
@@ -164,9 +169,10 @@ class DispatchReport:
 @torch.no_grad()
 def plan_dispatch(model: nn.Module, batch_sizes=BATCH_SIZES, measure: bool = True, repeats: int = 5,
                   kernels: dict[str, Kernel] | None = None, seed: int = 0, float_copy: bool = False) -> DispatchReport:
-    """Give every QuantLinear under `model` a LayerDispatch (see the module docstring) and return what was
-    measured. Layers of one shape and scheme share a measurement (taken on the first of them). float_copy: also
-    consider keeping a dequantized float copy of weight-only layers (see `registry`); never chosen unmeasured."""
+    """Choose, for every group of QuantLinears under `model` (one shape and scheme; measured on the first of them),
+    the kernel per batch-size bucket, and return what was measured and chosen. Pure: the model is left as it was;
+    `use_dispatch(model, report)` (or install_dispatch) applies the choice. float_copy: also consider keeping a
+    dequantized float copy of weight-only layers (see `registry`); never chosen unmeasured."""
     from ..nn import QuantLinear, kernel_for
 
     kernels = registry(float_copy and measure) if kernels is None else kernels
@@ -175,7 +181,7 @@ def plan_dispatch(model: nn.Module, batch_sizes=BATCH_SIZES, measure: bool = Tru
     for m in model.modules():
         if isinstance(m, QuantLinear):
             groups.setdefault(_key(m), []).append(m)
-    rows, skipped = [], {}
+    rows, skipped, chosen = [], {}, {}
     dtype = device = None
     for key, layers in groups.items():
         first = layers[0]
@@ -198,9 +204,9 @@ def plan_dispatch(model: nn.Module, batch_sizes=BATCH_SIZES, measure: bool = Tru
             flush = torch.zeros(FLUSH_BYTES[device.type] // 4, dtype=torch.int32, device=device) \
                 if device.type in FLUSH_BYTES else None
             dense_w = torch.randn(first.out_features, first.in_features, generator=gen).to(device, dtype)
+            installed, first.dispatch = first.dispatch, None  # the reference path is timed as the layer's own forward
             for b in sorted(batch_sizes):
                 x = torch.randn(b, first.in_features, generator=gen).to(device, dtype)
-                first.dispatch = None
                 t = {REFERENCE: _time(lambda: first(x), device, repeats, flush)}
                 for n in usable:
                     t[n] = _time(lambda n=n: kernels[n].run(states[n], x, first.bias), device, repeats, flush)
@@ -210,22 +216,30 @@ def plan_dispatch(model: nn.Module, batch_sizes=BATCH_SIZES, measure: bool = Tru
                 rows.append(DispatchRow((first.out_features, first.in_features), first.scheme.name, len(layers), b,
                                         {(ref_name if n == REFERENCE else n): v * 1e6 for n, v in t.items()},
                                         dense * 1e6, ref_name if best == REFERENCE else best))
+            first.dispatch = installed
             del states, flush
-        buckets = _merge(choices)
-        chosen = {n for _, n in buckets if n != REFERENCE}
-        for layer in layers:
-            layer.dispatch = LayerDispatch(buckets, dtype, {n: kernels[n].prepare(layer, dtype) for n in chosen},
-                                           {n: kernels[n] for n in chosen})
+        chosen[key] = (_merge(choices), dtype)
     return DispatchReport(str(dtype).replace("torch.", "") if dtype else "-", str(device) if device else "-", rows,
-                          skipped, sum(len(v) for v in groups.values()), torch.get_num_threads())
+                          skipped, sum(len(v) for v in groups.values()), torch.get_num_threads(), chosen, kernels)
+
+
+def install_dispatch(model: nn.Module, report: DispatchReport) -> None:
+    """Give every QuantLinear of a group `report` planned its LayerDispatch (kernel operands prepared per layer);
+    layers of other groups stay on the reference path."""
+    from ..nn import QuantLinear
+    for m in model.modules():
+        if isinstance(m, QuantLinear) and _key(m) in report.choices:
+            buckets, dtype = report.choices[_key(m)]
+            names = {n for _, n in buckets if n != REFERENCE}
+            m.dispatch = LayerDispatch(buckets, dtype, {n: report.kernels[n].prepare(m, dtype) for n in names},
+                                       {n: report.kernels[n] for n in names})
 
 
 @contextlib.contextmanager
-def use_dispatch(model: nn.Module, batch_sizes=BATCH_SIZES, **kwargs):
-    """Run `model`'s quantized layers on the kernels plan_dispatch picks, inside this block only: the plan (its
-    DispatchReport is yielded) is installed on entry and removed on exit, an exception included, so accuracy
-    passes after it run on the reference path."""
-    report = plan_dispatch(model, batch_sizes, **kwargs)
+def use_dispatch(model: nn.Module, report: DispatchReport):
+    """Run `model`'s quantized layers on the kernels `report` (plan_dispatch) chose, inside this block only: installed
+    on entry and removed on exit, an exception included, so accuracy passes after it run on the reference path."""
+    install_dispatch(model, report)
     try:
         yield report
     finally:

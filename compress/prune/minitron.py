@@ -9,14 +9,13 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Literal
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor, nn
 
 from ..arch import ArchSpec
-from .importance import Agg, Importance, activation_importance, layer_drop_ppl
+from .importance import Importance, activation_importance, layer_drop_ppl
 from .slicing import prune_heads, prune_hidden, prune_layers, prune_layout, prune_mlp
 
 AXES = ("heads", "mlp", "hidden", "depth")
@@ -36,54 +35,6 @@ class TargetShape:
         bad = {k: v for k, v in asdict(self).items() if v is not None and v < 1}
         if bad:
             raise ValueError(f"target sizes must be >= 1, got {bad}")
-
-
-@dataclass(frozen=True)
-class PruneStage:
-    """Recipe stage `prune`. Give exactly one of: per-axis keep ratios (heads/mlp/hidden/depth, each in (0, 1]),
-    `target` (explicit sizes), or `params` (a budget: a fraction <= 1 of the original parameter count, or an
-    absolute count) with the `axes` it may shrink (uniformly)."""
-
-    heads: float | None = None
-    mlp: float | None = None
-    hidden: float | None = None
-    depth: float | None = None
-    target: TargetShape | None = None
-    params: float | None = None
-    axes: tuple[str, ...] = ()
-    heads_mode: Literal["query", "kv_group"] = "query"  # query: drop query heads evenly within every KV group
-    depth_metric: Literal["ppl", "cosine"] = "ppl"  # ppl: perplexity with the block removed; cosine: 1 - cos(in, out)
-    seq_agg: Agg = "mean"
-    batch_agg: Agg = "l2"
-    multiple_of: int = 32  # MLP and hidden widths are rounded to this (kernel- and group-quantization-friendly)
-    n_samples: int = 64  # calibration windows for the importance pass (the paper uses 1024)
-    seq_len: int = 512
-    depth_samples: int = 8  # windows for the drop-one-block perplexity
-    batch_size: int = 4
-
-    def __post_init__(self):
-        if isinstance(self.target, dict):  # Python callers may pass a plain mapping
-            object.__setattr__(self, "target", TargetShape(**self.target))
-        object.__setattr__(self, "axes", tuple(self.axes))
-        ratios = {a: getattr(self, a) for a in AXES if getattr(self, a) is not None}
-        given = [name for name, on in (("ratios", bool(ratios)), ("target", self.target is not None),
-                                       ("params", self.params is not None)) if on]
-        if len(given) != 1:
-            raise ValueError("prune needs exactly one of: keep ratios (heads/mlp/hidden/depth), `target` (sizes) or "
-                             f"`params` (a budget, with `axes`); got {given or 'none'}")
-        for axis, r in ratios.items():
-            if not 0 < r <= 1:
-                raise ValueError(f"prune.{axis} is the fraction to keep, in (0, 1]; got {r}")
-        unknown = [a for a in self.axes if a not in AXES]
-        if unknown:
-            raise ValueError(f"prune.axes: unknown axis {unknown[0]!r}; use any of {list(AXES)}")
-        if self.params is not None and (self.params <= 0 or not self.axes):
-            raise ValueError("prune.params needs a positive budget and `axes` (which axes may shrink), "
-                             "e.g. params: 0.75, axes: [mlp]")
-        if self.params is None and self.axes:
-            raise ValueError("prune.axes applies to a `params` budget only; with ratios or target it is implied")
-        if self.multiple_of < 1 or self.n_samples < 1 or self.depth_samples < 1:
-            raise ValueError("multiple_of, n_samples and depth_samples must be >= 1")
 
 
 # ---------------------------------------------------------------- sizes and parameter counts
@@ -160,7 +111,7 @@ def shape_from_ratios(orig: Shape, ratios: dict[str, float], heads_mode: str, mu
                  max(1, round(orig.layers * ratios.get("depth", 1.0))))
 
 
-def resolve_shape(model: nn.Module, arch: ArchSpec, stage: PruneStage) -> tuple[Shape, Shape, list[str]]:
+def resolve_shape(model: nn.Module, arch: ArchSpec, stage) -> tuple[Shape, Shape, list[str]]:
     """(original shape, target shape, axes that change)."""
     orig = model_shape(model, arch)
     if stage.target is not None:
@@ -196,7 +147,7 @@ def _check_shape(orig: Shape, new: Shape) -> None:
                          f"of at most {group} (the original {orig.heads} query heads over {orig.kv_heads} KV heads)")
 
 
-def _fit_budget(model: nn.Module, orig: Shape, stage: PruneStage) -> Shape:
+def _fit_budget(model: nn.Module, orig: Shape, stage) -> Shape:
     """The largest uniform keep ratio over `stage.axes` whose model fits the parameter budget."""
     total = count_params(model.config)
     budget = stage.params * total if stage.params <= 1 else stage.params
@@ -235,7 +186,7 @@ def keep_heads(scores: list[Tensor], orig: Shape, new: Shape) -> tuple[list[Tens
 
 
 @torch.no_grad()
-def minitron_prune(model: nn.Module, arch: ArchSpec, samples: Tensor, stage: PruneStage, progress: bool = True,
+def minitron_prune(model: nn.Module, arch: ArchSpec, samples: Tensor, stage, progress: bool = True,
                    log=print) -> dict:
     """Score, choose and slice in place. Returns the stage's report."""
     t0 = time.perf_counter()

@@ -13,43 +13,17 @@ the following `quantize` stage stores them (RTN or GPTQ), so there is one RTN, i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
-from ..primitives import compute_qparams, dequantize_affine, group_view, quantize_affine
+from ..primitives import group_view
 from ..scheme import QuantScheme
-
-
-@dataclass(frozen=True)
-class AWQStage:
-    """Recipe entry `- stage: awq`; it must be followed by a `quantize` stage, whose scheme it uses
-    unless `scheme` is given (then the two must agree)."""
-
-    scheme: QuantScheme | None = None
-    n_grid: int = 20  # scale exponents r in linspace(0, 1, n_grid)
-    search_samples: int = 4  # windows the searches replay: 16 was no better on validation (3 seeds), 4x slower
-    clip: bool = True
-    clip_grid: int = 20  # shrink steps of 1/clip_grid ...
-    max_shrink: float = 0.5  # ... down to (1 - max_shrink) of the original range
-    clip_tokens: int = 512  # input tokens the clipping search uses per layer
-    duo_scaling: bool = False  # AutoAWQ's s = x^r / w^(1-r); off = the paper's s = x^r
-
-    def __post_init__(self):
-        if self.n_grid < 2 or self.clip_grid < 1 or self.search_samples < 1 or self.clip_tokens < 1:
-            raise ValueError("n_grid >= 2, clip_grid >= 1, search_samples >= 1 and clip_tokens >= 1 are required")
-        if not 0 < self.max_shrink < 1:
-            raise ValueError(f"max_shrink must be in (0, 1), got {self.max_shrink}")
-
-
-def fake_quantize(w: Tensor, scheme: QuantScheme) -> Tensor:
-    """RTN round trip without packing: the same primitives as quantize_rtn, equal to
-    quantize_rtn(w, scheme).dequantize() (tested)."""
-    scale, zero = compute_qparams(w, scheme)
-    return dequantize_affine(quantize_affine(w, scale, zero, scheme), scale, zero, scheme, w.dtype)
+from ..smoothing import (REPLAY_DTYPE, PairResult, fold_scales, in_weight, replay, replay_autocast,
+                         usable_pairs)
+from .rtn import fake_quantize
 
 
 def weight_mean(weights: list[Tensor], scheme: QuantScheme) -> Tensor:
@@ -81,45 +55,6 @@ def search_scales(x_mean: Tensor, loss_fn: Callable[[Tensor], float], n_grid: in
         if loss < best[2]:
             best = (s, ratio, loss)
     return best[0], best[1], best[2], first_loss
-
-
-# ---------------------------------------------------------------- folding scales into modules
-
-def in_weight(m: nn.Module) -> Tensor:
-    """The weight as [out, in] (a view: Conv1D stores [in, out])."""
-    return m.weight.t() if isinstance(m, Conv1D) else m.weight
-
-
-@torch.no_grad()
-def scale_inputs(m: nn.Module, s: Tensor) -> None:
-    """Multiply the input columns of a linear by s."""
-    in_weight(m).mul_(s.to(m.weight.dtype)[None, :])
-
-
-@torch.no_grad()
-def scale_outputs(m: nn.Module, s: Tensor, offset: float = 0.0) -> None:
-    """Divide the outputs of a norm or linear by s. `offset` for norms computing x * (offset + weight)."""
-    s = s.to(m.weight.dtype)
-    if isinstance(m, (nn.Linear, Conv1D)):
-        in_weight(m).div_(s[:, None])
-    else:
-        m.weight.copy_((m.weight + offset) / s - offset)
-    if getattr(m, "bias", None) is not None:
-        m.bias.div_(s)
-
-
-def apply_smoothing(prev: nn.Module, balance: list[nn.Module], s: Tensor, norm_offset: float = 0.0) -> None:
-    """Fold scales: prev's outputs / s, balance inputs * s. Function-preserving in exact arithmetic."""
-    scale_outputs(prev, s, norm_offset if not isinstance(prev, (nn.Linear, Conv1D)) else 0.0)
-    for m in balance:
-        scale_inputs(m, s)
-
-
-def out_channels(m: nn.Module) -> int | None:
-    if isinstance(m, (nn.Linear, Conv1D)):
-        return in_weight(m).shape[0]
-    w = getattr(m, "weight", None)
-    return w.shape[0] if isinstance(w, Tensor) and w.dim() == 1 else None
 
 
 # ---------------------------------------------------------------- clipping
@@ -172,76 +107,6 @@ def apply_clip(m: nn.Module, lo: Tensor, hi: Tensor, scheme: QuantScheme) -> Non
 
 # ---------------------------------------------------------------- one decoder block
 
-@dataclass
-class PairResult:
-    pair: str
-    ratio: float | None = None
-    loss: float | None = None
-    loss_identity: float | None = None
-    skipped: str = ""  # reason, when the pair was not scaled
-    grid: dict[float, float] | None = None  # SmoothQuant's alpha search: the loss at every grid point
-
-
-def pair_label(prev_name: str, balance_names) -> str:
-    return f"{prev_name} -> {', '.join(balance_names)}"
-
-
-def pair_skip_reason(block: nn.Module, prev_name: str, balance_names, quantized: set[str]) -> str | None:
-    """Why a scaling pair cannot be used in this block, or None."""
-    missing = [n for n in balance_names if n not in quantized]
-    if missing:
-        return f"{', '.join(missing)} not quantized by the next stage"
-    prev = block.get_submodule(prev_name)
-    width = {in_weight(block.get_submodule(n)).shape[1] for n in balance_names}
-    if out_channels(prev) is None:
-        return f"{prev_name} has no per-channel weight to fold the scales into"
-    if len(width) != 1 or out_channels(prev) not in width:
-        return (f"{prev_name} has {out_channels(prev)} outputs but {', '.join(balance_names)} read "
-                f"{sorted(width)} (grouped-query attention)")
-    return None
-
-
-def usable_pairs(block: nn.Module, pairs, quantized: set[str], results: list[PairResult]):
-    """Yield (label, prev, balance modules, balance names, inspect name) for each pair this block can scale;
-    a pair it cannot scale is appended to `results` as skipped, with the reason."""
-    for prev_name, balance_names, inspect_name in pairs:
-        label = pair_label(prev_name, balance_names)
-        reason = pair_skip_reason(block, prev_name, balance_names, quantized)
-        if reason:
-            results.append(PairResult(label, skipped=reason))
-            continue
-        yield (label, block.get_submodule(prev_name), [block.get_submodule(n) for n in balance_names],
-               balance_names, inspect_name)
-
-
-def fold_scales(prev: nn.Module, balance: list[nn.Module], balance_names, s: Tensor, norm_offset: float,
-                input_divisor: dict[str, Tensor]) -> None:
-    """apply_smoothing, and record that the balance linears' inputs are now divided by s (GPTQ's Hessian,
-    clipping and later smoothing stages read the recorded inputs through `input_divisor`)."""
-    apply_smoothing(prev, balance, s, norm_offset)
-    for n in balance_names:
-        input_divisor[n] = input_divisor.get(n, torch.ones_like(s)) * s
-
-
-REPLAY_DTYPE = torch.bfloat16
-
-
-def _autocast(t: Tensor):
-    """The scale search compares candidates in bfloat16 (AMX / tensor cores: ~4x the float32 matmul rate
-    here). Candidates and the reference are computed the same way, so the comparison stays fair;
-    the chosen scales are folded into the float32 weights."""
-    return torch.autocast(device_type=t.device.type, dtype=REPLAY_DTYPE)
-
-
-@torch.no_grad()
-def _replay(inspect: nn.Module, calls) -> list[Tensor]:
-    outs = []
-    for call in calls:
-        out = inspect(*call.args, **call.kwargs)
-        outs.append((out[0] if isinstance(out, (tuple, list)) else out).float())
-    return outs
-
-
 @torch.no_grad()
 def _replay_loss(inspect: nn.Module, calls, reference: list[Tensor], balance: list[nn.Module], s: Tensor,
                  scheme: QuantScheme) -> float:
@@ -253,15 +118,15 @@ def _replay_loss(inspect: nn.Module, calls, reference: list[Tensor], balance: li
             trial = fake_quantize(w * s[None, :], scheme) / s[None, :]
             # held in the replay's matmul dtype: the same values autocast would produce, cast once, not per call
             m.weight.data = (trial.t() if isinstance(m, Conv1D) else trial).to(REPLAY_DTYPE).contiguous()
-        with _autocast(originals[0]):
-            outs = _replay(inspect, calls)
+        with replay_autocast(originals[0]):
+            outs = replay(inspect, calls)
         return sum(float((o - r).pow(2).mean()) for o, r in zip(outs, reference)) / len(calls)
     finally:
         for m, w0 in zip(balance, originals):
             m.weight.data = w0
 
 
-def awq_block(block: nn.Module, pairs, observer, stage: AWQStage, scheme: QuantScheme, quantized: set[str],
+def awq_block(block: nn.Module, pairs, observer, stage, scheme: QuantScheme, quantized: set[str],
               no_clip: tuple[str, ...], norm_offset: float, input_divisor: dict[str, Tensor]) -> list[PairResult]:
     """Search and fold the scales of every pair of one block, then clip. `quantized` holds the block-relative
     names the next quantize stage will quantize; `input_divisor` collects what each linear's inputs were
@@ -272,8 +137,8 @@ def awq_block(block: nn.Module, pairs, observer, stage: AWQStage, scheme: QuantS
         calls = observer.calls[inspect_name]
         w_mean = weight_mean([in_weight(m) for m in balance], scheme) if stage.duo_scaling else None
         inspect = block.get_submodule(inspect_name)
-        with _autocast(balance[0].weight):
-            reference = _replay(inspect, calls)
+        with replay_autocast(balance[0].weight):
+            reference = replay(inspect, calls)
         s, ratio, loss, loss0 = search_scales(
             stats.abs_mean, lambda sc: _replay_loss(inspect, calls, reference, balance, sc, scheme), stage.n_grid,
             w_mean)

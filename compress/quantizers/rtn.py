@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from ..primitives import compute_qparams, quantize_affine
+from ..primitives import compute_qparams, dequantize_affine, quantize_affine
 from ..qtensor import QuantizedTensor
 from ..scheme import QuantScheme
 
@@ -22,3 +22,10 @@ def quantize_rtn(w: Tensor, scheme: QuantScheme, options: RTNOptions | None = No
     scale, zero_point = compute_qparams(w, scheme)
     q = quantize_affine(w, scale, zero_point, scheme)
     return QuantizedTensor.from_codes(q, scale, zero_point, scheme)
+
+
+def fake_quantize(w: Tensor, scheme: QuantScheme) -> Tensor:
+    """RTN round trip without packing: the same primitives as quantize_rtn, equal to
+    quantize_rtn(w, scheme).dequantize() (tested)."""
+    scale, zero = compute_qparams(w, scheme)
+    return dequantize_affine(quantize_affine(w, scale, zero, scheme), scale, zero, scheme, w.dtype)

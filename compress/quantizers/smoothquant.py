@@ -13,7 +13,7 @@ weights (RTN or GPTQ) and quantizes the activations at run time.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
@@ -21,25 +21,10 @@ from transformers.pytorch_utils import Conv1D
 
 from ..primitives import fake_quantize_activation
 from ..scheme import QuantScheme
-from .awq import PairResult, _replay, fake_quantize, fold_scales, in_weight, usable_pairs
+from ..smoothing import PairResult, fold_scales, in_weight, replay, usable_pairs
+from .rtn import fake_quantize
 
 MIN_SCALE = 1e-5
-
-
-@dataclass(frozen=True)
-class SmoothQuantStage:
-    """Recipe entry `- stage: smoothquant`; a later `quantize` stage with activation quantization must follow."""
-
-    alpha: float = 0.5
-    alpha_grid: tuple[float, ...] = ()  # e.g. [0.3, 0.4, 0.5, 0.6, 0.7, 0.8]: search per pair; empty = use alpha
-    search_samples: int = 4  # calibration windows the search replays
-
-    def __post_init__(self):
-        for a in (self.alpha, *self.alpha_grid):
-            if not 0.0 <= a <= 1.0:
-                raise ValueError(f"SmoothQuant alpha must be in [0, 1], got {a}")
-        if self.search_samples < 1:
-            raise ValueError("search_samples must be >= 1")
 
 
 def smoothing_scales(x_absmax: Tensor, w_absmax: Tensor, alpha: float) -> Tensor:
@@ -70,7 +55,7 @@ def _w8a8_replay_loss(inspect: nn.Module, calls, reference: list[Tensor], balanc
             m.weight.data = (trial.t() if isinstance(m, Conv1D) else trial).to(w0.dtype).contiguous()
             hooks.append(m.register_forward_pre_hook(
                 lambda _m, args: (fake_quantize_activation(args[0] / s.to(args[0].dtype), act),)))
-        outs = _replay(inspect, calls)
+        outs = replay(inspect, calls)
         return sum(float((o - r).pow(2).mean()) for o, r in zip(outs, reference)) / len(calls)
     finally:
         for h in hooks:
@@ -79,7 +64,7 @@ def _w8a8_replay_loss(inspect: nn.Module, calls, reference: list[Tensor], balanc
             m.weight.data = w0
 
 
-def smoothquant_block(block: nn.Module, pairs, observer, stage: SmoothQuantStage, scheme: QuantScheme,
+def smoothquant_block(block: nn.Module, pairs, observer, stage, scheme: QuantScheme,
                       quantized: set[str], norm_offset: float, input_divisor: dict[str, Tensor]) -> list[PairResult]:
     """Smooth every usable pair of one block in place; record what each linear's inputs were divided by."""
     results = []
@@ -90,7 +75,7 @@ def smoothquant_block(block: nn.Module, pairs, observer, stage: SmoothQuantStage
         if stage.alpha_grid:
             inspect = block.get_submodule(inspect_name)
             calls = observer.calls[inspect_name]
-            reference = _replay(inspect, calls)
+            reference = replay(inspect, calls)
             loss0 = _w8a8_replay_loss(inspect, calls, reference, balance, torch.ones_like(x_absmax), scheme)
             losses = {a: _w8a8_replay_loss(inspect, calls, reference, balance,
                                            smoothing_scales(x_absmax, w_absmax, a), scheme) for a in stage.alpha_grid}

@@ -1,25 +1,28 @@
-"""The `quantize` stage: which layers get which scheme (the plan), and applying it."""
+"""The `quantize` stage: which layers get which scheme (the plan), and applying it through the registered quantizer
+(`quantizers.QUANTIZERS`) block by block during the calibration pass, then to what lies outside the blocks."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
-from .arch import ArchSpec, get_module, set_module
-from .nn import QuantLinear, is_linear, linear_shape, linear_weight
-from .observers import BlockObserver
-from .quantizers import LayerInputs, build_options, get_quantizer
-from .scheme import W4A16_G64, QuantScheme
+from ..evaluate.fmt import num
+from ..arch import ArchSpec, get_module, set_module
+from ..nn import QuantLinear, is_linear, kernel_for, linear_shape, linear_weight
+from ..observers import BlockObserver
+from ..quantizers import LayerInputs, build_options, get_quantizer
+from ..scheme import W4A16_G64, QuantScheme
+from .base import BlockState, Needs, Plan, RunContext, StageBase
 
 COMMON_GROUP_SIZES = (16, 32, 64, 128, 256)
 TIED_LM_HEAD = ("keep", "untie")
 
 
 @dataclass(frozen=True)
-class QuantizeStage:
+class QuantizeStage(StageBase):
     """Recipe entry `- stage: quantize`.
 
     targets / ignore: class names (`Linear`) or `re:` patterns matched from the start of the module's
@@ -65,6 +68,70 @@ class QuantizeStage:
             raise ValueError("tied_lm_head: untie quantizes the lm_head, but `ignore` still lists lm_head (the "
                              "default ignore is [lm_head]); set `ignore: []` (or drop lm_head from it), or use "
                              "tied_lm_head: keep")
+
+    # ---------------------------------------------------------------- lifecycle (stages/base.py)
+    name: ClassVar[str] = "quantize"
+    stores_weights: ClassVar[bool] = True
+
+    def plan(self, model: nn.Module, arch: ArchSpec, claimed: dict[str, int], index: int) -> "QuantPlan":
+        """plan_quantize, less the layers an earlier quantize stage claimed."""
+        plan = plan_quantize(model, arch, self)
+        for entry in plan.quantized:
+            if entry.name in claimed:
+                entry.scheme, entry.reason = None, f"quantized by stage {claimed[entry.name]}"
+            else:
+                claimed[entry.name] = index
+        return plan
+
+    def describe(self, plan: Plan, index: int) -> tuple[list[str], list[dict]]:
+        step = plan.steps[index]
+        lines = [f"\nstage {index}: quantize, method {self.method}, scheme {self.scheme.name}: "
+                 f"{len(step.quantized)} layers quantized, {len(step.skipped)} left in float"]
+        width = max((len(e.name) for e in step.layers), default=0)
+        for e in step.layers:
+            what = e.scheme.name if e.scheme else f"float  ({e.reason})"
+            if e.scheme and e.scheme.act is not None:
+                what += f"  [{kernel_for(e.scheme)}]"
+            lines.append(f"  {e.name:<{width}}  {e.shape[0]:>6}×{e.shape[1]:<6} {what}")
+        return lines, [{"name": e.name, "shape": e.shape, "scheme": e.scheme.name if e.scheme else None,
+                        "reason": e.reason} for e in step.layers]
+
+    def observed_layers(self, step: "QuantPlan") -> set[str]:
+        return {e.name for e in step.quantized}
+
+    def needs(self, plan: Plan, index: int) -> Needs:
+        return Needs(abs_max=self.scheme.act is not None, hessian=get_quantizer(self.method).needs_hessian)
+
+    def begin(self, ctx: RunContext, index: int) -> None:
+        ctx.records[index] = {}  # layer name -> what the pass found for it (input scale, outlier features)
+
+    def on_block(self, ctx: RunContext, block: BlockState, index: int) -> None:
+        apply_quantize(ctx.model, ctx.plan.steps[index], self, block.prefix, block.observer, block.divisor,
+                       ctx.records[index])
+
+    def finalize(self, ctx: RunContext, index: int) -> None:
+        """The planned layers outside the decoder blocks (lm_head), or all of them without a calibration pass."""
+        apply_quantize(ctx.model, ctx.plan.steps[index], self)
+
+    def report(self, ctx: RunContext, index: int) -> dict:
+        plan = ctx.plan.steps[index]
+        return {"index": index, "stage": "quantize", "method": self.method, "scheme": self.scheme.name,
+                "scheme_fields": asdict(self.scheme), "quantized": len(plan.quantized),
+                "skipped": [{"name": e.name, "reason": e.reason} for e in plan.skipped],
+                "layers": {e.name: e.scheme.name for e in plan.quantized},
+                "untied": {e.name: {"extra_bytes": e.untied_bytes, "note": e.note} for e in plan.quantized
+                           if e.untied_bytes is not None},
+                "layer_info": ctx.records.get(index, {})}
+
+    @staticmethod
+    def render(section: dict, models: dict) -> list[str]:
+        lines = ["", f"## Stage {section['index']}: quantize ({section.get('method', '')}, "
+                     f"{section.get('scheme', '')})", "",
+                 f"{section['quantized']} layers quantized; {len(section['skipped'])} left in float."]
+        if section["skipped"]:
+            lines += ["", "| layer | reason left in float |", "|---|---|"]
+            lines += [f"| `{s['name']}` | {s['reason']} |" for s in section["skipped"]]
+        return lines + activation_lines(section, models)
 
 
 def needs_input_stats(scheme: QuantScheme) -> bool:
@@ -227,3 +294,35 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
         set_module(model, entry.name, layer)
         count += 1
     return count
+
+
+def activation_lines(stage: dict, models: dict) -> list[str]:
+    """Quantized-activation facts per layer: calibrated input scale, LLM.int8 outlier features."""
+    info = stage.get("layer_info") or {}
+    if not info:
+        return []
+    evals = next((m["llm_int8_outliers"] for m in models.values() if "llm_int8_outliers" in m), {})
+    share = next((m["llm_int8_float_share"] for m in models.values() if "llm_int8_float_share" in m), None)
+    if any("outlier_features_calibration" in v for v in info.values()):
+        lines = ["", "LLM.int8 outlier features (input features computed in float): how many reached the threshold "
+                 "anywhere in the calibration data, and, per evaluation window (dynamic mode), the mean and max used; "
+                 "float share = the layer's matmul work done in float (outlier features ÷ input features)."]
+        if share is not None:
+            heavy = sorted(share["layers"].items(), key=lambda kv: -kv[1])
+            lines += ["", f"**{share['overall']:.1%} of the LLM.int8 layers' matmul work ran in float** "
+                      f"(weighted by layer size); the most: " +
+                      ", ".join(f"`{n}` {v:.0%}" for n, v in heavy[:3]) +
+                      ". Where that share is large, a layer is mostly a float layer: its accuracy says little about "
+                      "int8."]
+        lines += ["", "| layer | input max | calibration | eval mean | eval max | float share |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for n, v in info.items():
+            e = evals.get(n, {})
+            f = (share or {}).get("layers", {}).get(n)
+            lines.append(f"| `{n}` | {v['input_absmax']:.2f} | {v['outlier_features_calibration']} | "
+                         f"{num(e.get('mean'), '{:.1f}')} | {e.get('max', '—')} | {num(f, '{:.1%}')} |")
+        return lines
+    if any("input_scale" in v for v in info.values()):
+        return ["", "| layer | calibrated input max | static input scale |", "|---|---:|---:|"] + \
+            [f"| `{n}` | {v['input_absmax']:.3g} | {v['input_scale']:.3g} |" for n, v in info.items()]
+    return []

@@ -1,0 +1,126 @@
+"""Smoothing: folding per-channel scales between an op and the linears that read its output, the machinery AWQ
+(quantizers/awq.py) and SmoothQuant (quantizers/smoothquant.py) share.
+
+A scaling pair is (previous op -> the linears that read its output, the module whose output a search compares):
+dividing the previous op's outputs by s and multiplying the linears' input columns by s leaves the float model's
+function unchanged. Which pairs a family has is in arch/tables.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from transformers.pytorch_utils import Conv1D
+
+
+def in_weight(m: nn.Module) -> Tensor:
+    """The weight as [out, in] (a view: Conv1D stores [in, out])."""
+    return m.weight.t() if isinstance(m, Conv1D) else m.weight
+
+
+@torch.no_grad()
+def scale_inputs(m: nn.Module, s: Tensor) -> None:
+    """Multiply the input columns of a linear by s."""
+    in_weight(m).mul_(s.to(m.weight.dtype)[None, :])
+
+
+@torch.no_grad()
+def scale_outputs(m: nn.Module, s: Tensor, offset: float = 0.0) -> None:
+    """Divide the outputs of a norm or linear by s. `offset` for norms computing x * (offset + weight)."""
+    s = s.to(m.weight.dtype)
+    if isinstance(m, (nn.Linear, Conv1D)):
+        in_weight(m).div_(s[:, None])
+    else:
+        m.weight.copy_((m.weight + offset) / s - offset)
+    if getattr(m, "bias", None) is not None:
+        m.bias.div_(s)
+
+
+def apply_smoothing(prev: nn.Module, balance: list[nn.Module], s: Tensor, norm_offset: float = 0.0) -> None:
+    """Fold scales: prev's outputs / s, balance inputs * s. Function-preserving in exact arithmetic."""
+    scale_outputs(prev, s, norm_offset if not isinstance(prev, (nn.Linear, Conv1D)) else 0.0)
+    for m in balance:
+        scale_inputs(m, s)
+
+
+def out_channels(m: nn.Module) -> int | None:
+    if isinstance(m, (nn.Linear, Conv1D)):
+        return in_weight(m).shape[0]
+    w = getattr(m, "weight", None)
+    return w.shape[0] if isinstance(w, Tensor) and w.dim() == 1 else None
+
+
+# ---------------------------------------------------------------- scaling pairs of one block
+
+@dataclass
+class PairResult:
+    pair: str
+    ratio: float | None = None
+    loss: float | None = None
+    loss_identity: float | None = None
+    skipped: str = ""  # reason, when the pair was not scaled
+    grid: dict[float, float] | None = None  # SmoothQuant's alpha search: the loss at every grid point
+
+
+def pair_label(prev_name: str, balance_names) -> str:
+    return f"{prev_name} -> {', '.join(balance_names)}"
+
+
+def pair_skip_reason(block: nn.Module, prev_name: str, balance_names, quantized: set[str]) -> str | None:
+    """Why a scaling pair cannot be used in this block, or None."""
+    missing = [n for n in balance_names if n not in quantized]
+    if missing:
+        return f"{', '.join(missing)} not quantized by the next stage"
+    prev = block.get_submodule(prev_name)
+    width = {in_weight(block.get_submodule(n)).shape[1] for n in balance_names}
+    if out_channels(prev) is None:
+        return f"{prev_name} has no per-channel weight to fold the scales into"
+    if len(width) != 1 or out_channels(prev) not in width:
+        return (f"{prev_name} has {out_channels(prev)} outputs but {', '.join(balance_names)} read "
+                f"{sorted(width)} (grouped-query attention)")
+    return None
+
+
+def usable_pairs(block: nn.Module, pairs, quantized: set[str], results: list[PairResult]):
+    """Yield (label, prev, balance modules, balance names, inspect name) for each pair this block can scale;
+    a pair it cannot scale is appended to `results` as skipped, with the reason."""
+    for prev_name, balance_names, inspect_name in pairs:
+        label = pair_label(prev_name, balance_names)
+        reason = pair_skip_reason(block, prev_name, balance_names, quantized)
+        if reason:
+            results.append(PairResult(label, skipped=reason))
+            continue
+        yield (label, block.get_submodule(prev_name), [block.get_submodule(n) for n in balance_names],
+               balance_names, inspect_name)
+
+
+def fold_scales(prev: nn.Module, balance: list[nn.Module], balance_names, s: Tensor, norm_offset: float,
+                input_divisor: dict[str, Tensor]) -> None:
+    """apply_smoothing, and record that the balance linears' inputs are now divided by s (GPTQ's Hessian,
+    clipping and later smoothing stages read the recorded inputs through `input_divisor`)."""
+    apply_smoothing(prev, balance, s, norm_offset)
+    for n in balance_names:
+        input_divisor[n] = input_divisor.get(n, torch.ones_like(s)) * s
+
+
+# ---------------------------------------------------------------- replaying an inspect module
+
+REPLAY_DTYPE = torch.bfloat16
+
+
+def replay_autocast(t: Tensor):
+    """The scale search compares candidates in bfloat16 (AMX / tensor cores: ~4x the float32 matmul rate
+    here). Candidates and the reference are computed the same way, so the comparison stays fair;
+    the chosen scales are folded into the float32 weights."""
+    return torch.autocast(device_type=t.device.type, dtype=REPLAY_DTYPE)
+
+
+@torch.no_grad()
+def replay(inspect: nn.Module, calls) -> list[Tensor]:
+    """The inspect module's float32 outputs on the calls the observer kept (observers.Call)."""
+    outs = []
+    for call in calls:
+        out = inspect(*call.args, **call.kwargs)
+        outs.append((out[0] if isinstance(out, (tuple, list)) else out).float())
+    return outs

@@ -1,0 +1,35 @@
+"""The recipe's stages and their registry.
+
+`STAGES` maps a recipe's `stage:` name to its class, and is the only list of stages: the recipe loader, the runner
+(`pipeline.py`), `compress inspect` and the report renderer reach every stage through it and the lifecycle in
+`base.py`. A new stage is one file here, one line below, and its tests; a new weight quantization method for the
+`quantize` stage is one file in `quantizers/` and one line in `quantizers.QUANTIZERS` (HQQ is the worked example).
+"""
+from __future__ import annotations
+
+from .awq import AWQStage
+from .base import Needs, Plan, RunContext, StageBase, make_plan, next_target
+from .distill import DistillStage
+from .kv_cache import KVCacheStage
+from .prune import PruneStage
+from .quantize import QuantizeStage
+from .smoothquant import SmoothQuantStage
+
+STAGES: dict[str, type] = {
+    "prune": PruneStage,  # Minitron importance pruning of the whole model
+    "distill": DistillStage,  # knowledge-distillation repair from the original
+    "awq": AWQStage,  # activation-aware scales and clipping for the next quantize stage
+    "smoothquant": SmoothQuantStage,  # activation outliers migrated into the weights
+    "quantize": QuantizeStage,  # weights (and activations) quantized by a method in quantizers.QUANTIZERS
+    "kv_cache": KVCacheStage,  # fp8 key/value scales
+}
+
+
+def get_stage(name: str) -> type:
+    if name not in STAGES:
+        raise ValueError(f"unknown stage {name!r}; known stages: {sorted(STAGES)}")
+    return STAGES[name]
+
+
+__all__ = ["STAGES", "get_stage", "make_plan", "next_target", "Needs", "Plan", "RunContext", "StageBase",
+           "AWQStage", "DistillStage", "KVCacheStage", "PruneStage", "QuantizeStage", "SmoothQuantStage"]

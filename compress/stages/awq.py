@@ -1,0 +1,124 @@
+"""The `awq` stage: AWQ's activation-aware scale search and clipping (quantizers/awq.py), for the weights the next
+`quantize` stage stores; that stage's scheme is the one searched for."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+
+from ..quantizers.awq import awq_block
+from ..smoothing import pair_label, pair_skip_reason
+from ..scheme import QuantScheme
+from ..evaluate.fmt import num
+from .base import BlockState, Needs, Plan, RunContext, StageBase, next_target
+
+
+@dataclass(frozen=True)
+class AWQStage(StageBase):
+    """Recipe entry `- stage: awq`; it must be followed by a `quantize` stage, whose scheme it uses
+    unless `scheme` is given (then the two must agree)."""
+
+    scheme: QuantScheme | None = None
+    n_grid: int = 20  # scale exponents r in linspace(0, 1, n_grid)
+    search_samples: int = 4  # windows the searches replay: 16 was no better on validation (3 seeds), 4x slower
+    clip: bool = True
+    clip_grid: int = 20  # shrink steps of 1/clip_grid ...
+    max_shrink: float = 0.5  # ... down to (1 - max_shrink) of the original range
+    clip_tokens: int = 512  # input tokens the clipping search uses per layer
+    duo_scaling: bool = False  # AutoAWQ's s = x^r / w^(1-r); off = the paper's s = x^r
+
+    def __post_init__(self):
+        if self.n_grid < 2 or self.clip_grid < 1 or self.search_samples < 1 or self.clip_tokens < 1:
+            raise ValueError("n_grid >= 2, clip_grid >= 1, search_samples >= 1 and clip_tokens >= 1 are required")
+        if not 0 < self.max_shrink < 1:
+            raise ValueError(f"max_shrink must be in (0, 1), got {self.max_shrink}")
+
+    # ---------------------------------------------------------------- lifecycle (stages/base.py)
+    name: ClassVar[str] = "awq"
+
+    @property
+    def needs_calibration(self) -> bool:
+        return True
+
+    def check(self, index: int, stages: tuple, calibrated: bool) -> "AWQStage":
+        super().check(index, stages, calibrated)
+        j = next_target(stages, index)
+        if j is None:
+            raise ValueError(f"`stages.{index}` (awq) only moves scales; a later `stage: quantize` must store the "
+                             "weights")
+        if self.scheme is not None and self.scheme != stages[j].scheme:
+            raise ValueError(f"`stages.{index}.scheme` ({self.scheme.name}) differs from `stages.{j}.scheme` "
+                             f"({stages[j].scheme.name}); AWQ must search for the format that is stored. "
+                             "Remove the awq scheme to inherit it.")
+        return self
+
+    def describe(self, plan: Plan, index: int) -> tuple[list[str], list[dict]]:
+        scheme = plan.target(index)[0].scheme
+        lines = [f"\nstage {index}: awq for {scheme.name}, grid {self.n_grid}, search on {self.search_samples} "
+                 f"calibration windows, clipping {'on' if self.clip else 'off'}; scaling pairs per block:"]
+        return describe_pairs(plan, index, lines, searched=True)
+
+    def needs(self, plan: Plan, index: int) -> Needs:
+        return Needs(abs_mean=True, replay_samples=self.search_samples)
+
+    def begin(self, ctx: RunContext, index: int) -> None:
+        ctx.records[index] = []  # per block: the scaling pairs' results
+
+    def on_block(self, ctx: RunContext, block: BlockState, index: int) -> None:
+        target, step = ctx.plan.target(index)
+        arch = ctx.arch
+        results = awq_block(block.module, arch.awq, block.observer, self, target.scheme,
+                            block.under(e.name for e in step.quantized), arch.no_clip, arch.norm_offset, block.divisor)
+        ctx.records[index].append({"block": block.index, "pairs": [asdict(r) for r in results]})
+
+    def report(self, ctx: RunContext, index: int) -> dict:
+        return {"index": index, "stage": "awq", "scheme": ctx.plan.target(index)[0].scheme.name,
+                "n_grid": self.n_grid, "search_samples": self.search_samples, "clip": self.clip, "quantized": 0,
+                "skipped": [], "blocks": ctx.records.get(index, [])}
+
+    @staticmethod
+    def render(section: dict, models: dict) -> list[str]:
+        return ["", f"## Stage {section['index']}: awq (for {section['scheme']})", ""] + \
+            pair_table(section.get("blocks", []))
+
+
+def block0_pairs(plan: Plan, index: int) -> list[tuple]:
+    """(prev, balance, inspect, skip reason or None) of the scaling pairs of the stage at `index`, on block 0 (every
+    block has the same shapes)."""
+    step = plan.target(index)[1]
+    prefix = f"{plan.arch.blocks}.0"
+    quantized = {e.name[len(prefix) + 1:] for e in step.quantized if e.name.startswith(prefix + ".")}
+    block = plan.arch.block_list(plan.model)[0]
+    return [(prev, bal, insp, pair_skip_reason(block, prev, bal, quantized)) for prev, bal, insp in plan.arch.awq]
+
+
+def describe_pairs(plan: Plan, index: int, lines: list[str], searched: bool) -> tuple[list[str], list[dict]]:
+    """`compress inspect`'s lines for a smoothing stage (AWQ, SmoothQuant): each pair scaled or skipped."""
+    pairs = block0_pairs(plan, index)
+    for prev, balance, inspect_name, reason in pairs:
+        what = f"skipped: {reason}" if reason else \
+            f"scaled (search compares `{inspect_name}` outputs)" if searched else "scaled"
+        lines.append(f"  {pair_label(prev, balance):<70} {what}")
+    for pair, reason in plan.arch.awq_skip:
+        lines.append(f"  {pair:<70} skipped: {reason}")
+    return lines, [{"prev": a, "balance": b, "inspect": c, "skipped": r} for a, b, c, r in pairs]
+
+
+def pair_table(blocks: list[dict], what: str = "mean exponent r") -> list[str]:
+    """Per scaling pair: blocks scaled, mean chosen exponent (AWQ) or alpha (SmoothQuant), search loss vs no
+    scaling; skips with reasons."""
+    by_pair: dict[str, list[dict]] = {}
+    for blk in blocks:
+        for p in blk["pairs"]:
+            by_pair.setdefault(p["pair"], []).append(p)
+    lines = [f"| scaling pair | blocks scaled | {what} | search loss / unscaled loss | skipped |",
+             "|---|---:|---:|---:|---|"]
+    for pair, rows in by_pair.items():
+        done = [r for r in rows if not r["skipped"]]
+        ratio = sum(r["ratio"] for r in done) / len(done) if done else None
+        searched = [r for r in done if r["loss"] is not None]
+        gain = (sum(r["loss"] for r in searched) / max(sum(r["loss_identity"] for r in searched), 1e-30)) \
+            if searched else None
+        skipped = sorted({r["skipped"] for r in rows if r["skipped"]})
+        lines.append(f"| `{pair}` | {len(done)}/{len(rows)} | {num(ratio, '{:.2f}')} | {num(gain, '{:.3f}')} | "
+                     f"{'; '.join(skipped) or '—'} |")
+    return lines

@@ -1,0 +1,220 @@
+"""What every stage has in common: the lifecycle it implements, what it asks of the calibration pass, and the
+context the runner hands it.
+
+A stage is a frozen dataclass (its recipe settings) with these methods; `StageBase` gives the defaults, so a stage
+writes only what it does:
+
+- `check(index, stages, calibrated)`: validate against the stages around it (raise ValueError naming the fix).
+- `needs_calibration`: whether the recipe must have a `calibration:` section.
+- `plan(model, arch, claimed, index)`: what it will do to this model, computed without data (`compress inspect`
+  prints it, `compress run` follows it); `describe(...)` renders it.
+- Whole-model stages (`whole_model = True`: prune, distill) run once, before the calibration pass:
+  `run_model(ctx, index)` returns the stage's report section.
+- Block stages act inside the calibration pass: `needs(plan, index)` says which statistics the pass must gather,
+  `observing(block)` may add a stage's own observation of the block's float forward, `on_block(ctx, block, index)`
+  changes the block, `finalize(ctx, index)` acts on the whole model afterwards, `report(ctx, index)` returns the
+  report section and the static `render(section, models)` turns a section (also one read back from report.json)
+  into markdown.
+
+`STAGES` in `compress/stages/__init__.py` is the only list of stages. Nothing outside a stage's own file knows
+its class.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from torch import Tensor, nn
+
+from ..arch import ArchSpec
+from ..observers import BlockObserver
+from ..quantizers import LayerInputs
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a block stage needs the calibration pass to record for the layers the plan will quantize."""
+
+    abs_mean: bool = False  # mean |x| per input channel (AWQ)
+    abs_max: bool = False  # max |x| per input channel (SmoothQuant, static activation scales, LLM.int8)
+    hessian: bool = False  # sum x xᵀ (GPTQ)
+    replay_samples: int = 0  # windows whose inspect-module calls are kept for a scale search (AWQ, SmoothQuant)
+
+    def __or__(self, other: "Needs") -> "Needs":
+        return Needs(self.abs_mean or other.abs_mean, self.abs_max or other.abs_max, self.hessian or other.hessian,
+                     max(self.replay_samples, other.replay_samples))
+
+    @property
+    def any(self) -> bool:
+        return self.abs_mean or self.abs_max or self.hessian or self.replay_samples > 0
+
+
+NO_NEEDS = Needs()
+
+
+def next_target(stages: tuple, index: int) -> int | None:
+    """Index of the first stage after `index` that stores weights (a `quantize` stage): the one whose scheme a
+    smoothing stage prepares the weights for. The only place this is decided."""
+    return next((j for j in range(index + 1, len(stages)) if getattr(stages[j], "stores_weights", False)), None)
+
+
+@dataclass
+class Plan:
+    """What a recipe will do to a model, per stage, computed without data. Built by `make_plan`; `compress inspect`
+    renders it and `compress run` executes it."""
+
+    stages: tuple
+    steps: list  # per stage: its plan (a QuantPlan for quantize, pairs for awq, ...), or None
+    model: nn.Module  # the model the later stages were planned on (a meta model of the pruned shape after prune)
+    arch: ArchSpec
+
+    def target(self, index: int) -> tuple[Any, Any]:
+        """(stage, plan) of the stage that stores the weights stage `index` prepares."""
+        j = next_target(self.stages, index)
+        return self.stages[j], self.steps[j]
+
+    def observed_layers(self) -> set[str]:
+        """Full names of the linears whose calibration inputs some stage will use."""
+        return {n for stage, step in zip(self.stages, self.steps) for n in stage.observed_layers(step)}
+
+    def needs(self) -> Needs:
+        out = NO_NEEDS
+        for i, stage in enumerate(self.stages):
+            if not stage.whole_model:
+                out = out | stage.needs(self, i)
+        return out
+
+    @property
+    def block_stages(self) -> list[int]:
+        return [i for i, s in enumerate(self.stages) if not s.whole_model]
+
+
+def make_plan(model: nn.Module, arch: ArchSpec, stages: tuple, model_stages_done: bool = False) -> Plan:
+    """Plan every stage in order. A whole-model stage that changes shapes (prune) returns a meta model of the new
+    shape, and the stages after it are planned on that; after the whole-model stages have run for real
+    (`model_stages_done`), the later stages are planned on the model as it now is. Strict-mode errors (a layer the
+    scheme cannot hold) surface here, before any heavy work."""
+    from ..arch import get_arch
+
+    steps, claimed = [], {}
+    for i, stage in enumerate(stages):
+        if stage.whole_model and model_stages_done:
+            steps.append(None)
+            continue
+        step = stage.plan(model, arch, claimed, i)
+        reshaped = getattr(step, "reshaped", None)
+        if reshaped is not None:
+            model, arch = reshaped, get_arch(reshaped)
+        steps.append(step)
+    return Plan(tuple(stages), steps, model, arch)
+
+
+@dataclass
+class BlockState:
+    """One decoder block as the stages see it during the calibration pass."""
+
+    index: int
+    prefix: str  # the block's full name, e.g. model.layers.3
+    module: nn.Module
+    observer: BlockObserver | None  # the linears' input statistics and the inspect modules' calls
+    # block-relative linear name -> what its inputs are divided by since the pass observed them (a smoothing stage
+    # folded 1/s into the op before it): every reader of the statistics goes through `inputs()`, which corrects them
+    divisor: dict[str, Tensor] = field(default_factory=dict)
+    observed: dict[int, Any] = field(default_factory=dict)  # stage index -> what its own `observing` recorded
+
+    def inputs(self, name: str) -> LayerInputs:
+        """The calibration inputs of linear `name` (relative to the block), corrected for folded scales."""
+        stats = None if self.observer is None else self.observer.stats.get(name)
+        return LayerInputs(f"{self.prefix}.{name}", stats, self.divisor.get(name))
+
+    def under(self, names) -> set[str]:
+        """Block-relative names of the full names in `names` that lie in this block."""
+        return {n[len(self.prefix) + 1:] for n in names if n.startswith(self.prefix + ".")}
+
+
+@dataclass
+class RunContext:
+    """What the runner threads through the stages: the model, its plan, and each stage's running record (filled
+    block by block, read by `report`)."""
+
+    model: nn.Module
+    plan: Plan
+    records: dict[int, Any] = field(default_factory=dict)  # stage index -> that stage's record
+
+    @property
+    def arch(self) -> ArchSpec:
+        return self.plan.arch
+
+
+@dataclass
+class ModelStageContext:
+    """What the whole-model stages (prune, distill) share: the model, the teacher (a copy taken before the first
+    of them), the calibration text, the output folder (distillation checkpoints), logging."""
+
+    model: nn.Module
+    tokenizer: Any
+    arch: ArchSpec
+    calibration: Any  # the recipe's CalibrationSpec
+    out: Any  # Path of the output folder
+    resume: bool
+    progress: bool
+    log: Any
+    teacher: nn.Module | None = None
+    before_distill: nn.Module | None = None  # the pruned model before distillation, for the before/after evaluation
+
+
+class StageBase:
+    """Default lifecycle: a stage that needs nothing, plans nothing and changes nothing."""
+
+    name: ClassVar[str] = ""
+    whole_model: ClassVar[bool] = False  # runs on the whole model before the calibration pass (prune, distill)
+    stores_weights: ClassVar[bool] = False  # replaces linears by quantized ones (the target of a smoothing stage)
+    needs_teacher: ClassVar[bool] = False  # the whole-model stages keep a copy of the original model (distill)
+
+    @property
+    def needs_calibration(self) -> bool:
+        return False
+
+    def check(self, index: int, stages: tuple, calibrated: bool):
+        """Validate against the other stages; return the stage (a resolved copy where something is inherited)."""
+        if self.needs_calibration and not calibrated:
+            raise ValueError(f"`stages.{index}` ({self.name}) needs calibration data; add a `calibration:` section "
+                             "(e.g. `calibration: {preset: wikitext2}`)")
+        return self
+
+    def plan(self, model: nn.Module, arch: ArchSpec, claimed: dict[str, int], index: int):
+        return None
+
+    def describe(self, plan: Plan, index: int) -> tuple[list[str], Any]:
+        """(lines for `compress inspect`, the same as JSON-able data)."""
+        return [f"\nstage {index}: {self.name}"], None
+
+    def observed_layers(self, step) -> set[str]:
+        return set()
+
+    def needs(self, plan: Plan, index: int) -> Needs:
+        return NO_NEEDS
+
+    def begin(self, ctx: RunContext, index: int) -> None:
+        """Before the calibration pass (or instead of it, when there is none)."""
+
+    def observing(self, block: BlockState, index: int):
+        """A context manager active during the block's float forward (its own observation of the block)."""
+        return contextlib.nullcontext()
+
+    def on_block(self, ctx: RunContext, block: BlockState, index: int) -> None:
+        pass
+
+    def finalize(self, ctx: RunContext, index: int) -> None:
+        pass
+
+    def report(self, ctx: RunContext, index: int) -> dict:
+        return {"index": index, "stage": self.name}
+
+    def run_model(self, ctx: ModelStageContext, index: int) -> dict:
+        raise NotImplementedError(f"{self.name} is not a whole-model stage")
+
+    @staticmethod
+    def render(section: dict, models: dict) -> list[str]:
+        return ["", f"## Stage {section['index']}: {section['stage']}"]
