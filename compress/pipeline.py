@@ -197,6 +197,7 @@ def compress_model(model, tokenizer, recipe: Recipe, plan: Plan, device: str, mo
         sections["block_errors"] = run_blockwise(model, plan.arch, samples, stage_pass.on_block, device=device,
                                                  progress=progress, observe=stage_pass.observe,
                                                  compute_dtype=getattr(torch, recipe.calibration.dtype))
+        ctx.calibrated = True
     for i in plan.block_stages:  # the whole model (what lies outside the blocks; all of it without calibration)
         plan.stages[i].finalize(ctx, i)
     sections["stages"] = [model_reports[i] if i in model_reports else stage.report(ctx, i)

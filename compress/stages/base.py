@@ -141,6 +141,7 @@ class RunContext:
     model: nn.Module
     plan: Plan
     records: dict[int, Any] = field(default_factory=dict)  # stage index -> that stage's record
+    calibrated: bool = False  # the calibration pass has run (every decoder block went through the stages)
 
     @property
     def arch(self) -> ArchSpec:

@@ -111,7 +111,7 @@ class QuantizeStage(StageBase):
 
     def finalize(self, ctx: RunContext, index: int) -> None:
         """The planned layers outside the decoder blocks (lm_head), or all of them without a calibration pass."""
-        apply_quantize(ctx.model, ctx.plan.steps[index], self)
+        apply_quantize(ctx.model, ctx.plan.steps[index], self, outside=ctx.arch.blocks if ctx.calibrated else None)
 
     def report(self, ctx: RunContext, index: int) -> dict:
         plan = ctx.plan.steps[index]
@@ -246,8 +246,9 @@ def untie_lm_head(model: nn.Module, head_name: str) -> None:
 @torch.no_grad()
 def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, prefix: str | None = None,
                    observer: BlockObserver | None = None, input_divisor: dict | None = None,
-                   info: dict | None = None) -> int:
-    """Replace the planned layers (only those under `prefix`, when given) by QuantLinear. Returns the count.
+                   info: dict | None = None, outside: str | None = None) -> int:
+    """Replace the planned layers (only those under `prefix`, when given; only those not under `outside`, when given:
+    the decoder blocks the calibration pass has quantized already) by QuantLinear. Returns the count.
 
     Each layer goes through the stage's registered quantizer with its calibration inputs (`observer`, keys
     relative to `prefix`) as a LayerInputs, which corrects them for the scales an earlier AWQ or SmoothQuant stage
@@ -258,6 +259,8 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
     count = 0
     for entry in plan.quantized:
         if prefix is not None and not entry.name.startswith(prefix + "."):
+            continue
+        if outside is not None and entry.name.startswith(outside + "."):
             continue
         module = get_module(model, entry.name)
         if isinstance(module, QuantLinear):
