@@ -336,22 +336,26 @@ def cmd_inspect(args) -> int:
     if Path(args.recipe).is_dir():
         return cmd_inspect_model(args)
     from .arch import get_arch
-    from .models import load_model
+    from .memory_plan import plan_memory
+    from .models import model_skeleton, resolve_device, resolve_dtype
     from .recipe import load_recipe, to_plain
     from .stages import make_plan
 
     recipe = load_recipe(args.recipe, args.overrides)
-    loaded = load_model(recipe.model.source, recipe.model.dtype, "cpu", recipe.model.revision,
-                        recipe.model.trust_remote_code)
-    arch = get_arch(loaded.model)
-    plan = make_plan(loaded.model, arch, recipe.stages)  # the plan `compress run` follows
+    spec = recipe.model
+    source, kind, model = model_skeleton(spec.source, spec.revision, spec.trust_remote_code)  # no weights read
+    arch = get_arch(model)
+    plan = make_plan(model, arch, recipe.stages)  # the plan `compress run` follows
     described = [stage.describe(plan, i) for i, stage in enumerate(recipe.stages)]
+    device = resolve_device(spec.device)
+    memory = plan_memory(recipe, model.config, resolve_dtype(spec.dtype, device), device)
     if args.json:
-        print(json.dumps({"arch": to_plain(arch), "stages": [data for _, data in described]}, indent=2))
+        print(json.dumps({"arch": to_plain(arch), "stages": [data for _, data in described],
+                          "memory_plan": memory.to_dict()}, indent=2))
         return 0
     print(f"recipe: {recipe.path} (sha256 {recipe.sha256[:16]}…)")
-    print(f"model: {loaded.source} [{loaded.kind}], family {arch.family}, blocks at `{arch.blocks}` "
-          f"({len(arch.block_list(loaded.model))} blocks), lm_head `{arch.lm_head}`")
+    print(f"model: {source} [{kind}], family {arch.family}, blocks at `{arch.blocks}` "
+          f"({len(arch.block_list(model))} blocks), lm_head `{arch.lm_head}`")
     print(f"  attention linears: {', '.join(arch.attention)}\n  mlp linears: {', '.join(arch.mlp)}\n"
           f"  norms: {', '.join(arch.norms)}")
     cal = recipe.calibration
@@ -359,6 +363,9 @@ def cmd_inspect(args) -> int:
                              if cal else "none (no calibration pass)"))
     for lines, _ in described:
         print("\n".join(lines))
+    print("\n" + "\n".join(memory.lines()))
+    if (why := memory.problem(recipe)) is not None:
+        print(f"`compress run` would refuse this: {why}")
     return 0
 
 

@@ -108,6 +108,42 @@ def load_model(source: str = "default", dtype: str = "auto", device: str = "cpu"
     return LoadedModel(model, tokenizer, where, "default" if source == "default" else kind)
 
 
+def load_config(source: str = "default", revision: str | None = None, trust_remote_code: bool = False):
+    """The model's config alone (no weights read): what the memory plan and `compress inspect` need."""
+    from transformers import AutoConfig
+
+    kind, where = _classify(source)
+    kwargs = {"trust_remote_code": trust_remote_code}
+    if kind == "gguf":
+        folder, name = os.path.split(where)
+        where, kwargs["gguf_file"] = folder, name
+    elif revision:
+        kwargs["revision"] = revision
+    try:
+        return AutoConfig.from_pretrained(where, **kwargs)
+    except OSError as exc:
+        hint = " The hub is unreachable from here? Use a local folder, a .gguf file or `default`." \
+            if kind == "hub" else ""
+        raise OSError(f"could not read the config of model {source!r}: {exc}.{hint}") from exc
+
+
+def model_skeleton(source: str = "default", revision: str | None = None,
+                   trust_remote_code: bool = False) -> tuple[str, str, nn.Module]:
+    """(resolved source, kind, model) with the model built on the meta device from its config: shapes, names and
+    tied weights without reading a weight, for planning a model of any size. A compress output folder is loaded
+    (its QuantLinear layers are known from its files)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    kind, where = _classify(source)
+    if kind == "compressed":
+        return where, kind, load_compressed(where)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(load_config(source, revision, trust_remote_code),
+                                                 trust_remote_code=trust_remote_code)
+    return where, "default" if source == "default" else kind, model.eval()
+
+
 def _compressed_tensors_kwargs(folder: Path) -> dict:
     """A compressed-tensors export loads dequantized: transformers' compressed layout keeps packed tensors that
     the evaluation's byte counts and hooks do not read (and for asymmetric weights it expects the zero point

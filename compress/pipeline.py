@@ -22,7 +22,9 @@ from .data import calibration_windows, fingerprint
 from .evaluate.memory import folder_bytes
 from .evaluate.plots import plot_recovery
 from .evaluate.report import evaluate_models, write_report
-from .models import load_compressed, load_model, quantized_skeleton, resolve_device, save_compressed
+from .memory_plan import MemoryPlan, plan_memory
+from .models import (load_compressed, load_config, load_model, quantized_skeleton, resolve_device, resolve_dtype,
+                     save_compressed)
 from .nn import QuantLinear, is_linear
 from .observers import BlockObserver
 from .outliers import plant_outliers
@@ -213,6 +215,7 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
     device = resolve_device(recipe.model.device)
     set_threads(recipe.model.threads)
     timings = Timings()
+    memory = check_memory(recipe, device, log)  # before any weight is read: refuse a run that cannot fit
     with timings("load"):
         log(f"loading model {recipe.model.source!r} ...")
         loaded, planted = load_source(recipe, device)
@@ -230,6 +233,7 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
         plan = make_plan(model, get_arch(model), recipe.stages, model_stages_done=True)
         check_formats(model, plan, recipe.output.formats)
     report = run_header(recipe, loaded, model, plan.arch, n_params, device, planted)
+    report["memory_plan"] = memory.to_dict()
     with timings("compress"):
         sections, samples = compress_model(model, tokenizer, recipe, plan, device, model_reports, progress, log)
     report.update(sections)
@@ -249,6 +253,24 @@ def write_run_report(report: dict, folder: Path) -> None:
     for section in report["stages"]:
         if any(p.get("ppl") is not None for p in section.get("curve") or ()):
             plot_recovery(section, folder / f"recovery_curve_stage{section['index']}.png")
+
+
+class NotEnoughMemory(RuntimeError):
+    pass
+
+
+def check_memory(recipe: Recipe, device: str, log) -> MemoryPlan:
+    """The run's memory plan from the model's config (memory_plan.py), logged; raises NotEnoughMemory, naming the
+    settings that would make it fit, when the predicted peak exceeds what the machine has (unless
+    model.check_memory is false)."""
+    spec = recipe.model
+    config = load_config(spec.source, spec.revision, spec.trust_remote_code)
+    memory = plan_memory(recipe, config, resolve_dtype(spec.dtype, device), device)
+    for line in memory.lines():
+        log(line)
+    if spec.check_memory and (why := memory.problem(recipe)):
+        raise NotEnoughMemory(why)
+    return memory
 
 
 class Timings(dict):

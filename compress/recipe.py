@@ -39,6 +39,8 @@ class ModelSpec:
     trust_remote_code: bool = False
     threads: int = 1  # CPU threads while evaluating: 1 gives stable timings; 0 = all cores
     plant_outliers: PlantSpec | None = None  # tests and benchmarks: plant LLM.int8-style outlier features first
+    # refuse, before loading, a run the memory plan (memory_plan.py) predicts will not fit; false: run anyway
+    check_memory: bool = True
 
 
 @dataclass(frozen=True)

@@ -319,9 +319,14 @@ def _memory_lines(report: dict) -> list[str]:
     for n, m in models.items():
         bd = m.get("weights", {}).get("by_dtype", {})
         lines.append(f"\n{n} weight bytes by dtype: " + ", ".join(f"{k} {_mb(v)}" for k, v in bd.items()))
-    return lines + ["", f"Peak RSS: {_mb(ev.get('peak_rss_bytes'))}"
-                    + (f"; peak CUDA memory: {_mb(ev['peak_cuda_bytes'])}" if ev.get("peak_cuda_bytes") else "")
-                    + (" (baseline checkpoint bytes are its weights at bf16)" if mem else "")]
+    lines += ["", f"Peak RSS: {_mb(ev.get('peak_rss_bytes'))}"
+              + (f"; peak CUDA memory: {_mb(ev['peak_cuda_bytes'])}" if ev.get("peak_cuda_bytes") else "")
+              + (" (baseline checkpoint bytes are its weights at bf16)" if mem else "")]
+    plan = report.get("memory_plan")
+    if plan:  # predicted from the config before loading (memory_plan.py)
+        lines.append(f"Predicted host peak (memory plan, before loading): {_mb(plan['peak_bytes'])} during "
+                     f"{plan['peak_phase']}; {_mb(plan['available'])} were available.")
+    return lines
 
 
 def _speed_lines(report: dict) -> list[str]:

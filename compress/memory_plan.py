@@ -1,0 +1,169 @@
+"""A memory plan before any heavy work: what a run will hold at its peak, predicted from the model's config alone
+(no weights read), checked against what the machine has.
+
+A run that cannot fit is refused up front with the settings that would make it fit, instead of being killed by
+the kernel minutes later. The figures are estimates of the large terms (weights, the second copies an evaluation or
+a distillation holds, the calibration pass's activations and per-block statistics, the evaluation's logits), not
+an accounting of every allocation; `model.check_memory: false` runs anyway.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import psutil
+import torch
+
+GB = 1e9
+RUNTIME = int(0.5 * GB)  # the process before any model: Python, torch, transformers, a tokenizer (0.39 GB measured)
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What the plan needs to know about a model, read from its config on the meta device."""
+
+    parameters: int
+    block_linear_parameters: int  # weights of the linear layers inside the decoder blocks (what quantize stores)
+    block_parameters: int  # one decoder block
+    hessian_floats: int  # one block's Hessians: K² per distinct linear input (q/k/v, gate/up share theirs)
+    input_features: int  # one block's distinct linear inputs, summed (kept replay samples are this wide)
+    hidden: int
+    vocab: int
+    layers: int
+
+
+def model_size(config) -> ModelSize:
+    """Sizes of the model `config` describes, from a skeleton on the meta device (nothing allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    from .arch import get_arch
+    from .nn import is_linear, linear_shape
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    arch = get_arch(model)
+    blocks = arch.block_list(model)
+    linears = {n: linear_shape(m) for n, m in blocks[0].named_modules() if n and is_linear(m)}
+    shared = {n: pair[1][0] for pair in arch.awq for n in pair[1]}  # linears reading one tensor share a Hessian
+    readers = {shared.get(n, n): k for n, (_, k) in linears.items()}
+    seen: set = set()
+    params = sum(p.numel() for p in model.parameters() if not (id(p) in seen or seen.add(id(p))))
+    return ModelSize(
+        parameters=params,
+        block_linear_parameters=len(blocks) * sum(o * i for o, i in linears.values()),
+        block_parameters=sum(p.numel() for p in blocks[0].parameters()),
+        hessian_floats=sum(k * k for k in readers.values()),
+        input_features=sum(readers.values()),
+        hidden=int(getattr(config, "hidden_size", None) or getattr(config, "n_embd")),
+        vocab=int(config.vocab_size),
+        layers=len(blocks),
+    )
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    device: str
+    dtype: str
+    phases: dict  # phase -> {what: bytes}, host memory
+    device_phases: dict  # phase -> {what: bytes}, accelerator memory (empty on a CPU run)
+    available: int | None  # host memory available when the run starts
+    device_available: int | None
+
+    @staticmethod
+    def _peak(phases: dict) -> tuple[str, int]:
+        return max(((name, sum(parts.values())) for name, parts in phases.items()), key=lambda x: x[1],
+                   default=("", 0))
+
+    @property
+    def peak(self) -> tuple[str, int]:
+        return self._peak(self.phases)
+
+    def lines(self) -> list[str]:
+        name, peak = self.peak
+        have = f"{self.available / GB:.1f} GB available" if self.available is not None else "available unknown"
+        out = [f"memory plan (estimate, {self.dtype} weights): host peak {peak / GB:.2f} GB during {name}; {have}"]
+        for phase, parts in self.phases.items():
+            out.append(f"  {phase}: " + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in parts.items()))
+        if self.device_phases:
+            dname, dpeak = self._peak(self.device_phases)
+            free = f"{self.device_available / GB:.1f} GB free" if self.device_available is not None else ""
+            out.append(f"  {self.device}: peak {dpeak / GB:.2f} GB during {dname}; {free}")
+        return out
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "peak_phase": self.peak[0], "peak_bytes": self.peak[1]}
+
+    def problem(self, recipe) -> str | None:
+        """Why the run cannot fit, with the settings that would make it fit; None when it fits."""
+        name, peak = self.peak
+        if self.available is not None and peak > self.available:
+            return (f"this run needs about {peak / GB:.1f} GB of host memory at its peak ({name}) and "
+                    f"{self.available / GB:.1f} GB are available. " + " ".join(_fixes(recipe, self.phases[name], self.dtype)) +
+                    " Or set model.check_memory=false to run anyway (the plan is an estimate).")
+        if self.device_phases and self.device_available is not None:
+            dname, dpeak = self._peak(self.device_phases)
+            if dpeak > self.device_available:
+                return (f"this run needs about {dpeak / GB:.1f} GB on {self.device} ({dname}) and "
+                        f"{self.device_available / GB:.1f} GB are free. Lower calibration.n_samples or "
+                        "calibration.seq_len, or set model.check_memory=false to run anyway.")
+        return None
+
+
+def _fixes(recipe, parts: dict, plan_dtype: str) -> list[str]:
+    fixes = []
+    if recipe.model.dtype == "float32" or (recipe.model.dtype == "auto" and plan_dtype == "float32"):
+        fixes.append("model.dtype=bfloat16 halves every copy of the model (they are float32 now).")
+    if parts.get("baseline copy"):
+        fixes.append(f"eval.baseline=false drops the reloaded original ({parts['baseline copy'] / GB:.1f} GB; no KL "
+                     "or top-1 then).")
+    if parts.get("calibration activations", 0) > 0.1 * sum(parts.values()):
+        fixes.append("Lower calibration.n_samples or calibration.seq_len (the activations take "
+                     f"{parts['calibration activations'] / GB:.1f} GB).")
+    if parts.get("teacher and optimizer"):
+        fixes.append("Distillation holds the teacher and AdamW states beside the student: fewer parameters after "
+                     "pruning, or distill on a larger machine.")
+    return fixes or ["Run on a machine with more memory."]
+
+
+def plan_memory(recipe, config, dtype: torch.dtype, device: str, available: int | None = None,
+                device_available: int | None = None) -> MemoryPlan:
+    """The run's memory at each phase. `available` (host bytes) defaults to what the machine has free now; on a CUDA
+    device, `device_available` to the device's free memory."""
+    size = model_size(config)
+    width = torch.empty((), dtype=dtype).element_size()
+    weights = size.parameters * width
+    target = next((s for s in recipe.stages if getattr(s, "stores_weights", False)), None)
+    compressed = weights
+    if target is not None:
+        sch = target.scheme
+        per_weight = sch.bits / 8 + (2 / sch.group_size if sch.granularity == "group" else 0)
+        compressed = weights - size.block_linear_parameters * width + int(size.block_linear_parameters * per_weight)
+    on_device = device.startswith("cuda")
+    phases, device_phases = {"load": {"weights": weights}}, {}
+    if any(getattr(s, "needs_teacher", False) for s in recipe.stages):
+        phases["distill"] = {"weights": weights, "teacher and optimizer": weights * 2 + size.parameters * 12}
+    if recipe.calibration is not None and any(not s.whole_model for s in recipe.stages):
+        cal = recipe.calibration
+        acts = 3 * cal.n_samples * cal.seq_len * size.hidden * width  # block inputs, float outputs, compressed outputs
+        # a stage's `needs` reads its own settings (the plan argument is for stages that will need more)
+        needs = [s.needs(None, i) for i, s in enumerate(recipe.stages) if not s.whole_model]
+        stats = 4 * size.hessian_floats if any(n.hessian for n in needs) else 0
+        kept = 4 * max((n.replay_samples for n in needs), default=0) * cal.seq_len * size.input_features
+        work = {"calibration activations": acts, "block statistics": stats + kept}
+        if on_device:
+            phases["calibration"] = {"weights": weights}
+            device_phases["calibration"] = {"one block": size.block_parameters * width, **work}
+        else:
+            phases["calibration"] = {"weights": weights, **work}
+    logits = 4 * 4 * recipe.eval.seq_len * size.vocab  # both models' float32 logits and their log-softmax
+    evaluation = {"compressed model": compressed, "baseline copy": weights if recipe.eval.baseline else 0,
+                  "logits": logits}
+    if any(getattr(s, "needs_teacher", False) for s in recipe.stages):
+        evaluation["pruned copy"] = compressed
+    phases["evaluation"] = {k: v for k, v in evaluation.items() if v}
+    phases = {name: {"runtime": RUNTIME, **parts} for name, parts in phases.items()}
+    if available is None:
+        available = psutil.virtual_memory().available
+    if on_device and device_available is None and torch.cuda.is_available():
+        device_available = torch.cuda.mem_get_info(torch.device(device))[0]
+    return MemoryPlan(device, str(dtype).replace("torch.", ""), phases, device_phases, available, device_available)
+

@@ -1,0 +1,76 @@
+"""The memory plan: sizes read from a config alone match the published parameter counts; a run that cannot fit is
+refused before any weight is read, naming the setting that makes it fit; `compress inspect` plans a model of any
+size on the meta device (here a 70B config with no weights at all)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from compress.cli import main
+from compress.memory_plan import GB, model_size, plan_memory
+from compress.recipe import from_dict
+
+LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
+LLAMA2_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                  num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096)
+
+
+def _recipe(**eval_):
+    return from_dict({"model": "unused", "calibration": {"kind": "self", "n_samples": 16, "seq_len": 512},
+                      "stages": [{"stage": "quantize", "method": "gptq", "scheme": "W4A16"}],
+                      "eval": {"seq_len": 2048, **eval_}})
+
+
+def test_sizes_from_the_config_alone():
+    size = model_size(LlamaConfig(**LLAMA2_7B))
+    assert size.parameters == 6_738_415_616  # Llama-2-7B's published count
+    # one Hessian per distinct input: q/k/v share the attention norm's output, gate/up the MLP norm's
+    assert size.hessian_floats == 3 * 4096 ** 2 + 11008 ** 2
+    assert size.block_linear_parameters == 32 * (4 * 4096 ** 2 + 3 * 4096 * 11008)
+
+
+def test_a_7b_model_at_float32_is_refused_on_24_gb_and_bfloat16_is_the_fix():
+    recipe = _recipe()
+    plan = plan_memory(recipe, LlamaConfig(**LLAMA2_7B), torch.float32, "cpu", available=int(24 * GB))
+    assert plan.phases["load"]["weights"] == 6_738_415_616 * 4
+    why = plan.problem(recipe)
+    assert why is not None and "model.dtype=bfloat16" in why and "model.check_memory=false" in why
+    plan = plan_memory(recipe, LlamaConfig(**LLAMA2_7B), torch.bfloat16, "cpu", available=int(24 * GB))
+    assert plan.problem(recipe) is None
+    evaluation = plan.phases["evaluation"]  # int4 with group-128 fp16 scales: about a quarter of the bf16 linears
+    linear = 32 * (4 * 4096 ** 2 + 3 * 4096 * 11008)
+    assert evaluation["compressed model"] == (6_738_415_616 - linear) * 2 + int(linear * (0.5 + 2 / 128))
+    assert evaluation["baseline copy"] == 6_738_415_616 * 2
+    tight = plan_memory(recipe, LlamaConfig(**LLAMA2_7B), torch.bfloat16, "cpu", available=int(16 * GB))
+    assert "eval.baseline=false" in tight.problem(recipe)
+    assert "baseline copy" not in plan_memory(_recipe(baseline=False), LlamaConfig(**LLAMA2_7B), torch.bfloat16,
+                                              "cpu", available=int(16 * GB)).phases["evaluation"]
+
+
+@pytest.fixture
+def llama70b_config_only(tmp_path):
+    folder = tmp_path / "llama-70b-config-only"
+    LlamaConfig(**LLAMA2_70B).save_pretrained(folder)
+    assert [p.name for p in folder.iterdir()] == ["config.json"]  # not one weight
+    return folder
+
+
+def test_run_refuses_a_model_larger_than_the_machine_before_reading_weights(llama70b_config_only, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(["run", "recipes/int4_rtn.yaml", "--no-progress", "--set", f"model={llama70b_config_only}",
+                 "--set", "model.dtype=bfloat16", "--output", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "GB of host memory at its peak" in err and "model.check_memory=false" in err
+    assert not out.exists()
+
+
+def test_inspect_plans_a_70b_model_on_the_meta_device(llama70b_config_only, capsys):
+    assert main(["inspect", "recipes/int4_rtn.yaml", "--set", f"model={llama70b_config_only}", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    layers = report["stages"][0]
+    assert len([e for e in layers if e["scheme"]]) == 80 * 7  # every block linear, lm_head ignored
+    assert report["memory_plan"]["phases"]["load"]["weights"] == 68_976_648_192 * 4  # float32 on a CPU
