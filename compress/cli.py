@@ -149,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="FORMAT", help="export format; repeatable (see below)")
     p.add_argument("--output", help="export folder (one --format only; default RUN_DIR/exports/FORMAT)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing export folder")
+    p.add_argument("--max-shard-gb", type=float, default=5.0,
+                   help="safetensors formats: shards of at most this many GB (default 5, as transformers)")
     p.add_argument("--verify", action="store_true", help="reload each export and compare it with the run's model")
     p.add_argument("--windows", type=int, default=2, help="windows for --verify (default 2)")
     p.add_argument("--seq-len", type=int, default=512, help="window length for --verify (default 512)")
@@ -222,7 +224,8 @@ def cmd_export(args) -> int:
     for fmt in args.formats:
         out = Path(args.output) if args.output else run_dir / "exports" / fmt
         export_model(loaded.model, loaded.tokenizer, fmt, out, meta, overwrite=args.overwrite,
-                     source_gguf=source if source and source.endswith(".gguf") else None)
+                     source_gguf=source if source and source.endswith(".gguf") else None,
+                     max_shard_bytes=int(args.max_shard_gb * 10 ** 9))
         print(f"{fmt}: wrote {out}")
         if args.verify:
             _print_verify(fmt, verify_export(out, loaded.model, _verify_windows(loaded.tokenizer, args.windows,

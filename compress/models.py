@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .arch import set_module
@@ -22,9 +21,9 @@ from .export.hf import set_architectures
 from .nn import QuantLinear, linear_shape
 from .kv_cache import kv_layers, set_kv_scales, use_kv_attention
 from .scheme import FP8_MAX, QuantScheme
+from .shards import MAX_SHARD_BYTES, read_safetensors, write_safetensors
 
 COMPRESS_META = "compress.json"  # per-layer schemes + provenance, beside config.json
-WEIGHTS = "model.safetensors"
 
 
 @dataclass
@@ -155,9 +154,11 @@ def _compressed_tensors_kwargs(folder: Path) -> dict:
     return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
 
 
-def save_compressed(model: nn.Module, tokenizer, out_dir: str | Path, meta: dict, save_dtype: str = "bfloat16") -> Path:
-    """Write model.safetensors (QuantLinear buffers + float tensors in `save_dtype`), config.json,
-    tokenizer files and compress.json (per-layer schemes, recipe, provenance) into out_dir."""
+def save_compressed(model: nn.Module, tokenizer, out_dir: str | Path, meta: dict, save_dtype: str = "bfloat16",
+                    max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Write the weights (QuantLinear buffers + float tensors in `save_dtype`; model.safetensors, or shards of at most
+    `max_shard_bytes` with their index), config.json, tokenizer files and compress.json (per-layer schemes, recipe,
+    provenance) into out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     float_dtype = getattr(torch, save_dtype)
@@ -174,7 +175,7 @@ def save_compressed(model: nn.Module, tokenizer, out_dir: str | Path, meta: dict
         t = t.detach().cpu()
         tensors[name] = (t.to(float_dtype) if t.is_floating_point() and name not in keep else t).contiguous()
     layers = {n: m.scheme.to_dict() for n, m in model.named_modules() if isinstance(m, QuantLinear)}
-    save_file(tensors, str(out_dir / WEIGHTS), metadata={"format": "pt", "compress": "1"})
+    write_safetensors(out_dir, tensors, {"compress": "1"}, max_shard_bytes)
     config = copy.deepcopy(model.config)
     config.dtype = save_dtype  # what the float tensors on disk are
     set_architectures(config, model)
@@ -217,7 +218,7 @@ def load_compressed(folder: str | Path, dtype: torch.dtype = torch.float32) -> n
                       fields["v_scale"] * FP8_MAX[fields["dtype"]], fields["dtype"])
     if meta.get("kv_cache"):
         use_kv_attention(model)
-    state = load_file(str(folder / WEIGHTS))
+    state = read_safetensors(folder)
     keep = {k for k in state if any(k.startswith(n + ".") and k[len(n) + 1:] != "bias" for n in meta["layers"])}
     keep |= {f"{n}.{b}" for n in meta.get("kv_cache", {}) for b in ("k_scale", "v_scale")}
     state = {k: (v.to(dtype) if v.is_floating_point() and k not in keep else v) for k, v in state.items()}

@@ -170,7 +170,8 @@ def write_exports(model, tokenizer, tmp: Path, out: Path, recipe: Recipe, source
         folder.parent.mkdir(exist_ok=True)
         record = export_model(model, tokenizer, fmt, folder, {
             "recipe_sha256": recipe.sha256, "recipe": recipe.text, "source_model": str(out.resolve()),
-            "original_model": source}, source_gguf=source if str(source).endswith(".gguf") else None)
+            "original_model": source}, source_gguf=source if str(source).endswith(".gguf") else None,
+            max_shard_bytes=recipe.output.max_shard_bytes)
         entry = {"format": fmt, "folder": f"exports/{fmt}", "loaders": record["loaders"],
                  "bytes": folder_bytes(folder), "notes": record.get("notes", [])}
         if windows is not None:
@@ -334,7 +335,8 @@ def save_and_evaluate(recipe: Recipe, loaded, model, before_distill, arch, sampl
             log("saving the compressed model ...")
             save_compressed(model, loaded.tokenizer, tmp, {"compress_version": __version__,
                                                            "recipe_sha256": recipe.sha256, "recipe": recipe.text,
-                                                           "source": loaded.source}, recipe.output.save_dtype)
+                                                           "source": loaded.source}, recipe.output.save_dtype,
+                            recipe.output.max_shard_bytes)
     with timings("eval"):
         baseline = None
         if recipe.eval.baseline:  # reloaded rather than copied up front: keeps the calibration pass's peak low

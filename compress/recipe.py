@@ -135,6 +135,13 @@ class OutputSpec:
     # --help` lists them); verify_windows: evaluation windows each export is compared on (0: do not verify)
     formats: tuple[str, ...] = ()
     verify_windows: int = 2
+    # the saved model and every safetensors export are written in shards of at most this many GB (HF convention:
+    # model-0000i-of-0000N.safetensors + model.safetensors.index.json); one model.safetensors when it fits
+    max_shard_gb: float = 5.0
+
+    @property
+    def max_shard_bytes(self) -> int:
+        return int(self.max_shard_gb * 10 ** 9)
 
     def __post_init__(self):
         from .export import FORMAT_NAMES
@@ -145,6 +152,8 @@ class OutputSpec:
             raise ValueError(f"formats lists a format twice: {list(self.formats)}")
         if self.verify_windows < 0:
             raise ValueError(f"verify_windows must be >= 0, got {self.verify_windows}")
+        if not self.max_shard_gb > 0:
+            raise ValueError(f"max_shard_gb must be > 0 (e.g. 5.0, transformers' default), got {self.max_shard_gb}")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ from safetensors import safe_open
 from torch import nn
 
 from compress.arch import get_arch
-from compress.models import COMPRESS_META, WEIGHTS, load_compressed, load_model, save_compressed
+from compress.models import COMPRESS_META, load_compressed, load_model, save_compressed
+from compress.shards import SINGLE as WEIGHTS
 from compress.nn import QuantLinear
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.scheme import scheme

@@ -31,7 +31,7 @@ class Exporter:
     name: str
     loaders: str  # who reads it, for --help and the README table
     problems: Callable[[nn.Module], list[str]]  # why this model cannot be exported (empty: it can)
-    write: Callable[..., dict]  # (model, tokenizer, folder, source_gguf=None) -> per-tensor report
+    write: Callable[..., dict]  # (model, tokenizer, folder, source_gguf=None, max_shard_bytes=...) -> report
 
 
 def _gguf(qtype: str) -> Exporter:
@@ -39,7 +39,7 @@ def _gguf(qtype: str) -> Exporter:
         from .gguf import gguf_problems
         return gguf_problems(model, qtype)
 
-    def write(model, tokenizer, folder, source_gguf=None):
+    def write(model, tokenizer, folder, source_gguf=None, **_):  # one .gguf file (llama.cpp reads one)
         from .gguf import write_gguf
         return write_gguf(model, tokenizer, Path(folder) / f"model-{qtype}.gguf", qtype, source_gguf=source_gguf)
 
@@ -85,8 +85,9 @@ def check_export(model: nn.Module, name: str) -> Exporter:
 
 
 def export_model(model: nn.Module, tokenizer, name: str, out: str | Path, meta: dict | None = None,
-                 overwrite: bool = False, source_gguf: str | None = None) -> dict:
-    """Write `model` as format `name` into folder `out` (atomically). Returns the export record."""
+                 overwrite: bool = False, source_gguf: str | None = None, max_shard_bytes: int | None = None) -> dict:
+    """Write `model` as format `name` into folder `out` (atomically; safetensors formats in shards of at most
+    `max_shard_bytes`, 5 GB by default). Returns the export record."""
     out = Path(out)
     exporter = check_export(model, name)
     if out.exists() and not overwrite:
@@ -96,7 +97,8 @@ def export_model(model: nn.Module, tokenizer, name: str, out: str | Path, meta: 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        report = exporter.write(model, tokenizer, tmp, source_gguf=source_gguf)
+        sharding = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
+        report = exporter.write(model, tokenizer, tmp, source_gguf=source_gguf, **sharding)
         record = {"format": name, "loaders": exporter.loaders, "compress_version": __version__, **(meta or {}),
                   **report}
         (tmp / EXPORT_META).write_text(json.dumps(record, indent=2, default=str))

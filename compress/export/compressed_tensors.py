@@ -22,6 +22,7 @@ from torch import nn
 from ..nn import QuantLinear
 from ..scheme import QuantScheme
 from .awq import fractional_zero_problem
+from ..shards import MAX_SHARD_BYTES
 from .hf import (config_dtype, conv1d_problems, float_linears, float_tensors, kv_modules, quant_layers,
                  quantized_head, write_hf)
 
@@ -163,7 +164,8 @@ def _scale_rounding(m: QuantLinear, written: torch.Tensor) -> float:
     return float(((written.float() - ours).abs() / ours.abs().clamp(min=1e-30)).max())
 
 
-def write(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.bfloat16, **_) -> dict:
+def write(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.bfloat16,
+          max_shard_bytes: int = MAX_SHARD_BYTES, **_) -> dict:
     kv = kv_modules(model)
     _library()
     tensors = float_tensors(model, dtype)
@@ -186,7 +188,7 @@ def write(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.
         tensors[f"{name}.k_scale"] = m.k_scale.detach().float().reshape(1)
         tensors[f"{name}.v_scale"] = m.v_scale.detach().float().reshape(1)
     config = quantization_config(model)
-    write_hf(model, tokenizer, folder, tensors, config, dtype)
+    write_hf(model, tokenizer, folder, tensors, config, dtype, max_shard_bytes=max_shard_bytes)
     notes = []
     if rounded:
         notes.append(f"{rounded} layers' scales were rounded to {config_dtype(dtype)} (at most {worst:.2%}), the dtype "

@@ -19,6 +19,7 @@ from torch import nn
 
 from .._version import __version__
 from ..nn import QuantLinear
+from ..shards import MAX_SHARD_BYTES
 from .hf import (config_dtype, conv1d_problems, float_linears, float_tensors, head_problems, kv_modules,
                  quant_layers, write_hf)
 
@@ -66,7 +67,8 @@ def _kv_scale_name(model: nn.Module, attention: str, which: str) -> str:
     return f"{attention}.{proj}.{which}_scale" if has_proj else f"{attention}.{which}_scale"
 
 
-def write(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.bfloat16, **_) -> dict:
+def write(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.bfloat16,
+          max_shard_bytes: int = MAX_SHARD_BYTES, **_) -> dict:
     kv = kv_modules(model)
     layers = quant_layers(model)
     tensors = float_tensors(model, dtype)
@@ -95,7 +97,7 @@ def write(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.
     if block is not None:
         config["weight_block_size"] = [block, block]
         config["modules_to_not_convert"] = ignored  # transformers' FineGrainedFP8Config name for the same list
-    write_hf(model, tokenizer, folder, tensors, config, dtype)
+    write_hf(model, tokenizer, folder, tensors, config, dtype, max_shard_bytes=max_shard_bytes)
     notes = []
     per_tensor_static = all(m.scheme.granularity == "tensor" and m.input_scale is not None for m in layers.values())
     if per_tensor_static:

@@ -10,13 +10,12 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from ..nn import QuantLinear
 from ..qtensor import QuantizedTensor
+from ..shards import MAX_SHARD_BYTES, write_safetensors
 
-WEIGHTS = "model.safetensors"
 # transformers models whose linear layers are GPT-2 style Conv1D ([in, out] weights): quantized formats
 # are read into nn.Linear-shaped modules, so their quantized layers have nowhere to go.
 CONV1D_MODEL_TYPES = ("gpt2",)
@@ -87,11 +86,11 @@ def float_tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, Tensor]:
 
 
 def write_hf(model: nn.Module, tokenizer, folder: Path, tensors: dict[str, Tensor], quant_config: dict | None,
-             dtype: torch.dtype, metadata: dict | None = None) -> None:
-    """model.safetensors + config.json (with `quant_config`) + generation config + tokenizer."""
+             dtype: torch.dtype, metadata: dict | None = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """The weights (model.safetensors, or shards of at most `max_shard_bytes` and their index) + config.json (with
+    `quant_config`) + generation config + tokenizer."""
     folder = Path(folder)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / WEIGHTS),
-              metadata={"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}})
+    write_safetensors(folder, tensors, {k: str(v) for k, v in (metadata or {}).items()}, max_shard_bytes)
     config = copy.deepcopy(model.config)
     config.dtype = str(dtype).replace("torch.", "")
     set_architectures(config, model)
@@ -117,7 +116,8 @@ def dense_problems(model: nn.Module) -> list[str]:
     return []
 
 
-def write_dense(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.bfloat16, **_) -> dict:
+def write_dense(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.bfloat16,
+                max_shard_bytes: int = MAX_SHARD_BYTES, **_) -> dict:
     """A plain float checkpoint any loader reads: quantized layers dequantized, pruned shapes as they are."""
     tensors = float_tensors(model, dtype)
     layers: dict[str, str] = {}
@@ -133,7 +133,7 @@ def write_dense(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = 
     notes = []
     if kv_modules(model):
         notes.append("fp8 KV-cache scales are not part of a dense checkpoint; they were left out")
-    write_hf(model, tokenizer, folder, tensors, None, dtype)
+    write_hf(model, tokenizer, folder, tensors, None, dtype, max_shard_bytes=max_shard_bytes)
     return {"layers": layers, "float_dtype": config_dtype(dtype), "notes": notes}
 
 
@@ -146,7 +146,7 @@ def _layer_check(check):
 
 
 def _write_packed(model: nn.Module, tokenizer, folder: Path, layer_tensors: Callable[[QuantizedTensor], dict],
-                  quant_config: dict, dtype: torch.dtype, fmt: str) -> dict:
+                  quant_config: dict, dtype: torch.dtype, fmt: str, max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
     tensors = float_tensors(model, dtype)
     layers = {}
     for name, m in quant_layers(model).items():
@@ -155,7 +155,7 @@ def _write_packed(model: nn.Module, tokenizer, folder: Path, layer_tensors: Call
         if m.bias is not None:
             tensors[f"{name}.bias"] = m.bias.detach().to(dtype)
         layers[name] = f"{m.scheme.name} -> {fmt} (codes and scales copied exactly)"
-    write_hf(model, tokenizer, folder, tensors, quant_config, dtype)
+    write_hf(model, tokenizer, folder, tensors, quant_config, dtype, max_shard_bytes=max_shard_bytes)
     notes = ["fp8 KV-cache scales are not part of this format; they were left out"] if kv_modules(model) else []
     return {"layers": layers, "float_dtype": config_dtype(dtype), "quantization_config": quant_config,
             "notes": notes}
@@ -201,14 +201,16 @@ def _unconverted(model: nn.Module) -> list[str]:
     return sorted(float_linears(model))
 
 
-def write_awq(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.float16, **_) -> dict:
+def write_awq(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.float16,
+              max_shard_bytes: int = MAX_SHARD_BYTES, **_) -> dict:
     from .awq import awq_config, awq_tensors
     scheme = next(iter(quant_layers(model).values())).scheme
     config = awq_config(scheme, _unconverted(model))
-    return _write_packed(model, tokenizer, folder, awq_tensors, config, dtype, "AWQ GEMM")
+    return _write_packed(model, tokenizer, folder, awq_tensors, config, dtype, "AWQ GEMM", max_shard_bytes)
 
 
-def write_gptq(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.float16, **_) -> dict:
+def write_gptq(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.float16,
+               max_shard_bytes: int = MAX_SHARD_BYTES, **_) -> dict:
     from .gptq import gptq_config, gptq_tensors
     scheme = next(iter(quant_layers(model).values())).scheme
     config = gptq_config(scheme)
@@ -216,5 +218,5 @@ def write_gptq(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = t
     if unconverted:
         config["modules_in_block_to_quantize"] = None
         config["modules_to_not_convert"] = unconverted
-    return _write_packed(model, tokenizer, folder, gptq_tensors, config, dtype, "GPTQ")
+    return _write_packed(model, tokenizer, folder, gptq_tensors, config, dtype, "GPTQ", max_shard_bytes)
 

@@ -15,9 +15,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor, nn
 
+from ..shards import read_safetensors, read_tensor, tensor_names
 from . import EXPORT_META
 
 READER = "compress reader (the format's layout, dequantized; its serving kernels need a GPU)"
@@ -45,7 +45,7 @@ def _dense_from_tensors(folder: Path, dequantize_layer) -> nn.Module:
     config = AutoConfig.from_pretrained(folder)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    state = load_file(str(folder / "model.safetensors"))
+    state = read_safetensors(folder)
     dense: dict[str, Tensor] = {}
     prefixes = {k.rsplit(".", 1)[0] for k in state if k.endswith((".qweight", ".weight_scale", ".weight_scale_inv"))}
     for k, v in state.items():
@@ -70,27 +70,24 @@ def _dense_from_tensors(folder: Path, dequantize_layer) -> nn.Module:
 def apply_kv_scales(model: nn.Module, folder: Path, record: dict) -> bool:
     """Quantize the reloaded model's KV cache with the fp8 scales stored in the export, as vLLM does when it
     serves it (transformers reads the weights but leaves these scales unused). True when there were any."""
-    from safetensors import safe_open
-
     from ..kv_cache import set_kv_scales, use_kv_attention
     from ..scheme import FP8_MAX
 
     layers = record.get("kv_cache_layers") or []
     if not layers:
         return False
-    with safe_open(str(folder / "model.safetensors"), "pt") as f:
-        names = set(f.keys())
+    names = tensor_names(folder)
 
-        def scale(attention: str, which: str) -> float:
-            for key in (f"{attention}.{which}_scale", f"{attention}.{which}_proj.{which}_scale"):
-                if key in names:
-                    return float(f.get_tensor(key))
-            raise ValueError(f"{folder}: export.json lists KV-cache scales for {attention}, and the weights "
-                             f"have no {which}_scale for it")
+    def scale(attention: str, which: str) -> float:
+        for key in (f"{attention}.{which}_scale", f"{attention}.{which}_proj.{which}_scale"):
+            if key in names:
+                return float(read_tensor(folder, key))
+        raise ValueError(f"{folder}: export.json lists KV-cache scales for {attention}, and the weights "
+                         f"have no {which}_scale for it")
 
-        for attention in layers:
-            set_kv_scales(model.get_submodule(attention), scale(attention, "k") * FP8_MAX["fp8_e4m3"],
-                          scale(attention, "v") * FP8_MAX["fp8_e4m3"], "fp8_e4m3")
+    for attention in layers:
+        set_kv_scales(model.get_submodule(attention), scale(attention, "k") * FP8_MAX["fp8_e4m3"],
+                      scale(attention, "v") * FP8_MAX["fp8_e4m3"], "fp8_e4m3")
     use_kv_attention(model)
     return True
 
@@ -110,18 +107,15 @@ def _without_input_quantization(model: nn.Module) -> nn.Module:
 
 def input_scales_match(folder: Path, source: nn.Module) -> bool | None:
     """Whether every static input scale in the export equals the source's (None: there are none)."""
-    from safetensors import safe_open
-
     from ..nn import QuantLinear
 
     static = {n: m.input_scale for n, m in source.named_modules()
               if isinstance(m, QuantLinear) and m.input_scale is not None}
-    if not static or not (folder / "model.safetensors").is_file():
+    if not static or not any(folder.glob("*.safetensors")):
         return None
-    with safe_open(str(folder / "model.safetensors"), "pt") as f:
-        keys = set(f.keys())
-        return all(f"{n}.input_scale" in keys and float(f.get_tensor(f"{n}.input_scale")) == float(s)
-                   for n, s in static.items())
+    keys = tensor_names(folder)
+    return all(f"{n}.input_scale" in keys and float(read_tensor(folder, f"{n}.input_scale")) == float(s)
+               for n, s in static.items())
 
 
 def load_export(folder: str | Path):
