@@ -213,27 +213,6 @@ def _calib_where(cal: dict) -> str:
     return cal.get("split") or ""
 
 
-def _awq_lines(blocks: list[dict], what: str = "mean exponent r") -> list[str]:
-    """Per scaling pair: blocks scaled, mean chosen exponent (AWQ) or alpha (SmoothQuant), search loss vs no
-    scaling; skips with reasons."""
-    by_pair: dict[str, list[dict]] = {}
-    for blk in blocks:
-        for p in blk["pairs"]:
-            by_pair.setdefault(p["pair"], []).append(p)
-    lines = [f"| scaling pair | blocks scaled | {what} | search loss / unscaled loss | skipped |",
-             "|---|---:|---:|---:|---|"]
-    for pair, rows in by_pair.items():
-        done = [r for r in rows if not r["skipped"]]
-        ratio = sum(r["ratio"] for r in done) / len(done) if done else None
-        searched = [r for r in done if r["loss"] is not None]
-        gain = (sum(r["loss"] for r in searched) / max(sum(r["loss_identity"] for r in searched), 1e-30)) \
-            if searched else None
-        skipped = sorted({r["skipped"] for r in rows if r["skipped"]})
-        lines.append(f"| `{pair}` | {len(done)}/{len(rows)} | {_f(ratio, '{:.2f}')} | {_f(gain, '{:.3f}')} | "
-                     f"{'; '.join(skipped) or '—'} |")
-    return lines
-
-
 def _activation_notes(verify: dict) -> list[str]:
     if "activations" not in verify:
         return []
