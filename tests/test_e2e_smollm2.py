@@ -32,7 +32,9 @@ def _kv_scales(report):
 
 @requires_data
 @pytest.mark.parametrize("recipe_file, max_ppl_increase, check", [
-    ("recipes/int8_absmax.yaml", 0.005, None),  # the bar (0.5%); measured -0.06% on these 2 × 512 windows
+    # the bar (0.5%); measured -0.06% on these 2 × 512 windows. slow (50 s): the default suite keeps under 15
+    # minutes on 2 cores; bench/quant_table.py measures int8 absmax on 8 × 2048 test windows
+    pytest.param("recipes/int8_absmax.yaml", 0.005, None, marks=pytest.mark.slow),
     ("recipes/int4_rtn.yaml", 0.60, _int4_bytes),  # int4 g64 zero-point RTN: measured +37.7% on these windows
     ("recipes/llm_int8.yaml", 0.05, _llm_int8_outliers),  # LLM.int8 dynamic: measured +1.41% on these windows
     ("recipes/fp8_static_kv.yaml", 0.10, _kv_scales),  # fp8 static + fp8 KV cache: measured +2.66% on these windows
