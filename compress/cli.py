@@ -339,8 +339,8 @@ def cmd_inspect(args) -> int:
     if Path(args.recipe).is_dir():
         return cmd_inspect_model(args)
     from .arch import get_arch
-    from .memory_plan import plan_memory
-    from .models import model_skeleton, resolve_device, resolve_dtype
+    from .memory_plan import conversion_bytes, plan_memory
+    from .models import checkpoint_files, model_skeleton, resolve_device, resolve_dtype
     from .recipe import load_recipe, to_plain
     from .stages import make_plan
 
@@ -351,7 +351,9 @@ def cmd_inspect(args) -> int:
     plan = make_plan(model, arch, recipe.stages)  # the plan `compress run` follows
     described = [stage.describe(plan, i) for i, stage in enumerate(recipe.stages)]
     device = resolve_device(spec.device)
-    memory = plan_memory(recipe, model.config, resolve_dtype(spec.dtype, device), device)
+    dtype = resolve_dtype(spec.dtype, device)
+    memory = plan_memory(recipe, model.config, dtype, device,
+                         conversion=conversion_bytes(checkpoint_files(spec.source), model.config, dtype))
     if args.json:
         print(json.dumps({"arch": to_plain(arch), "stages": [data for _, data in described],
                           "memory_plan": memory.to_dict()}, indent=2))

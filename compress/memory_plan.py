@@ -14,6 +14,9 @@ import psutil
 import torch
 
 GB = 1e9
+# a run is refused when its predicted peak times this exceeds what is available: bench/memory_plan_check.py measured
+# the prediction at 0.94x of the peak anonymous memory in the worst case (a bf16 checkpoint loaded as float32)
+MARGIN = 1.1
 RUNTIME = int(0.5 * GB)  # the process before any model: Python, torch, transformers, a tokenizer (0.39 GB measured)
 
 
@@ -95,8 +98,9 @@ class MemoryPlan:
     def problem(self, recipe) -> str | None:
         """Why the run cannot fit, with the settings that would make it fit; None when it fits."""
         name, peak = self.peak
-        if self.available is not None and peak > self.available:
-            return (f"this run needs about {peak / GB:.1f} GB of host memory at its peak ({name}) and "
+        if self.available is not None and peak * MARGIN > self.available:
+            return (f"this run needs about {peak / GB:.1f} GB of host memory at its peak ({name}; refused above "
+                    f"{self.available / MARGIN / GB:.1f} GB, a {MARGIN - 1:.0%} margin) and "
                     f"{self.available / GB:.1f} GB are available. " + " ".join(_fixes(recipe, self.phases[name], self.dtype)) +
                     " Or set model.check_memory=false to run anyway (the plan is an estimate).")
         if self.device_phases and self.device_available is not None:
@@ -125,9 +129,11 @@ def _fixes(recipe, parts: dict, plan_dtype: str) -> list[str]:
 
 
 def plan_memory(recipe, config, dtype: torch.dtype, device: str, available: int | None = None,
-                device_available: int | None = None) -> MemoryPlan:
+                device_available: int | None = None, conversion: int = 0) -> MemoryPlan:
     """The run's memory at each phase. `available` (host bytes) defaults to what the machine has free now; on a CUDA
-    device, `device_available` to the device's free memory."""
+    device, `device_available` to the device's free memory. `conversion`: what loading holds besides the model while
+    it converts the checkpoint's tensors to `dtype` (a shard read into memory; `conversion_bytes`), at the load and
+    again when the baseline is reloaded for the evaluation."""
     size = model_size(config)
     width = torch.empty((), dtype=dtype).element_size()
     weights = size.parameters * width
@@ -138,7 +144,7 @@ def plan_memory(recipe, config, dtype: torch.dtype, device: str, available: int 
         per_weight = sch.bits / 8 + (2 / sch.group_size if sch.granularity == "group" else 0)
         compressed = weights - size.block_linear_parameters * width + int(size.block_linear_parameters * per_weight)
     on_device = device.startswith("cuda")
-    phases, device_phases = {"load": {"weights": weights}}, {}
+    phases, device_phases = {"load": {"weights": weights, "dtype conversion": conversion}}, {}
     if any(getattr(s, "needs_teacher", False) for s in recipe.stages):
         phases["distill"] = {"weights": weights, "teacher and optimizer": weights * 2 + size.parameters * 12}
     if recipe.calibration is not None and any(not s.whole_model for s in recipe.stages):
@@ -156,14 +162,24 @@ def plan_memory(recipe, config, dtype: torch.dtype, device: str, available: int 
             phases["calibration"] = {"weights": weights, **work}
     logits = 4 * 4 * recipe.eval.seq_len * size.vocab  # both models' float32 logits and their log-softmax
     evaluation = {"compressed model": compressed, "baseline copy": weights if recipe.eval.baseline else 0,
-                  "logits": logits}
+                  "dtype conversion": conversion if recipe.eval.baseline else 0, "logits": logits}
     if any(getattr(s, "needs_teacher", False) for s in recipe.stages):
         evaluation["pruned copy"] = compressed
     phases["evaluation"] = {k: v for k, v in evaluation.items() if v}
-    phases = {name: {"runtime": RUNTIME, **parts} for name, parts in phases.items()}
+    phases = {name: {"runtime": RUNTIME, **{k: v for k, v in parts.items() if v}} for name, parts in phases.items()}
     if available is None:
         available = psutil.virtual_memory().available
     if on_device and device_available is None and torch.cuda.is_available():
         device_available = torch.cuda.mem_get_info(torch.device(device))[0]
     return MemoryPlan(device, str(dtype).replace("torch.", ""), phases, device_phases, available, device_available)
 
+
+def conversion_bytes(files: list, config, dtype: torch.dtype) -> int:
+    """Loading a safetensors checkpoint at its own dtype maps the files (pages the kernel can drop); converting it to
+    another dtype reads a shard's tensors into memory first: the largest shard (measured: a 0.5B bf16 checkpoint
+    loaded as float32 held 4.2 GB of anonymous memory at its peak, the float32 copies plus the bf16 file)."""
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
+    if not files or stored is None or stored == dtype:
+        return 0
+    return max(f.stat().st_size for f in files)

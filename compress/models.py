@@ -107,6 +107,12 @@ def load_model(source: str = "default", dtype: str = "auto", device: str = "cpu"
     return LoadedModel(model, tokenizer, where, "default" if source == "default" else kind)
 
 
+def checkpoint_files(source: str) -> list[Path]:
+    """The safetensors files of a local model folder (empty for a .gguf file, the default model or a hub id)."""
+    kind, where = _classify(source)
+    return sorted(Path(where).glob("*.safetensors")) if kind in ("folder", "compressed") else []
+
+
 def load_config(source: str = "default", revision: str | None = None, trust_remote_code: bool = False):
     """The model's config alone (no weights read): what the memory plan and `compress inspect` need."""
     from transformers import AutoConfig

@@ -22,9 +22,9 @@ from .data import calibration_windows, fingerprint
 from .evaluate.memory import folder_bytes
 from .evaluate.plots import plot_recovery
 from .evaluate.report import evaluate_models, write_report
-from .memory_plan import MemoryPlan, plan_memory
-from .models import (load_compressed, load_config, load_model, quantized_skeleton, resolve_device, resolve_dtype,
-                     save_compressed)
+from .memory_plan import MemoryPlan, conversion_bytes, plan_memory
+from .models import (checkpoint_files, load_compressed, load_config, load_model, quantized_skeleton, resolve_device,
+                     resolve_dtype, save_compressed)
 from .nn import QuantLinear, is_linear
 from .observers import BlockObserver
 from .outliers import plant_outliers
@@ -266,7 +266,9 @@ def check_memory(recipe: Recipe, device: str, log) -> MemoryPlan:
     model.check_memory is false)."""
     spec = recipe.model
     config = load_config(spec.source, spec.revision, spec.trust_remote_code)
-    memory = plan_memory(recipe, config, resolve_dtype(spec.dtype, device), device)
+    dtype = resolve_dtype(spec.dtype, device)
+    memory = plan_memory(recipe, config, dtype, device,
+                         conversion=conversion_bytes(checkpoint_files(spec.source), config, dtype))
     for line in memory.lines():
         log(line)
     if spec.check_memory and (why := memory.problem(recipe)):

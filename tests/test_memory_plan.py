@@ -51,6 +51,19 @@ def test_a_7b_model_at_float32_is_refused_on_24_gb_and_bfloat16_is_the_fix():
                                               "cpu", available=int(16 * GB)).phases["evaluation"]
 
 
+def test_loading_at_another_dtype_holds_the_largest_shard(tmp_path):
+    from compress.memory_plan import conversion_bytes
+    from compress.models import checkpoint_files, load_config
+    from tests.conftest import make_tiny_model
+
+    make_tiny_model("llama").to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="50KB")
+    files = checkpoint_files(str(tmp_path))
+    config = load_config(str(tmp_path))
+    assert len(files) > 1
+    assert conversion_bytes(files, config, torch.float32) == max(f.stat().st_size for f in files)
+    assert conversion_bytes(files, config, torch.bfloat16) == 0  # read at its own dtype: mapped, not copied
+
+
 @pytest.fixture
 def llama70b_config_only(tmp_path):
     folder = tmp_path / "llama-70b-config-only"
