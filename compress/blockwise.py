@@ -10,7 +10,9 @@ No graph tracing: blocks are called exactly as the model calls them. Peak memory
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -46,13 +48,20 @@ def _move_non_blocks(model: nn.Module, arch: ArchSpec, device) -> None:
 
 
 @torch.no_grad()
-def capture_block_inputs(model: nn.Module, arch: ArchSpec, samples: Tensor, device) -> BlockInputs:
-    """Run the model's own forward up to block 0 for each sample [n, seq_len] and keep block 0's inputs."""
+def capture_block_inputs(model: nn.Module, arch: ArchSpec, samples: Tensor, device,
+                         spill_dir: Path | None = None) -> tuple[BlockInputs, Tensor | None]:
+    """Run the model's own forward up to block 0 for each sample [n, seq_len] and keep block 0's inputs; with
+    `spill_dir`, in a memory-mapped file there, one sample at a time (returned as the second value; else None)."""
     block0 = arch.block_list(model)[0]
     captured = BlockInputs([], [])
+    store: list = []
 
     def hook(_module, args, kwargs):
         hidden = args[0] if args else kwargs.pop("hidden_states")
+        if spill_dir is not None:
+            if not store:
+                store.append(spill(spill_dir, "a", hidden, len(samples)))
+            hidden = _keep(hidden, store[0], len(captured.hidden))
         captured.hidden.append(hidden)
         captured.kwargs.append({k: v for k, v in kwargs.items() if k not in ("hidden_states",)})
         raise _StopForward
@@ -66,7 +75,7 @@ def capture_block_inputs(model: nn.Module, arch: ArchSpec, samples: Tensor, devi
                 pass
     finally:
         handle.remove()
-    return captured
+    return captured, (store[0] if store else None)
 
 
 def matmul_dtype(inputs: BlockInputs, compute_dtype: torch.dtype | None) -> torch.dtype:
@@ -90,17 +99,38 @@ def linear_weights_in(block: nn.Module, dtype: torch.dtype):
             m.weight.data = w
 
 
+def _keep(out: Tensor, store: Tensor | None, i: int) -> Tensor:
+    """A sample's output, or its copy in row i of a file-backed store (then only one sample is in memory at once)."""
+    if store is None:
+        return out
+    store[i].copy_(out)
+    return store[i]
+
+
 @torch.no_grad()
-def block_forward(block: nn.Module, inputs: BlockInputs, compute_dtype: torch.dtype | None = None) -> list[Tensor]:
+def block_forward(block: nn.Module, inputs: BlockInputs, compute_dtype: torch.dtype | None = None,
+                  store: Tensor | None = None) -> list[Tensor]:
     """The block on every sample. `compute_dtype` (bfloat16) runs the matmuls of a float32 block in that dtype under
     autocast (a 16-bit model already computes in its own dtype); outputs return in the inputs' dtype, so the
-    residual stream between blocks stays float32."""
+    residual stream between blocks stays float32. `store` ([n, 1, seq_len, hidden], e.g. a Spill): write the outputs
+    there and return views of it."""
     dtype = matmul_dtype(inputs, compute_dtype)
     if dtype == inputs.hidden[0].dtype:
-        return [_first(block(h, **kw)) for h, kw in zip(inputs.hidden, inputs.kwargs)]
+        return [_keep(_first(block(h, **kw)), store, i) for i, (h, kw) in enumerate(zip(inputs.hidden, inputs.kwargs))]
     device = inputs.hidden[0].device.type
     with torch.autocast(device_type=device, dtype=dtype), linear_weights_in(block, dtype):
-        return [_first(block(h, **kw)).to(h.dtype) for h, kw in zip(inputs.hidden, inputs.kwargs)]
+        return [_keep(_first(block(h, **kw)).to(h.dtype), store, i)
+                for i, (h, kw) in enumerate(zip(inputs.hidden, inputs.kwargs))]
+
+
+def spill(folder: Path, name: str, like: Tensor, n: int) -> Tensor:
+    """A [n, *like.shape] tensor backed by a file in `folder` (memory-mapped, shared): the calibration activations
+    of `calibration.offload: disk`, which the kernel pages out instead of holding in memory."""
+    path = folder / f"{name}.bin"
+    numel = n * like.numel()
+    path.write_bytes(b"")
+    os.truncate(path, numel * like.element_size())
+    return torch.from_file(str(path), shared=True, size=numel, dtype=like.dtype).view(n, *like.shape)
 
 
 def relative_error(ref: list[Tensor], out: list[Tensor]) -> float:
@@ -127,7 +157,7 @@ Observe = Callable[[int, str, nn.Module], object]  # returns a context manager (
 
 def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor, on_block: OnBlock, device="cpu",
                   offload="cpu", progress: bool = True, observe: Observe | None = None,
-                  compute_dtype: torch.dtype | None = None) -> list[float]:
+                  compute_dtype: torch.dtype | None = None, spill_dir: Path | None = None) -> list[float]:
     """Apply the stages to each decoder block in turn.
 
     Per block: `observe(index, name, block)` may return a context manager (e.g. a BlockObserver) that
@@ -135,12 +165,21 @@ def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor, on_block: O
     the block (smooths, quantizes, replaces layers). The block's outputs are recomputed and become
     the next block's inputs. Returns, per block, the relative output error the stages introduced:
     ||block'(x) - block(x)||^2 / ||block(x)||^2 on the block's (already compressed) inputs. `compute_dtype`: see
-    block_forward (statistics are gathered from the activations as computed in that dtype).
+    block_forward (statistics are gathered from the activations as computed in that dtype). `spill_dir` (a CPU run
+    with calibration.offload: disk): the block inputs, float outputs and compressed outputs live in memory-mapped files
+    there instead of in memory; the results are the same bit for bit.
     """
     model.eval()
     _check_uniform_blocks(model, samples.shape[1])
     _move_non_blocks(model, arch, device)
-    inputs = capture_block_inputs(model, arch, samples, device)
+    if spill_dir is not None and torch.device(device).type != "cpu":
+        raise ValueError("calibration.offload: disk spills CPU activations; on an accelerator keep them there "
+                         "(offload: memory) or lower calibration.n_samples")
+    inputs, captured_store = capture_block_inputs(model, arch, samples, device, spill_dir)
+    stores = [None, None, None]
+    if spill_dir is not None:  # block inputs (already in "a"), float outputs, compressed outputs
+        n, like = len(inputs.hidden), inputs.hidden[0]
+        stores = [captured_store, spill(spill_dir, "reference", like, n), spill(spill_dir, "b", like, n)]
     errors = []
     blocks = arch.block_list(model)
     for i in tqdm(range(len(blocks)), desc="blocks", unit="block", disable=not progress):
@@ -148,15 +187,16 @@ def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor, on_block: O
         observer = observe(i, f"{arch.blocks}.{i}", block) if observe else None
         if observer is not None:
             with observer:
-                reference = block_forward(block, inputs, compute_dtype)
+                reference = block_forward(block, inputs, compute_dtype, stores[1])
         else:
-            reference = block_forward(block, inputs, compute_dtype)
+            reference = block_forward(block, inputs, compute_dtype, stores[1])
         on_block(i, f"{arch.blocks}.{i}", block, inputs, observer)
         block = get_module(model, f"{arch.blocks}.{i}")  # a stage may have swapped the whole block
         with cached_dequantize(block, matmul_dtype(inputs, compute_dtype)):
-            outputs = block_forward(block, inputs, compute_dtype)
+            outputs = block_forward(block, inputs, compute_dtype, stores[2])
         errors.append(relative_error(reference, outputs))
         inputs = BlockInputs(outputs, inputs.kwargs)
+        stores[0], stores[2] = stores[2], stores[0]  # the next block writes over these inputs
         block.to(offload)
         del reference, observer
     _move_non_blocks(model, arch, offload)

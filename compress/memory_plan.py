@@ -120,8 +120,8 @@ def _fixes(recipe, parts: dict, plan_dtype: str) -> list[str]:
         fixes.append(f"eval.baseline=false drops the reloaded original ({parts['baseline copy'] / GB:.1f} GB; no KL "
                      "or top-1 then).")
     if parts.get("calibration activations", 0) > 0.1 * sum(parts.values()):
-        fixes.append("Lower calibration.n_samples or calibration.seq_len (the activations take "
-                     f"{parts['calibration activations'] / GB:.1f} GB).")
+        fixes.append("calibration.offload=disk keeps the activations in memory-mapped files (they take "
+                     f"{parts['calibration activations'] / GB:.1f} GB), or lower calibration.n_samples / seq_len.")
     if parts.get("teacher and optimizer"):
         fixes.append("Distillation holds the teacher and AdamW states beside the student: fewer parameters after "
                      "pruning, or distill on a larger machine.")
@@ -154,7 +154,7 @@ def plan_memory(recipe, config, dtype: torch.dtype, device: str, available: int 
         needs = [s.needs(None, i) for i, s in enumerate(recipe.stages) if not s.whole_model]
         stats = 4 * size.hessian_floats if any(n.hessian for n in needs) else 0
         kept = 4 * max((n.replay_samples for n in needs), default=0) * cal.seq_len * size.input_features
-        work = {"calibration activations": acts, "block statistics": stats + kept}
+        work = {"calibration activations": 0 if cal.offload == "disk" else acts, "block statistics": stats + kept}
         if on_device:
             phases["calibration"] = {"weights": weights}
             device_phases["calibration"] = {"one block": size.block_parameters * width, **work}

@@ -9,6 +9,7 @@ import contextlib
 import datetime
 import os
 import shutil
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -182,7 +183,7 @@ def write_exports(model, tokenizer, tmp: Path, out: Path, recipe: Recipe, source
 
 
 def compress_model(model, tokenizer, recipe: Recipe, plan: Plan, device: str, model_reports: dict | None = None,
-                   progress: bool = True, log=print) -> tuple[dict, torch.Tensor | None]:
+                   progress: bool = True, log=print, spill_dir: Path | None = None) -> tuple[dict, torch.Tensor | None]:
     """The recipe's calibration pass and block stages, applied to `model` in place (the whole-model stages, prune
     and distill, have run before). Returns the report's `calibration`, `block_errors`, `stages` and `kept_in_float`
     sections, and the calibration windows (None without a calibration pass)."""
@@ -197,9 +198,16 @@ def compress_model(model, tokenizer, recipe: Recipe, plan: Plan, device: str, mo
         log(f"calibrating block by block on {device} ({samples.shape[0]} × {samples.shape[1]} tokens, "
             f"{recipe.calibration.dtype} matmuls, {torch.get_num_threads()} threads) ...")
         stage_pass = StagePass(ctx)
-        sections["block_errors"] = run_blockwise(model, plan.arch, samples, stage_pass.on_block, device=device,
-                                                 progress=progress, observe=stage_pass.observe,
-                                                 compute_dtype=getattr(torch, recipe.calibration.dtype))
+        with contextlib.ExitStack() as stack:
+            if recipe.calibration.offload == "disk":  # memory-mapped activations, removed after the pass
+                if spill_dir is not None:
+                    spill_dir.mkdir(parents=True, exist_ok=True)
+                spill_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=spill_dir, prefix=".spill-")))
+                log(f"calibration activations spill to {spill_dir}")
+            sections["block_errors"] = run_blockwise(
+                model, plan.arch, samples, stage_pass.on_block, device=device, progress=progress,
+                observe=stage_pass.observe, compute_dtype=getattr(torch, recipe.calibration.dtype),
+                spill_dir=spill_dir if recipe.calibration.offload == "disk" else None)
         ctx.calibrated = True
     for i in plan.block_stages:  # the whole model (what lies outside the blocks; all of it without calibration)
         plan.stages[i].finalize(ctx, i)
@@ -236,7 +244,8 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
     report = run_header(recipe, loaded, model, plan.arch, n_params, device, planted)
     report["memory_plan"] = memory.to_dict()
     with timings("compress"):
-        sections, samples = compress_model(model, tokenizer, recipe, plan, device, model_reports, progress, log)
+        sections, samples = compress_model(model, tokenizer, recipe, plan, device, model_reports, progress, log,
+                                           spill_dir=out.parent)
     report.update(sections)
     set_threads(recipe.model.threads)
     with staged_output(out) as tmp:

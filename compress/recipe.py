@@ -63,6 +63,9 @@ class CalibrationSpec:
     # dtype (autocast) while weights, statistics and solves stay float32: bfloat16 is what a GPU run computes in,
     # and 2x faster on a CPU with bf16 instructions. float32: exact float32 passes.
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    # where the pass keeps its activations (block inputs, float and compressed outputs: 3 × n_samples × seq_len ×
+    # hidden): in memory, or on a CPU run in memory-mapped files beside the output (same results, bounded memory)
+    offload: Literal["memory", "disk"] = "memory"
 
     def __post_init__(self):
         if self.threads < 0:

@@ -170,7 +170,7 @@ def test_capture_keeps_one_input_per_sample(family):
     model = make_tiny_model(family)
     arch = get_arch(model)
     n, seq_len, hidden = 3, 12, model.config.hidden_size
-    captured = capture_block_inputs(model, arch, _samples(n, seq_len), "cpu")
+    captured, _ = capture_block_inputs(model, arch, _samples(n, seq_len), "cpu")
     assert len(captured.hidden) == n and len(captured.kwargs) == n
     assert all(h.shape == (1, seq_len, hidden) for h in captured.hidden)
 
@@ -200,3 +200,43 @@ def test_mixed_attention_accepts_seq_len_equal_to_sliding_window():
     model = _tiny_gemma2(sliding_window=8)
     errors = run_blockwise(model, get_arch(model), _samples(2, 8), lambda *a: None, progress=False)
     assert errors == [0.0] * N_LAYERS
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_activations_spilled_to_disk_give_the_same_model_bit_for_bit(family, tmp_path):
+    """calibration.offload: disk keeps the pass's activations in memory-mapped files: the same block errors and the
+    same quantized tensors as in memory, and the files are in the folder while the pass runs."""
+    from compress.pipeline import compress_model
+    from compress.recipe import from_dict
+    from compress.stages import make_plan
+    from tests.tiny_tokenizer import make_tiny_tokenizer
+
+    results = {}
+    for offload in ("memory", "disk"):
+        model = make_tiny_model(family)
+        recipe = from_dict({"model": "unused", "calibration": {"kind": "self", "n_samples": 3, "seq_len": 16,
+                                                               "offload": offload},
+                            "stages": [{"stage": "quantize", "method": "gptq",
+                                        "scheme": {"dtype": "int4", "group_size": 16}}]})
+        seen = []
+        sections, _ = compress_model(model, make_tiny_tokenizer(), recipe, make_plan(model, get_arch(model),
+                                                                                   recipe.stages), "cpu",
+                                     progress=False, log=seen.append, spill_dir=tmp_path)
+        results[offload] = (sections["block_errors"], {n: m.qdata.clone() for n, m in model.named_modules()
+                                                       if isinstance(m, QuantLinear)})
+        if offload == "disk":
+            assert any("spill to" in line for line in seen)
+            assert not list(tmp_path.glob(".spill-*"))  # removed after the pass
+    (err_m, q_m), (err_d, q_d) = results["memory"], results["disk"]
+    assert err_m == err_d and q_m.keys() == q_d.keys() and all(torch.equal(q_m[k], q_d[k]) for k in q_m)
+
+
+def test_spilled_activations_live_in_three_files_of_the_expected_size(tmp_path):
+    model = make_tiny_model("llama")
+    arch = get_arch(model)
+    n, seq, hidden = 3, 16, model.config.hidden_size
+    sizes = []
+    run_blockwise(model, arch, torch.randint(0, 256, (n, seq)),
+                  lambda *_: sizes.append({p.name: p.stat().st_size for p in tmp_path.iterdir()}),
+                  progress=False, spill_dir=tmp_path)
+    assert sizes and all(s == {f"{k}.bin": n * seq * hidden * 4 for k in ("a", "reference", "b")} for s in sizes)

@@ -19,7 +19,7 @@ from tests.conftest import make_tiny_model
 def _block0(family: str, n: int = 3, seq: int = 20):
     model = make_tiny_model(family)
     arch = get_arch(model)
-    inputs = capture_block_inputs(model, arch, torch.randint(0, 256, (n, seq)), "cpu")
+    inputs, _ = capture_block_inputs(model, arch, torch.randint(0, 256, (n, seq)), "cpu")
     block = arch.block_list(model)[0]
     linears = [name for name, m in block.named_modules() if name and is_linear(m)]
     return arch, block, inputs, linears
