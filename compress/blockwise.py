@@ -151,13 +151,48 @@ def _check_uniform_blocks(model: nn.Module, seq_len: int) -> None:
                          f"calibration seq_len={seq_len} exceeds the window. Set calibration.seq_len <= {window}.")
 
 
-OnBlock = Callable[[int, str, nn.Module, BlockInputs, object], None]
+OnBlock = Callable[[int, str, nn.Module, BlockInputs | None, object], None]
 Observe = Callable[[int, str, nn.Module], object]  # returns a context manager (hooks), or None
 
 
-def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor, on_block: OnBlock, device="cpu",
+class ResidentBlocks:
+    """Blocks of a model held in memory: moved to the compute device for their turn, back to `offload` after."""
+
+    def __init__(self, model: nn.Module, arch: ArchSpec, offload="cpu"):
+        self.blocks, self.offload = arch.block_list(model), offload
+
+    def begin(self) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+    def load(self, i: int, device) -> nn.Module:
+        return self.blocks[i].to(device)
+
+    def done(self, i: int, block: nn.Module) -> None:
+        block.to(self.offload)
+
+
+class BlockVisitor:
+    """Something that rides along the pass without changing the blocks (the streamed evaluation): `start` once
+    the non-block modules are on the device, `loaded` with each float block before the stages see it, `compressed`
+    with it after."""
+
+    def start(self, model: nn.Module, arch: ArchSpec, device) -> None:
+        pass
+
+    def loaded(self, i: int, block: nn.Module) -> None:
+        pass
+
+    def compressed(self, i: int, block: nn.Module) -> None:
+        pass
+
+
+def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor | None, on_block: OnBlock, device="cpu",
                   offload="cpu", progress: bool = True, observe: Observe | None = None,
-                  compute_dtype: torch.dtype | None = None, spill_dir: Path | None = None) -> list[float]:
+                  compute_dtype: torch.dtype | None = None, spill_dir: Path | None = None,
+                  blocks=None, visitors: tuple[BlockVisitor, ...] = ()) -> list[float]:
     """Apply the stages to each decoder block in turn.
 
     Per block: `observe(index, name, block)` may return a context manager (e.g. a BlockObserver) that
@@ -167,37 +202,51 @@ def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor, on_block: O
     ||block'(x) - block(x)||^2 / ||block(x)||^2 on the block's (already compressed) inputs. `compute_dtype`: see
     block_forward (statistics are gathered from the activations as computed in that dtype). `spill_dir` (a CPU run
     with calibration.offload: disk): the block inputs, float outputs and compressed outputs live in memory-mapped files
-    there instead of in memory; the results are the same bit for bit.
+    there instead of in memory; the results are the same bit for bit. `samples` None: no calibration data (the
+    stages act on each block without statistics; no errors are measured). `blocks`: where each block comes from and
+    goes after its turn (`begin()` once the block-0 inputs are captured, `load(i, device)`, `done(i, block)`,
+    `end()` after the last block; ResidentBlocks by default, streaming.StreamedBlocks
+    reads them from disk); `visitors`: see BlockVisitor.
     """
     model.eval()
-    _check_uniform_blocks(model, samples.shape[1])
+    if samples is not None:
+        _check_uniform_blocks(model, samples.shape[1])
     _move_non_blocks(model, arch, device)
     if spill_dir is not None and torch.device(device).type != "cpu":
         raise ValueError("calibration.offload: disk spills CPU activations; on an accelerator keep them there "
                          "(offload: memory) or lower calibration.n_samples")
-    inputs, captured_store = capture_block_inputs(model, arch, samples, device, spill_dir)
-    stores = [None, None, None]
-    if spill_dir is not None:  # block inputs (already in "a"), float outputs, compressed outputs
-        n, like = len(inputs.hidden), inputs.hidden[0]
-        stores = [captured_store, spill(spill_dir, "reference", like, n), spill(spill_dir, "b", like, n)]
+    inputs, stores = None, [None, None, None]
+    if samples is not None:
+        inputs, captured_store = capture_block_inputs(model, arch, samples, device, spill_dir)
+        if spill_dir is not None:  # block inputs (already in "a"), float outputs, compressed outputs
+            n, like = len(inputs.hidden), inputs.hidden[0]
+            stores = [captured_store, spill(spill_dir, "reference", like, n), spill(spill_dir, "b", like, n)]
+    for v in visitors:
+        v.start(model, arch, device)
+    blocks = blocks or ResidentBlocks(model, arch, offload)
+    blocks.begin()
     errors = []
-    blocks = arch.block_list(model)
-    for i in tqdm(range(len(blocks)), desc="blocks", unit="block", disable=not progress):
-        block = blocks[i].to(device)
+    for i in tqdm(range(len(arch.block_list(model))), desc="blocks", unit="block", disable=not progress):
+        block = blocks.load(i, device)
+        for v in visitors:
+            v.loaded(i, block)
         observer = observe(i, f"{arch.blocks}.{i}", block) if observe else None
-        if observer is not None:
-            with observer:
+        reference = None
+        if inputs is not None:
+            with observer if observer is not None else contextlib.nullcontext():
                 reference = block_forward(block, inputs, compute_dtype, stores[1])
-        else:
-            reference = block_forward(block, inputs, compute_dtype, stores[1])
         on_block(i, f"{arch.blocks}.{i}", block, inputs, observer)
         block = get_module(model, f"{arch.blocks}.{i}")  # a stage may have swapped the whole block
-        with cached_dequantize(block, matmul_dtype(inputs, compute_dtype)):
-            outputs = block_forward(block, inputs, compute_dtype, stores[2])
-        errors.append(relative_error(reference, outputs))
-        inputs = BlockInputs(outputs, inputs.kwargs)
-        stores[0], stores[2] = stores[2], stores[0]  # the next block writes over these inputs
-        block.to(offload)
+        if inputs is not None:
+            with cached_dequantize(block, matmul_dtype(inputs, compute_dtype)):
+                outputs = block_forward(block, inputs, compute_dtype, stores[2])
+            errors.append(relative_error(reference, outputs))
+            inputs = BlockInputs(outputs, inputs.kwargs)
+            stores[0], stores[2] = stores[2], stores[0]  # the next block writes over these inputs
+        for v in visitors:
+            v.compressed(i, block)
+        blocks.done(i, block)
         del reference, observer
+    blocks.end()
     _move_non_blocks(model, arch, offload)
     return errors

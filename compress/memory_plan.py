@@ -128,14 +128,19 @@ def _fixes(recipe, parts: dict, plan_dtype: str) -> list[str]:
     return fixes or ["Run on a machine with more memory."]
 
 
+EVAL_TOKENS = 300_000  # about the WikiText-2 test split's tokens, for eval.max_windows: null
+
+
 def plan_memory(recipe, config, dtype: torch.dtype, device: str, available: int | None = None,
-                device_available: int | None = None, conversion: int = 0) -> MemoryPlan:
+                device_available: int | None = None, conversion: int = 0, streamed: bool = False) -> MemoryPlan:
     """The run's memory at each phase. `available` (host bytes) defaults to what the machine has free now; on a CUDA
     device, `device_available` to the device's free memory. `conversion`: what loading holds besides the model while
     it converts the checkpoint's tensors to `dtype` (a shard read into memory; `conversion_bytes`), at the load and
     again when the baseline is reloaded for the evaluation."""
     size = model_size(config)
     width = torch.empty((), dtype=dtype).element_size()
+    if streamed:
+        return _streamed_plan(recipe, size, width, dtype, device, available, device_available)
     weights = size.parameters * width
     target = next((s for s in recipe.stages if getattr(s, "stores_weights", False)), None)
     compressed = weights
@@ -172,6 +177,36 @@ def plan_memory(recipe, config, dtype: torch.dtype, device: str, available: int 
     if on_device and device_available is None and torch.cuda.is_available():
         device_available = torch.cuda.mem_get_info(torch.device(device))[0]
     return MemoryPlan(device, str(dtype).replace("torch.", ""), phases, device_phases, available, device_available)
+
+
+def _streamed_plan(recipe, size: ModelSize, width: int, dtype, device: str, available, device_available) -> MemoryPlan:
+    """A streamed run (stream_run.py): what lies outside the blocks, one block (and its dequantized copy while its
+    compressed forward runs), the calibration activations and statistics, both models' evaluation hidden states;
+    then the scoring: final hidden states and logits."""
+    outside = (size.parameters - size.layers * size.block_parameters) * width
+    ev = recipe.eval
+    windows = (ev.max_windows or EVAL_TOKENS // ev.seq_len) if ev.perplexity else 0
+    hidden = (2 if ev.baseline else 1) * windows * ev.seq_len * size.hidden * width
+    passing = {"outside the blocks": outside, "one block": 2 * size.block_parameters * width,
+               "evaluation hidden states": hidden}
+    if recipe.calibration is not None:
+        cal = recipe.calibration
+        acts = 3 * cal.n_samples * cal.seq_len * size.hidden * width
+        needs = [s.needs(None, i) for i, s in enumerate(recipe.stages) if not s.whole_model]
+        stats = 4 * size.hessian_floats if any(n.hessian for n in needs) else 0
+        kept = 4 * max((n.replay_samples for n in needs), default=0) * cal.seq_len * size.input_features
+        passing.update({"calibration activations": 0 if cal.offload == "disk" else acts, "block statistics": stats + kept})
+    phases = {"streamed pass": passing}
+    if windows:
+        phases["scoring"] = {"outside the blocks": outside, "evaluation hidden states": hidden,
+                             "logits": 4 * 4 * ev.seq_len * size.vocab}
+    phases = {name: {"runtime": RUNTIME, **{k: v for k, v in parts.items() if v}} for name, parts in phases.items()}
+    if available is None:
+        available = psutil.virtual_memory().available
+    if device.startswith("cuda") and device_available is None and torch.cuda.is_available():
+        device_available = torch.cuda.mem_get_info(torch.device(device))[0]
+    return MemoryPlan(device, str(dtype).replace("torch.", "") + ", streamed", phases, {}, available,
+                      device_available)
 
 
 def conversion_bytes(files: list, config, dtype: torch.dtype) -> int:

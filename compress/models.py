@@ -132,8 +132,8 @@ def load_config(source: str = "default", revision: str | None = None, trust_remo
         raise OSError(f"could not read the config of model {source!r}: {exc}.{hint}") from exc
 
 
-def model_skeleton(source: str = "default", revision: str | None = None,
-                   trust_remote_code: bool = False) -> tuple[str, str, nn.Module]:
+def model_skeleton(source: str = "default", revision: str | None = None, trust_remote_code: bool = False,
+                   dtype: torch.dtype | None = None) -> tuple[str, str, nn.Module]:
     """(resolved source, kind, model) with the model built on the meta device from its config: shapes, names and
     tied weights without reading a weight, for planning a model of any size. A compress output folder is loaded
     (its QuantLinear layers are known from its files)."""
@@ -145,7 +145,8 @@ def model_skeleton(source: str = "default", revision: str | None = None,
         return where, kind, load_compressed(where)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(load_config(source, revision, trust_remote_code),
-                                                 trust_remote_code=trust_remote_code)
+                                                 trust_remote_code=trust_remote_code,
+                                                 **({"dtype": dtype} if dtype is not None else {}))
     return where, "default" if source == "default" else kind, model.eval()
 
 
@@ -160,6 +161,28 @@ def _compressed_tensors_kwargs(folder: Path) -> dict:
     return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
 
 
+def storage_tensors(module: nn.Module, save_dtype: str = "bfloat16", prefix: str = "", seen: dict | None = None):
+    """(name, tensor) as a compress checkpoint stores them: QuantLinear buffers (codes, scales) and KV scales at their
+    own dtype, every other float tensor at `save_dtype`; a tensor shared with one already yielded (`seen`, by
+    storage: the tied lm_head) is skipped, and re-tied at load. Tensors on the meta device (streamed blocks not
+    loaded now) are skipped."""
+    float_dtype = getattr(torch, save_dtype)
+    keep = {f"{n}.{b}" for n, m in module.named_modules() if isinstance(m, QuantLinear) for b, _ in m.named_buffers()}
+    keep |= {f"{n}.{b}" for n, m in module.named_modules() if getattr(m, "kv_cache_dtype", None)
+             for b in ("k_scale", "v_scale")}
+    seen = {} if seen is None else seen
+    for name, t in module.state_dict().items():
+        if t.is_meta:
+            continue
+        key = (t.data_ptr(), t.shape, t.dtype)
+        if key in seen and t.numel():
+            continue
+        seen[key] = name
+        t = t.detach().cpu()
+        yield (f"{prefix}.{name}" if prefix else name), \
+            (t.to(float_dtype) if t.is_floating_point() and name not in keep else t).contiguous()
+
+
 def save_compressed(model: nn.Module, tokenizer, out_dir: str | Path, meta: dict, save_dtype: str = "bfloat16",
                     max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
     """Write the weights (QuantLinear buffers + float tensors in `save_dtype`; model.safetensors, or shards of at most
@@ -167,21 +190,15 @@ def save_compressed(model: nn.Module, tokenizer, out_dir: str | Path, meta: dict
     provenance) into out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    float_dtype = getattr(torch, save_dtype)
-    # QuantLinear buffers (fp8 values, scales) and KV scales keep their dtype; other float tensors go to save_dtype.
-    keep = {f"{n}.{b}" for n, m in model.named_modules() if isinstance(m, QuantLinear) for b, _ in m.named_buffers()}
-    kv = kv_layers(model)
-    keep |= {f"{n}.{b}" for n in kv for b in ("k_scale", "v_scale")}
-    tensors, seen = {}, {}
-    for name, t in model.state_dict().items():
-        key = (t.data_ptr(), t.shape, t.dtype)
-        if key in seen and t.numel():  # tied weights (lm_head = embed_tokens) are stored once and re-tied at load
-            continue
-        seen[key] = name
-        t = t.detach().cpu()
-        tensors[name] = (t.to(float_dtype) if t.is_floating_point() and name not in keep else t).contiguous()
+    write_safetensors(out_dir, dict(storage_tensors(model, save_dtype)), {"compress": "1"}, max_shard_bytes)
+    write_model_files(model, tokenizer, out_dir, meta, save_dtype, kv_layers(model))
+    return out_dir
+
+
+def write_model_files(model: nn.Module, tokenizer, out_dir: Path, meta: dict, save_dtype: str, kv: dict) -> None:
+    """Everything of a compress checkpoint but the tensors: config.json, generation and tokenizer files, and
+    compress.json (per-layer schemes, `kv` scales, recipe, provenance). `model` may be a meta skeleton."""
     layers = {n: m.scheme.to_dict() for n, m in model.named_modules() if isinstance(m, QuantLinear)}
-    write_safetensors(out_dir, tensors, {"compress": "1"}, max_shard_bytes)
     config = copy.deepcopy(model.config)
     config.dtype = save_dtype  # what the float tensors on disk are
     set_architectures(config, model)
@@ -192,7 +209,6 @@ def save_compressed(model: nn.Module, tokenizer, out_dir: str | Path, meta: dict
         tokenizer.save_pretrained(out_dir)
     (out_dir / COMPRESS_META).write_text(json.dumps({**meta, "format": "compress-native-v1", "save_dtype": save_dtype,
                                                      "layers": layers, "kv_cache": kv}, indent=2))
-    return out_dir
 
 
 def quantized_skeleton(config, layers: dict[str, QuantScheme], dtype: torch.dtype = torch.float32) -> nn.Module:

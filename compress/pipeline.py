@@ -5,114 +5,24 @@ place at the end, so a crash or Ctrl-C never leaves a half-written output.
 """
 from __future__ import annotations
 
-import contextlib
-import datetime
-import os
 import shutil
-import tempfile
-import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from ._version import __version__
 from .arch import get_arch
-from .blockwise import run_blockwise
-from .data import calibration_windows, fingerprint
 from .evaluate.memory import folder_bytes
-from .evaluate.plots import plot_recovery
-from .evaluate.report import evaluate_models, write_report
+from .evaluate.report import evaluate_models
 from .memory_plan import MemoryPlan, conversion_bytes, plan_memory
 from .models import (checkpoint_files, load_compressed, load_config, load_model, quantized_skeleton, resolve_device,
                      resolve_dtype, save_compressed)
-from .nn import QuantLinear, is_linear
-from .observers import BlockObserver
 from .outliers import plant_outliers
 from .model_stages import run_model_stages, work_dir, world
-from .recipe import Recipe, to_plain
-from .stages.base import BlockState, Plan, RunContext, make_plan
-
-
-def set_threads(n: int) -> None:
-    torch.set_num_threads(n if n > 0 else (os.cpu_count() or 1))
-
-
-def check_output(out: Path, overwrite: bool) -> None:
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"output folder {out} exists; pass --overwrite (or output.overwrite: true) to replace it, "
-                              "or choose another output.dir")
-
-
-def calibration_samples(recipe: Recipe, model, tokenizer) -> tuple[torch.Tensor, dict]:
-    cal = recipe.calibration
-    samples = calibration_windows(cal.source(), tokenizer, model, cal.n_samples, cal.seq_len, cal.seed)
-    info = {k: v for k, v in asdict(cal).items() if v not in (None, ())}
-    info.update(fingerprint=fingerprint(samples), tokens=int(samples.numel()))
-    return samples, info
-
-
-class StagePass:
-    """The block stages of a plan inside the calibration pass: per block, what to observe during its float forward
-    (the statistics the stages' `needs` ask for, of the layers the plan quantizes, plus each stage's own
-    `observing`), then each stage's `on_block` in recipe order."""
-
-    def __init__(self, ctx: RunContext):
-        self.ctx = ctx
-        self.stages = [(i, ctx.plan.stages[i]) for i in ctx.plan.block_stages]
-        self.needs = ctx.plan.needs()
-        self.observed = ctx.plan.observed_layers()  # only the layers a stage will use statistics of
-
-    def observe(self, i: int, prefix: str, block) -> "_Observing":
-        linears = [n for n, m in block.named_modules() if n and is_linear(m) and not isinstance(m, QuantLinear)
-                   and f"{prefix}.{n}" in self.observed]
-        observer = None
-        if linears and self.needs.any:
-            nd = self.needs
-            inspect = sorted({insp for _, _, insp in self.ctx.arch.awq}) if nd.replay_samples else []
-            observer = BlockObserver(block, linears, inspect, abs_mean=nd.abs_mean, hessian=nd.hessian,
-                                     keep_samples=nd.replay_samples, abs_max=nd.abs_max)
-        state = BlockState(i, prefix, block, observer)
-        return _Observing(state, ([observer] if observer is not None else []) +
-                          [stage.observing(state, k) for k, stage in self.stages])
-
-    def on_block(self, _i: int, _prefix: str, _block, _inputs, observing: "_Observing") -> None:
-        for k, stage in self.stages:
-            stage.on_block(self.ctx, observing.state, k)
-
-
-class _Observing:
-    """The context managers active during one block's float forward, and the block's state for the stages."""
-
-    def __init__(self, state: BlockState, contexts: list):
-        self.state, self.contexts = state, contexts
-        self._stack = contextlib.ExitStack()
-
-    def __enter__(self) -> "_Observing":
-        for c in self.contexts:
-            self._stack.enter_context(c)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stack.__exit__(*exc)
-
-
-def start_stages(model, plan: Plan) -> RunContext:
-    """The run context, after each block stage's `begin` (before the calibration pass, or instead of it)."""
-    ctx = RunContext(model, plan)
-    for i in plan.block_stages:
-        plan.stages[i].begin(ctx, i)
-    return ctx
-
-
-def kept_in_float(model) -> list[str]:
-    """Weight-holding modules outside the linear layers (embeddings, norms): reported, never silent."""
-    kinds: dict[str, int] = {}
-    for name, m in model.named_modules():
-        if is_linear(m) or not isinstance(getattr(m, "weight", None), torch.Tensor) or list(m.children()):
-            continue
-        kinds[type(m).__name__] = kinds.get(type(m).__name__, 0) + 1
-    return [f"{n}× {k} (weight-only integer schemes apply to linear layers)" for k, n in sorted(kinds.items())]
+from .recipe import Recipe
+from .stages.base import Plan, make_plan
+from .runner import (Timings, check_output, compress_model, run_header, set_threads, staged_output,
+                     write_run_report)
 
 
 def planned_model(model, plan: Plan) -> torch.nn.Module:
@@ -182,49 +92,17 @@ def write_exports(model, tokenizer, tmp: Path, out: Path, recipe: Recipe, source
     return exports
 
 
-def compress_model(model, tokenizer, recipe: Recipe, plan: Plan, device: str, model_reports: dict | None = None,
-                   progress: bool = True, log=print, spill_dir: Path | None = None) -> tuple[dict, torch.Tensor | None]:
-    """The recipe's calibration pass and block stages, applied to `model` in place (the whole-model stages, prune
-    and distill, have run before). Returns the report's `calibration`, `block_errors`, `stages` and `kept_in_float`
-    sections, and the calibration windows (None without a calibration pass)."""
-    model_reports = model_reports or {}
-    sections: dict = {}
-    samples = None
-    ctx = start_stages(model, plan)
-    if recipe.calibration is not None and plan.block_stages:
-        log("preparing calibration data ...")
-        samples, sections["calibration"] = calibration_samples(recipe, model, tokenizer)
-        set_threads(recipe.calibration.threads)
-        log(f"calibrating block by block on {device} ({samples.shape[0]} × {samples.shape[1]} tokens, "
-            f"{recipe.calibration.dtype} matmuls, {torch.get_num_threads()} threads) ...")
-        stage_pass = StagePass(ctx)
-        with contextlib.ExitStack() as stack:
-            if recipe.calibration.offload == "disk":  # memory-mapped activations, removed after the pass
-                if spill_dir is not None:
-                    spill_dir.mkdir(parents=True, exist_ok=True)
-                spill_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=spill_dir, prefix=".spill-")))
-                log(f"calibration activations spill to {spill_dir}")
-            sections["block_errors"] = run_blockwise(
-                model, plan.arch, samples, stage_pass.on_block, device=device, progress=progress,
-                observe=stage_pass.observe, compute_dtype=getattr(torch, recipe.calibration.dtype),
-                spill_dir=spill_dir if recipe.calibration.offload == "disk" else None)
-        ctx.calibrated = True
-    for i in plan.block_stages:  # the whole model (what lies outside the blocks; all of it without calibration)
-        plan.stages[i].finalize(ctx, i)
-    sections["stages"] = [model_reports[i] if i in model_reports else stage.report(ctx, i)
-                          for i, stage in enumerate(plan.stages)]
-    sections["kept_in_float"] = kept_in_float(model)
-    return sections, samples
-
-
 def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) -> dict:
     """Run the recipe. `resume` continues a crashed run's distill stage from its newest checkpoint."""
     out = Path(recipe.output.dir)
     check_output(out, recipe.output.overwrite)
     device = resolve_device(recipe.model.device)
     set_threads(recipe.model.threads)
+    memory, streamed = check_memory(recipe, device, log)  # before any weight is read: refuse a run that cannot fit
+    if streamed:
+        from .stream_run import run_streamed
+        return run_streamed(recipe, progress, log, memory)
     timings = Timings()
-    memory = check_memory(recipe, device, log)  # before any weight is read: refuse a run that cannot fit
     with timings("load"):
         log(f"loading model {recipe.model.source!r} ...")
         loaded, planted = load_source(recipe, device)
@@ -257,43 +135,38 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
     return report
 
 
-def write_run_report(report: dict, folder: Path) -> None:
-    """report.json, report.md, and a recovery-curve plot for each stage section that has one (distill)."""
-    write_report(report, folder)
-    for section in report["stages"]:
-        if any(p.get("ppl") is not None for p in section.get("curve") or ()):
-            plot_recovery(section, folder / f"recovery_curve_stage{section['index']}.png")
-
-
 class NotEnoughMemory(RuntimeError):
     pass
 
 
-def check_memory(recipe: Recipe, device: str, log) -> MemoryPlan:
-    """The run's memory plan from the model's config (memory_plan.py), logged; raises NotEnoughMemory, naming the
-    settings that would make it fit, when the predicted peak exceeds what the machine has (unless
-    model.check_memory is false)."""
+def check_memory(recipe: Recipe, device: str, log) -> tuple[MemoryPlan, bool]:
+    """The run's memory plan from the model's config (memory_plan.py), logged, and whether to stream the model
+    block by block (model.stream: always; or auto, when the whole model would not fit and the recipe can stream).
+    Raises NotEnoughMemory, naming the settings that would make it fit, when the predicted peak exceeds what the
+    machine has (unless model.check_memory is false)."""
+    from .stream_run import stream_blockers
+
     spec = recipe.model
     config = load_config(spec.source, spec.revision, spec.trust_remote_code)
     dtype = resolve_dtype(spec.dtype, device)
     memory = plan_memory(recipe, config, dtype, device,
                          conversion=conversion_bytes(checkpoint_files(spec.source), config, dtype))
+    blockers = stream_blockers(recipe) if spec.stream != "never" else []
+    stream = spec.stream == "always"
+    if spec.stream == "auto" and spec.check_memory and memory.problem(recipe):
+        streamed = plan_memory(recipe, config, dtype, device, streamed=True)
+        if not blockers and not streamed.problem(recipe):
+            log("the whole model does not fit in memory: streaming it from disk block by block (model.stream: auto)")
+            memory, stream = streamed, True
+        elif blockers and not streamed.problem(recipe):
+            log("streaming the model block by block would fit, but: " + "; ".join(blockers))
+    elif stream:
+        memory = plan_memory(recipe, config, dtype, device, streamed=True)
     for line in memory.lines():
         log(line)
     if spec.check_memory and (why := memory.problem(recipe)):
         raise NotEnoughMemory(why)
-    return memory
-
-
-class Timings(dict):
-    """Seconds per phase of a run: `with timings("load"): ...` (not recorded when `when` is false)."""
-
-    @contextlib.contextmanager
-    def __call__(self, key: str, when: bool = True):
-        t = time.perf_counter()
-        yield
-        if when:
-            self[key] = time.perf_counter() - t
+    return memory, stream
 
 
 def load_source(recipe: Recipe, device: str):
@@ -303,37 +176,6 @@ def load_source(recipe: Recipe, device: str):
     planted = plant_outliers(loaded.model, get_arch(loaded.model), spec.plant_outliers) if spec.plant_outliers \
         else None
     return loaded, planted
-
-
-def run_header(recipe: Recipe, loaded, model, arch, n_params: int, device: str, planted) -> dict:
-    """The report's provenance: compress version, time, the recipe as written and as resolved, the model."""
-    return {
-        "compress_version": __version__,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "recipe": {"path": recipe.path, "sha256": recipe.sha256, "overrides": list(recipe.overrides),
-                   "text": recipe.text, "resolved": to_plain(recipe, skip=("path", "text", "sha256", "overrides"))},
-        "model": {"source": loaded.source, "kind": loaded.kind, "family": arch.family, "parameters": n_params,
-                  "parameters_after": sum(p.numel() for p in model.parameters()),
-                  "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "device": device,
-                  "threads": torch.get_num_threads(), "planted_outliers": planted},
-    }
-
-
-@contextlib.contextmanager
-def staged_output(out: Path):
-    """A temporary folder beside `out`, renamed into place when the block completes; removed on any error or
-    Ctrl-C, so a failed run never leaves a half-written output (nor replaces an existing one)."""
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-        if out.exists():
-            shutil.rmtree(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def save_and_evaluate(recipe: Recipe, loaded, model, before_distill, arch, samples, device: str, tmp: Path, out: Path,

@@ -8,8 +8,12 @@ tensors stay together); one tensor larger than a shard gets a shard of its own.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import struct
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
@@ -88,3 +92,115 @@ def read_tensor(folder: str | Path, name: str) -> Tensor:
             if name in f.keys():
                 return f.get_tensor(name)
     raise KeyError(f"{folder}: no tensor {name!r}")
+
+
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+          "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64}
+CODES = {v: k for k, v in DTYPES.items()}
+
+
+def read_header(path: str | Path) -> tuple[dict, int]:
+    """(header without __metadata__, byte offset where the data starts) of one safetensors file."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+class ShardReader:
+    """Tensors of a checkpoint folder read one at a time with plain file reads (no memory map), so a tensor costs
+    memory only while the caller holds it and the file's pages never count in this process's resident set. The
+    weight streaming of a model larger than memory reads through this."""
+
+    def __init__(self, folder: str | Path):
+        self.where: dict[str, tuple[Path, dict, int]] = {}
+        for path in shard_files(folder):
+            header, start = read_header(path)
+            for name, entry in header.items():
+                self.where[name] = (path, entry, start)
+
+    def names(self) -> set[str]:
+        return set(self.where)
+
+    def shape(self, name: str) -> tuple[list[int], torch.dtype]:
+        _, entry, _ = self.where[name]
+        return entry["shape"], DTYPES[entry["dtype"]]
+
+    def get(self, name: str) -> Tensor:
+        path, entry, start = self.where[name]
+        begin, end = entry["data_offsets"]
+        out = torch.empty(end - begin, dtype=torch.uint8)
+        with open(path, "rb") as f:
+            f.seek(start + begin)
+            if f.readinto(out.numpy()) != end - begin:
+                raise ValueError(f"{path}: tensor {name!r} is truncated")
+        return out.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
+
+class ShardWriter:
+    """A sharded checkpoint written one tensor at a time: each tensor's bytes go to the current shard's data file
+    at once, and only names, shapes and offsets stay in memory (a shard is closed, its header written in front of
+    its data, when the next tensor would take it past `max_shard_bytes`). `finish()` names the shards as
+    `write_safetensors` does (one `model.safetensors`, or `model-0000i-of-0000N.safetensors` and the index)."""
+
+    def __init__(self, folder: str | Path, metadata: dict[str, str] | None = None,
+                 max_shard_bytes: int = MAX_SHARD_BYTES):
+        if max_shard_bytes < 1:
+            raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+        self.folder, self.max = Path(folder), max_shard_bytes
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self.parts: list[tuple[Path, list[str]]] = []  # closed shards: file, tensor names
+        self.header: dict[str, dict] = {}
+        self.size = self.total = 0
+        self.data = None
+
+    def add(self, name: str, tensor: Tensor) -> None:
+        if name in self.header or any(name in names for _, names in self.parts):
+            raise ValueError(f"tensor {name!r} written twice")
+        t = tensor.detach().to("cpu").contiguous()
+        nbytes = t.numel() * t.element_size()
+        if self.header and self.size + nbytes > self.max:
+            self._close()
+        if self.data is None:
+            self.data = open(self.folder / f".part-{len(self.parts) + 1:05d}.data", "wb")
+        self.header[name] = {"dtype": CODES[t.dtype], "shape": list(t.shape),
+                             "data_offsets": [self.size, self.size + nbytes]}
+        if nbytes:
+            self.data.write(t.reshape(-1).view(torch.uint8).numpy().data)
+        self.size += nbytes
+        self.total += nbytes
+
+    def _close(self) -> None:
+        self.data.close()
+        data_path = Path(self.data.name)
+        path = self.folder / f".part-{len(self.parts) + 1:05d}.safetensors"
+        header = json.dumps({"__metadata__": self.metadata, **self.header}, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        with open(path, "wb") as out, open(data_path, "rb") as data:
+            out.write(struct.pack("<Q", len(header)) + header)
+            shutil.copyfileobj(data, out, 16 << 20)
+        data_path.unlink()
+        self.parts.append((path, list(self.header)))
+        self.header, self.size, self.data = {}, 0, None
+
+    def finish(self) -> list[str]:
+        """Close the last shard and give the shards their final names. Returns the file names written."""
+        if self.data is not None or not self.parts:
+            if self.data is None:
+                self.data = open(self.folder / f".part-{len(self.parts) + 1:05d}.data", "wb")
+            self._close()
+        if len(self.parts) == 1:
+            os.replace(self.parts[0][0], self.folder / SINGLE)
+            return [SINGLE]
+        names, weight_map = [], {}
+        for i, (path, keys) in enumerate(self.parts, 1):
+            name = f"model-{i:05d}-of-{len(self.parts):05d}.safetensors"
+            os.replace(path, self.folder / name)
+            names.append(name)
+            weight_map.update({k: name for k in keys})
+        (self.folder / INDEX).write_text(json.dumps({"metadata": {"total_size": self.total},
+                                                     "weight_map": weight_map}, indent=2))
+        return names + [INDEX]

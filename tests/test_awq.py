@@ -9,7 +9,7 @@ from torch import nn
 from compress.arch import get_arch
 from compress.blockwise import run_blockwise
 from compress.nn import QuantLinear
-from compress.pipeline import StagePass, start_stages
+from compress.runner import StagePass, start_stages
 from compress.stages import make_plan
 from compress.quantizers import quantize_rtn
 from compress.quantizers.awq import search_clip, search_scales

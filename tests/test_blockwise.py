@@ -206,7 +206,7 @@ def test_mixed_attention_accepts_seq_len_equal_to_sliding_window():
 def test_activations_spilled_to_disk_give_the_same_model_bit_for_bit(family, tmp_path):
     """calibration.offload: disk keeps the pass's activations in memory-mapped files: the same block errors and the
     same quantized tensors as in memory, and the files are in the folder while the pass runs."""
-    from compress.pipeline import compress_model
+    from compress.runner import compress_model
     from compress.recipe import from_dict
     from compress.stages import make_plan
     from tests.tiny_tokenizer import make_tiny_tokenizer

@@ -75,10 +75,37 @@ def llama70b_config_only(tmp_path):
 def test_run_refuses_a_model_larger_than_the_machine_before_reading_weights(llama70b_config_only, tmp_path, capsys):
     out = tmp_path / "out"
     code = main(["run", "recipes/int4_rtn.yaml", "--no-progress", "--set", f"model={llama70b_config_only}",
-                 "--set", "model.dtype=bfloat16", "--output", str(out)])
+                 "--set", "model.dtype=bfloat16", "--set", "model.stream=never", "--output", str(out)])
     err = capsys.readouterr().err
     assert code == 2 and "GB of host memory at its peak" in err and "model.check_memory=false" in err
     assert not out.exists()
+
+
+def test_a_model_too_large_for_memory_is_streamed_when_the_streamed_plan_fits(llama70b_config_only, tmp_path, capsys):
+    """model.stream: auto picks streaming for the 70B config (about 8 GB streamed at bf16 vs 140 GB whole); this
+    folder has a config and no weights, so the run then stops when it opens the checkpoint, with that said."""
+    out = tmp_path / "out"
+    code = main(["run", "recipes/int4_rtn.yaml", "--no-progress", "--set", f"model={llama70b_config_only}",
+                 "--set", "model.dtype=bfloat16", "--output", str(out)])
+    err = capsys.readouterr().err
+    assert "streaming it from disk block by block (model.stream: auto)" in err
+    assert "bfloat16, streamed" in err and code == 2 and "model.safetensors" in err
+    assert not out.exists()
+
+
+def test_the_streamed_plan_holds_one_block_not_the_model():
+    recipe = _recipe(max_windows=4)
+    whole = plan_memory(recipe, LlamaConfig(**LLAMA2_70B), torch.bfloat16, "cpu", available=int(24 * GB))
+    streamed = plan_memory(recipe, LlamaConfig(**LLAMA2_70B), torch.bfloat16, "cpu", available=int(24 * GB),
+                           streamed=True)
+    assert whole.problem(recipe) is not None and streamed.problem(recipe) is None
+    passing = streamed.phases["streamed pass"]
+    block = 2 * 8192 ** 2 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192  # one Llama-2-70B block (GQA, 8 KV heads)
+    assert passing["one block"] == 2 * block * 2  # the block at bf16, and its dequantized copy
+    assert passing["outside the blocks"] == (68_976_648_192 - 80 * block) * 2
+    assert passing["block statistics"] == 4 * (3 * 8192 ** 2 + 28672 ** 2)  # GPTQ's Hessians, float32
+    assert passing["evaluation hidden states"] == 2 * 4 * 2048 * 8192 * 2
+    assert streamed.peak[1] < 12 * GB
 
 
 def test_inspect_plans_a_70b_model_on_the_meta_device(llama70b_config_only, capsys):

@@ -20,7 +20,7 @@ from compress.arch import get_arch
 from compress.evaluate.ppl import score_windows
 from compress.evaluate.report import eval_windows
 from compress.nn import QuantLinear
-from compress.pipeline import compress_model
+from compress.runner import compress_model
 from compress.stages import make_plan
 from compress.recipe import load_recipe
 from tests.conftest import requires_data

@@ -11,21 +11,27 @@ from torch import nn
 from ..nn import QuantLinear, is_linear, linear_shape
 
 
-def _tensors(model: nn.Module):
+def _tensors(model: nn.Module, meta: bool = False):
+    """Weight tensors, each storage once; `meta`: count tensors on the meta device too (a streamed model's blocks,
+    by shape and dtype)."""
     seen = set()
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t is None or t.data_ptr() in seen or t.is_meta:
+        if t is None or (t.is_meta and not meta):
+            continue
+        key = id(t) if t.is_meta else t.data_ptr()
+        if key in seen:
             continue
         if not name.endswith(("weight", "bias", "qdata", "scale", "zero_point")):
             continue  # rotary tables and masks are not weights
-        seen.add(t.data_ptr())
+        seen.add(key)
         yield name, t
 
 
-def weight_bytes(model: nn.Module) -> dict:
-    """Bytes held by weights, by storage dtype, plus the linear layers' share and their bf16 equivalent."""
+def weight_bytes(model: nn.Module, meta: bool = False) -> dict:
+    """Bytes held by weights, by storage dtype, plus the linear layers' share and their bf16 equivalent (`meta`:
+    including tensors on the meta device, as they will be when loaded)."""
     by_dtype: dict[str, int] = defaultdict(int)
-    for _, t in _tensors(model):
+    for _, t in _tensors(model, meta):
         by_dtype[str(t.dtype).replace("torch.", "")] += t.numel() * t.element_size()
     linear_now = linear_bf16 = quant_now = quant_bf16 = 0
     for _, m in model.named_modules():
@@ -54,12 +60,12 @@ def weight_bytes(model: nn.Module) -> dict:
     }
 
 
-def serving_bytes(model: nn.Module, float_bytes: int = 2) -> int:
+def serving_bytes(model: nn.Module, float_bytes: int = 2, meta: bool = False) -> int:
     """Weight bytes as a GPU server holds them: quantized layers as stored (codes, scales, zero points), every
     float tensor at `float_bytes` (bf16), whatever dtype it has in this process (float32 on CPU)."""
     quant = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     total = 0
-    for name, t in _tensors(model):
+    for name, t in _tensors(model, meta):
         stored = name.rpartition(".")[0] in quant and not name.endswith("bias")
         total += t.numel() * (t.element_size() if stored or not t.is_floating_point() else float_bytes)
     return total

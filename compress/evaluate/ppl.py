@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -34,8 +35,13 @@ def _final_hidden(model: nn.Module, ids: Tensor) -> Tensor:
 
 
 def _logits(model: nn.Module, hidden: Tensor) -> Tensor:
-    logits = model.get_output_embeddings()(hidden).float()
-    cap = getattr(model.config, "final_logit_softcapping", None)
+    return head_logits(model.get_output_embeddings(), model.config, hidden)
+
+
+def head_logits(head: nn.Module, config, hidden: Tensor) -> Tensor:
+    """Float32 logits of final hidden states through `head` (with the config's logit soft-capping)."""
+    logits = head(hidden).float()
+    cap = getattr(config, "final_logit_softcapping", None)
     if cap:  # Gemma 2
         logits = torch.tanh(logits / cap) * cap
     return logits
@@ -45,7 +51,19 @@ def _logits(model: nn.Module, hidden: Tensor) -> Tensor:
 def score_windows(models: dict[str, nn.Module], windows: Tensor, baseline: str | None = None,
                   device: str = "cpu", progress: bool = True) -> dict[str, TextScores]:
     """Score each model on windows [n, seq_len]; with `baseline`, add KL and top-1 against it."""
-    names = list(models)
+    final = {n: (lambda k, ids, m=m: _final_hidden(m, ids)[0, :-1]) for n, m in models.items()}
+    logits = {n: (lambda h, m=m: _logits(m, h)) for n, m in models.items()}
+    return score_hidden(final, logits, windows, baseline, device, progress)
+
+
+@torch.no_grad()
+def score_hidden(final: dict[str, Callable[[int, Tensor], Tensor]], logits: dict[str, Callable[[Tensor], Tensor]],
+                 windows: Tensor, baseline: str | None = None, device: str = "cpu",
+                 progress: bool = True) -> dict[str, TextScores]:
+    """The scoring of score_windows from each model's final hidden states: `final[name](k, ids)` gives window k's
+    [seq_len - 1, hidden] (computed now, or carried block by block by a streamed pass), `logits[name](h)` its
+    float32 logits."""
+    names = list(final)
     if baseline is not None:
         names.remove(baseline)
         names.insert(0, baseline)
@@ -53,15 +71,15 @@ def score_windows(models: dict[str, nn.Module], windows: Tensor, baseline: str |
     kl = {n: 0.0 for n in names}
     agree = {n: 0 for n in names}
     count = 0
-    for row in tqdm(windows, desc="perplexity windows", unit="win", disable=not progress):
+    for k, row in enumerate(tqdm(windows, desc="perplexity windows", unit="win", disable=not progress)):
         ids = row[None].to(device)  # [1, S]
         targets = ids[0, 1:]
-        hidden = {n: _final_hidden(models[n], ids)[0, :-1] for n in names}  # [S-1, H]
+        hidden = {n: final[n](k, ids) for n in names}  # [S-1, H]
         for start in range(0, targets.numel(), CHUNK):
             sl = slice(start, start + CHUNK)
             base_logp = None
             for n in names:
-                logp = torch.log_softmax(_logits(models[n], hidden[n][sl]), dim=-1)  # [C, V]
+                logp = torch.log_softmax(logits[n](hidden[n][sl]), dim=-1)  # [C, V]
                 nll[n] -= float(logp.gather(1, targets[sl, None]).sum())
                 if n == baseline:
                     base_logp = logp

@@ -39,13 +39,7 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
     accuracy_threads = getattr(spec, "threads", None)
     if spec.perplexity:
         windows = eval_windows(tokenizer, spec.split, spec.seq_len, spec.max_windows)
-        dtype = str(next(iter(models.values())).dtype).replace("torch.", "")
-        result["protocol"] = {
-            "dataset": "wikitext-2-raw-v1", "split": spec.split, "join": "\\n\\n", "seq_len": spec.seq_len,
-            "stride": spec.seq_len, "windows": int(windows.shape[0]), "max_windows": spec.max_windows,
-            "predicted_tokens_per_window": spec.seq_len - 1, "dtype": dtype, "bos": "none added",
-            "tokens_fingerprint": fingerprint(windows),
-        }
+        result["protocol"] = eval_protocol(spec, windows, next(iter(models.values())).dtype)
         for m in models.values():
             for q in _llm_int8_layers(m):
                 q.outlier_counts.update(forwards=0, total=0, max=0)
@@ -54,14 +48,7 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
             scores = score_windows(models, windows, baseline=baseline, device=device, progress=progress)
         for n, s in scores.items():
             result["models"][n].update(ppl=s.ppl, nll=s.nll, tokens=s.tokens, kl=s.kl, top1_agreement=s.top1_agreement)
-            outliers = {name: {"forwards": c["forwards"], "mean": c["total"] / c["forwards"], "max": c["max"],
-                               "in_features": q.in_features}
-                        for name, q in _llm_int8_layers(models[n], named=True)
-                        if (c := q.outlier_counts)["forwards"]}
-            if outliers:  # LLM.int8 dynamic: outlier features computed in float, per evaluation window
-                result["models"][n]["llm_int8_outliers"] = outliers
-            if (share := llm_int8_float_share(models[n])) is not None:
-                result["models"][n]["llm_int8_float_share"] = share
+            result["models"][n].update(llm_int8_figures(models[n]))
     for n, m in models.items():
         result["models"][n]["weights"] = weight_bytes(m)
         if spec.speed:
@@ -92,6 +79,38 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
     return result
 
 
+def eval_protocol(spec, windows, dtype: torch.dtype) -> dict:
+    """How the perplexity windows were made (the report's `eval.protocol`)."""
+    return {
+        "dataset": "wikitext-2-raw-v1", "split": spec.split, "join": "\\n\\n", "seq_len": spec.seq_len,
+        "stride": spec.seq_len, "windows": int(windows.shape[0]), "max_windows": spec.max_windows,
+        "predicted_tokens_per_window": spec.seq_len - 1, "dtype": str(dtype).replace("torch.", ""),
+        "bos": "none added", "tokens_fingerprint": fingerprint(windows),
+    }
+
+
+def llm_int8_figures(model: nn.Module) -> dict:
+    """LLM.int8 dynamic outliers counted over the evaluation windows, and the share of matmul work in float."""
+    out = {}
+    outliers = {name: {"forwards": c["forwards"], "mean": c["total"] / c["forwards"], "max": c["max"],
+                       "in_features": q.in_features}
+                for name, q in _llm_int8_layers(model, named=True) if (c := q.outlier_counts)["forwards"]}
+    if outliers:  # LLM.int8 dynamic: outlier features computed in float, per evaluation window
+        out["llm_int8_outliers"] = outliers
+    if (share := llm_int8_float_share(model)) is not None:
+        out["llm_int8_float_share"] = share
+    return out
+
+
+def model_figures(model: nn.Module, spec, meta: bool = False) -> dict:
+    """Weight bytes (as held, and as a bf16 server holds them) and the roofline of a model that was not measured
+    resident (a streamed run: `meta` counts its blocks on the meta device by shape); with the LLM.int8 figures."""
+    weights = weight_bytes(model, meta)
+    weights["serving_bf16"] = serving_bytes(model, meta=meta)
+    return {**llm_int8_figures(model), "weights": weights,
+            "roofline": model_roofline(model, weights["serving_bf16"], spec)}
+
+
 def llm_int8_float_share(model: nn.Module) -> dict | None:
     """The share of the LLM.int8 layers' matmul work done in float: a layer with K inputs, N outputs and k of its
     input features computed in float spends k / K of its 2·M·N·K multiply-adds in float. Per layer k / K, and
@@ -120,11 +139,11 @@ def _llm_int8_layers(model: nn.Module, named: bool = False):
 def model_roofline(model: nn.Module, weight_total: int, spec) -> list[dict]:
     """Predicted serving figures of `model` from its weight bytes as served (float tensors in bf16, quantized
     layers as stored) and its KV cache (bf16, or 1 byte per element with calibrated fp8 scales)."""
-    from ..kv_cache import kv_layers
     from .roofline import get_accelerator, model_facts, roofline
 
     facts = model_facts(model.config, weight_bytes=weight_total)
-    kv_bytes = 1 if kv_layers(model) else 2
+    kv_bytes = 1 if any(getattr(m, "kv_cache_dtype", None) and getattr(m, "k_scale", None) is not None
+                        for m in model.modules()) else 2
     return [roofline(facts, get_accelerator(a), tuple(getattr(spec, "roofline_batches", (1, 16, 64))),
                      getattr(spec, "roofline_context", 1024), kv_bytes)
             for a in getattr(spec, "accelerators", ("H100-SXM",))]
@@ -324,6 +343,18 @@ def _speed_lines(report: dict) -> list[str]:
                     f"median of {s['repeats']} runs after a warm-up, on {s['device']}."]
 
 
+def _streamed_lines(report: dict) -> list[str]:
+    st = report.get("streamed")
+    if not st:
+        return []
+    lines = ["", "## Streamed from disk", "",
+             f"The weights were read block by block from {st['weights_from']} ({st['blocks']} blocks at "
+             f"{st['dtype']}, one in memory at a time) and the output written shard by shard as blocks finished. "
+             f"Evaluation: {st['evaluation']}."]
+    lines += [f"- not measured: {what}: {why}" for what, why in (st.get("not_measured") or {}).items()]
+    return lines
+
+
 def _dispatch_lines(report: dict) -> list[str]:
     lines = []
     for n, m in _models(report).items():
@@ -359,7 +390,7 @@ def _timing_lines(report: dict) -> list[str]:
 
 # report.md, section by section, in this order; each reads its part of report.json (`compress report` re-renders
 # a saved report.json with the same functions)
-SECTIONS = (_header_lines, _accuracy_lines, _memory_lines, _speed_lines, _dispatch_lines, _stage_lines,
+SECTIONS = (_header_lines, _accuracy_lines, _memory_lines, _streamed_lines, _speed_lines, _dispatch_lines, _stage_lines,
             _block_error_lines, lambda r: _task_lines(r.get("eval", {}).get("lm_eval")),
             lambda r: _sweep_lines(_models(r)), lambda r: _roofline_lines(_models(r)),
             lambda r: _export_lines(r.get("exports") or []), _timing_lines)

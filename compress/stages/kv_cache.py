@@ -35,6 +35,7 @@ class KVCacheStage(StageBase):
 
     def begin(self, ctx: RunContext, index: int) -> None:
         use_kv_attention(ctx.model)  # the attention wrapper that records (now) and applies (later) the scales
+        ctx.records[index] = {}  # attention layer -> its scales, kept as set (a streamed block leaves memory)
 
     def observing(self, block: BlockState, index: int):
         return recording_kv(block.module, block.observed.setdefault(index, {}))
@@ -42,10 +43,11 @@ class KVCacheStage(StageBase):
     def on_block(self, ctx: RunContext, block: BlockState, index: int) -> None:
         for name, (k_max, v_max) in block.observed[index].items():
             set_kv_scales(block.module.get_submodule(name), k_max, v_max, self.dtype)
+        ctx.records[index].update({f"{block.prefix}.{n}": v for n, v in kv_layers(block.module).items()})
 
     def report(self, ctx: RunContext, index: int) -> dict:
         return {"index": index, "stage": "kv_cache", "dtype": self.dtype, "quantized": 0, "skipped": [],
-                "layers": kv_layers(ctx.model)}
+                "layers": ctx.records[index]}
 
     @staticmethod
     def render(section: dict, models: dict) -> list[str]:

@@ -1,0 +1,156 @@
+"""Large models on this machine: `compress run` on 7B and 13B Llama shapes streamed from disk, peak memory measured.
+
+Builds Llama-2-shaped models with random weights from configs (bfloat16 safetensors in 5 GB shards, written one
+tensor at a time so building needs no more memory than one tensor; SmolLM2's tokenizer and vocabulary; nothing is
+committed), then runs `compress run` on each in a fresh process with a small calibration and evaluation, sampling
+the process's resident memory from /proc every 50 ms (VmRSS, and RssAnon: what must fit, the kernel cannot drop it)
+and reading the report's peak RSS (getrusage). Results go to bench/results/large_models.json.
+
+    python bench/large_models.py [--sizes 7b,13b] [--runs rtn,gptq] [--models-dir DIR] [--keep]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = {  # Llama-2 shapes (hidden, MLP, blocks, heads, KV heads); SmolLM2's vocabulary (49152)
+    "7b": (4096, 11008, 32, 32, 32),
+    "13b": (5120, 13824, 40, 40, 40),
+}
+RUNS = {  # name -> (recipe, overrides); every run: 2 × 512 evaluation windows, no speed (a streamed run skips it)
+    "rtn": ("recipes/int4_rtn.yaml", ["calibration.n_samples=4", "calibration.seq_len=256"]),
+    "gptq": ("recipes/gptq_int4.yaml", ["calibration.n_samples=8", "calibration.seq_len=256"]),
+}
+COMMON = ["eval.max_windows=2", "eval.seq_len=512", "eval.speed=false", "calibration.threads=2", "eval.threads=2",
+          "output.overwrite=true"]
+
+
+def build(name: str, folder: Path) -> int:
+    """A random-weight Llama of shape `name` in `folder`, written tensor by tensor. Returns its parameter count."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from compress.default_model import default_model_path
+    from compress.shards import ShardWriter
+
+    hidden, inter, layers, heads, kv = SIZES[name]
+    gguf = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, vocab_size=len(tokenizer),
+                         max_position_embeddings=4096, tie_word_embeddings=False, dtype="bfloat16")
+    with init_empty_weights():
+        skeleton = AutoModelForCausalLM.from_config(config)
+    tmp = folder.with_name(folder.name + ".building")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    writer = ShardWriter(tmp)
+    gen = torch.Generator().manual_seed(0)
+    total = 0
+    for key, p in skeleton.state_dict().items():
+        if "norm" in key:
+            t = torch.ones(p.shape, dtype=torch.bfloat16)
+        else:
+            t = (torch.randn(p.shape, generator=gen) * 0.02).to(torch.bfloat16)
+        writer.add(key, t)
+        total += t.numel()
+        del t
+    writer.finish()
+    config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, folder)
+    return total
+
+
+def watch(proc: subprocess.Popen, every: float = 0.05) -> dict:
+    """Peak VmRSS and RssAnon of a running process, sampled from /proc until it exits."""
+    peak = {"VmRSS": 0, "RssAnon": 0}
+    status = Path(f"/proc/{proc.pid}/status")
+    while proc.poll() is None:
+        try:
+            for line in status.read_text().splitlines():
+                key = line.split(":")[0]
+                if key in peak:
+                    peak[key] = max(peak[key], int(line.split()[1]) * 1024)
+        except (FileNotFoundError, ProcessLookupError):
+            break
+        time.sleep(every)
+    proc.wait()
+    return peak
+
+
+def run_one(model: Path, recipe: str, overrides: list[str], out: Path, log: Path) -> dict:
+    cmd = [sys.executable, "-m", "compress", "run", recipe, "--no-progress", "--output", str(out),
+           "--set", f"model={model}"] + [a for o in overrides + COMMON for a in ("--set", o)]
+    t = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+        peak = watch(proc)
+    wall = time.perf_counter() - t
+    row = {"command": "compress run " + " ".join(cmd[4:]), "exit": proc.returncode, "wall_s": round(wall, 1),
+           "peak_vmrss_sampled": peak["VmRSS"], "peak_anonymous_sampled": peak["RssAnon"]}
+    if proc.returncode != 0:
+        row["log_tail"] = log.read_text()[-2000:]
+        return row
+    report = json.loads((out / "report.json").read_text())
+    models = report["eval"]["models"]
+    row.update({
+        "peak_rss_report": report["eval"]["peak_rss_bytes"],
+        "memory_plan_peak": report["memory_plan"]["peak_bytes"], "memory_plan_dtype": report["memory_plan"]["dtype"],
+        "streamed": report.get("streamed"), "timings": report["timings"],
+        "ppl": {n: m.get("ppl") for n, m in models.items()}, "kl": models["compressed"].get("kl"),
+        "top1": models["compressed"].get("top1_agreement"),
+        "checkpoint_bytes": report["memory"]["checkpoint_bytes"],
+        "files": sorted(p.name for p in out.iterdir() if p.suffix in (".safetensors", ".json")),
+    })
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="7b,13b")
+    parser.add_argument("--runs", default="rtn,gptq")
+    parser.add_argument("--models-dir", default="/tmp/compress-large")
+    parser.add_argument("--keep", action="store_true", help="keep the built models and outputs")
+    args = parser.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
+    base = Path(args.models_dir)
+    base.mkdir(parents=True, exist_ok=True)
+    results_path = ROOT / "bench" / "results" / "large_models.json"
+    results = json.loads(results_path.read_text()) if results_path.exists() else {"rows": []}
+    for size in args.sizes.split(","):
+        folder = base / f"llama-{size}"
+        if not (folder / "config.json").exists():
+            t = time.perf_counter()
+            n = build(size, folder)
+            print(f"built {folder}: {n / 1e9:.2f}B parameters in {time.perf_counter() - t:.0f} s", flush=True)
+        checkpoint = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+        for name in args.runs.split(","):
+            recipe, overrides = RUNS[name]
+            out = base / f"out-{size}-{name}"
+            row = run_one(folder, recipe, overrides, out, base / f"log-{size}-{name}.txt")
+            row.update({"model": f"Llama-2-{size} shape, random bf16", "checkpoint_bytes_in": checkpoint,
+                        "run": name, "commit": commit, "date": datetime.date.today().isoformat(),
+                        "machine": f"{os.cpu_count()} CPU cores, {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 1e9:.0f} GB"})
+            print(json.dumps({k: v for k, v in row.items() if k not in ("streamed", "timings")}), flush=True)
+            results["rows"] = [r for r in results["rows"] if (r["model"], r["run"]) != (row["model"], name)] + [row]
+            results_path.write_text(json.dumps(results, indent=2) + "\n")
+            if not args.keep:
+                shutil.rmtree(out, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

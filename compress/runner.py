@@ -1,0 +1,201 @@
+"""What the in-memory run (pipeline.py) and the streamed run (stream_run.py) share: the calibration pass with the
+block stages (`compress_model`), the report's header and files, and the output folder written under a temporary name
+and renamed into place at the end."""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ._version import __version__
+from .blockwise import run_blockwise
+from .data import calibration_windows, fingerprint
+from .evaluate.plots import plot_recovery
+from .evaluate.report import write_report
+from .nn import QuantLinear, is_linear
+from .observers import BlockObserver
+from .recipe import Recipe, to_plain
+from .stages.base import BlockState, Plan, RunContext
+
+
+def set_threads(n: int) -> None:
+    torch.set_num_threads(n if n > 0 else (os.cpu_count() or 1))
+
+
+def check_output(out: Path, overwrite: bool) -> None:
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"output folder {out} exists; pass --overwrite (or output.overwrite: true) to replace it, "
+                              "or choose another output.dir")
+
+
+def calibration_samples(recipe: Recipe, model, tokenizer) -> tuple[torch.Tensor, dict]:
+    cal = recipe.calibration
+    samples = calibration_windows(cal.source(), tokenizer, model, cal.n_samples, cal.seq_len, cal.seed)
+    info = {k: v for k, v in asdict(cal).items() if v not in (None, ())}
+    info.update(fingerprint=fingerprint(samples), tokens=int(samples.numel()))
+    return samples, info
+
+
+class StagePass:
+    """The block stages of a plan inside the calibration pass: per block, what to observe during its float forward
+    (the statistics the stages' `needs` ask for, of the layers the plan quantizes, plus each stage's own
+    `observing`), then each stage's `on_block` in recipe order."""
+
+    def __init__(self, ctx: RunContext):
+        self.ctx = ctx
+        self.stages = [(i, ctx.plan.stages[i]) for i in ctx.plan.block_stages]
+        self.needs = ctx.plan.needs()
+        self.observed = ctx.plan.observed_layers()  # only the layers a stage will use statistics of
+
+    def observe(self, i: int, prefix: str, block) -> "_Observing":
+        linears = [n for n, m in block.named_modules() if n and is_linear(m) and not isinstance(m, QuantLinear)
+                   and f"{prefix}.{n}" in self.observed]
+        observer = None
+        if linears and self.needs.any:
+            nd = self.needs
+            inspect = sorted({insp for _, _, insp in self.ctx.arch.awq}) if nd.replay_samples else []
+            observer = BlockObserver(block, linears, inspect, abs_mean=nd.abs_mean, hessian=nd.hessian,
+                                     keep_samples=nd.replay_samples, abs_max=nd.abs_max)
+        state = BlockState(i, prefix, block, observer)
+        return _Observing(state, ([observer] if observer is not None else []) +
+                          [stage.observing(state, k) for k, stage in self.stages])
+
+    def on_block(self, _i: int, _prefix: str, _block, _inputs, observing: "_Observing") -> None:
+        for k, stage in self.stages:
+            stage.on_block(self.ctx, observing.state, k)
+
+
+class _Observing:
+    """The context managers active during one block's float forward, and the block's state for the stages."""
+
+    def __init__(self, state: BlockState, contexts: list):
+        self.state, self.contexts = state, contexts
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> "_Observing":
+        for c in self.contexts:
+            self._stack.enter_context(c)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.__exit__(*exc)
+
+
+def start_stages(model, plan: Plan) -> RunContext:
+    """The run context, after each block stage's `begin` (before the calibration pass, or instead of it)."""
+    ctx = RunContext(model, plan)
+    for i in plan.block_stages:
+        plan.stages[i].begin(ctx, i)
+    return ctx
+
+
+def kept_in_float(model) -> list[str]:
+    """Weight-holding modules outside the linear layers (embeddings, norms): reported, never silent."""
+    kinds: dict[str, int] = {}
+    for name, m in model.named_modules():
+        if is_linear(m) or not isinstance(getattr(m, "weight", None), torch.Tensor) or list(m.children()):
+            continue
+        kinds[type(m).__name__] = kinds.get(type(m).__name__, 0) + 1
+    return [f"{n}× {k} (weight-only integer schemes apply to linear layers)" for k, n in sorted(kinds.items())]
+
+
+def compress_model(model, tokenizer, recipe: Recipe, plan: Plan, device: str, model_reports: dict | None = None,
+                   progress: bool = True, log=print, spill_dir: Path | None = None, blocks=None,
+                   visitors: tuple = ()) -> tuple[dict, torch.Tensor | None]:
+    """The recipe's calibration pass and block stages, applied to `model` in place (the whole-model stages, prune
+    and distill, have run before). Returns the report's `calibration`, `block_errors`, `stages` and `kept_in_float`
+    sections, and the calibration windows (None without a calibration pass). `blocks` (a streamed model's block
+    source, see blockwise.run_blockwise) makes the pass run even without calibration data: the stages then act on
+    each block as it is read, and `visitors` ride along."""
+    model_reports = model_reports or {}
+    sections: dict = {}
+    samples = None
+    ctx = start_stages(model, plan)
+    calibrate = recipe.calibration is not None and bool(plan.block_stages)
+    if calibrate or blocks is not None:
+        if calibrate:
+            log("preparing calibration data ...")
+            samples, sections["calibration"] = calibration_samples(recipe, model, tokenizer)
+            set_threads(recipe.calibration.threads)
+            log(f"calibrating block by block on {device} ({samples.shape[0]} × {samples.shape[1]} tokens, "
+                f"{recipe.calibration.dtype} matmuls, {torch.get_num_threads()} threads) ...")
+        else:
+            log(f"compressing block by block on {device} (no calibration data) ...")
+        stage_pass = StagePass(ctx)
+        spill = calibrate and recipe.calibration.offload == "disk"
+        with contextlib.ExitStack() as stack:
+            if spill:  # memory-mapped activations, removed after the pass
+                if spill_dir is not None:
+                    spill_dir.mkdir(parents=True, exist_ok=True)
+                spill_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=spill_dir, prefix=".spill-")))
+                log(f"calibration activations spill to {spill_dir}")
+            errors = run_blockwise(
+                model, plan.arch, samples, stage_pass.on_block, device=device, progress=progress,
+                observe=stage_pass.observe, compute_dtype=getattr(torch, recipe.calibration.dtype) if calibrate
+                else None, spill_dir=spill_dir if spill else None, blocks=blocks, visitors=visitors)
+        if calibrate:
+            sections["block_errors"] = errors
+        ctx.calibrated = True
+    for i in plan.block_stages:  # the whole model (what lies outside the blocks; all of it without calibration)
+        plan.stages[i].finalize(ctx, i)
+    sections["stages"] = [model_reports[i] if i in model_reports else stage.report(ctx, i)
+                          for i, stage in enumerate(plan.stages)]
+    sections["kept_in_float"] = kept_in_float(model)
+    return sections, samples
+
+
+def write_run_report(report: dict, folder: Path) -> None:
+    """report.json, report.md, and a recovery-curve plot for each stage section that has one (distill)."""
+    write_report(report, folder)
+    for section in report["stages"]:
+        if any(p.get("ppl") is not None for p in section.get("curve") or ()):
+            plot_recovery(section, folder / f"recovery_curve_stage{section['index']}.png")
+
+
+class Timings(dict):
+    """Seconds per phase of a run: `with timings("load"): ...` (not recorded when `when` is false)."""
+
+    @contextlib.contextmanager
+    def __call__(self, key: str, when: bool = True):
+        t = time.perf_counter()
+        yield
+        if when:
+            self[key] = time.perf_counter() - t
+
+
+def run_header(recipe: Recipe, loaded, model, arch, n_params: int, device: str, planted) -> dict:
+    """The report's provenance: compress version, time, the recipe as written and as resolved, the model."""
+    return {
+        "compress_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "recipe": {"path": recipe.path, "sha256": recipe.sha256, "overrides": list(recipe.overrides),
+                   "text": recipe.text, "resolved": to_plain(recipe, skip=("path", "text", "sha256", "overrides"))},
+        "model": {"source": loaded.source, "kind": loaded.kind, "family": arch.family, "parameters": n_params,
+                  "parameters_after": sum(p.numel() for p in model.parameters()),
+                  "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "device": device,
+                  "threads": torch.get_num_threads(), "planted_outliers": planted},
+    }
+
+
+@contextlib.contextmanager
+def staged_output(out: Path):
+    """A temporary folder beside `out`, renamed into place when the block completes; removed on any error or
+    Ctrl-C, so a failed run never leaves a half-written output (nor replaces an existing one)."""
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,215 @@
+"""`compress run` on a model streamed from disk, one decoder block at a time (`model.stream`).
+
+One pass over the blocks does everything the in-memory run does in several: block i is read from the checkpoint
+(streaming.py), its float forward feeds the calibration statistics and the baseline's evaluation windows, the stages
+compress it, its compressed forward feeds the next block's calibration inputs and the compressed model's evaluation
+windows, its tensors go to the output's shards (shards.ShardWriter), and it leaves memory. After the last block,
+both models' final hidden states go through the final norm and the head for perplexity, KL and top-1: the baseline
+is never a second copy. What needs the whole model resident (speed, lm-eval tasks, exports, self-generated
+calibration, pruning and distillation) is refused up front or reported as not measured, with the reason.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ._version import __version__
+from .arch import get_module
+from .blockwise import BlockInputs, BlockVisitor, block_forward, capture_block_inputs
+from .data import eval_windows
+from .evaluate.memory import folder_bytes
+from .kv_cache import kv_layers
+from .models import _classify, resolve_device, resolve_dtype, storage_tensors, write_model_files
+from .nn import QuantLinear
+from .recipe import Recipe
+from .runner import (Timings, check_output, compress_model, run_header, set_threads, staged_output,
+                     write_run_report)
+from .shards import ShardWriter
+from .stages.base import make_plan
+from .streaming import STREAM_KINDS, Streamed, open_streamed
+
+NOT_STREAMED = {  # measured only on a resident model: reported as not measured in a streamed run
+    "speed": "tokens/s needs the whole model resident: run `compress eval OUTPUT` on a machine where it fits",
+}
+
+
+def stream_blockers(recipe: Recipe) -> list[str]:
+    """Why this recipe cannot run streamed (empty when it can), each naming the way out."""
+    why = []
+    kind = _classify(recipe.model.source)[0]
+    if kind not in STREAM_KINDS:
+        why.append(f"a {kind} model is loaded as a whole (stream a Hugging Face folder, a hub id or a .gguf file)")
+    if any(s.whole_model for s in recipe.stages):
+        why.append("prune and distill act on the whole model (run them on a machine where it fits, then stream "
+                   "the quantization of their output)")
+    if recipe.output.formats:
+        why.append("output.formats: the exports read the whole compressed model (write the compress checkpoint "
+                   "here, then `compress export` it where it fits)")
+    if recipe.eval.tasks:
+        why.append("eval.tasks: lm-eval needs the whole model resident (set eval.tasks: [] here, and run "
+                   "`compress eval OUTPUT --tasks ...` where the model fits)")
+    if recipe.calibration is not None and recipe.calibration.kind == "self":
+        why.append("calibration.kind: self samples text from the whole model (use a text calibration set)")
+    return why
+
+
+class StreamedBlocks:
+    """The runner's block source for a streamed model: each block read from disk for its turn; afterwards its
+    tensors go to the output's shards (`writer`, None when output.save_model is false) and it leaves memory."""
+
+    def __init__(self, streamed: Streamed, writer: ShardWriter | None, save_dtype: str):
+        self.streamed, self.writer, self.save_dtype = streamed, writer, save_dtype
+        self.kv: dict = {}
+
+    def begin(self) -> None:  # the block-0 inputs are captured: embeddings and head are not needed until the end
+        self.streamed.release_outside()
+
+    def end(self) -> None:
+        self.streamed.load_outside()
+
+    def load(self, i: int, device) -> nn.Module:
+        return self.streamed.load(i).to(device)
+
+    def done(self, i: int, block: nn.Module) -> None:
+        prefix = f"{self.streamed.arch.blocks}.{i}"
+        self.kv.update({f"{prefix}.{n}": v for n, v in kv_layers(block).items()})
+        if self.writer is not None:
+            for name, t in storage_tensors(block, self.save_dtype, prefix):
+                self.writer.add(name, t)
+        self.streamed.release(block)
+
+
+class StreamedEval(BlockVisitor):
+    """The evaluation windows carried through the pass for both models: the baseline through each float block,
+    the compressed model through each compressed block (the same computation as the in-memory evaluation's model
+    forward). The final norm and head are applied afterwards by `final`."""
+
+    def __init__(self, windows: torch.Tensor):
+        self.windows = windows
+
+    def start(self, model: nn.Module, arch, device) -> None:
+        self.base, _ = capture_block_inputs(model, arch, self.windows, device)
+        self.comp = BlockInputs(list(self.base.hidden), self.base.kwargs)
+        self.dtype = self.base.hidden[0].dtype
+        # the original final norm and head: the baseline's, even after a stage quantizes the head
+        self.norm, self.head = get_module(model, arch.final_norm), model.get_output_embeddings()
+
+    def loaded(self, i: int, block: nn.Module) -> None:
+        self.base = BlockInputs(block_forward(block, self.base), self.base.kwargs)
+
+    def compressed(self, i: int, block: nn.Module) -> None:
+        for m in block.modules():  # LLM.int8 dynamic outliers are counted over the evaluation windows only
+            if isinstance(m, QuantLinear):
+                m.outlier_counts.update(forwards=0, total=0, max=0)
+        # the layers' own forward, as the in-memory evaluation runs them (int8 matmuls where a scheme has them)
+        self.comp = BlockInputs(block_forward(block, self.comp), self.comp.kwargs)
+
+    @torch.no_grad()
+    def final(self, model: nn.Module, arch) -> dict[str, list[torch.Tensor]]:
+        """Each model's final hidden states per window, [seq_len - 1, hidden]."""
+        norm = get_module(model, arch.final_norm)
+        return {"baseline": [self.norm(h)[0, :-1] for h in self.base.hidden],
+                "compressed": [norm(h)[0, :-1] for h in self.comp.hidden]}
+
+
+def open_source(recipe: Recipe, device: str) -> Streamed:
+    spec = recipe.model
+    kind, where = _classify(spec.source)
+    return open_streamed(kind, where, resolve_dtype(spec.dtype, device), spec.revision, spec.trust_remote_code)
+
+
+def parameters(model: nn.Module) -> int:
+    """Parameter count including the meta-device ones, each shared tensor once."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None) -> dict:
+    """The recipe on a model streamed block by block (see the module docstring). Called by pipeline.run."""
+    if why := stream_blockers(recipe):
+        raise ValueError("this recipe cannot run streamed (model.stream): " + "; ".join(why))
+    out = Path(recipe.output.dir)
+    check_output(out, recipe.output.overwrite)
+    device = resolve_device(recipe.model.device)
+    set_threads(recipe.model.threads)
+    timings = Timings()
+    with timings("load"):
+        log(f"opening {recipe.model.source!r} to stream it block by block ...")
+        streamed = open_source(recipe, device)
+    model, arch, tokenizer = streamed.model, streamed.arch, streamed.tokenizer
+    n_params = parameters(model)
+    plan = make_plan(model, arch, recipe.stages)
+    from .evaluate.report import model_figures  # after the plan: report.py imports every stage
+    baseline_figures = model_figures(model, recipe.eval, meta=True)
+    report = run_header(recipe, streamed, model, arch, n_params, device, None)
+    if memory is not None:
+        report["memory_plan"] = memory.to_dict()
+    windows = eval_windows(tokenizer, recipe.eval.split, recipe.eval.seq_len, recipe.eval.max_windows) \
+        if recipe.eval.perplexity else None
+    evaluation = StreamedEval(windows) if windows is not None else None
+    with staged_output(out) as tmp:
+        writer = ShardWriter(tmp, {"compress": "1"}, recipe.output.max_shard_bytes) if recipe.output.save_model \
+            else None
+        blocks = StreamedBlocks(streamed, writer, recipe.output.save_dtype)
+        with timings("compress"):  # one pass: calibration, stages, the evaluation's forwards, the blocks' shards
+            sections, _ = compress_model(model, tokenizer, recipe, plan, device, None, progress, log,
+                                         spill_dir=out.parent, blocks=blocks,
+                                         visitors=(evaluation,) if evaluation is not None else ())
+        report.update(sections)
+        if writer is not None:
+            with timings("save"):
+                log("writing the rest of the model (embeddings, final norm, head) and closing the shards ...")
+                for name, t in storage_tensors(model, recipe.output.save_dtype):
+                    writer.add(name, t)
+                writer.finish()
+                write_model_files(model, tokenizer, tmp, {"compress_version": __version__,
+                                                          "recipe_sha256": recipe.sha256, "recipe": recipe.text,
+                                                          "source": streamed.where}, recipe.output.save_dtype,
+                                  blocks.kv)
+        with timings("eval"):
+            set_threads(recipe.model.threads)
+            report["eval"] = streamed_eval(recipe, model, arch, evaluation, windows, baseline_figures, progress)
+        report["memory"] = {"checkpoint_bytes": folder_bytes(tmp) if recipe.output.save_model else None,
+                            "baseline_checkpoint_bf16_bytes": n_params * 2}
+        report["streamed"] = {
+            "weights_from": streamed.where, "blocks": streamed.loaded_blocks,
+            "evaluation": "perplexity, KL and top-1 computed in the same pass, the baseline's and the compressed "
+                          "model's hidden states carried block by block (no second copy)" if windows is not None
+            else "no perplexity evaluation (eval.perplexity: false)",
+            "not_measured": NOT_STREAMED if recipe.eval.speed else {},
+            "dtype": str(streamed.dtype).replace("torch.", ""),
+        }
+        report["timings"] = dict(timings)
+        (tmp / "recipe.yaml").write_text(recipe.text or recipe.resolved_yaml())
+        (tmp / "recipe.resolved.yaml").write_text(recipe.resolved_yaml())
+        write_run_report(report, tmp)
+    log(f"wrote {out}/report.md")
+    return report
+
+
+def streamed_eval(recipe: Recipe, model: nn.Module, arch, evaluation: StreamedEval | None, windows,
+                  baseline_figures: dict, progress: bool) -> dict:
+    """The report's `eval` section of a streamed run, in the in-memory run's shape."""
+    from .evaluate.ppl import head_logits, score_hidden
+    from .evaluate.report import eval_protocol, model_figures, peak_cuda_bytes, peak_rss_bytes
+
+    spec = recipe.eval
+    names = ["baseline", "compressed"] if spec.baseline else ["compressed"]
+    result: dict = {"models": {n: {} for n in names}}
+    if evaluation is not None:
+        final = evaluation.final(model, arch)
+        result["protocol"] = {**eval_protocol(spec, windows, evaluation.dtype), "threads": torch.get_num_threads(),
+                              "streamed": True}
+        heads = {"baseline": evaluation.head, "compressed": model.get_output_embeddings()}
+        scores = score_hidden({n: (lambda k, ids, n=n: final[n][k]) for n in names},
+                              {n: (lambda h, n=n: head_logits(heads[n], model.config, h)) for n in names},
+                              windows, baseline="baseline" if spec.baseline else None, progress=progress)
+        for n, s in scores.items():
+            result["models"][n].update(ppl=s.ppl, nll=s.nll, tokens=s.tokens, kl=s.kl, top1_agreement=s.top1_agreement)
+    if spec.baseline:
+        result["models"]["baseline"].update(baseline_figures)
+    result["models"]["compressed"].update(model_figures(model, spec, meta=True))
+    result["peak_rss_bytes"] = peak_rss_bytes()
+    result["peak_cuda_bytes"] = peak_cuda_bytes()
+    return result

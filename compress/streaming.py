@@ -1,0 +1,218 @@
+"""Weights streamed from disk: a model whose decoder blocks live on the meta device until the runner reaches them.
+
+`open_streamed` builds the model skeleton from its config (no weight read), materialises what lies outside the
+decoder blocks (embeddings, final norm, head) at the run's dtype, and returns a `Streamed` whose `load(i)` reads
+block i's tensors from the checkpoint files and `release(block)` sends the block back to the meta device. Memory is
+then the outside modules plus one block, whatever the model's size.
+
+Sources: a local safetensors folder (read tensor by tensor with plain file reads, `shards.ShardReader`: the file's
+pages never count in the resident set), a hub id (its safetensors files downloaded first), or a model transformers
+converts as a whole (a GGUF file, the default model): its state dict is then the source, so it is resident once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from .arch import ArchSpec, get_arch, get_module
+from .shards import ShardReader
+
+STREAM_KINDS = ("folder", "hub", "gguf", "default")
+
+
+class StateSource:
+    """Tensors from a model already in memory (a GGUF file transformers converted as a whole)."""
+
+    def __init__(self, state: dict[str, Tensor]):
+        self.state = state
+
+    def names(self) -> set[str]:
+        return set(self.state)
+
+    def get(self, name: str) -> Tensor:
+        return self.state[name]
+
+
+@dataclass
+class Streamed:
+    """A skeleton model whose blocks are read from `source` one at a time (see the module docstring)."""
+
+    model: nn.Module
+    arch: ArchSpec
+    source: object  # ShardReader or StateSource: names(), get(name)
+    dtype: torch.dtype
+    keys: dict[str, str]  # the model's state-dict name -> the checkpoint's tensor name
+    where: str  # what the weights are read from, for the report
+    tokenizer: object = None
+    source_name: str = ""  # the source as resolved (a path or hub id)
+    kind: str = ""  # folder | hub | gguf | default
+    loaded_blocks: int = field(default=0)
+
+    def _state(self, prefix: str, module: nn.Module, skip: str | None = None) -> dict[str, Tensor]:
+        """The tensors of `module` (at `prefix`) read from the checkpoint at the run's dtype, except those under
+        `skip`."""
+        out = {}
+        for rel in module.state_dict(keep_vars=True):
+            full = f"{prefix}.{rel}" if prefix else rel
+            if full not in self.keys or (skip is not None and full.startswith(skip + ".")):
+                continue
+            t = self.source.get(self.keys[full])
+            out[rel] = t.to(self.dtype) if t.is_floating_point() else t
+        return out
+
+    def load(self, i: int) -> nn.Module:
+        """Decoder block i with its weights read from the checkpoint at the run's dtype."""
+        prefix = f"{self.arch.blocks}.{i}"
+        block = get_module(self.model, prefix)
+        block.load_state_dict(self._state(prefix, block), strict=True, assign=True)
+        self.loaded_blocks += 1
+        return block
+
+    @staticmethod
+    def release(block: nn.Module) -> None:
+        """Back to the meta device: the block's memory is freed (its structure and QuantLinear schemes stay)."""
+        to_meta(block)
+
+    def load_outside(self) -> None:
+        """Read everything outside the decoder blocks (embeddings, final norm, head) and tie the head again."""
+        blocks = self.arch.blocks
+        self.model.load_state_dict(self._state("", self.model, skip=blocks), strict=False, assign=True)
+        self.model.tie_weights()
+        still = [n for n, p in self.model.named_parameters() if p.is_meta and not n.startswith(blocks + ".")]
+        if still:
+            raise ValueError(f"{self.where}: weights outside the decoder blocks were not found: {still[:5]}")
+
+    def release_outside(self) -> None:
+        """The embeddings and the head leave memory while the blocks pass (the runner has its block-0 inputs):
+        `load_outside` reads them again for the head's quantization, the save and the scoring."""
+        for path in dict.fromkeys((self.arch.embed, self.arch.lm_head)):
+            to_meta(get_module(self.model, path))
+
+
+def to_meta(module: nn.Module) -> None:
+    """Parameters and persistent buffers to the meta device (what a checkpoint holds and loading restores);
+    non-persistent buffers (Gemma's embedding scale, rotary tables) stay, since no checkpoint would restore them."""
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                m._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+        for name, b in m._buffers.items():
+            if b is not None and name not in m._non_persistent_buffers_set:
+                m._buffers[name] = torch.empty_like(b, device="meta")
+
+
+def _renamed(model: nn.Module, names: set[str]) -> dict[str, str]:
+    """The checkpoint's tensor names as the model names them, through transformers' own renamings for this
+    architecture (GPT-NeoX's `embed_out` is `lm_head`, old `LayerNorm.gamma` is `.weight`, ...); transforms that
+    merge or split tensors (stacked MoE experts) are not renamings, and a name they would produce stays missing."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+        renamings = [c for c in get_model_conversion_mapping(model) if type(c) is WeightRenaming]
+    except ImportError:  # an older transformers: checkpoints use the model's names
+        renamings = []
+    out = {}
+    for name in names:
+        key = name
+        for r in renamings:
+            key = r.rename_source_key(key)[0]
+        out[key] = name
+    return out
+
+
+def _checkpoint_names(model: nn.Module, have: set[str], tied: set[str]) -> dict[str, str]:
+    """Map the model's state-dict names to the checkpoint's: equal after transformers' renamings, or differing by
+    the base model's prefix (a checkpoint saved from the base model). Tied weights absent from the file are tied
+    again after loading. Raises ValueError naming what is missing."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    renamed = _renamed(model, have)
+    keys, missing = {}, []
+    for name in model.state_dict(keep_vars=True):
+        candidates = [name]
+        if prefix and name.startswith(prefix + "."):
+            candidates.append(name[len(prefix) + 1:])
+        elif prefix:
+            candidates.append(f"{prefix}.{name}")
+        found = next((c for c in candidates if c in renamed), None)
+        if found is not None:
+            keys[name] = renamed[found]
+        elif name not in tied:
+            missing.append(name)
+    if missing:
+        raise ValueError(f"the checkpoint lacks tensors the model's config implies: {missing[:5]} "
+                         f"({len(missing)} in all); it cannot be streamed block by block. Set model.stream: false "
+                         "to load it through transformers as a whole.")
+    return keys
+
+
+def _tied_names(model: nn.Module) -> set[str]:
+    """State-dict names that share storage with an earlier one (lm_head.weight tied to the embedding)."""
+    seen, tied = set(), set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            tied.add(name)
+        seen.add(id(t))
+    return tied
+
+
+def check_streamable(model: nn.Module, arch: ArchSpec) -> str | None:
+    """Why this model's evaluation cannot be streamed block by block (None when it can): after the last block the
+    run applies the final norm and the head itself, so the family must name its final norm and add nothing else."""
+    if not arch.final_norm:
+        return f"model family {arch.family!r} has no final_norm entry in compress/arch/tables.py"
+    if getattr(get_module(model, arch.blocks.rpartition(".")[0]), "project_out", None) is not None:
+        return "this model projects the final hidden states (OPT project_out) after its final norm"
+    return None
+
+
+def open_streamed(kind: str, where: str, dtype: torch.dtype, revision: str | None = None,
+                  trust_remote_code: bool = False) -> Streamed:
+    """The skeleton with its outside modules materialised, for a source `models._classify` resolved."""
+    from .models import load_model, model_skeleton
+
+    from transformers import AutoTokenizer
+
+    name, given = where, kind
+    if kind == "hub":
+        where = _download(where, revision)
+        kind = "folder"
+    if kind in ("gguf", "default"):  # transformers converts GGUF as a whole: its state dict is the source
+        loaded = load_model(where if kind == "gguf" else "default", str(dtype).replace("torch.", ""), "cpu",
+                            revision, trust_remote_code)
+        source, origin = StateSource(loaded.model.state_dict()), f"{where} (converted whole by transformers)"
+        tokenizer = loaded.tokenizer
+        del loaded
+    elif kind == "folder":
+        source, origin = ShardReader(where), f"{where} (safetensors, tensor by tensor)"
+        tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
+    else:
+        raise ValueError(f"a {kind} model cannot be streamed; set model.stream: false")
+    _, _, model = model_skeleton(where, revision, trust_remote_code, dtype)
+    model.tie_weights()  # the meta skeleton is built untied; tied names are then found by identity
+    arch = get_arch(model)
+    if why := check_streamable(model, arch):
+        raise ValueError(f"cannot stream this model: {why}. Set model.stream: false.")
+    keys = _checkpoint_names(model, source.names(), _tied_names(model))
+    streamed = Streamed(model, arch, source, dtype, keys, origin, tokenizer, name, given)
+    streamed.load_outside()
+    return streamed
+
+
+def _download(repo: str, revision: str | None) -> str:
+    """The hub model's config, tokenizer and safetensors files in the local cache (nothing is unpickled)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo, revision=revision,
+                                 allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"])
+    except Exception as exc:  # noqa: BLE001 - any hub failure gets the same advice
+        raise OSError(f"could not download {repo!r} from the hub: {exc}. Use a local folder instead.") from exc
+
+
+def block_tensors(prefix: str, block: nn.Module) -> dict[str, Tensor]:
+    return {f"{prefix}.{k}": v for k, v in block.state_dict().items()}
+
+
+__all__ = ["Streamed", "open_streamed", "check_streamable", "STREAM_KINDS"]

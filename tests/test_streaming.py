@@ -1,0 +1,254 @@
+"""Streaming a model from disk block by block (model.stream): the checkpoint read tensor by tensor, the output
+written shard by shard as blocks finish, and the evaluation carried through the same pass. The streamed run must
+give the same tensors and the same report figures as the in-memory run, bit for bit, on several families and
+recipes; only one block may be in memory at a time; what cannot stream is refused with the way out."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from compress.blockwise import BlockVisitor
+from compress.pipeline import run
+from compress.recipe import from_dict
+from compress.shards import INDEX, SINGLE, ShardReader, ShardWriter, read_safetensors, shard_files
+from compress.streaming import open_streamed
+from tests.conftest import make_tiny_model, requires_data
+from tests.tiny_tokenizer import make_tiny_tokenizer
+
+INT4 = {"dtype": "int4", "granularity": "group", "group_size": 32, "symmetric": False}
+RECIPES = {
+    "rtn": [{"stage": "quantize", "method": "rtn", "scheme": INT4}],
+    "gptq": [{"stage": "quantize", "method": "gptq", "scheme": INT4}],
+    "awq": [{"stage": "awq"}, {"stage": "quantize", "method": "rtn", "scheme": INT4}],
+    "w8a8+kv": [{"stage": "quantize", "method": "rtn", "scheme": "W8A8"}, {"stage": "kv_cache"}],
+}
+
+
+def _folder(tmp_path, family: str, dtype=torch.float32):
+    folder = tmp_path / family
+    model = make_tiny_model(family).to(dtype)
+    model.save_pretrained(folder, max_shard_size="50KB")  # several shards, as a large checkpoint has
+    make_tiny_tokenizer().save_pretrained(folder)
+    return folder, model
+
+
+# ----------------------------------------------------------------------------------------------- shards
+
+
+def test_shard_writer_writes_files_safetensors_and_transformers_read(tmp_path):
+    tensors = {"a": torch.randn(10, 20), "b": torch.randn(3).bfloat16(), "scalar": torch.tensor(2.5),
+               "empty": torch.empty(0, 4), "codes": torch.randint(0, 255, (7, 9), dtype=torch.uint8),
+               "fp8": torch.randn(4, 4).to(torch.float8_e4m3fn), "big": torch.randn(400)}
+    writer = ShardWriter(tmp_path, {"compress": "1"}, max_shard_bytes=1000)
+    for name, t in tensors.items():
+        writer.add(name, t)
+    names = writer.finish()
+    assert names == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", INDEX]
+    index = json.loads((tmp_path / INDEX).read_text())
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert index["weight_map"]["big"] == names[1] and index["weight_map"]["a"] == names[0]
+    back, reader = read_safetensors(tmp_path), ShardReader(tmp_path)  # the safetensors library, and ours
+    for name, t in tensors.items():
+        for got in (back[name], reader.get(name)):
+            assert got.dtype == t.dtype and got.shape == t.shape
+            assert torch.equal(got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+    assert not list(tmp_path.glob(".part-*"))
+    with pytest.raises(ValueError, match="written twice"):
+        w = ShardWriter(tmp_path / "x")
+        (tmp_path / "x").mkdir()
+        w.add("a", torch.zeros(1))
+        w.add("a", torch.zeros(1))
+
+
+def test_shard_writer_small_model_is_one_file_and_transformers_loads_shards(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = make_tiny_model("qwen2")
+    writer = ShardWriter(tmp_path / "one")
+    (tmp_path / "one").mkdir()
+    writer.add("x", torch.ones(3))
+    assert writer.finish() == [SINGLE] and torch.equal(load_file(str(tmp_path / "one" / SINGLE))["x"], torch.ones(3))
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    writer = ShardWriter(folder, max_shard_bytes=40_000)
+    for name, t in model.state_dict().items():
+        writer.add(name, t)
+    writer.finish()
+    model.config.save_pretrained(folder)
+    assert len(shard_files(folder)) > 3
+    again = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+    ids = torch.randint(0, 256, (1, 16))
+    assert torch.equal(again(ids).logits, model(ids).logits)
+
+
+# ----------------------------------------------------------------------------------------------- streaming
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "opt", "gemma2"])
+def test_a_streamed_model_computes_what_transformers_loads(tmp_path, family):
+    """Tied heads (llama), renamed checkpoint tensors (GPT-NeoX's embed_out is lm_head), OPT's decoder, Gemma 2."""
+    from compress.models import load_model
+
+    folder, _ = _folder(tmp_path, family)
+    reference = load_model(str(folder), "float32", "cpu").model
+    streamed = open_streamed("folder", str(folder), torch.float32)
+    blocks = streamed.arch.block_list(streamed.model)
+    assert all(p.is_meta for p in blocks.parameters())  # nothing of a block is read until its turn
+    for i in range(len(blocks)):
+        streamed.load(i)
+    ids = torch.randint(0, 256, (1, 24))
+    assert torch.equal(reference(ids).logits, streamed.model(ids).logits)
+    streamed.release(blocks[0])
+    assert all(p.is_meta for p in blocks[0].parameters())
+
+
+def test_a_checkpoint_missing_tensors_is_refused_naming_the_fix(tmp_path):
+    folder, model = _folder(tmp_path, "qwen2")
+    state = read_safetensors(folder)
+    del state["model.layers.1.mlp.down_proj.weight"]
+    for f in shard_files(folder):
+        f.unlink()
+    (folder / INDEX).unlink()
+    from compress.shards import write_safetensors
+    write_safetensors(folder, state)
+    with pytest.raises(ValueError, match=r"lacks tensors.*down_proj.*model.stream: false"):
+        open_streamed("folder", str(folder), torch.float32)
+
+
+def _recipe(folder, out, stages, stream, calibrate=True, **extra):
+    r = {"model": {"source": str(folder), "stream": stream, "dtype": "float32"}, "stages": stages,
+         "eval": {"seq_len": 64, "max_windows": 3, "speed": False, "threads": 1},
+         "output": {"dir": str(out), "max_shard_gb": 0.00002}, **extra}
+    if calibrate:
+        r["calibration"] = {"kind": "wikitext2", "n_samples": 4, "seq_len": 32, "threads": 1}
+    return from_dict(r)
+
+
+def _figures(report):
+    return {n: (m.get("ppl"), m.get("kl"), m.get("top1_agreement"), m["weights"])
+            for n, m in report["eval"]["models"].items()}
+
+
+@requires_data
+@pytest.mark.parametrize("family,recipe,calibrate", [
+    ("llama", "rtn", True), ("llama", "rtn", False), ("llama", "gptq", True), ("llama", "awq", True),
+    ("llama", "w8a8+kv", True), ("qwen2", "gptq", True), ("gpt2", "awq", True), ("gemma2", "rtn", True),
+])
+def test_the_streamed_run_equals_the_in_memory_run_bit_for_bit(tmp_path, family, recipe, calibrate):
+    folder, _ = _folder(tmp_path, family)
+    reports, tensors = {}, {}
+    for mode in ("never", "always"):
+        out = tmp_path / f"out-{mode}"
+        reports[mode] = run(_recipe(folder, out, RECIPES[recipe], mode, calibrate), progress=False,
+                            log=lambda *a: None)
+        tensors[mode] = read_safetensors(out)
+        assert len(shard_files(out)) > 1  # sharded at output.max_shard_gb
+    memory, streamed = reports["never"], reports["always"]
+    assert tensors["never"].keys() == tensors["always"].keys()
+    assert all(torch.equal(tensors["never"][k], tensors["always"][k]) for k in tensors["never"])
+    assert _figures(memory) == _figures(streamed)
+    assert memory.get("block_errors") == streamed.get("block_errors")
+    assert memory["stages"] == streamed["stages"]
+    assert "streamed" not in memory and streamed["streamed"]["blocks"] == 2
+    assert streamed["memory_plan"]["dtype"] == "float32, streamed"
+    assert json.loads((tmp_path / "out-always" / "compress.json").read_text())["layers"] == \
+        json.loads((tmp_path / "out-never" / "compress.json").read_text())["layers"]
+
+
+class _CountResident(BlockVisitor):
+    def start(self, model, arch, device):
+        self.blocks, self.resident = arch.block_list(model), []
+
+    def loaded(self, i, block):
+        self.resident.append(sum(not next(b.parameters()).is_meta for b in self.blocks))
+
+
+@requires_data
+def test_only_one_block_is_in_memory_at_a_time_and_the_output_reloads(tmp_path):
+    from compress.models import load_compressed
+    from compress.runner import compress_model
+    from compress.stages.base import make_plan
+    from compress.stream_run import StreamedBlocks
+
+    folder, _ = _folder(tmp_path, "llama")
+    model = make_tiny_model("llama")
+    model.config.num_hidden_layers = 4
+    model = type(model)(model.config)
+    model.save_pretrained(folder, max_shard_size="50KB")
+    recipe = _recipe(folder, tmp_path / "out", RECIPES["gptq"], "always",
+                     eval={"seq_len": 64, "max_windows": 2, "speed": True, "threads": 1})  # speed: not measured
+    streamed = open_streamed("folder", str(folder), torch.float32)
+    counter = _CountResident()
+    (tmp_path / "pass").mkdir()
+    writer = ShardWriter(tmp_path / "pass")
+    compress_model(streamed.model, streamed.tokenizer, recipe, make_plan(streamed.model, streamed.arch,
+                                                                         recipe.stages), "cpu", progress=False,
+                   log=lambda *a: None, blocks=StreamedBlocks(streamed, writer, "bfloat16"), visitors=(counter,))
+    assert counter.resident == [1, 1, 1, 1]
+    report = run(recipe, progress=False, log=lambda *a: None)
+    again = load_compressed(tmp_path / "out")
+    assert sum(type(m).__name__ == "QuantLinear" for m in again.modules()) == 4 * 7
+    assert report["eval"]["models"]["compressed"]["ppl"] > 0 and "speed" in report["streamed"]["not_measured"]
+    assert "Streamed" in (tmp_path / "out" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("extra,words", [
+    ({"output": {"formats": ["dense"]}}, "compress export"),
+    ({"eval": {"tasks": ["piqa"]}}, "eval.tasks"),
+])
+def test_what_cannot_stream_is_refused_with_the_way_out(tmp_path, extra, words):
+    from compress.stream_run import stream_blockers
+
+    folder, _ = _folder(tmp_path, "llama")
+    base = {"model": {"source": str(folder), "stream": "always"},
+            "stages": [{"stage": "quantize", "method": "rtn", "scheme": INT4}], "output": {"dir": str(tmp_path / "o")}}
+    for key, value in extra.items():
+        base[key] = {**base.get(key, {}), **value}
+    recipe = from_dict(base)
+    assert any(words in why for why in stream_blockers(recipe))
+    with pytest.raises(ValueError, match="cannot run streamed"):
+        run(recipe, progress=False, log=lambda *a: None)
+    assert not (tmp_path / "o").exists()
+
+
+def _embedded_runs(tmp_path, source: str) -> tuple[dict, dict]:
+    stages = [{"stage": "quantize", "method": "rtn", "scheme": {**INT4, "group_size": 64}, "ignore": ["lm_head"]}]
+    reports, tensors = {}, {}
+    for mode in ("never", "always"):
+        recipe = from_dict({"model": {"source": source, "stream": mode}, "stages": stages,
+                            "calibration": {"kind": "wikitext2", "n_samples": 2, "seq_len": 64, "threads": 1},
+                            "eval": {"seq_len": 128, "max_windows": 2, "speed": False, "threads": 1},
+                            "output": {"dir": str(tmp_path / mode)}})
+        reports[mode] = run(recipe, progress=False, log=lambda *a: None)
+        tensors[mode] = read_safetensors(tmp_path / mode)
+    assert tensors["never"].keys() == tensors["always"].keys()
+    assert all(torch.equal(tensors["never"][k], tensors["always"][k]) for k in tensors["never"])
+    assert _figures(reports["never"]) == _figures(reports["always"])
+    assert reports["never"]["block_errors"] == reports["always"]["block_errors"]
+    return reports, tensors
+
+
+@requires_data
+def test_the_embedded_model_streamed_from_safetensors_equals_in_memory(tmp_path):
+    """SmolLM2-135M's real weights (the default model, written once as a bf16 safetensors folder, as a hub
+    checkpoint is), int4 RTN at float32: same tensors, perplexity, KL, top-1 and block errors streamed as in memory
+    (GPTQ, AWQ and the other families are compared on the tiny models above)."""
+    from compress.models import load_model
+
+    loaded = load_model("default", "bfloat16", "cpu")
+    loaded.model.save_pretrained(tmp_path / "smollm2")
+    loaded.tokenizer.save_pretrained(tmp_path / "smollm2")
+    reports, _ = _embedded_runs(tmp_path, str(tmp_path / "smollm2"))
+    assert "tensor by tensor" in reports["always"]["streamed"]["weights_from"]
+    assert reports["always"]["streamed"]["blocks"] == 30
+
+
+@pytest.mark.slow  # four conversions of the GGUF file (23 s each here)
+@requires_data
+def test_the_embedded_gguf_model_streamed_equals_in_memory(tmp_path):
+    """The default model given as its GGUF file: transformers converts it whole, so its state dict is the source."""
+    reports, _ = _embedded_runs(tmp_path, "default")
+    assert "converted whole by transformers" in reports["always"]["streamed"]["weights_from"]
