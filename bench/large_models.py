@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 SIZES = {  # Llama-2 shapes (hidden, MLP, blocks, heads, KV heads); SmolLM2's vocabulary (49152)
     "7b": (4096, 11008, 32, 32, 32),
     "13b": (5120, 13824, 40, 40, 40),

@@ -188,11 +188,15 @@ class BlockVisitor:
     def compressed(self, i: int, block: nn.Module) -> None:
         pass
 
+    def done(self, i: int, inputs: BlockInputs | None, errors: list[float]) -> None:
+        """After block i has gone (`inputs`: the next block's calibration inputs; `errors` so far)."""
+
 
 def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor | None, on_block: OnBlock, device="cpu",
                   offload="cpu", progress: bool = True, observe: Observe | None = None,
                   compute_dtype: torch.dtype | None = None, spill_dir: Path | None = None,
-                  blocks=None, visitors: tuple[BlockVisitor, ...] = ()) -> list[float]:
+                  blocks=None, visitors: tuple[BlockVisitor, ...] = (), start: int = 0,
+                  restore=None) -> list[float]:
     """Apply the stages to each decoder block in turn.
 
     Per block: `observe(index, name, block)` may return a context manager (e.g. a BlockObserver) that
@@ -206,7 +210,9 @@ def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor | None, on_b
     stages act on each block without statistics; no errors are measured). `blocks`: where each block comes from and
     goes after its turn (`begin()` once the block-0 inputs are captured, `load(i, device)`, `done(i, block)`,
     `end()` after the last block; ResidentBlocks by default, streaming.StreamedBlocks
-    reads them from disk); `visitors`: see BlockVisitor.
+    reads them from disk); `visitors`: see BlockVisitor. `start` > 0 resumes an interrupted pass at that block:
+    `restore(inputs)` then returns (the block's calibration inputs, the errors so far) from the checkpoint, given
+    the freshly captured block-0 inputs (their keyword arguments are reused).
     """
     model.eval()
     if samples is not None:
@@ -223,10 +229,16 @@ def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor | None, on_b
             stores = [captured_store, spill(spill_dir, "reference", like, n), spill(spill_dir, "b", like, n)]
     for v in visitors:
         v.start(model, arch, device)
+    errors: list[float] = []
+    if start:
+        restored, errors = restore(inputs)
+        if inputs is not None:
+            for k, h in enumerate(restored.hidden):  # into the captured tensors (a spill file's rows, if spilled)
+                inputs.hidden[k].copy_(h)
     blocks = blocks or ResidentBlocks(model, arch, offload)
     blocks.begin()
-    errors = []
-    for i in tqdm(range(len(arch.block_list(model))), desc="blocks", unit="block", disable=not progress):
+    n = len(arch.block_list(model))
+    for i in tqdm(range(start, n), desc="blocks", unit="block", disable=not progress, initial=start, total=n):
         block = blocks.load(i, device)
         for v in visitors:
             v.loaded(i, block)
@@ -247,6 +259,8 @@ def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor | None, on_b
             v.compressed(i, block)
         blocks.done(i, block)
         del reference, observer
+        for v in visitors:
+            v.done(i, inputs, errors)
     blocks.end()
     _move_non_blocks(model, arch, offload)
     return errors

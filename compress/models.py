@@ -219,6 +219,12 @@ def quantized_skeleton(config, layers: dict[str, QuantScheme], dtype: torch.dtyp
 
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return meta_quant_layers(model, layers, dtype)
+
+
+def meta_quant_layers(model: nn.Module, layers: dict[str, QuantScheme], dtype: torch.dtype) -> nn.Module:
+    """Replace the linears named in `layers` by QuantLinear layers of those schemes on the meta device (shapes and
+    dtypes, no data)."""
     for name, scheme in layers.items():
         old = model.get_submodule(name)
         out_features, in_features = linear_shape(old)

@@ -93,7 +93,8 @@ def write_exports(model, tokenizer, tmp: Path, out: Path, recipe: Recipe, source
 
 
 def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) -> dict:
-    """Run the recipe. `resume` continues a crashed run's distill stage from its newest checkpoint."""
+    """Run the recipe. `resume` continues a crashed run: its distill stage from its newest checkpoint, or a streamed
+    run (model.stream) at the block where it stopped."""
     out = Path(recipe.output.dir)
     check_output(out, recipe.output.overwrite)
     device = resolve_device(recipe.model.device)
@@ -101,7 +102,7 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
     memory, streamed = check_memory(recipe, device, log)  # before any weight is read: refuse a run that cannot fit
     if streamed:
         from .stream_run import run_streamed
-        return run_streamed(recipe, progress, log, memory)
+        return run_streamed(recipe, progress, log, memory, resume)
     timings = Timings()
     with timings("load"):
         log(f"loading model {recipe.model.source!r} ...")

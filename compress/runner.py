@@ -108,16 +108,21 @@ def kept_in_float(model) -> list[str]:
 
 def compress_model(model, tokenizer, recipe: Recipe, plan: Plan, device: str, model_reports: dict | None = None,
                    progress: bool = True, log=print, spill_dir: Path | None = None, blocks=None,
-                   visitors: tuple = ()) -> tuple[dict, torch.Tensor | None]:
+                   visitors: tuple = (), checkpoint=None) -> tuple[dict, torch.Tensor | None]:
     """The recipe's calibration pass and block stages, applied to `model` in place (the whole-model stages, prune
     and distill, have run before). Returns the report's `calibration`, `block_errors`, `stages` and `kept_in_float`
     sections, and the calibration windows (None without a calibration pass). `blocks` (a streamed model's block
     source, see blockwise.run_blockwise) makes the pass run even without calibration data: the stages then act on
-    each block as it is read, and `visitors` ride along."""
+    each block as it is read, and `visitors` ride along. `checkpoint` (stream_run.StreamCheckpoint) saves the pass
+    after every block and resumes it at the block where an interrupted run stopped."""
     model_reports = model_reports or {}
     sections: dict = {}
     samples = None
     ctx = start_stages(model, plan)
+    start, restore = 0, None
+    if checkpoint is not None:
+        start, restore = checkpoint.bind(ctx), checkpoint.restore
+        visitors = (*visitors, checkpoint)
     calibrate = recipe.calibration is not None and bool(plan.block_stages)
     if calibrate or blocks is not None:
         if calibrate:
@@ -139,7 +144,8 @@ def compress_model(model, tokenizer, recipe: Recipe, plan: Plan, device: str, mo
             errors = run_blockwise(
                 model, plan.arch, samples, stage_pass.on_block, device=device, progress=progress,
                 observe=stage_pass.observe, compute_dtype=getattr(torch, recipe.calibration.dtype) if calibrate
-                else None, spill_dir=spill_dir if spill else None, blocks=blocks, visitors=visitors)
+                else None, spill_dir=spill_dir if spill else None, blocks=blocks, visitors=visitors, start=start,
+                restore=restore)
         if calibrate:
             sections["block_errors"] = errors
         ctx.calibrated = True

@@ -156,6 +156,7 @@ class ShardWriter:
         self.header: dict[str, dict] = {}
         self.size = self.total = 0
         self.data = None
+        self.stale: list[Path] = []  # data files of closed shards, kept until a checkpoint no longer needs them
 
     def add(self, name: str, tensor: Tensor) -> None:
         if name in self.header or any(name in names for _, names in self.parts):
@@ -182,9 +183,41 @@ class ShardWriter:
         with open(path, "wb") as out, open(data_path, "rb") as data:
             out.write(struct.pack("<Q", len(header)) + header)
             shutil.copyfileobj(data, out, 16 << 20)
-        data_path.unlink()
+        self.stale.append(data_path)
         self.parts.append((path, list(self.header)))
         self.header, self.size, self.data = {}, 0, None
+
+    def state(self) -> dict:
+        """Where the writer stands, for a checkpoint (resume with `restore`): the closed shards, and the open one's
+        tensors and size. The open data file is flushed first."""
+        if self.data is not None:
+            self.data.flush()
+        return {"parts": [[p.name, names] for p, names in self.parts], "header": self.header, "size": self.size,
+                "total": self.total, "data": Path(self.data.name).name if self.data is not None else None}
+
+    def drop_stale(self) -> None:
+        """Delete the data files of closed shards (once a checkpoint records them as closed)."""
+        for path in self.stale:
+            path.unlink(missing_ok=True)
+        self.stale = []
+
+    @classmethod
+    def restore(cls, folder: str | Path, state: dict, metadata: dict[str, str] | None = None,
+                max_shard_bytes: int = MAX_SHARD_BYTES) -> "ShardWriter":
+        """The writer as `state()` recorded it: tensors added after that are cut from the open shard's data file
+        (it is reopened from the closed shard's data if the shard was closed after the checkpoint)."""
+        writer = cls(folder, metadata, max_shard_bytes)
+        writer.parts = [(writer.folder / name, names) for name, names in state["parts"]]
+        writer.header, writer.size, writer.total = state["header"], state["size"], state["total"]
+        if state["data"] is not None:
+            writer.data = open(writer.folder / state["data"], "r+b")
+            writer.data.truncate(writer.size)
+            writer.data.seek(writer.size)
+        closed = {p.name for p, _ in writer.parts}
+        for path in writer.folder.glob(".part-*"):  # what was written after the checkpoint is written again
+            if path.name not in closed and (writer.data is None or path.name != state["data"]):
+                path.unlink()
+        return writer
 
     def finish(self) -> list[str]:
         """Close the last shard and give the shards their final names. Returns the file names written."""
@@ -192,6 +225,7 @@ class ShardWriter:
             if self.data is None:
                 self.data = open(self.folder / f".part-{len(self.parts) + 1:05d}.data", "wb")
             self._close()
+        self.drop_stale()
         if len(self.parts) == 1:
             os.replace(self.parts[0][0], self.folder / SINGLE)
             return [SINGLE]

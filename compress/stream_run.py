@@ -10,6 +10,9 @@ calibration, pruning and distillation) is refused up front or reported as not me
 """
 from __future__ import annotations
 
+import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -20,13 +23,14 @@ from .arch import get_module
 from .blockwise import BlockInputs, BlockVisitor, block_forward, capture_block_inputs
 from .data import eval_windows
 from .evaluate.memory import folder_bytes
-from .kv_cache import kv_layers
-from .models import _classify, resolve_device, resolve_dtype, storage_tensors, write_model_files
+from .kv_cache import kv_layers, set_kv_scales
+from .models import _classify, meta_quant_layers, resolve_device, resolve_dtype, storage_tensors, write_model_files
+from .scheme import FP8_MAX
 from .nn import QuantLinear
 from .recipe import Recipe
-from .runner import (Timings, check_output, compress_model, run_header, set_threads, staged_output,
-                     write_run_report)
-from .shards import ShardWriter
+from .runner import Timings, check_output, compress_model, run_header, set_threads, write_run_report
+from .model_stages import work_dir
+from .shards import ShardReader, ShardWriter
 from .stages.base import make_plan
 from .streaming import STREAM_KINDS, Streamed, open_streamed
 
@@ -125,12 +129,111 @@ def parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
-def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None) -> dict:
-    """The recipe on a model streamed block by block (see the module docstring). Called by pipeline.run."""
+class StreamCheckpoint(BlockVisitor):
+    """The streamed pass saved after every block into `folder`, so that a run killed at block 17 of 80 continues at
+    block 17 with `--resume` and ends as an uninterrupted run would, bit for bit: the next block's calibration
+    inputs and both models' evaluation hidden states (a small safetensors checkpoint), the output writer's position
+    (its shards stay in the staging folder), the stages' records and the block errors so far. `progress.json`,
+    replaced atomically, is the commit point."""
+
+    def __init__(self, folder: Path, recipe_sha: str, writer: ShardWriter | None, blocks: StreamedBlocks,
+                 evaluation: StreamedEval | None, state: dict | None = None):
+        self.folder, self.sha, self.writer, self.blocks, self.evaluation = folder, recipe_sha, writer, blocks, evaluation
+        self.state = state
+
+    @staticmethod
+    def load(folder: Path, recipe_sha: str) -> dict | None:
+        path = folder / "progress.json"
+        if not path.is_file():
+            return None
+        state = json.loads(path.read_text())
+        if state["recipe_sha256"] != recipe_sha:
+            raise ValueError(f"{folder} holds an interrupted run of another recipe (or other overrides); run without "
+                             "--resume to start over")
+        return state
+
+    def bind(self, ctx) -> int:
+        """Give the run context its saved records; the block to start at."""
+        self.ctx = ctx
+        if self.state is None:
+            return 0
+        ctx.records.update({int(k): v for k, v in self.state["records"].items()})
+        self.blocks.kv.update(self.state["kv"])
+        done_blocks(ctx.model, ctx.plan, self.blocks.streamed, self.state["next"], self.state["kv"])
+        return self.state["next"]
+
+    def restore(self, inputs: BlockInputs | None) -> tuple[BlockInputs | None, list[float]]:
+        saved = ShardReader(self.folder / self.state["carried"])
+        if self.evaluation is not None:
+            ev = self.evaluation
+            ev.base = BlockInputs([saved.get(f"base.{k}") for k in range(len(ev.base.hidden))], ev.base.kwargs)
+            ev.comp = BlockInputs([saved.get(f"comp.{k}") for k in range(len(ev.comp.hidden))], ev.comp.kwargs)
+        restored = None if inputs is None else \
+            BlockInputs([saved.get(f"cal.{k}") for k in range(len(inputs.hidden))], inputs.kwargs)
+        return restored, list(self.state["errors"])
+
+    def done(self, i: int, inputs: BlockInputs | None, errors: list[float]) -> None:
+        name = f"carried-{i + 1:05d}"
+        carried = ShardWriter(_fresh(self.folder / name), max_shard_bytes=1 << 62)
+        for k, h in enumerate(inputs.hidden if inputs is not None else ()):
+            carried.add(f"cal.{k}", h)
+        if self.evaluation is not None:
+            for prefix, held in (("base", self.evaluation.base), ("comp", self.evaluation.comp)):
+                for k, h in enumerate(held.hidden):
+                    carried.add(f"{prefix}.{k}", h)
+        carried.finish()
+        state = {"recipe_sha256": self.sha, "next": i + 1, "carried": name, "errors": errors,
+                 "writer": self.writer.state() if self.writer is not None else None,
+                 "records": self.ctx.records, "kv": self.blocks.kv}
+        tmp = self.folder / "progress.json.tmp"
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, self.folder / "progress.json")
+        if self.writer is not None:
+            self.writer.drop_stale()
+        for old in self.folder.glob("carried-*"):
+            if old.name != name:
+                shutil.rmtree(old)
+
+
+def done_blocks(model: nn.Module, plan, streamed: Streamed, upto: int, kv: dict) -> None:
+    """The blocks an interrupted run finished (below `upto`) as they left it, on the meta device: the planned
+    QuantLinear layers and the KV-cache scales, so the saved config, the per-layer schemes and the weight counts
+    are those of an uninterrupted run (their tensors are in the output's shards already)."""
+    blocks = {f"{streamed.arch.blocks}.{i}." for i in range(upto)}
+    layers = {e.name: e.scheme for stage, step in zip(plan.stages, plan.steps) if stage.stores_weights
+              for e in step.quantized if any(e.name.startswith(b) for b in blocks)}
+    meta_quant_layers(model, layers, streamed.dtype)
+    for name, fields in kv.items():
+        set_kv_scales(model.get_submodule(name), fields["k_scale"] * FP8_MAX[fields["dtype"]],
+                      fields["v_scale"] * FP8_MAX[fields["dtype"]], fields["dtype"])
+    streamed.loaded_blocks = upto
+
+
+def _fresh(folder: Path) -> Path:
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    return folder
+
+
+def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, resume: bool = False) -> dict:
+    """The recipe on a model streamed block by block (see the module docstring). Called by pipeline.run. The output
+    is staged in OUTPUT.work/ beside it (with the pass's checkpoint) and renamed into place at the end; an
+    interrupted run leaves that folder for `resume`."""
     if why := stream_blockers(recipe):
         raise ValueError("this recipe cannot run streamed (model.stream): " + "; ".join(why))
     out = Path(recipe.output.dir)
     check_output(out, recipe.output.overwrite)
+    work = work_dir(out)
+    state = StreamCheckpoint.load(work / "stream", recipe.sha256) if resume else None
+    if state is None and work.exists():
+        log(f"removing {work} (an interrupted run's files; --resume would have continued it)" if not resume else
+            f"nothing to resume in {work}: starting over")
+        shutil.rmtree(work)
+    elif state is not None:
+        log(f"resuming the streamed pass at block {state['next']} from {work}")
+    stage = work / "output"
+    stage.mkdir(parents=True, exist_ok=True)
+    (work / "stream").mkdir(exist_ok=True)
     device = resolve_device(recipe.model.device)
     set_threads(recipe.model.threads)
     timings = Timings()
@@ -148,42 +251,53 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None) 
     windows = eval_windows(tokenizer, recipe.eval.split, recipe.eval.seq_len, recipe.eval.max_windows) \
         if recipe.eval.perplexity else None
     evaluation = StreamedEval(windows) if windows is not None else None
-    with staged_output(out) as tmp:
-        writer = ShardWriter(tmp, {"compress": "1"}, recipe.output.max_shard_bytes) if recipe.output.save_model \
-            else None
-        blocks = StreamedBlocks(streamed, writer, recipe.output.save_dtype)
+    writer = None
+    if recipe.output.save_model:
+        shard_args = ({"compress": "1"}, recipe.output.max_shard_bytes)
+        writer = ShardWriter.restore(stage, state["writer"], *shard_args) if state else ShardWriter(stage, *shard_args)
+    blocks = StreamedBlocks(streamed, writer, recipe.output.save_dtype)
+    checkpoint = StreamCheckpoint(work / "stream", recipe.sha256, writer, blocks, evaluation, state)
+    try:
         with timings("compress"):  # one pass: calibration, stages, the evaluation's forwards, the blocks' shards
             sections, _ = compress_model(model, tokenizer, recipe, plan, device, None, progress, log,
                                          spill_dir=out.parent, blocks=blocks,
-                                         visitors=(evaluation,) if evaluation is not None else ())
-        report.update(sections)
-        if writer is not None:
-            with timings("save"):
-                log("writing the rest of the model (embeddings, final norm, head) and closing the shards ...")
-                for name, t in storage_tensors(model, recipe.output.save_dtype):
-                    writer.add(name, t)
-                writer.finish()
-                write_model_files(model, tokenizer, tmp, {"compress_version": __version__,
-                                                          "recipe_sha256": recipe.sha256, "recipe": recipe.text,
-                                                          "source": streamed.where}, recipe.output.save_dtype,
-                                  blocks.kv)
-        with timings("eval"):
-            set_threads(recipe.model.threads)
-            report["eval"] = streamed_eval(recipe, model, arch, evaluation, windows, baseline_figures, progress)
-        report["memory"] = {"checkpoint_bytes": folder_bytes(tmp) if recipe.output.save_model else None,
-                            "baseline_checkpoint_bf16_bytes": n_params * 2}
-        report["streamed"] = {
-            "weights_from": streamed.where, "blocks": streamed.loaded_blocks,
-            "evaluation": "perplexity, KL and top-1 computed in the same pass, the baseline's and the compressed "
-                          "model's hidden states carried block by block (no second copy)" if windows is not None
-            else "no perplexity evaluation (eval.perplexity: false)",
-            "not_measured": NOT_STREAMED if recipe.eval.speed else {},
-            "dtype": str(streamed.dtype).replace("torch.", ""),
-        }
-        report["timings"] = dict(timings)
-        (tmp / "recipe.yaml").write_text(recipe.text or recipe.resolved_yaml())
-        (tmp / "recipe.resolved.yaml").write_text(recipe.resolved_yaml())
-        write_run_report(report, tmp)
+                                         visitors=(evaluation,) if evaluation is not None else (),
+                                         checkpoint=checkpoint)
+    except BaseException:
+        log(f"the streamed pass stopped; its progress is in {work}: the same command with --resume continues it")
+        raise
+    report.update(sections)
+    if writer is not None:
+        with timings("save"):
+            log("writing the rest of the model (embeddings, final norm, head) and closing the shards ...")
+            for name, t in storage_tensors(model, recipe.output.save_dtype):
+                writer.add(name, t)
+            writer.finish()
+            write_model_files(model, tokenizer, stage, {"compress_version": __version__,
+                                                        "recipe_sha256": recipe.sha256, "recipe": recipe.text,
+                                                        "source": streamed.where}, recipe.output.save_dtype, blocks.kv)
+    with timings("eval"):
+        set_threads(recipe.model.threads)
+        report["eval"] = streamed_eval(recipe, model, arch, evaluation, windows, baseline_figures, progress)
+    report["memory"] = {"checkpoint_bytes": folder_bytes(stage) if recipe.output.save_model else None,
+                        "baseline_checkpoint_bf16_bytes": n_params * 2}
+    report["streamed"] = {
+        "weights_from": streamed.where, "blocks": len(arch.block_list(model)),
+        "resumed_at_block": state["next"] if state else None,
+        "evaluation": "perplexity, KL and top-1 computed in the same pass, the baseline's and the compressed "
+                      "model's hidden states carried block by block (no second copy)" if windows is not None
+        else "no perplexity evaluation (eval.perplexity: false)",
+        "not_measured": NOT_STREAMED if recipe.eval.speed else {},
+        "dtype": str(streamed.dtype).replace("torch.", ""),
+    }
+    report["timings"] = dict(timings)
+    (stage / "recipe.yaml").write_text(recipe.text or recipe.resolved_yaml())
+    (stage / "recipe.resolved.yaml").write_text(recipe.resolved_yaml())
+    write_run_report(report, stage)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(stage, out)
+    shutil.rmtree(work, ignore_errors=True)
     log(f"wrote {out}/report.md")
     return report
 

@@ -252,3 +252,58 @@ def test_the_embedded_gguf_model_streamed_equals_in_memory(tmp_path):
     """The default model given as its GGUF file: transformers converts it whole, so its state dict is the source."""
     reports, _ = _embedded_runs(tmp_path, "default")
     assert "converted whole by transformers" in reports["always"]["streamed"]["weights_from"]
+
+
+def _four_blocks(tmp_path, family="llama"):
+    folder = tmp_path / family
+    model = make_tiny_model(family)
+    model.config.num_hidden_layers = 4
+    torch.manual_seed(1)
+    model = type(model)(model.config).eval()
+    model.save_pretrained(folder, max_shard_size="50KB")
+    make_tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@requires_data
+@pytest.mark.parametrize("recipe,crash_at", [("gptq", 2), ("awq", 1), ("w8a8+kv", 3)])
+def test_a_killed_streamed_run_resumes_at_its_block_and_ends_bit_for_bit(tmp_path, monkeypatch, recipe, crash_at):
+    from compress.stream_run import StreamedBlocks
+
+    folder = _four_blocks(tmp_path)
+    whole = run(_recipe(folder, tmp_path / "whole", RECIPES[recipe], "always"), progress=False, log=lambda *a: None)
+    load = StreamedBlocks.load
+
+    def crashing(self, i, device):
+        if i == crash_at:
+            raise KeyboardInterrupt  # what Ctrl-C or a kill between blocks leaves behind
+        return load(self, i, device)
+
+    monkeypatch.setattr(StreamedBlocks, "load", crashing)
+    interrupted = _recipe(folder, tmp_path / "resumed", RECIPES[recipe], "always")
+    with pytest.raises(KeyboardInterrupt):
+        run(interrupted, progress=False, log=lambda *a: None)
+    assert not (tmp_path / "resumed").exists()
+    progress = json.loads((tmp_path / "resumed.work" / "stream" / "progress.json").read_text())
+    assert progress["next"] == crash_at
+    monkeypatch.setattr(StreamedBlocks, "load", load)
+    loaded = []
+    monkeypatch.setattr(StreamedBlocks, "load", lambda self, i, device: loaded.append(i) or load(self, i, device))
+    resumed = run(interrupted, progress=False, log=lambda *a: None, resume=True)
+    assert loaded == list(range(crash_at, 4))  # the blocks before the crash are not read again
+    a, b = read_safetensors(tmp_path / "whole"), read_safetensors(tmp_path / "resumed")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [p.name for p in shard_files(tmp_path / "whole")] == [p.name for p in shard_files(tmp_path / "resumed")]
+    assert _figures(whole) == _figures(resumed) and whole["block_errors"] == resumed["block_errors"]
+    assert json.loads(json.dumps(whole["stages"])) == json.loads(json.dumps(resumed["stages"]))
+    assert resumed["streamed"]["resumed_at_block"] == crash_at and not (tmp_path / "resumed.work").exists()
+
+
+def test_resume_refuses_a_changed_recipe(tmp_path, monkeypatch):
+    from compress.stream_run import StreamCheckpoint
+
+    folder = tmp_path / "stream"
+    folder.mkdir()
+    (folder / "progress.json").write_text(json.dumps({"recipe_sha256": "abc", "next": 1}))
+    with pytest.raises(ValueError, match="another recipe.*without --resume"):
+        StreamCheckpoint.load(folder, "def")
