@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from .distributed import active, reduce_sums
 from .arch import ArchSpec, get_module, set_module
 from .nn import QuantLinear, cached_dequantize, is_linear
 
@@ -134,9 +135,11 @@ def spill(folder: Path, name: str, like: Tensor, n: int) -> Tensor:
 
 
 def relative_error(ref: list[Tensor], out: list[Tensor]) -> float:
-    """||out - ref||^2 / ||ref||^2 summed over all samples."""
+    """||out - ref||^2 / ||ref||^2 summed over all samples (over every process's samples in a data-parallel pass)."""
     num = sum(float((o.float() - r.float()).pow(2).sum()) for r, o in zip(ref, out))
     den = sum(float(r.float().pow(2).sum()) for r in ref)
+    if active():
+        num, den = reduce_sums([num, den])
     return num / max(den, 1e-30)
 
 

@@ -7,15 +7,11 @@ main process goes on to quantize, save and evaluate.
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 
 from torch import nn
 
-
-def world() -> tuple[int, int]:
-    """(rank, processes) as `accelerate launch` / torchrun set them; (0, 1) in a plain run."""
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+from .distributed import world  # noqa: F401 (the model stages' processes are the launcher's)
 
 
 def work_dir(out: Path) -> Path:

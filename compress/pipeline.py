@@ -115,8 +115,6 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
     with timings("prune_distill", any(s.whole_model for s in recipe.stages)):
         model_reports, before_distill = run_model_stages(model, tokenizer, get_arch(model), recipe, out, resume,
                                                          progress, log)
-    if world()[0] != 0:  # `accelerate launch`: the other processes only helped distill
-        return {}
     if model_reports:  # planned again on the model as pruned and distilled
         plan = make_plan(model, get_arch(model), recipe.stages, model_stages_done=True)
         check_formats(model, plan, recipe.output.formats)
@@ -125,6 +123,8 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
     with timings("compress"):
         sections, samples = compress_model(model, tokenizer, recipe, plan, device, model_reports, progress, log,
                                            spill_dir=out.parent)
+    if world()[0] != 0:  # torchrun / `accelerate launch`: the other processes helped distill and calibrate
+        return {}
     report.update(sections)
     set_threads(recipe.model.threads)
     with staged_output(out) as tmp:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ._version import __version__
+from .distributed import active, check_stages, reduce_stats, share, start as start_processes
 from .blockwise import run_blockwise
 from .data import calibration_windows, fingerprint
 from .evaluate.plots import plot_recovery
@@ -68,6 +69,8 @@ class StagePass:
                           [stage.observing(state, k) for k, stage in self.stages])
 
     def on_block(self, _i: int, _prefix: str, _block, _inputs, observing: "_Observing") -> None:
+        if observing.state.observer is not None and active():  # every rank: all ranks' windows
+            reduce_stats(observing.state.observer)
         for k, stage in self.stages:
             stage.on_block(self.ctx, observing.state, k)
 
@@ -129,6 +132,11 @@ def compress_model(model, tokenizer, recipe: Recipe, plan: Plan, device: str, mo
             log("preparing calibration data ...")
             samples, sections["calibration"] = calibration_samples(recipe, model, tokenizer)
             set_threads(recipe.calibration.threads)
+            rank, size = start_processes(device)
+            if size > 1:
+                check_stages(plan)
+                sections["calibration"]["processes"] = size
+                log(f"data-parallel calibration: process {rank} of {size} takes every {size}th window")
             log(f"calibrating block by block on {device} ({samples.shape[0]} × {samples.shape[1]} tokens, "
                 f"{recipe.calibration.dtype} matmuls, {torch.get_num_threads()} threads) ...")
         else:
@@ -141,8 +149,9 @@ def compress_model(model, tokenizer, recipe: Recipe, plan: Plan, device: str, mo
                     spill_dir.mkdir(parents=True, exist_ok=True)
                 spill_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=spill_dir, prefix=".spill-")))
                 log(f"calibration activations spill to {spill_dir}")
+            mine = share(samples, rank, size) if calibrate and size > 1 else samples
             errors = run_blockwise(
-                model, plan.arch, samples, stage_pass.on_block, device=device, progress=progress,
+                model, plan.arch, mine, stage_pass.on_block, device=device, progress=progress,
                 observe=stage_pass.observe, compute_dtype=getattr(torch, recipe.calibration.dtype) if calibrate
                 else None, spill_dir=spill_dir if spill else None, blocks=blocks, visitors=visitors, start=start,
                 restore=restore)

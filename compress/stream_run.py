@@ -22,6 +22,7 @@ from ._version import __version__
 from .arch import get_module
 from .blockwise import BlockInputs, BlockVisitor, block_forward, capture_block_inputs
 from .data import eval_windows
+from .distributed import world
 from .evaluate.memory import folder_bytes
 from .kv_cache import kv_layers, set_kv_scales
 from .models import _classify, meta_quant_layers, resolve_device, resolve_dtype, storage_tensors, write_model_files
@@ -224,16 +225,20 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, 
     out = Path(recipe.output.dir)
     check_output(out, recipe.output.overwrite)
     work = work_dir(out)
-    state = StreamCheckpoint.load(work / "stream", recipe.sha256) if resume else None
-    if state is None and work.exists():
+    main = world()[0] == 0  # with torchrun, the other processes only calibrate (distributed.py)
+    state = StreamCheckpoint.load(work / "stream", recipe.sha256) if resume and main else None
+    if not main:
+        pass
+    elif state is None and work.exists():
         log(f"removing {work} (an interrupted run's files; --resume would have continued it)" if not resume else
             f"nothing to resume in {work}: starting over")
         shutil.rmtree(work)
     elif state is not None:
         log(f"resuming the streamed pass at block {state['next']} from {work}")
     stage = work / "output"
-    stage.mkdir(parents=True, exist_ok=True)
-    (work / "stream").mkdir(exist_ok=True)
+    if main:
+        stage.mkdir(parents=True, exist_ok=True)
+        (work / "stream").mkdir(exist_ok=True)
     device = resolve_device(recipe.model.device)
     set_threads(recipe.model.threads)
     timings = Timings()
@@ -249,14 +254,15 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, 
     if memory is not None:
         report["memory_plan"] = memory.to_dict()
     windows = eval_windows(tokenizer, recipe.eval.split, recipe.eval.seq_len, recipe.eval.max_windows) \
-        if recipe.eval.perplexity else None
+        if recipe.eval.perplexity and main else None
     evaluation = StreamedEval(windows) if windows is not None else None
     writer = None
-    if recipe.output.save_model:
+    if recipe.output.save_model and main:
         shard_args = ({"compress": "1"}, recipe.output.max_shard_bytes)
         writer = ShardWriter.restore(stage, state["writer"], *shard_args) if state else ShardWriter(stage, *shard_args)
     blocks = StreamedBlocks(streamed, writer, recipe.output.save_dtype)
-    checkpoint = StreamCheckpoint(work / "stream", recipe.sha256, writer, blocks, evaluation, state)
+    checkpoint = StreamCheckpoint(work / "stream", recipe.sha256, writer, blocks, evaluation, state) \
+        if world()[1] == 1 else None  # per-block resume is for one process (the ranks' inputs differ)
     try:
         with timings("compress"):  # one pass: calibration, stages, the evaluation's forwards, the blocks' shards
             sections, _ = compress_model(model, tokenizer, recipe, plan, device, None, progress, log,
@@ -266,6 +272,8 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, 
     except BaseException:
         log(f"the streamed pass stopped; its progress is in {work}: the same command with --resume continues it")
         raise
+    if not main:
+        return {}
     report.update(sections)
     if writer is not None:
         with timings("save"):

@@ -170,6 +170,7 @@ class StageBase:
 
     name: ClassVar[str] = ""
     whole_model: ClassVar[bool] = False  # runs on the whole model before the calibration pass (prune, distill)
+    data_parallel: ClassVar[bool] = True  # what it observes is reduced over processes (distributed.py)
     stores_weights: ClassVar[bool] = False  # replaces linears by quantized ones (the target of a smoothing stage)
     needs_teacher: ClassVar[bool] = False  # the whole-model stages keep a copy of the original model (distill)
 

@@ -22,6 +22,7 @@ class KVCacheStage(StageBase):
 
     # ---------------------------------------------------------------- lifecycle (stages/base.py)
     name: ClassVar[str] = "kv_cache"
+    data_parallel: ClassVar[bool] = False  # its key/value maxima are its own observation, not reduced over processes
 
     @property
     def needs_calibration(self) -> bool:

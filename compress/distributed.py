@@ -1,0 +1,82 @@
+"""Data-parallel calibration over processes (`torchrun` / `accelerate launch`): each rank takes a share of the
+calibration windows, and before the stages act on a block the statistics its float forward gathered are summed
+over the ranks (GPTQ Hessians, |x| sums and token counts) or maxed (|x| maxima), so every rank holds the statistics
+of all the windows and quantizes the block identically. The result is the single-process one up to the order of
+float summation. Rank 0 writes the output and evaluates; the other ranks only calibrate.
+
+Statistics that are lists of kept inputs (the AWQ / SmoothQuant scale search replays them) or a stage's own
+observation (kv_cache) are not reduced: such recipes are refused on more than one process.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from .observers import BlockObserver
+
+
+def world() -> tuple[int, int]:
+    """(rank, processes) as `accelerate launch` / torchrun set them; (0, 1) in a plain run."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def start(device: str) -> tuple[int, int]:
+    """Join the launcher's process group (gloo on CPUs, nccl on GPUs) when there is more than one process."""
+    rank, size = world()
+    if size > 1 and not dist.is_initialized():
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    return rank, size
+
+
+def check_stages(plan) -> None:
+    """Refuse, before any work, stages whose statistics are not sums or maxima."""
+    why = [f"stage {i} ({stage.name})" for i, stage in enumerate(plan.stages)
+           if i in plan.block_stages and not stage.data_parallel]
+    if plan.needs().replay_samples:
+        why.append("the AWQ / SmoothQuant scale search (it replays kept inputs)")
+    if why:
+        raise ValueError(f"data-parallel calibration does not support {', '.join(why)} yet: run this recipe in one "
+                         "process (without torchrun / accelerate launch)")
+
+
+def share(samples: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """This rank's calibration windows: every size-th, from its rank."""
+    if samples.shape[0] < size:
+        raise ValueError(f"{samples.shape[0]} calibration windows for {size} processes: raise calibration.n_samples "
+                         f"to at least {size}")
+    return samples[rank::size]
+
+
+def reduce_stats(observer: BlockObserver) -> None:
+    """Sum (Hessians, |x| sums, token counts) and max (|x| maxima) the block's statistics over the ranks, in
+    place; every rank observed the same layers, in the same order."""
+    seen: set[int] = set()
+    for name in observer.linears:
+        st = observer.stats.get(name)
+        if st is None or id(st) in seen:
+            continue
+        seen.add(id(st))
+        for attr, op in (("hessian", dist.ReduceOp.SUM), ("abs_sum", dist.ReduceOp.SUM),
+                         ("abs_max", dist.ReduceOp.MAX)):
+            t = getattr(st, attr)
+            if t is not None:
+                dist.all_reduce(t, op=op)
+        tokens = torch.tensor([st.tokens], dtype=torch.float64)
+        dist.all_reduce(tokens)
+        st.tokens = int(tokens.item())
+
+
+def reduce_sums(values: list[float]) -> list[float]:
+    """Floats summed over the ranks (float64)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
