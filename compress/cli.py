@@ -339,10 +339,11 @@ def cmd_inspect(args) -> int:
     if Path(args.recipe).is_dir():
         return cmd_inspect_model(args)
     from .arch import get_arch
-    from .memory_plan import conversion_bytes, plan_memory
+    from .memory_plan import conversion_bytes
     from .models import checkpoint_files, model_skeleton, resolve_device, resolve_dtype
     from .recipe import load_recipe, to_plain
     from .stages import make_plan
+    from .stream_run import choose_plan
 
     recipe = load_recipe(args.recipe, args.overrides)
     spec = recipe.model
@@ -352,11 +353,11 @@ def cmd_inspect(args) -> int:
     described = [stage.describe(plan, i) for i, stage in enumerate(recipe.stages)]
     device = resolve_device(spec.device)
     dtype = resolve_dtype(spec.dtype, device)
-    memory = plan_memory(recipe, model.config, dtype, device,
-                         conversion=conversion_bytes(checkpoint_files(spec.source), model.config, dtype))
+    memory, stream, notes = choose_plan(recipe, model.config, dtype, device,
+                                        conversion_bytes(checkpoint_files(spec.source), model.config, dtype))
     if args.json:
         print(json.dumps({"arch": to_plain(arch), "stages": [data for _, data in described],
-                          "memory_plan": memory.to_dict()}, indent=2))
+                          "memory_plan": memory.to_dict(), "streamed": stream}, indent=2))
         return 0
     print(f"recipe: {recipe.path} (sha256 {recipe.sha256[:16]}…)")
     print(f"model: {source} [{kind}], family {arch.family}, blocks at `{arch.blocks}` "
@@ -368,7 +369,7 @@ def cmd_inspect(args) -> int:
                              if cal else "none (no calibration pass)"))
     for lines, _ in described:
         print("\n".join(lines))
-    print("\n" + "\n".join(memory.lines()))
+    print("\n" + "\n".join(notes + memory.lines()))
     if (why := memory.problem(recipe)) is not None:
         print(f"`compress run` would refuse this: {why}")
     return 0

@@ -14,7 +14,7 @@ from ._version import __version__
 from .arch import get_arch
 from .evaluate.memory import folder_bytes
 from .evaluate.report import evaluate_models
-from .memory_plan import MemoryPlan, conversion_bytes, plan_memory
+from .memory_plan import MemoryPlan, conversion_bytes
 from .models import (checkpoint_files, load_compressed, load_config, load_model, quantized_skeleton, resolve_device,
                      resolve_dtype, save_compressed)
 from .outliers import plant_outliers
@@ -142,28 +142,16 @@ class NotEnoughMemory(RuntimeError):
 
 def check_memory(recipe: Recipe, device: str, log) -> tuple[MemoryPlan, bool]:
     """The run's memory plan from the model's config (memory_plan.py), logged, and whether to stream the model
-    block by block (model.stream: always; or auto, when the whole model would not fit and the recipe can stream).
-    Raises NotEnoughMemory, naming the settings that would make it fit, when the predicted peak exceeds what the
-    machine has (unless model.check_memory is false)."""
-    from .stream_run import stream_blockers
+    block by block (stream_run.choose_plan). Raises NotEnoughMemory, naming the settings that would make it fit,
+    when the predicted peak exceeds what the machine has (unless model.check_memory is false)."""
+    from .stream_run import choose_plan
 
     spec = recipe.model
     config = load_config(spec.source, spec.revision, spec.trust_remote_code)
     dtype = resolve_dtype(spec.dtype, device)
-    memory = plan_memory(recipe, config, dtype, device,
-                         conversion=conversion_bytes(checkpoint_files(spec.source), config, dtype))
-    blockers = stream_blockers(recipe) if spec.stream != "never" else []
-    stream = spec.stream == "always"
-    if spec.stream == "auto" and spec.check_memory and memory.problem(recipe):
-        streamed = plan_memory(recipe, config, dtype, device, streamed=True)
-        if not blockers and not streamed.problem(recipe):
-            log("the whole model does not fit in memory: streaming it from disk block by block (model.stream: auto)")
-            memory, stream = streamed, True
-        elif blockers and not streamed.problem(recipe):
-            log("streaming the model block by block would fit, but: " + "; ".join(blockers))
-    elif stream:
-        memory = plan_memory(recipe, config, dtype, device, streamed=True)
-    for line in memory.lines():
+    memory, stream, notes = choose_plan(recipe, config, dtype, device,
+                                        conversion_bytes(checkpoint_files(spec.source), config, dtype))
+    for line in notes + memory.lines():
         log(line)
     if spec.check_memory and (why := memory.problem(recipe)):
         raise NotEnoughMemory(why)

@@ -25,6 +25,7 @@ from .data import eval_windows
 from .distributed import world
 from .evaluate.memory import folder_bytes
 from .kv_cache import kv_layers, set_kv_scales
+from .memory_plan import plan_memory
 from .models import _classify, meta_quant_layers, resolve_device, resolve_dtype, storage_tensors, write_model_files
 from .scheme import FP8_MAX
 from .nn import QuantLinear
@@ -58,6 +59,25 @@ def stream_blockers(recipe: Recipe) -> list[str]:
     if recipe.calibration is not None and recipe.calibration.kind == "self":
         why.append("calibration.kind: self samples text from the whole model (use a text calibration set)")
     return why
+
+
+def choose_plan(recipe: Recipe, config, dtype: torch.dtype, device: str, conversion: int = 0):
+    """(memory plan, stream?, notes): model.stream always streams; auto streams when the whole model would not fit
+    and the streamed run would, and the recipe can stream (else the notes say what stops it); never does not."""
+    spec = recipe.model
+    memory = plan_memory(recipe, config, dtype, device, conversion=conversion)
+    if spec.stream == "always":
+        return plan_memory(recipe, config, dtype, device, streamed=True), True, []
+    if spec.stream == "never" or not spec.check_memory or memory.problem(recipe) is None:
+        return memory, False, []
+    streamed = plan_memory(recipe, config, dtype, device, streamed=True)
+    if streamed.problem(recipe) is not None:
+        return memory, False, []
+    if blockers := stream_blockers(recipe):
+        return memory, False, ["streaming the model block by block (model.stream) would fit, but: " +
+                               "; ".join(blockers)]
+    return streamed, True, ["the whole model does not fit in memory: streaming it from disk block by block "
+                            "(model.stream: auto)"]
 
 
 class StreamedBlocks:

@@ -113,4 +113,9 @@ def test_inspect_plans_a_70b_model_on_the_meta_device(llama70b_config_only, caps
     report = json.loads(capsys.readouterr().out)
     layers = report["stages"][0]
     assert len([e for e in layers if e["scheme"]]) == 80 * 7  # every block linear, lm_head ignored
-    assert report["memory_plan"]["phases"]["load"]["weights"] == 68_976_648_192 * 4  # float32 on a CPU
+    # the whole model (276 GB at float32 on a CPU) does not fit: `compress run` would stream it, one block at a time
+    assert report["streamed"] and "streamed pass" in report["memory_plan"]["phases"]
+    assert main(["inspect", "recipes/int4_rtn.yaml", "--set", f"model={llama70b_config_only}", "--set",
+                 "model.stream=never", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert not report["streamed"] and report["memory_plan"]["phases"]["load"]["weights"] == 68_976_648_192 * 4
