@@ -39,11 +39,25 @@ def _first(out):
 
 
 def _move_non_blocks(model: nn.Module, arch: ArchSpec, device) -> None:
-    """Move everything except the decoder blocks (embeddings, rotary tables, final norm)."""
+    """Move everything except the decoder blocks (embeddings, rotary tables, final norm). Tensors on the meta device
+    (a streamed model's head while the blocks pass) stay there; tied parameters stay tied."""
     blocks = arch.block_list(model)
     set_module(model, arch.blocks, nn.ModuleList())
     try:
-        model.to(device)
+        if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+            model.to(device)
+            return
+        moved: dict[int, Tensor] = {}
+        for m in model.modules():
+            for store, wrap in ((m._parameters, True), (m._buffers, False)):
+                for k, t in store.items():
+                    if t is None or t.is_meta:
+                        continue
+                    if id(t) not in moved:
+                        new = t.to(device)  # `t` itself when it is there already
+                        moved[id(t)] = t if new is t else \
+                            (nn.Parameter(new, requires_grad=t.requires_grad) if wrap else new)
+                    store[k] = moved[id(t)]
     finally:
         set_module(model, arch.blocks, blocks)
 

@@ -34,7 +34,7 @@ from .runner import Timings, check_output, compress_model, run_header, set_threa
 from .model_stages import work_dir
 from .shards import ShardReader, ShardWriter
 from .stages.base import make_plan
-from .streaming import STREAM_KINDS, Streamed, open_streamed
+from .streaming import STREAM_KINDS, Streamed, open_streamed, trim_heap
 
 NOT_STREAMED = {  # measured only on a resident model: reported as not measured in a streamed run
     "speed": "tokens/s needs the whole model resident: run `compress eval OUTPUT` on a machine where it fits",
@@ -91,8 +91,8 @@ class StreamedBlocks:
     def begin(self) -> None:  # the block-0 inputs are captured: embeddings and head are not needed until the end
         self.streamed.release_outside()
 
-    def end(self) -> None:
-        self.streamed.load_outside()
+    def end(self) -> None:  # the head for its quantization and the scoring; the embedding goes to disk directly
+        self.streamed.load_outside(skip=self.streamed.arch.embed)
 
     def load(self, i: int, device) -> nn.Module:
         return self.streamed.load(i).to(device)
@@ -104,6 +104,7 @@ class StreamedBlocks:
             for name, t in storage_tensors(block, self.save_dtype, prefix):
                 self.writer.add(name, t)
         self.streamed.release(block)
+        trim_heap()
 
 
 class StreamedEval(BlockVisitor):
@@ -300,6 +301,9 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, 
             log("writing the rest of the model (embeddings, final norm, head) and closing the shards ...")
             for name, t in storage_tensors(model, recipe.output.save_dtype):
                 writer.add(name, t)
+            if any(p.is_meta for p in get_module(model, arch.embed).parameters()):
+                for name, t in streamed.outside_tensors(arch.embed, getattr(torch, recipe.output.save_dtype)):
+                    writer.add(name, t)
             writer.finish()
             write_model_files(model, tokenizer, stage, {"compress_version": __version__,
                                                         "recipe_sha256": recipe.sha256, "recipe": recipe.text,

@@ -75,20 +75,51 @@ class Streamed:
         """Back to the meta device: the block's memory is freed (its structure and QuantLinear schemes stay)."""
         to_meta(block)
 
-    def load_outside(self) -> None:
-        """Read everything outside the decoder blocks (embeddings, final norm, head) and tie the head again."""
+    def load_outside(self, skip: str | None = None) -> None:
+        """Read everything outside the decoder blocks (embeddings, final norm, head) but the module at `skip` (left
+        on the meta device unless it is tied to what is read), and tie the head again."""
         blocks = self.arch.blocks
-        self.model.load_state_dict(self._state("", self.model, skip=blocks), strict=False, assign=True)
+        state = self._state("", self.model, skip=blocks)
+        if skip is not None and not self.tied:
+            state = {k: v for k, v in state.items() if not k.startswith(skip + ".")}
+        self.model.load_state_dict(state, strict=False, assign=True)
         self.model.tie_weights()
-        still = [n for n, p in self.model.named_parameters() if p.is_meta and not n.startswith(blocks + ".")]
+        still = [n for n, p in self.model.named_parameters() if p.is_meta and not n.startswith(blocks + ".")
+                 and not (skip is not None and n.startswith(skip + "."))]
         if still:
             raise ValueError(f"{self.where}: weights outside the decoder blocks were not found: {still[:5]}")
 
+    @property
+    def tied(self) -> bool:
+        """Whether the head shares the input embedding's weight."""
+        return bool(getattr(self.model.config.get_text_config(), "tie_word_embeddings", False))
+
     def release_outside(self) -> None:
         """The embeddings and the head leave memory while the blocks pass (the runner has its block-0 inputs):
-        `load_outside` reads them again for the head's quantization, the save and the scoring."""
+        `load_outside` reads the head again for its quantization and the scoring."""
         for path in dict.fromkeys((self.arch.embed, self.arch.lm_head)):
             to_meta(get_module(self.model, path))
+
+    def outside_tensors(self, path: str, save_dtype: torch.dtype):
+        """(name, tensor) of the module at `path` read from the checkpoint as the in-memory run would save them
+        (at the run's dtype, then `save_dtype`), without holding the module: the embedding's way to the output."""
+        module = get_module(self.model, path)
+        for rel in module.state_dict(keep_vars=True):
+            full = f"{path}.{rel}"
+            if full in self.keys:
+                t = self.source.get(self.keys[full])
+                yield full, (t.to(self.dtype).to(save_dtype) if t.is_floating_point() else t)
+
+
+def trim_heap() -> None:
+    """Hand the allocator's free memory back to the system (glibc's malloc_trim) after a block leaves: tensors
+    below glibc's mmap threshold (32 MB once raised) are freed into the heap, which otherwise keeps the pages and
+    grows the resident set block after block. Elsewhere a no-op."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def to_meta(module: nn.Module) -> None:
@@ -196,7 +227,7 @@ def open_streamed(kind: str, where: str, dtype: torch.dtype, revision: str | Non
         raise ValueError(f"cannot stream this model: {why}. Set model.stream: false.")
     keys = _checkpoint_names(model, source.names(), _tied_names(model))
     streamed = Streamed(model, arch, source, dtype, keys, origin, tokenizer, name, given)
-    streamed.load_outside()
+    streamed.load_outside(skip=arch.lm_head)  # the head is read when it is needed, after the blocks
     return streamed
 
 
