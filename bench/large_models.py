@@ -26,11 +26,11 @@ SIZES = {  # Llama-2 shapes (hidden, MLP, blocks, heads, KV heads); SmolLM2's vo
     "7b": (4096, 11008, 32, 32, 32),
     "13b": (5120, 13824, 40, 40, 40),
 }
-RUNS = {  # name -> (recipe, overrides); every run: 2 × 512 evaluation windows, no speed (a streamed run skips it)
+RUNS = {  # name -> (recipe, overrides); every run: 2 × 256-token evaluation windows, no speed (a streamed run skips it)
     "rtn": ("recipes/int4_rtn.yaml", ["calibration.n_samples=4", "calibration.seq_len=256"]),
     "gptq": ("recipes/gptq_int4.yaml", ["calibration.n_samples=8", "calibration.seq_len=256"]),
 }
-COMMON = ["eval.max_windows=2", "eval.seq_len=512", "eval.speed=false", "calibration.threads=2", "eval.threads=2",
+COMMON = ["eval.max_windows=2", "eval.seq_len=256", "eval.speed=false", "calibration.threads=2", "eval.threads=2",
           "output.overwrite=true"]
 
 

@@ -180,15 +180,13 @@ def plan_memory(recipe, config, dtype: torch.dtype, device: str, available: int 
 
 
 def _streamed_plan(recipe, size: ModelSize, width: int, dtype, device: str, available, device_available) -> MemoryPlan:
-    """A streamed run (stream_run.py): what lies outside the blocks, one block (and its dequantized copy while its
-    compressed forward runs), the calibration activations and statistics, both models' evaluation hidden states;
-    then the scoring: final hidden states and logits."""
-    outside = (size.parameters - size.layers * size.block_parameters) * width
+    """A streamed run (stream_run.py): one block (and its dequantized copy while its compressed forward runs), the
+    calibration activations and statistics, both models' evaluation hidden states; before and after the blocks, the
+    embedding (to capture the blocks' inputs) or the head (to score), one at a time, and the logits."""
     ev = recipe.eval
     windows = (ev.max_windows or EVAL_TOKENS // ev.seq_len) if ev.perplexity else 0
     hidden = (2 if ev.baseline else 1) * windows * ev.seq_len * size.hidden * width
-    passing = {"outside the blocks": outside, "one block": 2 * size.block_parameters * width,
-               "evaluation hidden states": hidden}
+    passing = {"one block": 2 * size.block_parameters * width, "evaluation hidden states": hidden}
     if recipe.calibration is not None:
         cal = recipe.calibration
         acts = 3 * cal.n_samples * cal.seq_len * size.hidden * width
@@ -196,10 +194,10 @@ def _streamed_plan(recipe, size: ModelSize, width: int, dtype, device: str, avai
         stats = 4 * size.hessian_floats if any(n.hessian for n in needs) else 0
         kept = 4 * max((n.replay_samples for n in needs), default=0) * cal.seq_len * size.input_features
         passing.update({"calibration activations": 0 if cal.offload == "disk" else acts, "block statistics": stats + kept})
-    phases = {"streamed pass": passing}
-    if windows:
-        phases["scoring"] = {"outside the blocks": outside, "evaluation hidden states": hidden,
-                             "logits": 4 * 4 * ev.seq_len * size.vocab}
+    phases = {"streamed pass": passing,
+              "embedding or head": {"embedding or head": size.vocab * size.hidden * width,
+                                    "evaluation hidden states": hidden,
+                                    "logits": 4 * 4 * ev.seq_len * size.vocab if windows else 0}}
     phases = {name: {"runtime": RUNTIME, **{k: v for k, v in parts.items() if v}} for name, parts in phases.items()}
     if available is None:
         available = psutil.virtual_memory().available
