@@ -7,6 +7,7 @@ the process's resident memory from /proc every 50 ms (VmRSS, and RssAnon: what m
 and reading the report's peak RSS (getrusage). Results go to bench/results/large_models.json.
 
     python bench/large_models.py [--sizes 7b,13b] [--runs rtn,gptq] [--models-dir DIR] [--keep]
+    python bench/large_models.py --embedded    # streamed vs in-memory wall time on the embedded model
 """
 from __future__ import annotations
 
@@ -89,9 +90,9 @@ def watch(proc: subprocess.Popen, every: float = 0.05) -> dict:
     return peak
 
 
-def run_one(model: Path, recipe: str, overrides: list[str], out: Path, log: Path) -> dict:
+def run_one(model: Path, recipe: str, overrides: list[str], out: Path, log: Path, common: bool = True) -> dict:
     cmd = [sys.executable, "-m", "compress", "run", recipe, "--no-progress", "--output", str(out),
-           "--set", f"model={model}"] + [a for o in overrides + COMMON for a in ("--set", o)]
+           "--set", f"model={model}"] + [a for o in overrides + (COMMON if common else []) for a in ("--set", o)]
     t = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
@@ -107,7 +108,8 @@ def run_one(model: Path, recipe: str, overrides: list[str], out: Path, log: Path
     models = report["eval"]["models"]
     row.update({
         "peak_rss_report": report["eval"]["peak_rss_bytes"],
-        "memory_plan_peak": report["memory_plan"]["peak_bytes"], "memory_plan_dtype": report["memory_plan"]["dtype"],
+        "memory_plan_peak": report.get("memory_plan", {}).get("peak_bytes"),
+        "memory_plan_dtype": report.get("memory_plan", {}).get("dtype"),
         "streamed": report.get("streamed"), "timings": report["timings"],
         "ppl": {n: m.get("ppl") for n, m in models.items()}, "kl": models["compressed"].get("kl"),
         "top1": models["compressed"].get("top1_agreement"),
@@ -117,8 +119,29 @@ def run_one(model: Path, recipe: str, overrides: list[str], out: Path, log: Path
     return row
 
 
+def embedded(base: Path, commit: str) -> dict:
+    """The streamed path's cost on the embedded model: the same int4 RTN run in memory and streamed, one after the
+    other in fresh processes (nothing else running), wall time and report figures side by side."""
+    out = {"commit": commit, "date": datetime.date.today().isoformat(), "runs": {}}
+    overrides = ["calibration.n_samples=8", "calibration.seq_len=512", "eval.max_windows=2", "eval.seq_len=2048",
+                 "eval.speed=false", "calibration.threads=1", "eval.threads=1", "output.overwrite=true"]
+    for mode in ("never", "always", "never", "always"):  # twice each, interleaved: the median of two
+        row = run_one(Path("default"), "recipes/int4_rtn.yaml", overrides + [f"model.stream={mode}"],
+                      base / f"out-embedded-{mode}", base / f"log-embedded-{mode}.txt", common=False)
+        out["runs"].setdefault(mode, []).append({k: row.get(k) for k in ("wall_s", "ppl", "kl", "top1", "timings",
+                                                                         "peak_rss_report", "exit")})
+        print(mode, row["wall_s"], row.get("ppl"), flush=True)
+    walls = {m: sorted(r["wall_s"] for r in rows) for m, rows in out["runs"].items()}
+    out["streamed_over_in_memory_wall"] = (sum(walls["always"]) / 2) / (sum(walls["never"]) / 2)
+    out["same_figures"] = all(a["ppl"] == b["ppl"] and a["kl"] == b["kl"] and a["top1"] == b["top1"]
+                              for a, b in zip(out["runs"]["never"], out["runs"]["always"]))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--embedded", action="store_true",
+                        help="only compare the streamed and in-memory runs on the embedded model (wall time)")
     parser.add_argument("--sizes", default="7b,13b")
     parser.add_argument("--runs", default="rtn,gptq")
     parser.add_argument("--models-dir", default="/tmp/compress-large")
@@ -130,6 +153,11 @@ def main() -> None:
     base.mkdir(parents=True, exist_ok=True)
     results_path = ROOT / "bench" / "results" / "large_models.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {"rows": []}
+    if args.embedded:
+        results["embedded"] = embedded(base, commit)
+        print(json.dumps({k: v for k, v in results["embedded"].items() if k != "runs"}))
+        results_path.write_text(json.dumps(results, indent=2) + "\n")
+        return
     for size in args.sizes.split(","):
         folder = base / f"llama-{size}"
         if not (folder / "config.json").exists():

@@ -353,8 +353,8 @@ def cmd_inspect(args) -> int:
     described = [stage.describe(plan, i) for i, stage in enumerate(recipe.stages)]
     device = resolve_device(spec.device)
     dtype = resolve_dtype(spec.dtype, device)
-    memory, stream, notes = choose_plan(recipe, model.config, dtype, device,
-                                        conversion_bytes(checkpoint_files(spec.source), model.config, dtype))
+    memory, recipe, stream, notes = choose_plan(recipe, model.config, dtype, device,
+                                                conversion_bytes(checkpoint_files(spec.source), model.config, dtype))
     if args.json:
         print(json.dumps({"arch": to_plain(arch), "stages": [data for _, data in described],
                           "memory_plan": memory.to_dict(), "streamed": stream}, indent=2))

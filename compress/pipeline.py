@@ -99,7 +99,7 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
     check_output(out, recipe.output.overwrite)
     device = resolve_device(recipe.model.device)
     set_threads(recipe.model.threads)
-    memory, streamed = check_memory(recipe, device, log)  # before any weight is read: refuse a run that cannot fit
+    memory, recipe, streamed = check_memory(recipe, device, log)  # before any weight is read: refuse what cannot fit
     if streamed:
         from .stream_run import run_streamed
         return run_streamed(recipe, progress, log, memory, resume)
@@ -140,22 +140,23 @@ class NotEnoughMemory(RuntimeError):
     pass
 
 
-def check_memory(recipe: Recipe, device: str, log) -> tuple[MemoryPlan, bool]:
-    """The run's memory plan from the model's config (memory_plan.py), logged, and whether to stream the model
-    block by block (stream_run.choose_plan). Raises NotEnoughMemory, naming the settings that would make it fit,
-    when the predicted peak exceeds what the machine has (unless model.check_memory is false)."""
+def check_memory(recipe: Recipe, device: str, log) -> tuple[MemoryPlan, Recipe, bool]:
+    """The run's memory plan from the model's config (memory_plan.py), logged; the recipe to run (its calibration
+    activations moved to disk when only that makes it fit) and whether to stream the model block by block
+    (stream_run.choose_plan). Raises NotEnoughMemory, naming the settings that would make it fit, when the
+    predicted peak exceeds what the machine has (unless model.check_memory is false)."""
     from .stream_run import choose_plan
 
     spec = recipe.model
     config = load_config(spec.source, spec.revision, spec.trust_remote_code)
     dtype = resolve_dtype(spec.dtype, device)
-    memory, stream, notes = choose_plan(recipe, config, dtype, device,
-                                        conversion_bytes(checkpoint_files(spec.source), config, dtype))
+    memory, recipe, stream, notes = choose_plan(recipe, config, dtype, device,
+                                                conversion_bytes(checkpoint_files(spec.source), config, dtype))
     for line in notes + memory.lines():
         log(line)
     if spec.check_memory and (why := memory.problem(recipe)):
         raise NotEnoughMemory(why)
-    return memory, stream
+    return memory, recipe, stream
 
 
 def load_source(recipe: Recipe, device: str):

@@ -10,6 +10,7 @@ calibration, pruning and distillation) is refused up front or reported as not me
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -44,8 +45,11 @@ NOT_STREAMED = {  # measured only on a resident model: reported as not measured 
 def stream_blockers(recipe: Recipe) -> list[str]:
     """Why this recipe cannot run streamed (empty when it can), each naming the way out."""
     why = []
-    kind = _classify(recipe.model.source)[0]
-    if kind not in STREAM_KINDS:
+    try:
+        kind = _classify(recipe.model.source)[0]
+    except FileNotFoundError:  # loading says what is wrong with the source
+        kind = None
+    if kind is not None and kind not in STREAM_KINDS:
         why.append(f"a {kind} model is loaded as a whole (stream a Hugging Face folder, a hub id or a .gguf file)")
     if any(s.whole_model for s in recipe.stages):
         why.append("prune and distill act on the whole model (run them on a machine where it fits, then stream "
@@ -61,23 +65,48 @@ def stream_blockers(recipe: Recipe) -> list[str]:
     return why
 
 
-def choose_plan(recipe: Recipe, config, dtype: torch.dtype, device: str, conversion: int = 0):
-    """(memory plan, stream?, notes): model.stream always streams; auto streams when the whole model would not fit
-    and the streamed run would, and the recipe can stream (else the notes say what stops it); never does not."""
+def choose_plan(recipe: Recipe, config, dtype: torch.dtype, device: str, conversion: int = 0,
+                available: int | None = None):
+    """(memory plan, the recipe to run, stream?, notes). model.stream: always streams; auto streams when the whole
+    model would not fit and the streamed run would and the recipe can stream (else the notes say what stops it);
+    never does not. Before streaming, and when a streamed run alone does not fit, calibration activations that do
+    not fit in memory go to disk (calibration.offload: disk, chosen here when the recipe left it at memory)."""
     spec = recipe.model
-    memory = plan_memory(recipe, config, dtype, device, conversion=conversion)
+
+    def plan(r: Recipe, streamed: bool):
+        return plan_memory(r, config, dtype, device, available, conversion=0 if streamed else conversion,
+                           streamed=streamed)
+
+    def fitting(streamed: bool):
+        """The recipe as given, or with its activations on disk, whichever fits first (None: neither)."""
+        memory = plan(recipe, streamed)
+        if memory.problem(recipe) is None or not spec.check_memory:
+            return memory, recipe, []
+        cal = recipe.calibration
+        if cal is not None and cal.offload == "memory" and torch.device(device).type == "cpu":
+            spilled = dataclasses.replace(recipe, calibration=dataclasses.replace(cal, offload="disk"))
+            memory = plan(spilled, streamed)
+            if memory.problem(spilled) is None:
+                return memory, spilled, ["the calibration activations do not fit in memory: they go to disk "
+                                         "(calibration.offload: disk, chosen from the memory plan)"]
+        return None
+
     if spec.stream == "always":
-        return plan_memory(recipe, config, dtype, device, streamed=True), True, []
-    if spec.stream == "never" or not spec.check_memory or memory.problem(recipe) is None:
-        return memory, False, []
-    streamed = plan_memory(recipe, config, dtype, device, streamed=True)
-    if streamed.problem(recipe) is not None:
-        return memory, False, []
+        memory, run_recipe, notes = fitting(True) or (plan(recipe, True), recipe, [])
+        return memory, run_recipe, True, notes
+    whole = fitting(False)
+    if whole is not None or spec.stream == "never":
+        memory, run_recipe, notes = whole or (plan(recipe, False), recipe, [])
+        return memory, run_recipe, False, notes
+    streamed = fitting(True)
+    if streamed is None:
+        return plan(recipe, False), recipe, False, []
     if blockers := stream_blockers(recipe):
-        return memory, False, ["streaming the model block by block (model.stream) would fit, but: " +
-                               "; ".join(blockers)]
-    return streamed, True, ["the whole model does not fit in memory: streaming it from disk block by block "
-                            "(model.stream: auto)"]
+        return plan(recipe, False), recipe, False, [
+            "streaming the model block by block (model.stream) would fit, but: " + "; ".join(blockers)]
+    memory, run_recipe, notes = streamed
+    return memory, run_recipe, True, ["the whole model does not fit in memory: streaming it from disk block by "
+                                      "block (model.stream: auto)"] + notes
 
 
 class StreamedBlocks:

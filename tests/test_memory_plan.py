@@ -119,3 +119,21 @@ def test_inspect_plans_a_70b_model_on_the_meta_device(llama70b_config_only, caps
                  "model.stream=never", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert not report["streamed"] and report["memory_plan"]["phases"]["load"]["weights"] == 68_976_648_192 * 4
+
+
+def test_activations_that_do_not_fit_go_to_disk_before_the_model_is_streamed():
+    from compress.stream_run import choose_plan
+
+    recipe = from_dict({"model": {"source": "unused"}, "stages": [{"stage": "quantize", "method": "gptq",
+                                                                   "scheme": "W4A16"}],
+                        "calibration": {"kind": "wikitext2", "n_samples": 512, "seq_len": 2048},
+                        "eval": {"seq_len": 2048, "max_windows": 4}})
+    config = LlamaConfig(**LLAMA2_7B)  # 13.5 GB at bf16; 512 x 2048 calibration activations: 25.8 GB
+    memory, chosen, stream, notes = choose_plan(recipe, config, torch.bfloat16, "cpu", available=int(24 * GB))
+    assert not stream and chosen.calibration.offload == "disk" and "calibration.offload: disk" in notes[0]
+    assert memory.problem(chosen) is None and recipe.calibration.offload == "memory"  # the recipe is not changed
+    memory, chosen, stream, notes = choose_plan(recipe, config, torch.bfloat16, "cpu", available=int(16 * GB))
+    assert stream and chosen.calibration.offload == "disk" and memory.problem(chosen) is None
+    assert "streaming" in notes[0] and "offload: disk" in notes[1]
+    memory, chosen, stream, _ = choose_plan(recipe, config, torch.bfloat16, "cpu", available=int(1 * GB))
+    assert not stream and memory.problem(chosen) is not None  # nothing fits: refused, naming the fixes
