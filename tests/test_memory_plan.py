@@ -101,7 +101,7 @@ def test_the_streamed_plan_holds_one_block_not_the_model():
     assert whole.problem(recipe) is not None and streamed.problem(recipe) is None
     passing = streamed.phases["streamed pass"]
     block = 2 * 8192 ** 2 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192  # one Llama-2-70B block (GQA, 8 KV heads)
-    assert passing["one block"] == 2 * block * 2  # the block at bf16, and its dequantized copy
+    assert passing["one block"] == int(3.5 * block * 2)  # the block at bf16, its copies, the allocator's slack
     assert streamed.phases["embedding or head"]["embedding or head"] == 32000 * 8192 * 2  # one of them at a time
     assert passing["block statistics"] == 4 * (3 * 8192 ** 2 + 28672 ** 2)  # GPTQ's Hessians, float32
     assert passing["evaluation hidden states"] == 2 * 4 * 2048 * 8192 * 2
