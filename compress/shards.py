@@ -147,7 +147,7 @@ class ShardWriter:
     `write_safetensors` does (one `model.safetensors`, or `model-0000i-of-0000N.safetensors` and the index)."""
 
     def __init__(self, folder: str | Path, metadata: dict[str, str] | None = None,
-                 max_shard_bytes: int = MAX_SHARD_BYTES):
+                 max_shard_bytes: int = MAX_SHARD_BYTES, keep_closed: bool = False):
         if max_shard_bytes < 1:
             raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
         self.folder, self.max = Path(folder), max_shard_bytes
@@ -156,7 +156,10 @@ class ShardWriter:
         self.header: dict[str, dict] = {}
         self.size = self.total = 0
         self.data = None
-        self.stale: list[Path] = []  # data files of closed shards, kept until a checkpoint no longer needs them
+        # keep_closed: a closed shard's data file stays until `drop_stale` (a checkpoint that records the shard
+        # as closed no longer needs it); else it is deleted at once
+        self.keep_closed = keep_closed
+        self.stale: list[Path] = []
 
     def add(self, name: str, tensor: Tensor) -> None:
         if name in self.header or any(name in names for _, names in self.parts):
@@ -183,7 +186,10 @@ class ShardWriter:
         with open(path, "wb") as out, open(data_path, "rb") as data:
             out.write(struct.pack("<Q", len(header)) + header)
             shutil.copyfileobj(data, out, 16 << 20)
-        self.stale.append(data_path)
+        if self.keep_closed:
+            self.stale.append(data_path)
+        else:
+            data_path.unlink()
         self.parts.append((path, list(self.header)))
         self.header, self.size, self.data = {}, 0, None
 
@@ -203,10 +209,10 @@ class ShardWriter:
 
     @classmethod
     def restore(cls, folder: str | Path, state: dict, metadata: dict[str, str] | None = None,
-                max_shard_bytes: int = MAX_SHARD_BYTES) -> "ShardWriter":
+                max_shard_bytes: int = MAX_SHARD_BYTES, keep_closed: bool = True) -> "ShardWriter":
         """The writer as `state()` recorded it: tensors added after that are cut from the open shard's data file
         (it is reopened from the closed shard's data if the shard was closed after the checkpoint)."""
-        writer = cls(folder, metadata, max_shard_bytes)
+        writer = cls(folder, metadata, max_shard_bytes, keep_closed)
         writer.parts = [(writer.folder / name, names) for name, names in state["parts"]]
         writer.header, writer.size, writer.total = state["header"], state["size"], state["total"]
         if state["data"] is not None:

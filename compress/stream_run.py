@@ -308,7 +308,7 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, 
     evaluation = StreamedEval(windows) if windows is not None else None
     writer = None
     if recipe.output.save_model and main:
-        shard_args = ({"compress": "1"}, recipe.output.max_shard_bytes)
+        shard_args = ({"compress": "1"}, recipe.output.max_shard_bytes, True)  # keep_closed: for the checkpoint
         writer = ShardWriter.restore(stage, state["writer"], *shard_args) if state else ShardWriter(stage, *shard_args)
     blocks = StreamedBlocks(streamed, writer, recipe.output.save_dtype)
     checkpoint = StreamCheckpoint(work / "stream", recipe.sha256, writer, blocks, evaluation, state) \

@@ -45,6 +45,7 @@ def test_shard_writer_writes_files_safetensors_and_transformers_read(tmp_path):
     writer = ShardWriter(tmp_path, {"compress": "1"}, max_shard_bytes=1000)
     for name, t in tensors.items():
         writer.add(name, t)
+        assert len(list(tmp_path.glob(".part-*.data"))) == 1  # a closed shard's data file goes at once
     names = writer.finish()
     assert names == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", INDEX]
     index = json.loads((tmp_path / INDEX).read_text())
