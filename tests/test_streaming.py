@@ -269,7 +269,8 @@ def _four_blocks(tmp_path, family="llama"):
 
 
 @requires_data
-@pytest.mark.parametrize("recipe,crash_at", [("gptq", 2), ("awq", 1), ("w8a8+kv", 3)])
+@pytest.mark.parametrize("recipe,crash_at", [("gptq", 2), pytest.param("awq", 1, marks=pytest.mark.slow),
+                                              pytest.param("w8a8+kv", 3, marks=pytest.mark.slow)])
 def test_a_killed_streamed_run_resumes_at_its_block_and_ends_bit_for_bit(tmp_path, monkeypatch, recipe, crash_at):
     from compress.stream_run import StreamedBlocks
 
@@ -350,7 +351,7 @@ def test_two_processes_reduce_the_statistics_of_all_windows(tmp_path):
 
 
 @requires_data
-@pytest.mark.parametrize("stream", ["never", "always"])
+@pytest.mark.parametrize("stream", ["never", pytest.param("always", marks=pytest.mark.slow)])
 def test_gptq_on_two_processes_equals_one_process(tmp_path, stream):
     """`torchrun --nproc-per-node 2 -m compress run` (gloo): the same GPTQ output and block errors as one process,
     up to float summation order; rank 0 writes and evaluates."""
