@@ -242,8 +242,4 @@ def _download(repo: str, revision: str | None) -> str:
         raise OSError(f"could not download {repo!r} from the hub: {exc}. Use a local folder instead.") from exc
 
 
-def block_tensors(prefix: str, block: nn.Module) -> dict[str, Tensor]:
-    return {f"{prefix}.{k}": v for k, v in block.state_dict().items()}
-
-
 __all__ = ["Streamed", "open_streamed", "check_streamable", "STREAM_KINDS"]
