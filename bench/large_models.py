@@ -35,21 +35,30 @@ COMMON = ["eval.max_windows=2", "eval.seq_len=256", "eval.speed=false", "calibra
           "output.overwrite=true"]
 
 
-def build(name: str, folder: Path) -> int:
-    """A random-weight Llama of shape `name` in `folder`, written tensor by tensor. Returns its parameter count."""
-    import torch
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+def llama_config(shape: tuple, max_positions: int = 4096):
+    """(LlamaConfig of `shape` = (hidden, MLP, blocks, heads, KV heads) with SmolLM2's vocabulary, its tokenizer)."""
+    from transformers import AutoTokenizer, LlamaConfig
 
     from compress.default_model import default_model_path
-    from compress.shards import ShardWriter
 
-    hidden, inter, layers, heads, kv = SIZES[name]
+    hidden, inter, layers, heads, kv = shape
     gguf = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv, vocab_size=len(tokenizer),
-                         max_position_embeddings=4096, tie_word_embeddings=False, dtype="bfloat16")
+                         max_position_embeddings=max_positions, tie_word_embeddings=False, dtype="bfloat16")
+    return config, tokenizer
+
+
+def build(name: str, folder: Path) -> int:
+    """A random-weight Llama of shape `name` in `folder`, written tensor by tensor. Returns its parameter count."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from compress.shards import ShardWriter
+
+    config, tokenizer = llama_config(SIZES[name])
     with init_empty_weights():
         skeleton = AutoModelForCausalLM.from_config(config)
     tmp = folder.with_name(folder.name + ".building")

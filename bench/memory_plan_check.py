@@ -37,16 +37,11 @@ COMMON = ["eval.max_windows=2", "eval.seq_len=512", "eval.speed=false", "calibra
 
 def build(name: str, folder: Path) -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
-    from compress.default_model import default_model_path
+    from large_models import llama_config  # bench/: the same shapes' configs
 
-    hidden, inter, layers, heads, kv = SIZES[name]
-    gguf = default_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv, vocab_size=len(tokenizer),
-                         max_position_embeddings=2048, tie_word_embeddings=False)
+    config, tokenizer = llama_config(SIZES[name], max_positions=2048)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder)
