@@ -61,7 +61,8 @@ examples:
   compress export runs/awq_int4 --format compressed-tensors --format awq
   compress export runs/int8_g32 --format gguf-q8_0 --output /srv/models/smollm2-q8_0 --verify
 
-Exports go to RUN_DIR/exports/FORMAT/ unless --output is given; nothing is recomputed.
+Exports go to RUN_DIR/exports/FORMAT/ unless --output is given; nothing is recomputed. A compress checkpoint is
+read one decoder block at a time, so a model larger than memory exports in the memory of one block.
 """
 
 EPILOG_VERIFY = """examples:
@@ -207,13 +208,18 @@ def cmd_export(args) -> int:
     from .export import check_export, export_model
     from .export.verify import verify_export
     from .models import load_model
+    from .streaming import open_compressed, stream_parts
 
     run_dir = Path(args.run_dir)
     if args.output and len(args.formats) > 1:
         raise ValueError("--output names one folder; give one --format with it (or omit --output)")
-    loaded = load_model(str(run_dir))
+    # a compress checkpoint is read one decoder block at a time, so a model of any size exports in the memory of
+    # one block; anything else transformers loads is loaded whole
+    native = (run_dir / "compress.json").is_file()
+    whole = None if native else load_model(str(run_dir))
+    skeleton = open_compressed(run_dir).model if native else whole.model
     for fmt in args.formats:  # every format checked before anything is written
-        check_export(loaded.model, fmt)
+        check_export(skeleton, fmt)
     source = _run_source(run_dir)
     meta = {"source_model": str(run_dir.resolve()), "original_model": source}
     recipe = run_dir / "recipe.yaml"
@@ -223,13 +229,17 @@ def cmd_export(args) -> int:
         meta.update(recipe_sha256=hashlib.sha256(text.encode()).hexdigest(), recipe=text)
     for fmt in args.formats:
         out = Path(args.output) if args.output else run_dir / "exports" / fmt
-        export_model(loaded.model, loaded.tokenizer, fmt, out, meta, overwrite=args.overwrite,
+        streamed = open_compressed(run_dir) if native else None
+        model, tokenizer = (streamed.model, streamed.tokenizer) if native else (whole.model, whole.tokenizer)
+        export_model(model, tokenizer, fmt, out, meta, overwrite=args.overwrite,
                      source_gguf=source if source and source.endswith(".gguf") else None,
-                     max_shard_bytes=int(args.max_shard_gb * 10 ** 9))
+                     max_shard_bytes=int(args.max_shard_gb * 10 ** 9),
+                     parts=stream_parts(streamed) if native else None)
         print(f"{fmt}: wrote {out}")
-        if args.verify:
-            _print_verify(fmt, verify_export(out, loaded.model, _verify_windows(loaded.tokenizer, args.windows,
-                                                                                  args.seq_len)))
+        if args.verify:  # the comparison needs the whole model
+            whole = whole or load_model(str(run_dir))
+            _print_verify(fmt, verify_export(out, whole.model, _verify_windows(whole.tokenizer, args.windows,
+                                                                                 args.seq_len)))
     return 0
 
 

@@ -233,8 +233,11 @@ def meta_quant_layers(model: nn.Module, layers: dict[str, QuantScheme], dtype: t
     return model
 
 
-def load_compressed(folder: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Rebuild a model saved by save_compressed: the config's architecture with QuantLinear layers."""
+def compressed_skeleton(folder: str | Path, dtype: torch.dtype, shapes: dict[str, tuple]) -> tuple[nn.Module, set[str]]:
+    """(model on the meta device, names kept at their stored dtype) for a folder written by save_compressed: the
+    config's architecture with its QuantLinear layers and KV-cache scales; `shapes` (tensor name -> shape, from the
+    file's headers) sizes what only the file knows (LLM.int8 static outlier features). The kept names are the
+    QuantLinear buffers (codes, scales) and the KV scales; every other float tensor is read at `dtype`."""
     from transformers import AutoConfig
 
     folder = Path(folder)
@@ -246,14 +249,20 @@ def load_compressed(folder: str | Path, dtype: torch.dtype = torch.float32) -> n
                       fields["v_scale"] * FP8_MAX[fields["dtype"]], fields["dtype"])
     if meta.get("kv_cache"):
         use_kv_attention(model)
-    state = read_safetensors(folder)
-    keep = {k for k in state if any(k.startswith(n + ".") and k[len(n) + 1:] != "bias" for n in meta["layers"])}
+    keep = {k for k in shapes if any(k.startswith(n + ".") and k[len(n) + 1:] != "bias" for n in meta["layers"])}
     keep |= {f"{n}.{b}" for n in meta.get("kv_cache", {}) for b in ("k_scale", "v_scale")}
-    state = {k: (v.to(dtype) if v.is_floating_point() and k not in keep else v) for k, v in state.items()}
     for name in meta["layers"]:  # LLM.int8 static outlier features: their count is only known from the file
         key = f"{name}.outlier_cols"
-        if key in state:
-            model.get_submodule(name).outlier_cols = torch.empty(state[key].shape, dtype=torch.int64, device="meta")
+        if key in shapes:
+            model.get_submodule(name).outlier_cols = torch.empty(tuple(shapes[key]), dtype=torch.int64, device="meta")
+    return model, keep
+
+
+def load_compressed(folder: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Rebuild a model saved by save_compressed: the config's architecture with QuantLinear layers."""
+    state = read_safetensors(folder)
+    model, keep = compressed_skeleton(folder, dtype, {k: tuple(v.shape) for k, v in state.items()})
+    state = {k: (v.to(dtype) if v.is_floating_point() and k not in keep else v) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     still_meta = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]

@@ -6,7 +6,8 @@ compress it, its compressed forward feeds the next block's calibration inputs an
 windows, its tensors go to the output's shards (shards.ShardWriter), and it leaves memory. After the last block,
 both models' final hidden states go through the final norm and the head for perplexity, KL and top-1: the baseline
 is never a second copy. What needs the whole model resident (speed, lm-eval tasks, exports, self-generated
-calibration, pruning and distillation) is refused up front or reported as not measured, with the reason.
+calibration, pruning and distillation) is refused up front or reported as not measured, with the reason. The
+exports are written afterwards from the saved checkpoint, again one block at a time (export_streamed).
 """
 from __future__ import annotations
 
@@ -54,9 +55,9 @@ def stream_blockers(recipe: Recipe) -> list[str]:
     if any(s.whole_model for s in recipe.stages):
         why.append("prune and distill act on the whole model (run them on a machine where it fits, then stream "
                    "the quantization of their output)")
-    if recipe.output.formats:
-        why.append("output.formats: the exports read the whole compressed model (write the compress checkpoint "
-                   "here, then `compress export` it where it fits)")
+    if recipe.output.formats and not recipe.output.save_model:
+        why.append("output.formats with output.save_model: false: a streamed run exports block by block from the "
+                   "checkpoint it saves (set output.save_model: true)")
     if recipe.eval.tasks:
         why.append("eval.tasks: lm-eval needs the whole model resident (set eval.tasks: [] here, and run "
                    "`compress eval OUTPUT --tasks ...` where the model fits)")
@@ -337,6 +338,9 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, 
             write_model_files(model, tokenizer, stage, {"compress_version": __version__,
                                                         "recipe_sha256": recipe.sha256, "recipe": recipe.text,
                                                         "source": streamed.where}, recipe.output.save_dtype, blocks.kv)
+    if recipe.output.formats:
+        with timings("export"):
+            report["exports"] = export_streamed(recipe, stage, out, streamed, log, progress)
     with timings("eval"):
         set_threads(recipe.model.threads)
         report["eval"] = streamed_eval(recipe, model, arch, evaluation, windows, baseline_figures, progress)
@@ -361,6 +365,32 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, 
     shutil.rmtree(work, ignore_errors=True)
     log(f"wrote {out}/report.md")
     return report
+
+
+NOT_VERIFIED = ("not reloaded and compared here: the loaders read the whole model, which this run streamed "
+                "because it does not fit; `compress verify OUTPUT/exports/FORMAT` does it where the model fits")
+
+
+def export_streamed(recipe: Recipe, stage: Path, out: Path, streamed: Streamed, log, progress: bool) -> list[dict]:
+    """Each format of output.formats written from the checkpoint just saved in `stage`, one block in memory at a
+    time (streaming.open_compressed + stream_parts); the same files the in-memory run writes."""
+    from .export import export_model
+    from .streaming import open_compressed, stream_parts
+
+    exports = []
+    for fmt in recipe.output.formats:
+        log(f"exporting {fmt} block by block ...")
+        folder = stage / "exports" / fmt
+        folder.parent.mkdir(exist_ok=True)
+        source = open_compressed(stage)
+        record = export_model(source.model, source.tokenizer, fmt, folder, {
+            "recipe_sha256": recipe.sha256, "recipe": recipe.text, "source_model": str(out.resolve()),
+            "original_model": streamed.source_name},
+            source_gguf=streamed.source_name if streamed.kind == "gguf" else None,
+            max_shard_bytes=recipe.output.max_shard_bytes, parts=stream_parts(source, progress))
+        exports.append({"format": fmt, "folder": f"exports/{fmt}", "loaders": record["loaders"],
+                        "bytes": folder_bytes(folder), "notes": [*record.get("notes", []), NOT_VERIFIED]})
+    return exports
 
 
 def streamed_eval(recipe: Recipe, model: nn.Module, arch, evaluation: StreamedEval | None, windows,

@@ -11,7 +11,9 @@ converts as a whole (a GGUF file, the default model): its state dict is then the
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -49,6 +51,7 @@ class Streamed:
     source_name: str = ""  # the source as resolved (a path or hub id)
     kind: str = ""  # folder | hub | gguf | default
     loaded_blocks: int = field(default=0)
+    keep: frozenset = frozenset()  # tensors read at their stored dtype (a compressed model's codes and scales)
 
     def _state(self, prefix: str, module: nn.Module, skip: str | None = None) -> dict[str, Tensor]:
         """The tensors of `module` (at `prefix`) read from the checkpoint at the run's dtype, except those under
@@ -59,7 +62,7 @@ class Streamed:
             if full not in self.keys or (skip is not None and full.startswith(skip + ".")):
                 continue
             t = self.source.get(self.keys[full])
-            out[rel] = t.to(self.dtype) if t.is_floating_point() else t
+            out[rel] = t.to(self.dtype) if t.is_floating_point() and full not in self.keep else t
         return out
 
     def load(self, i: int) -> nn.Module:
@@ -231,6 +234,45 @@ def open_streamed(kind: str, where: str, dtype: torch.dtype, revision: str | Non
     return streamed
 
 
+def open_compressed(folder: str | Path) -> Streamed:
+    """A compress checkpoint (save_compressed, or a streamed run's output) opened to be read block by block: the
+    skeleton with its QuantLinear layers on the meta device, nothing materialised. Float tensors are read at the
+    checkpoint's own dtype (output.save_dtype), codes and scales at theirs."""
+    from transformers import AutoTokenizer
+
+    from .models import COMPRESS_META, compressed_skeleton
+
+    folder = Path(folder)
+    reader = ShardReader(folder)
+    meta = json.loads((folder / COMPRESS_META).read_text())
+    dtype = getattr(torch, meta.get("save_dtype", "bfloat16"))
+    model, keep = compressed_skeleton(folder, dtype, {n: reader.shape(n)[0] for n in reader.names()})
+    model.tie_weights()
+    arch = get_arch(model)
+    keys = _checkpoint_names(model, reader.names(), _tied_names(model))
+    return Streamed(model.eval(), arch, reader, dtype, keys, f"{folder} (compress checkpoint, block by block)",
+                    AutoTokenizer.from_pretrained(folder), str(folder), "compressed", keep=frozenset(keep))
+
+
+def stream_parts(streamed: Streamed, progress: bool = False):
+    """Materialise the model one part at a time: each decoder block in turn (released before the next), then what
+    lies outside the blocks. Yields a label per part; whatever reads the model meanwhile sees one part resident and
+    the rest on the meta device (a streamed export writes the part's tensors, `export/hf.py`)."""
+    from tqdm.auto import tqdm
+
+    n = len(streamed.arch.block_list(streamed.model))
+    for i in tqdm(range(n), desc="blocks", disable=not progress, leave=False):
+        block = streamed.load(i)
+        yield f"block {i}"
+        streamed.release(block)
+        trim_heap()
+    streamed.load_outside()
+    yield "outside the blocks"
+    for path in dict.fromkeys((streamed.arch.embed, streamed.arch.lm_head, streamed.arch.final_norm)):
+        to_meta(get_module(streamed.model, path))
+    trim_heap()
+
+
 def _download(repo: str, revision: str | None) -> str:
     """The hub model's config, tokenizer and safetensors files in the local cache (nothing is unpickled)."""
     from huggingface_hub import snapshot_download
@@ -242,4 +284,4 @@ def _download(repo: str, revision: str | None) -> str:
         raise OSError(f"could not download {repo!r} from the hub: {exc}. Use a local folder instead.") from exc
 
 
-__all__ = ["Streamed", "open_streamed", "check_streamable", "STREAM_KINDS"]
+__all__ = ["Streamed", "open_streamed", "open_compressed", "stream_parts", "check_streamable", "STREAM_KINDS"]

@@ -36,8 +36,11 @@ def _kv_scales(report):
     # minutes on 2 cores; bench/quant_table.py measures int8 absmax on 8 × 2048 test windows
     pytest.param("recipes/int8_absmax.yaml", 0.005, None, marks=pytest.mark.slow),
     ("recipes/int4_rtn.yaml", 0.60, _int4_bytes),  # int4 g64 zero-point RTN: measured +37.7% on these windows
-    ("recipes/llm_int8.yaml", 0.05, _llm_int8_outliers),  # LLM.int8 dynamic: measured +1.41% on these windows
-    ("recipes/fp8_static_kv.yaml", 0.10, _kv_scales),  # fp8 static + fp8 KV cache: measured +2.66% on these windows
+    # slow too (55 s each): LLM.int8 and fp8 + KV scales are checked on tiny models in the default suite
+    # (test_llm_int8.py, test_kv_cache.py); LLM.int8 dynamic: measured +1.41% on these windows
+    pytest.param("recipes/llm_int8.yaml", 0.05, _llm_int8_outliers, marks=pytest.mark.slow),
+    # fp8 static + fp8 KV cache: measured +2.66% on these windows
+    pytest.param("recipes/fp8_static_kv.yaml", 0.10, _kv_scales, marks=pytest.mark.slow),
 ], ids=["int8_absmax", "int4_rtn", "llm_int8", "fp8_static_kv"])
 def test_recipe_on_smollm2(tmp_path, recipe_file, max_ppl_increase, check):
     out = tmp_path / "run"
@@ -77,6 +80,7 @@ def test_awq_then_gptq_on_smollm2(tmp_path):
     assert all("grouped-query attention" in p["skipped"] for p in pairs if p["pair"].startswith("self_attn.v_proj"))
 
 
+@pytest.mark.slow  # 82 s on 2 cores; pruning, distillation and their reload are tested on tiny models by default
 @requires_data
 def test_minitron_prune_distill_on_smollm2_loads_with_plain_transformers(tmp_path):
     """The recipe on the real model, shortened: the pruned model is smaller, distillation lowers its perplexity,

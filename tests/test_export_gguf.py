@@ -13,7 +13,7 @@ from compress.export.gguf import GGUF_TYPES, gguf_problems, llama_cpp_logits, lo
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.scheme import W8A8, scheme
 from tests.conftest import make_tiny_model
-from tests.tiny_tokenizer import WORDS
+from tests.tiny_tokenizer import CHAT_TEMPLATE, byte_bpe_tokenizer
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("llama_cpp")
@@ -21,7 +21,6 @@ pytest.importorskip("llama_cpp")
 HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
               "mlp.down_proj": "ffn_down"}
-CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
 # Written for this test (not from a corpus): real English prose, ~270 SmolLM2 tokens.
 PARAGRAPH = (
     "The old lighthouse at the edge of the bay had not guided a ship for almost forty years, but the town "
@@ -40,21 +39,6 @@ PARAGRAPH = (
 
 
 # ---------------------------------------------------------------- helpers
-
-def byte_bpe_tokenizer():
-    """A byte-level BPE trained in memory on the tiny word list: fewer ids than the tiny models' 256 rows."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<|endoftext|>"], show_progress=False)
-    tok.train_from_iterator([" ".join(WORDS)] * 4, trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
-                                                eos_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
 
 def quantized(family: str, sch, seed: int = 0):
     model = make_tiny_model(family, seed)

@@ -115,7 +115,11 @@ def stored_weights(fmt: str, folder, model) -> dict[str, torch.Tensor]:
     return {n: t[f"{n}.weight"].float() for n in names}  # dense
 
 
-@pytest.mark.parametrize("fmt", list(CASES))
+# awq, fp8 and gguf-q4_1 (15-21 s each) run with the slow set: their layouts are checked on tiny models by default
+SLOW = ("awq", "fp8", "gguf-q4_1")
+
+
+@pytest.mark.parametrize("fmt", [pytest.param(f, marks=pytest.mark.slow) if f in SLOW else f for f in CASES])
 def test_export_of_the_embedded_model(fmt, embedded, tmp_path):
     sch, kl_share, min_top1 = CASES[fmt]
     model, ours = embedded.quantized(sch)

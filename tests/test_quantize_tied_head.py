@@ -176,7 +176,7 @@ def test_gguf_writes_the_untied_head_as_output_weight_exactly(sch, qtype, tmp_pa
     pytest.importorskip("gguf")
     pytest.importorskip("llama_cpp")
     from compress.export.gguf import llama_cpp_logits, write_gguf
-    from tests.test_export_gguf import byte_bpe_tokenizer
+    from tests.tiny_tokenizer import byte_bpe_tokenizer
 
     model, _ = _quantized(QuantizeStage(scheme=sch, ignore=(), tied_lm_head="untie"))
     path = tmp_path / f"{qtype}.gguf"

@@ -199,7 +199,7 @@ def test_only_one_block_is_in_memory_at_a_time_and_the_output_reloads(tmp_path):
 
 
 @pytest.mark.parametrize("extra,words", [
-    ({"output": {"formats": ["dense"]}}, "compress export"),
+    ({"output": {"formats": ["dense"], "save_model": False}}, "output.save_model: true"),
     ({"eval": {"tasks": ["piqa"]}}, "eval.tasks"),
 ])
 def test_what_cannot_stream_is_refused_with_the_way_out(tmp_path, extra, words):
@@ -234,6 +234,7 @@ def _embedded_runs(tmp_path, source: str) -> tuple[dict, dict]:
     return reports, tensors
 
 
+@pytest.mark.slow  # 47 s: the bit-for-bit tests above cover the streamed path on four tiny families by default
 @requires_data
 def test_the_embedded_model_streamed_from_safetensors_equals_in_memory(tmp_path):
     """SmolLM2-135M's real weights (the default model, written once as a bf16 safetensors folder, as a hub

@@ -17,13 +17,10 @@ from typing import Callable
 from torch import nn
 
 from .._version import __version__
+from .errors import ExportError
 
 EXPORT_META = "export.json"
 GGUF_TYPES = ("f16", "q8_0", "q4_0", "q4_1")  # llama.cpp block formats we write
-
-
-class ExportError(ValueError):
-    """The model cannot be written in the requested format; raised before anything is written."""
 
 
 @dataclass(frozen=True)
@@ -31,7 +28,7 @@ class Exporter:
     name: str
     loaders: str  # who reads it, for --help and the README table
     problems: Callable[[nn.Module], list[str]]  # why this model cannot be exported (empty: it can)
-    write: Callable[..., dict]  # (model, tokenizer, folder, source_gguf=None, max_shard_bytes=...) -> report
+    write: Callable[..., dict]  # (model, tokenizer, folder, source_gguf=None, max_shard_bytes=..., parts=None) -> report
 
 
 def _gguf(qtype: str) -> Exporter:
@@ -39,9 +36,10 @@ def _gguf(qtype: str) -> Exporter:
         from .gguf import gguf_problems
         return gguf_problems(model, qtype)
 
-    def write(model, tokenizer, folder, source_gguf=None, **_):  # one .gguf file (llama.cpp reads one)
+    def write(model, tokenizer, folder, source_gguf=None, parts=None, **_):  # one .gguf file (llama.cpp reads one)
         from .gguf import write_gguf
-        return write_gguf(model, tokenizer, Path(folder) / f"model-{qtype}.gguf", qtype, source_gguf=source_gguf)
+        return write_gguf(model, tokenizer, Path(folder) / f"model-{qtype}.gguf", qtype, source_gguf=source_gguf,
+                          parts=parts)
 
     return Exporter(f"gguf-{qtype}", "llama.cpp, llama-cpp-python, Ollama, LM Studio", problems, write)
 
@@ -85,9 +83,12 @@ def check_export(model: nn.Module, name: str) -> Exporter:
 
 
 def export_model(model: nn.Module, tokenizer, name: str, out: str | Path, meta: dict | None = None,
-                 overwrite: bool = False, source_gguf: str | None = None, max_shard_bytes: int | None = None) -> dict:
+                 overwrite: bool = False, source_gguf: str | None = None, max_shard_bytes: int | None = None,
+                 parts=None) -> dict:
     """Write `model` as format `name` into folder `out` (atomically; safetensors formats in shards of at most
-    `max_shard_bytes`, 5 GB by default). Returns the export record."""
+    `max_shard_bytes`, 5 GB by default). Returns the export record. `parts` streams the model: each of its steps
+    puts one part of `model` in memory (streaming.stream_parts), and the exporter writes that part's tensors then,
+    so a model larger than memory is exported with one decoder block resident."""
     out = Path(out)
     exporter = check_export(model, name)
     if out.exists() and not overwrite:
@@ -98,7 +99,7 @@ def export_model(model: nn.Module, tokenizer, name: str, out: str | Path, meta: 
     tmp.mkdir(parents=True)
     try:
         sharding = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
-        report = exporter.write(model, tokenizer, tmp, source_gguf=source_gguf, **sharding)
+        report = exporter.write(model, tokenizer, tmp, source_gguf=source_gguf, parts=parts, **sharding)
         record = {"format": name, "loaders": exporter.loaders, "compress_version": __version__, **(meta or {}),
                   **report}
         (tmp / EXPORT_META).write_text(json.dumps(record, indent=2, default=str))

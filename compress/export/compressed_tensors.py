@@ -15,6 +15,7 @@ a config group; layers left in float are listed in `ignore`.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -24,7 +25,7 @@ from ..scheme import QuantScheme
 from .awq import fractional_zero_problem
 from ..shards import MAX_SHARD_BYTES
 from .hf import (config_dtype, conv1d_problems, float_linears, float_tensors, kv_modules, quant_layers,
-                 quantized_head, write_hf)
+                 quantized_head, resident, resident_layers, write_hf)
 
 FORMATS = {"pack": "pack-quantized", "int": "int-quantized", "float": "float-quantized"}
 
@@ -165,30 +166,36 @@ def _scale_rounding(m: QuantLinear, written: torch.Tensor) -> float:
 
 
 def write(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.bfloat16,
-          max_shard_bytes: int = MAX_SHARD_BYTES, **_) -> dict:
+          max_shard_bytes: int = MAX_SHARD_BYTES, parts: Iterable | None = None, **_) -> dict:
     kv = kv_modules(model)
     _library()
-    tensors = float_tensors(model, dtype)
     layers = {}
     rounded, worst = 0, 0.0
-    for name, m in quant_layers(model).items():
-        for k, v in layer_tensors(m, dtype).items():
-            tensors[f"{name}.{k}"] = v
-        if m.bias is not None:
-            tensors[f"{name}.bias"] = m.bias.detach().to(dtype)
-        change = _scale_rounding(m, tensors[f"{name}.weight_scale"])
-        if change:
-            rounded, worst = rounded + 1, max(worst, change)
-            layers[name] = (f"{m.scheme.name} -> {layer_format(m.scheme)} (codes copied exactly; {m.scheme.scale_dtype} "
-                            f"scales written as {config_dtype(dtype)}, the dtype vLLM computes them in: up to "
-                            f"{change:.2%} apart)")
-        else:
-            layers[name] = f"{m.scheme.name} -> {layer_format(m.scheme)} (codes and scales copied exactly)"
-    for name, m in kv.items():
-        tensors[f"{name}.k_scale"] = m.k_scale.detach().float().reshape(1)
-        tensors[f"{name}.v_scale"] = m.v_scale.detach().float().reshape(1)
+
+    def tensors() -> dict[str, torch.Tensor]:
+        nonlocal rounded, worst
+        out = float_tensors(model, dtype)
+        for name, m in resident_layers(model).items():
+            for k, v in layer_tensors(m, dtype).items():
+                out[f"{name}.{k}"] = v
+            if m.bias is not None:
+                out[f"{name}.bias"] = m.bias.detach().to(dtype)
+            change = _scale_rounding(m, out[f"{name}.weight_scale"])
+            if change:
+                rounded, worst = rounded + 1, max(worst, change)
+                layers[name] = (f"{m.scheme.name} -> {layer_format(m.scheme)} (codes copied exactly; "
+                                f"{m.scheme.scale_dtype} scales written as {config_dtype(dtype)}, the dtype vLLM "
+                                f"computes them in: up to {change:.2%} apart)")
+            else:
+                layers[name] = f"{m.scheme.name} -> {layer_format(m.scheme)} (codes and scales copied exactly)"
+        for name, m in kv.items():
+            if resident(m):
+                out[f"{name}.k_scale"] = m.k_scale.detach().float().reshape(1)
+                out[f"{name}.v_scale"] = m.v_scale.detach().float().reshape(1)
+        return out
+
     config = quantization_config(model)
-    write_hf(model, tokenizer, folder, tensors, config, dtype, max_shard_bytes=max_shard_bytes)
+    write_hf(model, tokenizer, folder, tensors, config, dtype, max_shard_bytes=max_shard_bytes, parts=parts)
     notes = []
     if rounded:
         notes.append(f"{rounded} layers' scales were rounded to {config_dtype(dtype)} (at most {worst:.2%}), the dtype "

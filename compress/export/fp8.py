@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -21,7 +22,7 @@ from .._version import __version__
 from ..nn import QuantLinear
 from ..shards import MAX_SHARD_BYTES
 from .hf import (config_dtype, conv1d_problems, float_linears, float_tensors, head_problems, kv_modules,
-                 quant_layers, write_hf)
+                 quant_layers, resident, resident_layers, write_hf)
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 
@@ -68,28 +69,33 @@ def _kv_scale_name(model: nn.Module, attention: str, which: str) -> str:
 
 
 def write(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.bfloat16,
-          max_shard_bytes: int = MAX_SHARD_BYTES, **_) -> dict:
+          max_shard_bytes: int = MAX_SHARD_BYTES, parts: Iterable | None = None, **_) -> dict:
     kv = kv_modules(model)
     layers = quant_layers(model)
-    tensors = float_tensors(model, dtype)
     report = {}
-    block = None
-    for name, m in layers.items():
-        qt = m.qtensor()
-        tensors[f"{name}.weight"] = qt.qdata
-        if m.scheme.granularity == "block":
-            block = m.scheme.group_size
-            tensors[f"{name}.weight_scale_inv"] = qt.scale.float().contiguous()
-        else:
-            tensors[f"{name}.weight_scale"] = qt.scale.float().reshape(1)
-        if m.input_scale is not None:
-            tensors[f"{name}.input_scale"] = m.input_scale.detach().float().reshape(1)
-        if m.bias is not None:
-            tensors[f"{name}.bias"] = m.bias.detach().to(dtype)
-        report[name] = f"{m.scheme.name} -> fp8 (values and scales copied exactly)"
-    for name, m in kv.items():
-        tensors[_kv_scale_name(model, name, "k")] = m.k_scale.detach().float().reshape(1)
-        tensors[_kv_scale_name(model, name, "v")] = m.v_scale.detach().float().reshape(1)
+    blocks = {m.scheme.group_size for m in layers.values() if m.scheme.granularity == "block"}
+    block = blocks.pop() if blocks else None  # problems() allows one block size
+
+    def tensors() -> dict[str, torch.Tensor]:
+        out = float_tensors(model, dtype)
+        for name, m in resident_layers(model).items():
+            qt = m.qtensor()
+            out[f"{name}.weight"] = qt.qdata
+            if m.scheme.granularity == "block":
+                out[f"{name}.weight_scale_inv"] = qt.scale.float().contiguous()
+            else:
+                out[f"{name}.weight_scale"] = qt.scale.float().reshape(1)
+            if m.input_scale is not None:
+                out[f"{name}.input_scale"] = m.input_scale.detach().float().reshape(1)
+            if m.bias is not None:
+                out[f"{name}.bias"] = m.bias.detach().to(dtype)
+            report[name] = f"{m.scheme.name} -> fp8 (values and scales copied exactly)"
+        for name, m in kv.items():
+            if resident(m):
+                out[_kv_scale_name(model, name, "k")] = m.k_scale.detach().float().reshape(1)
+                out[_kv_scale_name(model, name, "v")] = m.v_scale.detach().float().reshape(1)
+        return out
+
     static = any(m.scheme.act is not None and not m.scheme.act.dynamic for m in layers.values())
     ignored = sorted(float_linears(model))
     config = {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic",
@@ -97,7 +103,7 @@ def write(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.
     if block is not None:
         config["weight_block_size"] = [block, block]
         config["modules_to_not_convert"] = ignored  # transformers' FineGrainedFP8Config name for the same list
-    write_hf(model, tokenizer, folder, tensors, config, dtype, max_shard_bytes=max_shard_bytes)
+    write_hf(model, tokenizer, folder, tensors, config, dtype, max_shard_bytes=max_shard_bytes, parts=parts)
     notes = []
     per_tensor_static = all(m.scheme.granularity == "tensor" and m.input_scale is not None for m in layers.values())
     if per_tensor_static:

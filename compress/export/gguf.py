@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import tempfile
 from collections import Counter
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -34,6 +36,7 @@ from torch import Tensor, nn
 
 from ..nn import QuantLinear, linear_weight
 from ..qtensor import QuantizedTensor
+from .hf import resident
 
 GGUF_TYPES = ("f16", "q8_0", "q4_0", "q4_1")
 BLOCK = 32  # weights per Q8_0 / Q4_0 / Q4_1 block
@@ -439,7 +442,8 @@ def copy_gguf_tokenizer(writer, reader, source_gguf: str | Path, n_vocab: int) -
 # ---------------------------------------------------------------- writer
 
 def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source_gguf: str | None = None, *,
-               embed_qtype: str | None = None, pre: str | None = None, name: str | None = None) -> dict:
+               embed_qtype: str | None = None, pre: str | None = None, name: str | None = None,
+               parts: Iterable | None = None) -> dict:
     """Write `model` to the .gguf file `path` with its weights in `qtype` (one of GGUF_TYPES).
 
     source_gguf: the .gguf the model was loaded from; its tokenizer.* keys (vocabulary, merges, special ids,
@@ -447,6 +451,9 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
     embed_qtype: type of token_embd (and of a float output head); default q8_0 for the 4-bit types (as
     llama-quantize keeps the output / tied embedding above the 4-bit type), else `qtype`.
     pre: llama.cpp's pre-tokenizer name, when the Hugging Face one is not in PRE_TOKENIZERS.
+    parts: streaming.stream_parts of a streamed model; each tensor is encoded when its part is in memory and goes
+    to a temporary file beside `path` at once (the file's header, written first, needs every tensor's size), so
+    memory holds one block.
     Returns the report: per GGUF tensor its type and path (exact, requantized, quantized-from-float,
     dequantized, float), counts, notes.
     """
@@ -477,7 +484,8 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
         reader = gguf.GGUFReader(str(source_gguf))
         if name is None and "general.name" in reader.fields:
             name = str(reader.fields["general.name"].contents())
-    writer = gguf.GGUFWriter(str(path), arch)
+    writer = gguf.GGUFWriter(str(path), arch, use_temp_file=True)
+    writer.temp_file = tempfile.TemporaryFile(dir=Path(path).parent)  # encoded tensors wait on disk, not in memory
     writer.add_name(name or Path(str(getattr(config, "_name_or_path", "") or arch)).name or arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(hidden)
@@ -543,21 +551,37 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
         add_float(gname, w, target, "dequantized" if target == "f16" else "requantized", scheme=qt.scheme.name,
                   reason=why)
 
-    for gname, hf, role in _entries(model, arch):
+    def present(hf: str, role: str) -> bool:
         if role in ("norm", "bias"):
-            add_float(gname, model.get_parameter(hf).detach(), "f32", "float")  # qwen2 biases: rows unpermuted
-        elif role == "embed":
-            add_float(gname, embed.detach(), embed_qtype, "float" if embed_qtype == "f16" else "quantized-from-float")
-        elif role == "output":
-            module = model.get_submodule(hf)
-            add_linear(gname, module, embed_qtype if not isinstance(module, QuantLinear) else qtype, None)
-        else:
-            heads = None
-            if permute and hf.endswith("q_proj"):
-                heads = n_head
-            elif permute and hf.endswith("k_proj"):
-                heads = n_kv
-            add_linear(gname, model.get_submodule(hf), qtype, heads)
+            return not model.get_parameter(hf).is_meta
+        if role == "embed":  # looked up each time: a streamed part assigns new tensors
+            return not model.get_input_embeddings().weight.is_meta
+        return resident(model.get_submodule(hf))
+
+    pending = _entries(model, arch)
+    for _ in parts if parts is not None else (None,):
+        later = []
+        for gname, hf, role in pending:
+            if not present(hf, role):
+                later.append((gname, hf, role))
+            elif role in ("norm", "bias"):
+                add_float(gname, model.get_parameter(hf).detach(), "f32", "float")  # qwen2 biases: rows unpermuted
+            elif role == "embed":
+                add_float(gname, model.get_input_embeddings().weight.detach(), embed_qtype, "float" if embed_qtype == "f16" else
+                          "quantized-from-float")
+            elif role == "output":
+                module = model.get_submodule(hf)
+                add_linear(gname, module, embed_qtype if not isinstance(module, QuantLinear) else qtype, None)
+            else:
+                heads = None
+                if permute and hf.endswith("q_proj"):
+                    heads = n_head
+                elif permute and hf.endswith("k_proj"):
+                    heads = n_kv
+                add_linear(gname, model.get_submodule(hf), qtype, heads)
+        pending = later
+    if pending:
+        raise ValueError(f"GGUF export: tensors never in memory: {[g for g, _, _ in pending][:5]}")
 
     if embed_qtype != qtype:
         notes.append(f"token_embd{'' if _tied(model) else ' and output'} in {embed_qtype.upper()} (float in the "

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from torch import Tensor, nn
 
 from ..nn import QuantLinear
 from ..qtensor import QuantizedTensor
-from ..shards import MAX_SHARD_BYTES, write_safetensors
+from ..shards import MAX_SHARD_BYTES, ShardWriter
 
 # transformers models whose linear layers are GPT-2 style Conv1D ([in, out] weights): quantized formats
 # are read into nn.Linear-shaped modules, so their quantized layers have nowhere to go.
@@ -23,6 +23,18 @@ CONV1D_MODEL_TYPES = ("gpt2",)
 
 def quant_layers(model: nn.Module) -> dict[str, QuantLinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def resident(module: nn.Module) -> bool:
+    """Whether a module's own tensors are in memory: a streamed export (`parts`) sees one decoder block at a time,
+    the rest of the model on the meta device."""
+    own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+    return not any(t.is_meta for t in own)
+
+
+def resident_layers(model: nn.Module) -> dict[str, QuantLinear]:
+    """The quantized layers whose codes are in memory now (all of them, unless the export is streamed)."""
+    return {n: m for n, m in quant_layers(model).items() if resident(m)}
 
 
 def float_linears(model: nn.Module) -> list[str]:
@@ -68,13 +80,14 @@ def per_layer_problems(model: nn.Module, check: Callable[[QuantLinear], str | No
 
 
 def float_tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, Tensor]:
-    """Every tensor of the state dict outside the quantized layers and KV scales, floats cast to `dtype`.
-    Tied weights (lm_head = embed_tokens) are written once, as save_pretrained does."""
+    """Every tensor of the state dict outside the quantized layers and KV scales, floats cast to `dtype`, but those
+    on the meta device (the parts of a streamed model not in memory now). Tied weights (lm_head = embed_tokens) are
+    written once, as save_pretrained does."""
     quantized, kv = set(quant_layers(model)), set(kv_modules(model))
     out, seen = {}, set()
     for name, t in model.state_dict().items():
         module, _, leaf = name.rpartition(".")
-        if module in quantized or (module in kv and leaf in ("k_scale", "v_scale")):
+        if t.is_meta or module in quantized or (module in kv and leaf in ("k_scale", "v_scale")):
             continue
         key = (t.data_ptr(), tuple(t.shape), t.dtype)
         if key in seen and t.numel():
@@ -85,12 +98,19 @@ def float_tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, Tensor]:
     return out
 
 
-def write_hf(model: nn.Module, tokenizer, folder: Path, tensors: dict[str, Tensor], quant_config: dict | None,
-             dtype: torch.dtype, metadata: dict | None = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+def write_hf(model: nn.Module, tokenizer, folder: Path, tensors: Callable[[], dict[str, Tensor]],
+             quant_config: dict | None, dtype: torch.dtype, metadata: dict | None = None,
+             max_shard_bytes: int = MAX_SHARD_BYTES, parts: Iterable | None = None) -> None:
     """The weights (model.safetensors, or shards of at most `max_shard_bytes` and their index) + config.json (with
-    `quant_config`) + generation config + tokenizer."""
+    `quant_config`) + generation config + tokenizer. `tensors()` gives the tensors of what is in memory: once for a
+    resident model, or once per step of `parts` (streaming.stream_parts: one block at a time, written as it comes,
+    so memory holds one block and never the whole checkpoint)."""
     folder = Path(folder)
-    write_safetensors(folder, tensors, {k: str(v) for k, v in (metadata or {}).items()}, max_shard_bytes)
+    writer = ShardWriter(folder, {k: str(v) for k, v in (metadata or {}).items()}, max_shard_bytes)
+    for _ in parts if parts is not None else (None,):
+        for name, t in tensors().items():
+            writer.add(name, t)
+    writer.finish()
     config = copy.deepcopy(model.config)
     config.dtype = str(dtype).replace("torch.", "")
     set_architectures(config, model)
@@ -117,23 +137,27 @@ def dense_problems(model: nn.Module) -> list[str]:
 
 
 def write_dense(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.bfloat16,
-                max_shard_bytes: int = MAX_SHARD_BYTES, **_) -> dict:
+                max_shard_bytes: int = MAX_SHARD_BYTES, parts: Iterable | None = None, **_) -> dict:
     """A plain float checkpoint any loader reads: quantized layers dequantized, pruned shapes as they are."""
-    tensors = float_tensors(model, dtype)
     layers: dict[str, str] = {}
     conv1d = getattr(model.config, "model_type", "") in CONV1D_MODEL_TYPES
-    for name, m in quant_layers(model).items():
-        w = m.qtensor().dequantize(torch.float32)
-        tensors[f"{name}.weight"] = (w.t() if conv1d else w).to(dtype).contiguous()
-        if m.bias is not None:
-            tensors[f"{name}.bias"] = m.bias.detach().to(dtype)
-        note = "" if m.scheme.act is None else "; activations run in float (the dense format stores no " \
-                                               "activation quantization)"
-        layers[name] = f"dequantized from {m.scheme.name} to {config_dtype(dtype)}{note}"
+
+    def tensors() -> dict[str, Tensor]:
+        out = float_tensors(model, dtype)
+        for name, m in resident_layers(model).items():
+            w = m.qtensor().dequantize(torch.float32)
+            out[f"{name}.weight"] = (w.t() if conv1d else w).to(dtype).contiguous()
+            if m.bias is not None:
+                out[f"{name}.bias"] = m.bias.detach().to(dtype)
+            note = "" if m.scheme.act is None else "; activations run in float (the dense format stores no " \
+                                                   "activation quantization)"
+            layers[name] = f"dequantized from {m.scheme.name} to {config_dtype(dtype)}{note}"
+        return out
+
     notes = []
     if kv_modules(model):
         notes.append("fp8 KV-cache scales are not part of a dense checkpoint; they were left out")
-    write_hf(model, tokenizer, folder, tensors, None, dtype, max_shard_bytes=max_shard_bytes)
+    write_hf(model, tokenizer, folder, tensors, None, dtype, max_shard_bytes=max_shard_bytes, parts=parts)
     return {"layers": layers, "float_dtype": config_dtype(dtype), "notes": notes}
 
 
@@ -146,16 +170,27 @@ def _layer_check(check):
 
 
 def _write_packed(model: nn.Module, tokenizer, folder: Path, layer_tensors: Callable[[QuantizedTensor], dict],
-                  quant_config: dict, dtype: torch.dtype, fmt: str, max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
-    tensors = float_tensors(model, dtype)
+                  quant_config: dict, dtype: torch.dtype, fmt: str, max_shard_bytes: int = MAX_SHARD_BYTES,
+                  parts: Iterable | None = None, check: Callable[[QuantLinear], str | None] | None = None) -> dict:
+    """`check`: a refusal that needs the layer's data (seen only when its part is in memory, for a streamed
+    export), raised as ExportError before the layer is written."""
+    from .errors import ExportError
+
     layers = {}
-    for name, m in quant_layers(model).items():
-        for k, v in layer_tensors(m.qtensor()).items():
-            tensors[f"{name}.{k}"] = v
-        if m.bias is not None:
-            tensors[f"{name}.bias"] = m.bias.detach().to(dtype)
-        layers[name] = f"{m.scheme.name} -> {fmt} (codes and scales copied exactly)"
-    write_hf(model, tokenizer, folder, tensors, quant_config, dtype, max_shard_bytes=max_shard_bytes)
+
+    def tensors() -> dict[str, Tensor]:
+        out = float_tensors(model, dtype)
+        for name, m in resident_layers(model).items():
+            if check is not None and (why := check(m)) is not None:
+                raise ExportError(f"cannot export to {fmt}: {name} ({m.scheme.name}): {why}")
+            for k, v in layer_tensors(m.qtensor()).items():
+                out[f"{name}.{k}"] = v
+            if m.bias is not None:
+                out[f"{name}.bias"] = m.bias.detach().to(dtype)
+            layers[name] = f"{m.scheme.name} -> {fmt} (codes and scales copied exactly)"
+        return out
+
+    write_hf(model, tokenizer, folder, tensors, quant_config, dtype, max_shard_bytes=max_shard_bytes, parts=parts)
     notes = ["fp8 KV-cache scales are not part of this format; they were left out"] if kv_modules(model) else []
     return {"layers": layers, "float_dtype": config_dtype(dtype), "quantization_config": quant_config,
             "notes": notes}
@@ -180,16 +215,20 @@ def awq_problems(model: nn.Module) -> list[str]:
                       "not be read")
 
 
+def gptq_zero_problem(m: QuantLinear) -> str | None:
+    """GPTQ v1 stores zero - 1: a zero point of 0 cannot be written (a check on the layer's data: a streamed export
+    makes it when the layer's block is read)."""
+    if m.zero_point is not None and not m.zero_point.is_meta and bool((m.zero_point == 0).any()):
+        return ("a zero point of 0 (a group with no negative weight) cannot be stored: GPTQ v1 writes "
+                "zero - 1; quantize with symmetric: true, or export awq")
+    return None
+
+
 def gptq_problems(model: nn.Module) -> list[str]:
     from .gptq import gptq_problem
 
     def check(m: QuantLinear) -> str | None:
-        if (why := _layer_check(gptq_problem)(m)) is not None:
-            return why
-        if m.zero_point is not None and bool((m.zero_point == 0).any()):
-            return ("a zero point of 0 (a group with no negative weight) cannot be stored: GPTQ v1 writes "
-                    "zero - 1; quantize with symmetric: true, or export awq")
-        return None
+        return _layer_check(gptq_problem)(m) or gptq_zero_problem(m)
 
     return conv1d_problems(model, "gptq") + _single_scheme(model, "gptq") + per_layer_problems(model, check) + \
         head_problems(model, "this exporter writes GPTQ configs with `lm_head: false` (the loaders keep "
@@ -202,15 +241,15 @@ def _unconverted(model: nn.Module) -> list[str]:
 
 
 def write_awq(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.float16,
-              max_shard_bytes: int = MAX_SHARD_BYTES, **_) -> dict:
+              max_shard_bytes: int = MAX_SHARD_BYTES, parts: Iterable | None = None, **_) -> dict:
     from .awq import awq_config, awq_tensors
     scheme = next(iter(quant_layers(model).values())).scheme
     config = awq_config(scheme, _unconverted(model))
-    return _write_packed(model, tokenizer, folder, awq_tensors, config, dtype, "AWQ GEMM", max_shard_bytes)
+    return _write_packed(model, tokenizer, folder, awq_tensors, config, dtype, "AWQ GEMM", max_shard_bytes, parts)
 
 
 def write_gptq(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.float16,
-               max_shard_bytes: int = MAX_SHARD_BYTES, **_) -> dict:
+               max_shard_bytes: int = MAX_SHARD_BYTES, parts: Iterable | None = None, **_) -> dict:
     from .gptq import gptq_config, gptq_tensors
     scheme = next(iter(quant_layers(model).values())).scheme
     config = gptq_config(scheme)
@@ -218,5 +257,6 @@ def write_gptq(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = t
     if unconverted:
         config["modules_in_block_to_quantize"] = None
         config["modules_to_not_convert"] = unconverted
-    return _write_packed(model, tokenizer, folder, gptq_tensors, config, dtype, "GPTQ", max_shard_bytes)
+    return _write_packed(model, tokenizer, folder, gptq_tensors, config, dtype, "GPTQ", max_shard_bytes, parts,
+                         check=gptq_zero_problem)
 
