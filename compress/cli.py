@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 # The `compress` program's process defaults (importing the package sets none), before torch loads its OpenMP
@@ -32,6 +34,7 @@ EPILOG_EVAL = """examples:
   compress eval runs/awq_int4 --baseline default --tasks arc_easy,lambada_openai --task-limit 50
   compress eval runs/awq_int4/exports/compressed-tensors --baseline default --max-windows 4
   compress eval runs/awq_int4 --baseline default --suite quick       # eval/quick.yaml; flags override it
+  compress eval runs/big/exports/dense --offload 8 --no-speed --tasks piqa   # larger than memory: 8 GB held
 
 MODEL and --baseline accept `default`, a compress output folder, a Hugging Face folder, a .gguf file or a hub id.
 """
@@ -126,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", help="lm-eval tasks, comma-separated (arc_easy,arc_challenge,piqa,winogrande,boolq,"
                                    "lambada_openai,wikitext), read from the local data folder")
     p.add_argument("--task-limit", type=int, help="documents per lm-eval task (default: the whole split)")
+    p.add_argument("--offload", type=float, metavar="GB",
+                   help="for a model larger than memory: hold at most GB of weights in memory and offload the rest "
+                        "to a temporary folder on disk (accelerate's device_map; Hugging Face folders such as a "
+                        "dense or compressed-tensors export). Perplexity, KL and lm-eval run, slower; speed is not "
+                        "measured")
 
     p = sub.add_parser("inspect", help="show the resolved per-layer plan of a recipe without running it",
                        epilog=EPILOG_INSPECT, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -292,7 +300,7 @@ def cmd_eval(args) -> int:
     import torch
 
     from .evaluate.report import evaluate_models, render_markdown, write_report
-    from .models import load_model, resolve_device
+    from .models import load_model, offloaded, resolve_device
     from .recipe import EvalSpec, build, eval_suite_settings
 
     device = resolve_device(args.device)
@@ -304,15 +312,26 @@ def cmd_eval(args) -> int:
     settings = eval_suite_settings(args.suite, "--suite") if args.suite else {}
     spec = build(EvalSpec, {**settings, **{k: v for k, v in flags.items() if v is not None}}, "eval",
                  f"--suite {args.suite}" if args.suite else "compress eval")
-    loaded = load_model(args.model, device=device)
-    models = {"model": loaded.model}
-    if args.baseline:
-        models = {"baseline": load_model(args.baseline, device=device).model, **models}
-    for m in models.values():
-        m.to(device)
-    report = {"model": {"source": loaded.source, "kind": loaded.kind},
-              "eval": evaluate_models(models, loaded.tokenizer, spec, device,
-                                      baseline="baseline" if args.baseline else None, progress=not args.no_progress)}
+    with contextlib.ExitStack() as stack:
+        def offload():  # each offloaded model gets its own temporary folder, removed at the end
+            if args.offload is None:
+                return None
+            if args.offload <= 0:
+                raise ValueError(f"--offload {args.offload}: give the GB of weights to hold in memory, e.g. 8")
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="compress-offload-"))
+            return int(args.offload * 1e9), folder
+
+        loaded = load_model(args.model, device=device, offload=offload())
+        models = {"model": loaded.model}
+        if args.baseline:
+            models = {"baseline": load_model(args.baseline, device=device, offload=offload()).model, **models}
+        for m in models.values():
+            if not offloaded(m):  # accelerate's hooks place an offloaded model's weights themselves
+                m.to(device)
+        report = {"model": {"source": loaded.source, "kind": loaded.kind},
+                  "eval": evaluate_models(models, loaded.tokenizer, spec, device,
+                                          baseline="baseline" if args.baseline else None,
+                                          progress=not args.no_progress)}
     if args.output:
         Path(args.output).mkdir(parents=True, exist_ok=True)
         write_report(report, args.output)

@@ -69,15 +69,24 @@ def _classify(source: str) -> tuple[str, str]:
 
 
 def load_model(source: str = "default", dtype: str = "auto", device: str = "cpu", revision: str | None = None,
-               trust_remote_code: bool = False) -> LoadedModel:
-    """Load model + tokenizer. The model stays on CPU (the runner moves blocks); `device` picks the dtype."""
+               trust_remote_code: bool = False, offload: tuple[int, str] | None = None) -> LoadedModel:
+    """Load model + tokenizer. The model stays on CPU (the runner moves blocks); `device` picks the dtype.
+    `offload` = (bytes, folder): a model larger than memory through accelerate's device_map, at most `bytes` of
+    weights in memory and the rest in `folder` on disk, each module's weights brought in for its forward (Hugging
+    Face folders and hub ids: a dense or compressed-tensors export, or an original checkpoint)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kind, where = _classify(source)
     torch_dtype = resolve_dtype(dtype, device)
+    if offload is not None and kind not in ("folder", "hub"):
+        raise ValueError(f"offloading to disk loads Hugging Face checkpoints through accelerate's device_map, and "
+                         f"{source!r} is a {kind} model; export it first (`compress export DIR --format dense`, "
+                         "written block by block) and evaluate the export")
     if kind == "compressed":
         return LoadedModel(load_compressed(where, torch_dtype), AutoTokenizer.from_pretrained(where), where, kind)
     kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    if offload is not None:
+        kwargs.update(device_map="auto", max_memory={"cpu": int(offload[0])}, offload_folder=str(offload[1]))
     if kind == "gguf":
         folder, name = os.path.split(where)
         kwargs["gguf_file"] = name
@@ -89,7 +98,8 @@ def load_model(source: str = "default", dtype: str = "auto", device: str = "cpu"
         if kind == "folder":
             kwargs.update(_compressed_tensors_kwargs(Path(where)))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(where_load, **{k: v for k, v in kwargs.items() if k != "dtype"})
+        tokenizer = AutoTokenizer.from_pretrained(where_load, **{k: v for k, v in kwargs.items()
+                                                                 if k in ("trust_remote_code", "revision", "gguf_file")})
         model = AutoModelForCausalLM.from_pretrained(where_load, **kwargs)
     except OSError as exc:
         hint = " The hub is unreachable from here? Use a local folder, a .gguf file or `default`." \
@@ -105,6 +115,11 @@ def load_model(source: str = "default", dtype: str = "auto", device: str = "cpu"
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"model {source!r} is an encoder-decoder model; compress handles decoder-only causal LMs")
     return LoadedModel(model, tokenizer, where, "default" if source == "default" else kind)
+
+
+def offloaded(model: nn.Module) -> list[str]:
+    """Modules accelerate's device_map keeps on disk (empty: the model is resident)."""
+    return sorted(n for n, where in (getattr(model, "hf_device_map", None) or {}).items() if where == "disk")
 
 
 def checkpoint_files(source: str) -> list[Path]:

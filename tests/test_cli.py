@@ -629,3 +629,38 @@ def test_eval_scores_an_exported_checkpoint_on_lm_eval_tasks(tmp_path, recipe_fi
     lm = json.loads((tmp_path / "ev" / "report.json").read_text())["eval"]["lm_eval"]
     assert lm["limit"] == 2 and set(lm["scores"]) == {"baseline", "model"}
     assert lm["recovery"]["model"]["lambada_openai"]["perplexity"] == pytest.approx(1, rel=0.05)  # same weights
+
+
+@requires_data
+def test_eval_offloads_a_model_to_disk_with_the_same_figures(tmp_path, recipe_file, capsys):
+    """`compress eval --offload GB`: accelerate's device_map keeps (here all) modules on disk; perplexity, KL and
+    lm-eval equal the resident evaluation's, weights are still counted, speed is reported as not measured; a compress
+    checkpoint is refused with the way out (export it first)."""
+    pytest.importorskip("lm_eval")
+    from transformers import AutoTokenizer
+
+    assert _run(recipe_file) == 0
+    out = tmp_path / "out"
+    assert main(["export", str(out), "--format", "dense"]) == 0
+    export = out / "exports" / "dense"
+    tok = AutoTokenizer.from_pretrained(export)
+    tok.eos_token = "[PAD]"  # lm-eval needs an EOS id; the tiny word-level tokenizer has none
+    tok.save_pretrained(export)
+    reports = {}
+    for name, extra in (("resident", []), ("offloaded", ["--offload", "0.00001"])):  # 10 kB: every module on disk
+        assert main(["eval", str(export), "--baseline", str(export), "--max-windows", "2", "--seq-len", "32",
+                     "--tasks", "lambada_openai", "--task-limit", "2", "--output", str(tmp_path / name),
+                     "--no-progress", *extra]) == 0
+        reports[name] = json.loads((tmp_path / name / "report.json").read_text())["eval"]
+    resident, offloaded = reports["resident"], reports["offloaded"]
+    for n in ("baseline", "model"):
+        assert offloaded["models"][n]["ppl"] == pytest.approx(resident["models"][n]["ppl"], rel=1e-6)
+        assert offloaded["models"][n]["weights"]["total"] == resident["models"][n]["weights"]["total"] > 0
+        assert "speed" in resident["models"][n] and "speed" not in offloaded["models"][n]
+        assert offloaded["models"][n]["offloaded"]["modules_on_disk"] >= 1
+    assert offloaded["models"]["model"]["kl"] == pytest.approx(0, abs=1e-9)
+    assert offloaded["lm_eval"]["scores"] == resident["lm_eval"]["scores"]
+    assert "## Offloaded to disk" in (tmp_path / "offloaded" / "report.md").read_text()
+    capsys.readouterr()
+    assert main(["eval", str(out), "--offload", "1", "--no-speed", "--max-windows", "1", "--seq-len", "32"]) == 2
+    assert "compress export DIR --format dense" in capsys.readouterr().err

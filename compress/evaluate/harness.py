@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
 from torch import nn
 
 TASKS = ("arc_easy", "arc_challenge", "piqa", "winogrande", "boolq", "lambada_openai", "wikitext")
@@ -112,6 +113,8 @@ def evaluate_tasks(models: dict[str, nn.Module], tokenizer, tasks, limit: int | 
         manager = TaskManager(include_path=str(include) if include else None)
         for model_name, model in models.items():
             lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+            if lm.device.type == "meta":  # offloaded to disk on a CPU (compress eval --offload): model.device is
+                lm._device = torch.device("cpu")  # meta, but accelerate's hooks compute on the CPU; no public setter
             try:
                 out = lm_eval.simple_evaluate(model=lm, tasks=list(names.values()), num_fewshot=num_fewshot,
                                               limit=limit, task_manager=manager, log_samples=False,

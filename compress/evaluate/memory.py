@@ -15,8 +15,10 @@ def _tensors(model: nn.Module, meta: bool = False):
     """Weight tensors, each storage once; `meta`: count tensors on the meta device too (a streamed model's blocks,
     by shape and dtype)."""
     seen = set()
+    # a tied weight on the meta device may be a separate tensor (accelerate's disk offload): transformers names it
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {}) if meta else set()
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t is None or (t.is_meta and not meta):
+        if t is None or (t.is_meta and not meta) or (t.is_meta and name in tied):
             continue
         key = id(t) if t.is_meta else t.data_ptr()
         if key in seen:

@@ -49,9 +49,16 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
         for n, s in scores.items():
             result["models"][n].update(ppl=s.ppl, nll=s.nll, tokens=s.tokens, kl=s.kl, top1_agreement=s.top1_agreement)
             result["models"][n].update(llm_int8_figures(models[n]))
+    from ..models import offloaded
     for n, m in models.items():
-        result["models"][n]["weights"] = weight_bytes(m)
-        if spec.speed:
+        on_disk = offloaded(m)
+        result["models"][n]["weights"] = weight_bytes(m, meta=bool(on_disk))
+        if on_disk:  # accelerate's device_map: tokens/s would time the disk, not the model
+            result["models"][n]["offloaded"] = {
+                "modules_on_disk": len(on_disk),
+                "speed": "not measured: the model is offloaded to disk (each module's weights are read for its "
+                         "forward), so tokens/s would measure the disk; measure it where the model fits"}
+        elif spec.speed:
             vocab = m.get_input_embeddings().weight.shape[0]
             quantized = any(isinstance(q, QuantLinear) for q in m.modules())
             batches = sorted({1, 4, 16, 64, *getattr(spec, "speed_batches", ())})
@@ -72,7 +79,7 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
             result["lm_eval"] = evaluate_tasks(models, tokenizer, spec.tasks, spec.task_limit, spec.num_fewshot,
                                                spec.task_batch_size, baseline=baseline)
     for n, m in models.items():
-        result["models"][n]["weights"]["serving_bf16"] = serving_bytes(m)
+        result["models"][n]["weights"]["serving_bf16"] = serving_bytes(m, meta=bool(offloaded(m)))
         result["models"][n]["roofline"] = model_roofline(m, result["models"][n]["weights"]["serving_bf16"], spec)
     result["peak_rss_bytes"] = peak_rss_bytes()
     result["peak_cuda_bytes"] = peak_cuda_bytes()
@@ -355,6 +362,15 @@ def _streamed_lines(report: dict) -> list[str]:
     return lines
 
 
+def _offload_lines(report: dict) -> list[str]:
+    off = {n: m["offloaded"] for n, m in _models(report).items() if m.get("offloaded")}
+    if not off:
+        return []
+    return ["", "## Offloaded to disk", ""] + [
+        f"- {n}: {o['modules_on_disk']} modules kept on disk by accelerate's device_map (`--offload`), read for each "
+        f"forward; speed {o['speed'].removeprefix('not measured: ')}" for n, o in off.items()]
+
+
 def _dispatch_lines(report: dict) -> list[str]:
     lines = []
     for n, m in _models(report).items():
@@ -390,8 +406,8 @@ def _timing_lines(report: dict) -> list[str]:
 
 # report.md, section by section, in this order; each reads its part of report.json (`compress report` re-renders
 # a saved report.json with the same functions)
-SECTIONS = (_header_lines, _accuracy_lines, _memory_lines, _streamed_lines, _speed_lines, _dispatch_lines, _stage_lines,
-            _block_error_lines, lambda r: _task_lines(r.get("eval", {}).get("lm_eval")),
+SECTIONS = (_header_lines, _accuracy_lines, _memory_lines, _streamed_lines, _offload_lines, _speed_lines,
+            _dispatch_lines, _stage_lines, _block_error_lines, lambda r: _task_lines(r.get("eval", {}).get("lm_eval")),
             lambda r: _sweep_lines(_models(r)), lambda r: _roofline_lines(_models(r)),
             lambda r: _export_lines(r.get("exports") or []), _timing_lines)
 
