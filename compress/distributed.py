@@ -4,8 +4,11 @@ over the ranks (GPTQ Hessians, |x| sums and token counts) or maxed (|x| maxima),
 of all the windows and quantizes the block identically. The result is the single-process one up to the order of
 float summation. Rank 0 writes the output and evaluates; the other ranks only calibrate.
 
-Statistics that are lists of kept inputs (the AWQ / SmoothQuant scale search replays them) or a stage's own
-observation (kv_cache) are not reduced: such recipes are refused on more than one process.
+The AWQ / SmoothQuant scale searches replay kept inputs: each rank keeps those of its own windows among the first
+`replay_samples` of all windows (`local_keep`), scores every candidate on them, and the candidates' losses are summed
+over the ranks (`mean_over_ranks`), so every rank picks the same scales; AWQ's clipping search sees every rank's kept
+inputs in the order of all windows (`all_windows`). A stage's own observation (kv_cache) is not reduced: such
+recipes are refused on more than one process.
 """
 from __future__ import annotations
 
@@ -41,8 +44,6 @@ def check_stages(plan) -> None:
     """Refuse, before any work, stages whose statistics are not sums or maxima."""
     why = [f"stage {i} ({stage.name})" for i, stage in enumerate(plan.stages)
            if i in plan.block_stages and not stage.data_parallel]
-    if plan.needs().replay_samples:
-        why.append("the AWQ / SmoothQuant scale search (it replays kept inputs)")
     if why:
         raise ValueError(f"data-parallel calibration does not support {', '.join(why)} yet: run this recipe in one "
                          "process (without torchrun / accelerate launch)")
@@ -80,3 +81,29 @@ def reduce_sums(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t)
     return t.tolist()
+
+
+def local_keep(keep: int, rank: int, size: int) -> int:
+    """How many of this rank's windows are among the first `keep` of all windows (rank r holds r, r + size, ...)."""
+    return max(0, -(-(keep - rank) // size))
+
+
+def mean_over_ranks(values: list[float]) -> float:
+    """The mean of per-window losses over every rank's windows (in one process: over `values`, as before)."""
+    if not active():
+        return sum(values) / len(values)
+    t = torch.tensor([sum(values), float(len(values))], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t[0] / t[1])
+
+
+def all_windows(kept: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-window tensors of every rank, in the order of all windows (window g is rank g % size's (g // size)-th);
+    in one process, `kept` itself. Exchanged with all_gather_object: between this run's own processes."""
+    if not active():
+        return kept
+    size = dist.get_world_size()
+    parts: list = [None] * size
+    dist.all_gather_object(parts, [t.cpu() for t in kept])
+    total = sum(len(p) for p in parts)
+    return [parts[g % size][g // size].to(kept[0].device if kept else "cpu") for g in range(total)]

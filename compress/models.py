@@ -98,8 +98,8 @@ def load_model(source: str = "default", dtype: str = "auto", device: str = "cpu"
         if kind == "folder":
             kwargs.update(_compressed_tensors_kwargs(Path(where)))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(where_load, **{k: v for k, v in kwargs.items()
-                                                                 if k in ("trust_remote_code", "revision", "gguf_file")})
+        loading = ("trust_remote_code", "revision", "gguf_file")
+        tokenizer = AutoTokenizer.from_pretrained(where_load, **{k: v for k, v in kwargs.items() if k in loading})
         model = AutoModelForCausalLM.from_pretrained(where_load, **kwargs)
     except OSError as exc:
         hint = " The hub is unreachable from here? Use a local folder, a .gguf file or `default`." \

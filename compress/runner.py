@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ._version import __version__
-from .distributed import active, check_stages, reduce_stats, share, start as start_processes
+from .distributed import active, check_stages, local_keep, reduce_stats, share, start as start_processes, world
 from .blockwise import run_blockwise
 from .data import calibration_windows, fingerprint
 from .evaluate.plots import plot_recovery
@@ -62,8 +62,10 @@ class StagePass:
         if linears and self.needs.any:
             nd = self.needs
             inspect = sorted({insp for _, _, insp in self.ctx.arch.awq}) if nd.replay_samples else []
+            # with several processes, each keeps its own windows among the first replay_samples of all windows
+            keep = local_keep(nd.replay_samples, *world()) if active() else nd.replay_samples
             observer = BlockObserver(block, linears, inspect, abs_mean=nd.abs_mean, hessian=nd.hessian,
-                                     keep_samples=nd.replay_samples, abs_max=nd.abs_max)
+                                     keep_samples=keep, abs_max=nd.abs_max)
         state = BlockState(i, prefix, block, observer)
         return _Observing(state, ([observer] if observer is not None else []) +
                           [stage.observing(state, k) for k, stage in self.stages])

@@ -351,15 +351,24 @@ def test_two_processes_reduce_the_statistics_of_all_windows(tmp_path):
             assert float((ranks[0][key] - ref).norm() / ref.norm()) < 1e-6, key
 
 
+# AWQ searches on 3 of the 4 windows: rank 0 replays windows 0 and 2, rank 1 window 1 (distributed.local_keep)
+AWQ_SUBSET = [{"stage": "awq", "search_samples": 3}, {"stage": "quantize", "method": "rtn", "scheme": INT4}]
+SMOOTHQUANT = [{"stage": "smoothquant", "search_samples": 3}, {"stage": "quantize", "method": "rtn", "scheme": "W8A8"}]
+
+
+@pytest.mark.parametrize("stages,stream", [(RECIPES["gptq"], "never"), (AWQ_SUBSET, "never"),
+                                           pytest.param(SMOOTHQUANT, "never", marks=pytest.mark.slow),
+                                           pytest.param(RECIPES["gptq"], "always", marks=pytest.mark.slow)],
+                         ids=["gptq", "awq", "smoothquant", "gptq-streamed"])
 @requires_data
-@pytest.mark.parametrize("stream", ["never", pytest.param("always", marks=pytest.mark.slow)])
-def test_gptq_on_two_processes_equals_one_process(tmp_path, stream):
-    """`torchrun --nproc-per-node 2 -m compress run` (gloo): the same GPTQ output and block errors as one process,
-    up to float summation order; rank 0 writes and evaluates."""
+def test_two_processes_equal_one_process(tmp_path, stages, stream):
+    """`torchrun --nproc-per-node 2 -m compress run` (gloo): the same output and block errors as one process, up to
+    float summation order (GPTQ's Hessians summed over the ranks; AWQ's and SmoothQuant's search losses summed over
+    every rank's replayed windows, AWQ's clipping on all of them); rank 0 writes and evaluates."""
     import yaml
 
     folder = _four_blocks(tmp_path)
-    recipe = {"model": {"source": str(folder), "stream": stream, "dtype": "float32"}, "stages": RECIPES["gptq"],
+    recipe = {"model": {"source": str(folder), "stream": stream, "dtype": "float32"}, "stages": stages,
               "calibration": {"kind": "wikitext2", "n_samples": 4, "seq_len": 32, "threads": 1},
               "eval": {"seq_len": 64, "max_windows": 2, "speed": False, "threads": 1}}
     path = tmp_path / "recipe.yaml"

@@ -28,7 +28,8 @@ class Exporter:
     name: str
     loaders: str  # who reads it, for --help and the README table
     problems: Callable[[nn.Module], list[str]]  # why this model cannot be exported (empty: it can)
-    write: Callable[..., dict]  # (model, tokenizer, folder, source_gguf=None, max_shard_bytes=..., parts=None) -> report
+    # (model, tokenizer, folder, source_gguf=None, max_shard_bytes=..., parts=None) -> report
+    write: Callable[..., dict]
 
 
 def _gguf(qtype: str) -> Exporter:

@@ -567,8 +567,8 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
             elif role in ("norm", "bias"):
                 add_float(gname, model.get_parameter(hf).detach(), "f32", "float")  # qwen2 biases: rows unpermuted
             elif role == "embed":
-                add_float(gname, model.get_input_embeddings().weight.detach(), embed_qtype, "float" if embed_qtype == "f16" else
-                          "quantized-from-float")
+                add_float(gname, model.get_input_embeddings().weight.detach(), embed_qtype,
+                          "float" if embed_qtype == "f16" else "quantized-from-float")
             elif role == "output":
                 module = model.get_submodule(hf)
                 add_linear(gname, module, embed_qtype if not isinstance(module, QuantLinear) else qtype, None)

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
+from ..distributed import all_windows, mean_over_ranks
 from ..primitives import group_view
 from ..scheme import QuantScheme
 from ..smoothing import (REPLAY_DTYPE, PairResult, fold_scales, in_weight, replay, replay_autocast,
@@ -120,7 +121,7 @@ def _replay_loss(inspect: nn.Module, calls, reference: list[Tensor], balance: li
             m.weight.data = (trial.t() if isinstance(m, Conv1D) else trial).to(REPLAY_DTYPE).contiguous()
         with replay_autocast(originals[0]):
             outs = replay(inspect, calls)
-        return sum(float((o - r).pow(2).mean()) for o, r in zip(outs, reference)) / len(calls)
+        return mean_over_ranks([float((o - r).pow(2).mean()) for o, r in zip(outs, reference)])
     finally:
         for m, w0 in zip(balance, originals):
             m.weight.data = w0
@@ -149,7 +150,7 @@ def awq_block(block: nn.Module, pairs, observer, stage, scheme: QuantScheme, qua
             if name in no_clip or name not in observer.stats:
                 continue
             st = observer.stats[name]
-            x = torch.cat(st.kept)  # [T, K]
+            x = torch.cat(all_windows(st.kept))  # [T, K]; with several processes, every rank's windows
             x = x[:: max(1, x.shape[0] // stage.clip_tokens)][: stage.clip_tokens]
             if name in input_divisor:
                 x = x / input_divisor[name][None, :]

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
+from ..distributed import mean_over_ranks
 from ..primitives import fake_quantize_activation
 from ..scheme import QuantScheme
 from ..smoothing import PairResult, fold_scales, in_weight, replay, usable_pairs
@@ -56,7 +57,7 @@ def _w8a8_replay_loss(inspect: nn.Module, calls, reference: list[Tensor], balanc
             hooks.append(m.register_forward_pre_hook(
                 lambda _m, args: (fake_quantize_activation(args[0] / s.to(args[0].dtype), act),)))
         outs = replay(inspect, calls)
-        return sum(float((o - r).pow(2).mean()) for o, r in zip(outs, reference)) / len(calls)
+        return mean_over_ranks([float((o - r).pow(2).mean()) for o, r in zip(outs, reference)])
     finally:
         for h in hooks:
             h.remove()
