@@ -7,8 +7,8 @@ float summation. Rank 0 writes the output and evaluates; the other ranks only ca
 The AWQ / SmoothQuant scale searches replay kept inputs: each rank keeps those of its own windows among the first
 `replay_samples` of all windows (`local_keep`), scores every candidate on them, and the candidates' losses are summed
 over the ranks (`mean_over_ranks`), so every rank picks the same scales; AWQ's clipping search sees every rank's kept
-inputs in the order of all windows (`all_windows`). A stage's own observation (kv_cache) is not reduced: such
-recipes are refused on more than one process.
+inputs in the order of all windows (`all_windows`). The kv_cache stage's key and value maxima are maxed over the
+ranks (`max_over_ranks`). A stage that declares `data_parallel = False` is refused on more than one process.
 """
 from __future__ import annotations
 
@@ -107,3 +107,14 @@ def all_windows(kept: list[torch.Tensor]) -> list[torch.Tensor]:
     dist.all_gather_object(parts, [t.cpu() for t in kept])
     total = sum(len(p) for p in parts)
     return [parts[g % size][g // size].to(kept[0].device if kept else "cpu") for g in range(total)]
+
+
+def max_over_ranks(records: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Per-name lists of maxima (the kv_cache stage's max |k|, max |v|) maxed over the ranks (in one process: as
+    they are); every rank holds the same names."""
+    if not active():
+        return records
+    names = sorted(records)
+    t = torch.tensor([records[n] for n in names], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {n: [float(v) for v in row] for n, row in zip(names, t)}

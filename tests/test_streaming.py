@@ -358,8 +358,9 @@ SMOOTHQUANT = [{"stage": "smoothquant", "search_samples": 3}, {"stage": "quantiz
 
 @pytest.mark.parametrize("stages,stream", [(RECIPES["gptq"], "never"), (AWQ_SUBSET, "never"),
                                            pytest.param(SMOOTHQUANT, "never", marks=pytest.mark.slow),
+                                           pytest.param(RECIPES["w8a8+kv"], "never", marks=pytest.mark.slow),
                                            pytest.param(RECIPES["gptq"], "always", marks=pytest.mark.slow)],
-                         ids=["gptq", "awq", "smoothquant", "gptq-streamed"])
+                         ids=["gptq", "awq", "smoothquant", "w8a8+kv", "gptq-streamed"])
 @requires_data
 def test_two_processes_equal_one_process(tmp_path, stages, stream):
     """`torchrun --nproc-per-node 2 -m compress run` (gloo): the same output and block errors as one process, up to
@@ -385,3 +386,5 @@ def test_two_processes_equal_one_process(tmp_path, stages, stream):
     assert same > 0.999  # a code flips only where the summation order moves a value across a rounding boundary
     assert two["eval"]["models"]["compressed"]["ppl"] == pytest.approx(one["eval"]["models"]["compressed"]["ppl"],
                                                                        rel=1e-3)
+    kv = [json.loads((tmp_path / run / "compress.json").read_text())["kv_cache"] for run in ("one", "two")]
+    assert kv[0] == kv[1]  # the kv_cache stage's maxima, maxed over the processes: exactly one process's

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+from ..distributed import max_over_ranks
 from ..kv_cache import attention_modules, kv_layers, recording_kv, set_kv_scales, use_kv_attention
 from ..scheme import FP8_MAX
 from .base import BlockState, Plan, RunContext, StageBase
@@ -22,7 +23,6 @@ class KVCacheStage(StageBase):
 
     # ---------------------------------------------------------------- lifecycle (stages/base.py)
     name: ClassVar[str] = "kv_cache"
-    data_parallel: ClassVar[bool] = False  # its key/value maxima are its own observation, not reduced over processes
 
     @property
     def needs_calibration(self) -> bool:
@@ -42,7 +42,8 @@ class KVCacheStage(StageBase):
         return recording_kv(block.module, block.observed.setdefault(index, {}))
 
     def on_block(self, ctx: RunContext, block: BlockState, index: int) -> None:
-        for name, (k_max, v_max) in block.observed[index].items():
+        # with several processes, every rank's maxima (each saw its share of the windows)
+        for name, (k_max, v_max) in max_over_ranks(block.observed[index]).items():
             set_kv_scales(block.module.get_submodule(name), k_max, v_max, self.dtype)
         ctx.records[index].update({f"{block.prefix}.{n}": v for n, v in kv_layers(block.module).items()})
 
