@@ -129,11 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", help="lm-eval tasks, comma-separated (arc_easy,arc_challenge,piqa,winogrande,boolq,"
                                    "lambada_openai,wikitext), read from the local data folder")
     p.add_argument("--task-limit", type=int, help="documents per lm-eval task (default: the whole split)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype the models are loaded in (default auto: float32 on a CPU, bfloat16 on CUDA; with "
+                        "--offload, the checkpoint's own)")
     p.add_argument("--offload", type=float, metavar="GB",
                    help="for a model larger than memory: hold at most GB of weights in memory and offload the rest "
                         "to a temporary folder on disk (accelerate's device_map; Hugging Face folders such as a "
-                        "dense or compressed-tensors export). Perplexity, KL and lm-eval run, slower; speed is not "
-                        "measured")
+                        "dense or compressed-tensors export), at the checkpoint's own dtype unless --dtype says "
+                        "otherwise. Perplexity, KL and lm-eval run, slower; speed is not measured")
 
     p = sub.add_parser("inspect", help="show the resolved per-layer plan of a recipe without running it",
                        epilog=EPILOG_INSPECT, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -321,10 +324,10 @@ def cmd_eval(args) -> int:
             folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="compress-offload-"))
             return int(args.offload * 1e9), folder
 
-        loaded = load_model(args.model, device=device, offload=offload())
+        loaded = load_model(args.model, args.dtype, device, offload=offload())
         models = {"model": loaded.model}
         if args.baseline:
-            models = {"baseline": load_model(args.baseline, device=device, offload=offload()).model, **models}
+            models = {"baseline": load_model(args.baseline, args.dtype, device, offload=offload()).model, **models}
         for m in models.values():
             if not offloaded(m):  # accelerate's hooks place an offloaded model's weights themselves
                 m.to(device)

@@ -73,7 +73,8 @@ def load_model(source: str = "default", dtype: str = "auto", device: str = "cpu"
     """Load model + tokenizer. The model stays on CPU (the runner moves blocks); `device` picks the dtype.
     `offload` = (bytes, folder): a model larger than memory through accelerate's device_map, at most `bytes` of
     weights in memory and the rest in `folder` on disk, each module's weights brought in for its forward (Hugging
-    Face folders and hub ids: a dense or compressed-tensors export, or an original checkpoint)."""
+    Face folders and hub ids: a dense or compressed-tensors export, or an original checkpoint); `dtype` auto then
+    keeps the checkpoint's own dtype (another one writes a converted copy of every offloaded weight to disk)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kind, where = _classify(source)
@@ -87,6 +88,8 @@ def load_model(source: str = "default", dtype: str = "auto", device: str = "cpu"
     kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code)
     if offload is not None:
         kwargs.update(device_map="auto", max_memory={"cpu": int(offload[0])}, offload_folder=str(offload[1]))
+        if dtype == "auto":  # the checkpoint's own dtype: else a converted copy of what is offloaded goes to disk
+            kwargs["dtype"] = "auto"
     if kind == "gguf":
         folder, name = os.path.split(where)
         kwargs["gguf_file"] = name

@@ -647,7 +647,8 @@ def test_eval_offloads_a_model_to_disk_with_the_same_figures(tmp_path, recipe_fi
     tok.eos_token = "[PAD]"  # lm-eval needs an EOS id; the tiny word-level tokenizer has none
     tok.save_pretrained(export)
     reports = {}
-    for name, extra in (("resident", []), ("offloaded", ["--offload", "0.00001"])):  # 10 kB: every module on disk
+    # the export is bfloat16: resident at that dtype, offloaded at the checkpoint's own (10 kB: every module on disk)
+    for name, extra in (("resident", ["--dtype", "bfloat16"]), ("offloaded", ["--offload", "0.00001"])):
         assert main(["eval", str(export), "--baseline", str(export), "--max-windows", "2", "--seq-len", "32",
                      "--tasks", "lambada_openai", "--task-limit", "2", "--output", str(tmp_path / name),
                      "--no-progress", *extra]) == 0
