@@ -8,6 +8,7 @@ and reading the report's peak RSS (getrusage). Results go to bench/results/large
 
     python bench/large_models.py [--sizes 7b,13b] [--runs rtn,gptq] [--models-dir DIR] [--keep]
     python bench/large_models.py --embedded    # streamed vs in-memory wall time on the embedded model
+    python bench/large_models.py --sizes 13b --runs rtn-dense --reload   # + plain-transformers reload of the export
 """
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ SIZES = {  # Llama-2 shapes (hidden, MLP, blocks, heads, KV heads); SmolLM2's vo
 RUNS = {  # name -> (recipe, overrides); every run: 2 × 256-token evaluation windows, no speed (a streamed run skips it)
     "rtn": ("recipes/int4_rtn.yaml", ["calibration.n_samples=4", "calibration.seq_len=256"]),
     "gptq": ("recipes/gptq_int4.yaml", ["calibration.n_samples=8", "calibration.seq_len=256"]),
+    # the same RTN run, also exporting a dense (dequantized bf16) checkpoint block by block; --reload then loads that
+    # export with plain transformers (accelerate disk offload) and scores the run's evaluation windows with it
+    "rtn-dense": ("recipes/int4_rtn.yaml", ["calibration.n_samples=4", "calibration.seq_len=256",
+                                            "output.formats=[dense]", "output.verify_windows=0"]),
 }
 COMMON = ["eval.max_windows=2", "eval.seq_len=256", "eval.speed=false", "calibration.threads=2", "eval.threads=2",
           "output.overwrite=true"]
@@ -128,6 +133,51 @@ def run_one(model: Path, recipe: str, overrides: list[str], out: Path, log: Path
     return row
 
 
+RELOAD = """
+import json, sys, time, tempfile, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from compress.data import eval_windows
+folder, cap, n, seq = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+torch.set_num_threads(2)
+t = time.perf_counter()
+model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="auto",
+                                             max_memory={"cpu": cap}, offload_folder=tempfile.mkdtemp(dir=folder))
+load = time.perf_counter() - t
+windows = eval_windows(AutoTokenizer.from_pretrained(folder), "test", seq, n)
+nll, count = 0.0, 0
+with torch.no_grad():
+    for w in windows:
+        logits = model(w[None]).logits[0, :-1].float()
+        nll += float(torch.nn.functional.cross_entropy(logits, w[1:], reduction="sum"))
+        count += w.numel() - 1
+placed = {}
+for v in model.hf_device_map.values():
+    placed[str(v)] = placed.get(str(v), 0) + 1
+print(json.dumps({"ppl": float(torch.exp(torch.tensor(nll / count))), "tokens": count, "load_s": round(load, 1),
+                  "score_s": round(time.perf_counter() - t - load, 1), "device_map_modules": placed}))
+"""
+
+
+def reload_dense(folder: Path, log: Path, cap: str = "8GiB", windows: int = 2, seq_len: int = 256) -> dict:
+    """Load a dense export with plain transformers (bfloat16; accelerate's device_map with `cap` of CPU memory, the
+    rest offloaded to disk) and score WikiText-2 test windows with it in a fresh process, peak memory sampled."""
+    t = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", RELOAD, str(folder), cap, str(windows), str(seq_len)],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=f, text=True,
+                                env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+        peak = watch(proc)
+    row = {"command": f"python -c RELOAD {folder} {cap} {windows} {seq_len} (bench/large_models.py)",
+           "exit": proc.returncode, "wall_s": round(time.perf_counter() - t, 1), "peak_vmrss_sampled": peak["VmRSS"],
+           "peak_anonymous_sampled": peak["RssAnon"], "max_memory_cpu": cap}
+    out = proc.stdout.read().strip().splitlines()
+    if proc.returncode == 0 and out:
+        row.update(json.loads(out[-1]))
+    else:
+        row["log_tail"] = log.read_text()[-2000:]
+    return row
+
+
 def embedded(base: Path, commit: str) -> dict:
     """The streamed path's cost on the embedded model: the same int4 RTN run in memory and streamed, one after the
     other in fresh processes (nothing else running), wall time and report figures side by side."""
@@ -155,6 +205,9 @@ def main() -> None:
     parser.add_argument("--runs", default="rtn,gptq")
     parser.add_argument("--models-dir", default="/tmp/compress-large")
     parser.add_argument("--keep", action="store_true", help="keep the built models and outputs")
+    parser.add_argument("--reload", action="store_true",
+                        help="after a run with a dense export (rtn-dense), delete the source model and load the export "
+                             "with plain transformers (disk offload), scoring the run's evaluation windows")
     args = parser.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
@@ -181,6 +234,14 @@ def main() -> None:
             row.update({"model": f"Llama-2-{size} shape, random bf16", "checkpoint_bytes_in": checkpoint,
                         "run": name, "commit": commit, "date": datetime.date.today().isoformat(),
                         "machine": f"{os.cpu_count()} CPU cores, {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 1e9:.0f} GB"})
+            if args.reload and row["exit"] == 0 and (out / "exports" / "dense").is_dir():
+                if not args.keep:  # room on disk for the offload
+                    shutil.rmtree(folder, ignore_errors=True)
+                dense = out / "exports" / "dense"
+                files = sorted(p.name for p in dense.iterdir())
+                size_bytes = sum(p.stat().st_size for p in dense.glob("*.safetensors"))
+                row["reload_dense"] = {**reload_dense(dense, base / f"log-{size}-{name}-reload.txt"),
+                                       "export_files": files, "export_bytes": size_bytes}
             print(json.dumps({k: v for k, v in row.items() if k not in ("streamed", "timings")}), flush=True)
             results["rows"] = [r for r in results["rows"] if (r["model"], r["run"]) != (row["model"], name)] + [row]
             results_path.write_text(json.dumps(results, indent=2) + "\n")
