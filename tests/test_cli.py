@@ -611,18 +611,25 @@ def test_report_puts_runs_side_by_side_with_the_frontier(tmp_path, model_dir, ca
         assert (tmp_path / "rep" / png).stat().st_size > 1000 and f"![{png}]" in page
 
 
-@requires_data
-def test_eval_scores_an_exported_checkpoint_on_lm_eval_tasks(tmp_path, recipe_file, capsys):
-    pytest.importorskip("lm_eval")
+def _run_and_export(recipe_file: Path, out: Path, fmt: str) -> Path:
+    """Run the tiny recipe, export it as `fmt`, and give the export's tokenizer the EOS id lm-eval needs (the tiny
+    word-level tokenizer has none). Returns the export folder."""
     from transformers import AutoTokenizer
 
     assert _run(recipe_file) == 0
-    out = tmp_path / "out"
-    assert main(["export", str(out), "--format", "compressed-tensors"]) == 0
-    export = out / "exports" / "compressed-tensors"
+    assert main(["export", str(out), "--format", fmt]) == 0
+    export = out / "exports" / fmt
     tok = AutoTokenizer.from_pretrained(export)
-    tok.eos_token = "[PAD]"  # lm-eval needs an EOS id; the tiny word-level tokenizer has none
+    tok.eos_token = "[PAD]"
     tok.save_pretrained(export)
+    return export
+
+
+@requires_data
+def test_eval_scores_an_exported_checkpoint_on_lm_eval_tasks(tmp_path, recipe_file, capsys):
+    pytest.importorskip("lm_eval")
+    out = tmp_path / "out"
+    export = _run_and_export(recipe_file, out, "compressed-tensors")
     capsys.readouterr()
     assert main(["eval", str(export), "--baseline", str(out), "--no-speed", "--max-windows", "1", "--seq-len", "32",
                  "--tasks", "lambada_openai", "--task-limit", "2", "--output", str(tmp_path / "ev")]) == 0
@@ -637,15 +644,8 @@ def test_eval_offloads_a_model_to_disk_with_the_same_figures(tmp_path, recipe_fi
     lm-eval equal the resident evaluation's, weights are still counted, speed is reported as not measured; a compress
     checkpoint is refused with the way out (export it first)."""
     pytest.importorskip("lm_eval")
-    from transformers import AutoTokenizer
-
-    assert _run(recipe_file) == 0
     out = tmp_path / "out"
-    assert main(["export", str(out), "--format", "dense"]) == 0
-    export = out / "exports" / "dense"
-    tok = AutoTokenizer.from_pretrained(export)
-    tok.eos_token = "[PAD]"  # lm-eval needs an EOS id; the tiny word-level tokenizer has none
-    tok.save_pretrained(export)
+    export = _run_and_export(recipe_file, out, "dense")
     reports = {}
     # the export is bfloat16: resident at that dtype, offloaded at the checkpoint's own (10 kB: every module on disk)
     for name, extra in (("resident", ["--dtype", "bfloat16"]), ("offloaded", ["--offload", "0.00001"])):
