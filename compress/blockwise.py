@@ -265,6 +265,7 @@ def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor | None, on_b
             with observer if observer is not None else contextlib.nullcontext():
                 reference = block_forward(block, inputs, compute_dtype, stores[1])
         on_block(i, f"{arch.blocks}.{i}", block, inputs, observer)
+        observer = None  # the block's statistics (Hessians: 0.7 GB for a 7B block) are not needed past its stages
         block = get_module(model, f"{arch.blocks}.{i}")  # a stage may have swapped the whole block
         if inputs is not None:
             with cached_dequantize(block, matmul_dtype(inputs, compute_dtype)):

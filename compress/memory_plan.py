@@ -29,6 +29,7 @@ class ModelSize:
     block_parameters: int  # one decoder block
     hessian_floats: int  # one block's Hessians: K² per distinct linear input (q/k/v, gate/up share theirs)
     input_features: int  # one block's distinct linear inputs, summed (kept replay samples are this wide)
+    largest_solve: int  # floats a GPTQ solve holds beside the statistics: max over linears of K² + 2·out·K
     hidden: int
     vocab: int
     layers: int
@@ -56,6 +57,7 @@ def model_size(config) -> ModelSize:
         block_parameters=sum(p.numel() for p in blocks[0].parameters()),
         hessian_floats=sum(k * k for k in readers.values()),
         input_features=sum(readers.values()),
+        largest_solve=max((i * i + 2 * o * i for o, i in linears.values()), default=0),
         hidden=int(getattr(config, "hidden_size", None) or getattr(config, "n_embd")),
         vocab=int(config.vocab_size),
         layers=len(blocks),
@@ -159,7 +161,8 @@ def plan_memory(recipe, config, dtype: torch.dtype, device: str, available: int 
         needs = [s.needs(None, i) for i, s in enumerate(recipe.stages) if not s.whole_model]
         stats = 4 * size.hessian_floats if any(n.hessian for n in needs) else 0
         kept = 4 * max((n.replay_samples for n in needs), default=0) * cal.seq_len * size.input_features
-        work = {"calibration activations": 0 if cal.offload == "disk" else acts, "block statistics": stats + kept}
+        work = {"calibration activations": 0 if cal.offload == "disk" else acts, "block statistics": stats + kept,
+                "GPTQ solve": 4 * size.largest_solve if stats else 0}
         if on_device:
             phases["calibration"] = {"weights": weights}
             device_phases["calibration"] = {"one block": size.block_parameters * width, **work}
@@ -196,7 +199,9 @@ def _streamed_plan(recipe, size: ModelSize, width: int, dtype, device: str, avai
         needs = [s.needs(None, i) for i, s in enumerate(recipe.stages) if not s.whole_model]
         stats = 4 * size.hessian_floats if any(n.hessian for n in needs) else 0
         kept = 4 * max((n.replay_samples for n in needs), default=0) * cal.seq_len * size.input_features
-        passing.update({"calibration activations": 0 if cal.offload == "disk" else acts, "block statistics": stats + kept})
+        passing.update({"calibration activations": 0 if cal.offload == "disk" else acts, "block statistics": stats + kept,
+                        # GPTQ: the layer's H/n, its weight being updated, the lazy update (quantizers/gptq.py)
+                        "GPTQ solve": 4 * size.largest_solve if stats else 0})
     phases = {"streamed pass": passing,
               "embedding or head": {"embedding or head": size.vocab * size.hidden * width,
                                     "evaluation hidden states": hidden,

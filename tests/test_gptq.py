@@ -77,3 +77,34 @@ def test_config_validation():
         GPTQConfig(dampening=1.5)
     with pytest.raises(ValueError, match="block_size"):
         GPTQConfig(block_size=0)
+
+
+def test_in_place_solve_equals_the_copying_one():
+    """`overwrite_hessian` (what the runner uses: the Hessian is a fresh H/n each call) solves inside the caller's
+    buffer instead of copying it; the codes must be the same bit for bit, and the buffer is consumed."""
+    w = torch.randn(24, 128)
+    x = _correlated_inputs(512, 128)
+    h = 2 * x.T @ x / 512
+    for sch in (scheme("int4", "group", 32, False), scheme("int4", "channel", symmetric=True)):
+        kept = h.clone()
+        copy = quantize_gptq(w, kept, sch, GPTQConfig(act_order=True))
+        assert torch.equal(kept, h)  # the default leaves the caller's Hessian alone
+        mine = h.clone()
+        inplace = quantize_gptq(w, mine, sch, GPTQConfig(act_order=True), overwrite_hessian=True)
+        assert torch.equal(copy.qdata, inplace.qdata) and torch.equal(copy.scale, inplace.scale)
+        assert not torch.equal(mine, h)  # the solve ran in it
+
+
+def test_in_place_permutations_match_indexing():
+    from compress.quantizers.gptq import _permute_columns_, _permute_rows_
+
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(300, 300, generator=g)
+    perm = torch.randperm(300, generator=g)
+    a = t.clone()
+    _permute_columns_(a, perm, rows=64)
+    _permute_rows_(a, perm)
+    assert torch.equal(a, t[perm][:, perm])
+    b = a.clone()
+    _permute_rows_(b, torch.arange(300))  # the identity moves nothing
+    assert torch.equal(a, b)

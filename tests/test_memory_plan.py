@@ -105,7 +105,9 @@ def test_the_streamed_plan_holds_one_block_not_the_model():
     assert streamed.phases["embedding or head"]["embedding or head"] == 32000 * 8192 * 2  # one of them at a time
     assert passing["block statistics"] == 4 * (3 * 8192 ** 2 + 28672 ** 2)  # GPTQ's Hessians, float32
     assert passing["evaluation hidden states"] == 2 * 4 * 2048 * 8192 * 2
-    assert streamed.peak[1] < 12 * GB
+    # the largest GPTQ solve (down_proj, K = 28672): H/n and the weight with its lazy update, float32
+    assert passing["GPTQ solve"] == 4 * (28672 ** 2 + 2 * 8192 * 28672)
+    assert streamed.peak[1] < 20 * GB  # of a 138 GB model
 
 
 def test_inspect_plans_a_70b_model_on_the_meta_device(llama70b_config_only, capsys):

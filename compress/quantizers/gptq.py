@@ -53,23 +53,51 @@ def gptq_problem(scheme: QuantScheme) -> str | None:
 
 
 def quantize_gptq_layer(w: Tensor, scheme: QuantScheme, options: GPTQConfig, inputs) -> QuantizedTensor:
-    """The registry's signature: the Hessian comes from the layer's calibration inputs."""
-    return quantize_gptq(w, inputs.hessian("GPTQ"), scheme, options, name=inputs.name)
+    """The registry's signature: the Hessian comes from the layer's calibration inputs (a fresh tensor each call,
+    so the solve may overwrite it)."""
+    return quantize_gptq(w, inputs.hessian("GPTQ"), scheme, options, name=inputs.name, overwrite_hessian=True)
 
 
 def _inverse_hessian_factor(h: Tensor, dampening: float, name: str) -> Tensor:
-    """Upper Cholesky factor of H^-1 after dampening (the GPTQ 'Hinv' rows). Overwrites `h` (the caller's copy):
-    two [K, K] buffers in all, not five; for a 7B model's down_proj (K = 11008) each is 485 MB."""
+    """Upper Cholesky factor of H^-1 after dampening (the GPTQ 'Hinv' rows), computed in `h`'s own buffer: no
+    second [K, K] matrix (for a 7B model's down_proj, K = 11008, each is 485 MB). LAPACK works in place on a
+    column-major matrix, and H is symmetric, so its transpose view is that matrix; the factor returned is a view."""
     damp = dampening * torch.mean(torch.diag(h))
     h.diagonal().add_(damp)  # = h + damp * I, without the identity matrix
-    factor, info = torch.linalg.cholesky_ex(h)
+    ht = h.T
+    info = torch.empty((), dtype=torch.int32)
+    torch.linalg.cholesky_ex(ht, out=(ht, info))
     if int(info) != 0:
         raise SingularHessianError(
             f"{name}: the Hessian is not positive definite even after dampening {dampening:g} of its mean "
             f"diagonal. Raise the stage's `options.dampening` (e.g. 0.1), give more calibration samples, or check the "
             "calibration inputs for NaN/inf.")
-    torch.cholesky_inverse(factor, out=h)  # H^-1 into h's buffer
-    return torch.linalg.cholesky(h, upper=True, out=factor)
+    torch.cholesky_inverse(ht, out=ht)  # H^-1
+    return torch.linalg.cholesky(ht, upper=True, out=ht)
+
+
+def _permute_columns_(t: Tensor, perm: Tensor, rows: int = 256) -> None:
+    """t[:, :] = t[:, perm] in place, a few rows at a time (a copy of `rows` rows, not of t)."""
+    for r in range(0, t.shape[0], rows):
+        t[r:r + rows] = t[r:r + rows, perm]
+
+
+def _permute_rows_(t: Tensor, perm: Tensor) -> None:
+    """t[:] = t[perm] in place, following the permutation's cycles (one row of extra memory)."""
+    order = perm.tolist()
+    done = bytearray(len(order))
+    for first in range(len(order)):
+        if done[first]:
+            continue
+        done[first] = 1
+        if order[first] == first:
+            continue
+        saved, j = t[first].clone(), first
+        while order[j] != first:
+            t[j] = t[order[j]]
+            j = order[j]
+            done[j] = 1
+        t[j] = saved
 
 
 def _column_qparams(w_cols: Tensor, scheme: QuantScheme) -> tuple[Tensor, Tensor | None]:
@@ -79,14 +107,18 @@ def _column_qparams(w_cols: Tensor, scheme: QuantScheme) -> tuple[Tensor, Tensor
 
 
 def quantize_gptq(w: Tensor, hessian: Tensor, scheme: QuantScheme, cfg: GPTQConfig = GPTQConfig(),
-                  name: str = "layer") -> QuantizedTensor:
+                  name: str = "layer", overwrite_hessian: bool = False) -> QuantizedTensor:
     """GPTQ-quantize a [out, in] weight given the Hessian [in, in] of its inputs.
 
-    Computes in float64 when `w` is float64 (tests), float32 otherwise.
+    Computes in float64 when `w` is float64 (tests), float32 otherwise. Memory beyond the inputs: one [K, K] matrix
+    (none with `overwrite_hessian`, which lets the solve work in the caller's Hessian) and one [N, K] matrix, which
+    holds the weights being updated and, column by column, the codes that replace them.
     """
     dtype = torch.float64 if w.dtype == torch.float64 else torch.float32
-    W = w.detach().to(dtype).clone()  # [N, K]
-    H = hessian.detach().to(dtype).clone()  # [K, K]
+    W = w.detach().to(dtype, copy=True).contiguous()  # [N, K]
+    H = hessian.detach()
+    if not (overwrite_hessian and H.dtype == dtype and H.is_contiguous()):
+        H = H.to(dtype, copy=True).contiguous()  # [K, K]
     n_rows, k = W.shape
     group_view(W, scheme)  # raises if the group size does not divide in_features
     if scheme.granularity == "block":
@@ -101,17 +133,18 @@ def quantize_gptq(w: Tensor, hessian: Tensor, scheme: QuantScheme, cfg: GPTQConf
     static = scheme.granularity != "group" or cfg.act_order
     if static:  # parameters from the original weights, in the original column order
         scale_full, zero_full = compute_qparams(W, scheme)
-        scale_cols = _expand(scale_full, scheme, n_rows, k).to(dtype)  # [N, K]
-        zero_cols = None if zero_full is None else _expand(zero_full, scheme, n_rows, k).to(dtype)
+        scale_tab = _table(scale_full, scheme, n_rows).to(dtype)  # [N or 1, groups]: one column per group
+        zero_tab = None if zero_full is None else _table(zero_full, scheme, n_rows).to(dtype)
+        group_of = torch.arange(k) // g if g else torch.zeros(k, dtype=torch.long)  # weight column -> table column
 
     perm = torch.argsort(torch.diag(H), descending=True) if cfg.act_order else None
     if perm is not None:
-        W, H = W[:, perm], H[perm][:, perm]
-        scale_cols = scale_cols[:, perm]
-        zero_cols = None if zero_cols is None else zero_cols[:, perm]
+        _permute_columns_(W, perm)
+        _permute_columns_(H, perm)
+        _permute_rows_(H, perm)
+        group_of = group_of[perm]
 
     h_inv = _inverse_hessian_factor(H, cfg.dampening, name)
-    codes = torch.zeros(n_rows, k, dtype=dtype, device=W.device)
     if not static:
         n_groups = k // g
         scale_g = torch.zeros(n_rows, n_groups, dtype=dtype, device=W.device)
@@ -123,7 +156,8 @@ def quantize_gptq(w: Tensor, hessian: Tensor, scheme: QuantScheme, cfg: GPTQConf
         for j in range(i1, i2):
             col = W[:, j]
             if static:
-                s, z = scale_cols[:, j], (zero_cols[:, j] if zero_cols is not None else None)
+                t = int(group_of[j])
+                s, z = scale_tab[:, t], (zero_tab[:, t] if zero_tab is not None else None)
             else:
                 if j % g == 0:  # first column of a group: parameters from the weights as updated so far
                     s_new, z_new = _column_qparams(W[:, j:j + g], scheme)
@@ -137,29 +171,31 @@ def quantize_gptq(w: Tensor, hessian: Tensor, scheme: QuantScheme, cfg: GPTQConf
             else:
                 q = torch.round(col / s) + (z if z is not None else 0)
                 q = torch.clamp(q, scheme.qmin, scheme.qmax)
-            codes[:, j] = q
             deq = (q - (z if z is not None else 0)) * s
             err = (col - deq) / h_inv[j, j]
             W[:, j:i2] -= err[:, None] * h_inv[j, j:i2][None, :]  # [N, i2 - j]
+            W[:, j] = q  # column j is final: its slot now holds the code
             err_block[:, j - i1] = err
         W[:, i2:] -= err_block @ h_inv[i1:i2, i2:]  # lazy update of the remaining columns
 
+    del h_inv, H, hessian  # the [K, K] buffer is free before the codes are packed
+    codes = W  # integer codes (or float8 values) held in the working dtype, exactly
     if perm is not None:
-        codes = codes[:, torch.argsort(perm)]
+        _permute_columns_(codes, torch.argsort(perm))
     if static:
         scale, zero = scale_full, zero_full
     else:
         scale, zero = scale_g, zero_g
     if scheme.is_float:
         return QuantizedTensor.from_codes(codes.to(FP8_DTYPES[scheme.dtype]), scale.float(), None, scheme)
-    return QuantizedTensor.from_codes(codes.to(torch.int32), scale.float(), None if zero is None else zero.float(),
-                                      scheme)
+    return QuantizedTensor.from_codes(codes, scale.float(), None if zero is None else zero.float(), scheme)
 
 
-def _expand(p: Tensor, scheme: QuantScheme, n_rows: int, k: int) -> Tensor:
-    """Per-group (or per-channel / per-tensor) parameters broadcast to one per weight column [N, K]."""
+def _table(p: Tensor, scheme: QuantScheme, n_rows: int) -> Tensor:
+    """Per-group (or per-channel / per-tensor) parameters as a table with one column per group, in float32 (the
+    precision the stored scales keep)."""
     if scheme.granularity == "tensor":
-        return p.reshape(1, 1).expand(n_rows, k).float()
+        return p.reshape(1, 1).float()
     if scheme.granularity == "channel":
-        return p.reshape(n_rows, 1).expand(n_rows, k).float()
-    return p.repeat_interleave(scheme.group_size, dim=1).float()
+        return p.reshape(n_rows, 1).float()
+    return p.float()
