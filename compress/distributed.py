@@ -9,6 +9,8 @@ The AWQ / SmoothQuant scale searches replay kept inputs: each rank keeps those o
 over the ranks (`mean_over_ranks`), so every rank picks the same scales; AWQ's clipping search sees every rank's kept
 inputs in the order of all windows (`all_windows`). The kv_cache stage's key and value maxima are maxed over the
 ranks (`max_over_ranks`). A stage that declares `data_parallel = False` is refused on more than one process.
+A streamed run's per-block checkpoint holds every rank's own inputs, committed by rank 0 after a `barrier`
+(stream_run.StreamCheckpoint), so `--resume` continues on the same number of processes.
 """
 from __future__ import annotations
 
@@ -118,3 +120,8 @@ def max_over_ranks(records: dict[str, list[float]]) -> dict[str, list[float]]:
     t = torch.tensor([records[n] for n in names], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return {n: [float(v) for v in row] for n, row in zip(names, t)}
+
+
+def barrier() -> None:
+    """Wait until every rank gets here (the per-block checkpoint's commit: every rank's inputs saved first)."""
+    dist.barrier()

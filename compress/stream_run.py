@@ -186,15 +186,19 @@ class StreamCheckpoint(BlockVisitor):
     block 17 with `--resume` and ends as an uninterrupted run would, bit for bit: the next block's calibration
     inputs and both models' evaluation hidden states (a small safetensors checkpoint), the output writer's position
     (its shards stay in the staging folder), the stages' records and the block errors so far. `progress.json`,
-    replaced atomically, is the commit point."""
+    replaced atomically, is the commit point.
+
+    With several processes (torchrun), every rank saves its own windows' inputs (`carried-N.rank-R`; rank 0's folder
+    also holds the evaluation's hidden states), all ranks wait until every one has saved, then rank 0 commits; a
+    resume needs as many processes, each reading its own."""
 
     def __init__(self, folder: Path, recipe_sha: str, writer: ShardWriter | None, blocks: StreamedBlocks,
-                 evaluation: StreamedEval | None, state: dict | None = None):
+                 evaluation: StreamedEval | None, state: dict | None = None, rank: int = 0, processes: int = 1):
         self.folder, self.sha, self.writer, self.blocks, self.evaluation = folder, recipe_sha, writer, blocks, evaluation
-        self.state = state
+        self.state, self.rank, self.processes = state, rank, processes
 
     @staticmethod
-    def load(folder: Path, recipe_sha: str) -> dict | None:
+    def load(folder: Path, recipe_sha: str, processes: int = 1) -> dict | None:
         path = folder / "progress.json"
         if not path.is_file():
             return None
@@ -202,7 +206,17 @@ class StreamCheckpoint(BlockVisitor):
         if state["recipe_sha256"] != recipe_sha:
             raise ValueError(f"{folder} holds an interrupted run of another recipe (or other overrides); run without "
                              "--resume to start over")
+        ran_on = state.get("processes", 1)
+        if ran_on != processes:
+            raise ValueError(f"{folder} holds a run interrupted on {ran_on} process(es), and this one has {processes}: "
+                             f"each process saved its own calibration windows. Resume on {ran_on} "
+                             f"({'torchrun --nproc-per-node ' + str(ran_on) + ' -m compress run ...' if ran_on > 1 else 'without torchrun'}"
+                             "), or run without --resume to start over")
         return state
+
+    def _mine(self, name: str) -> Path:
+        """This rank's folder of a checkpoint `name` (rank 0: the folder itself)."""
+        return self.folder / (name if self.rank == 0 else f"{name}.rank-{self.rank}")
 
     def bind(self, ctx) -> int:
         """Give the run context its saved records; the block to start at."""
@@ -220,13 +234,17 @@ class StreamCheckpoint(BlockVisitor):
             ev = self.evaluation
             ev.base = BlockInputs([saved.get(f"base.{k}") for k in range(len(ev.base.hidden))], ev.base.kwargs)
             ev.comp = BlockInputs([saved.get(f"comp.{k}") for k in range(len(ev.comp.hidden))], ev.comp.kwargs)
+        if inputs is not None and self.rank != 0:
+            saved = ShardReader(self._mine(self.state["carried"]))
         restored = None if inputs is None else \
             BlockInputs([saved.get(f"cal.{k}") for k in range(len(inputs.hidden))], inputs.kwargs)
         return restored, list(self.state["errors"])
 
     def done(self, i: int, inputs: BlockInputs | None, errors: list[float]) -> None:
+        from .distributed import active, barrier
+
         name = f"carried-{i + 1:05d}"
-        carried = ShardWriter(_fresh(self.folder / name), max_shard_bytes=1 << 62)
+        carried = ShardWriter(_fresh(self._mine(name)), max_shard_bytes=1 << 62)
         for k, h in enumerate(inputs.hidden if inputs is not None else ()):
             carried.add(f"cal.{k}", h)
         if self.evaluation is not None:
@@ -234,17 +252,27 @@ class StreamCheckpoint(BlockVisitor):
                 for k, h in enumerate(held.hidden):
                     carried.add(f"{prefix}.{k}", h)
         carried.finish()
-        state = {"recipe_sha256": self.sha, "next": i + 1, "carried": name, "errors": errors,
-                 "writer": self.writer.state() if self.writer is not None else None,
-                 "records": self.ctx.records, "kv": self.blocks.kv}
-        tmp = self.folder / "progress.json.tmp"
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, self.folder / "progress.json")
-        if self.writer is not None:
-            self.writer.drop_stale()
+        if active():
+            barrier()  # every rank's inputs of block i + 1 are on disk before the commit
+        if self.rank == 0:
+            state = {"recipe_sha256": self.sha, "next": i + 1, "carried": name, "errors": errors,
+                     "writer": self.writer.state() if self.writer is not None else None,
+                     "records": self.ctx.records, "kv": self.blocks.kv, "processes": self.processes}
+            tmp = self.folder / "progress.json.tmp"
+            tmp.write_text(json.dumps(state))
+            os.replace(tmp, self.folder / "progress.json")
+            if self.writer is not None:
+                self.writer.drop_stale()
+        if active():
+            barrier()  # committed: the older inputs can go
         for old in self.folder.glob("carried-*"):
-            if old.name != name:
+            if old.name != self._mine(name).name and _rank_of(old.name) == self.rank:
                 shutil.rmtree(old)
+
+
+def _rank_of(name: str) -> int:
+    """The rank whose inputs a checkpoint folder holds: carried-00003 is rank 0's, carried-00003.rank-1 rank 1's."""
+    return int(name.rsplit(".rank-", 1)[1]) if ".rank-" in name else 0
 
 
 def done_blocks(model: nn.Module, plan, streamed: Streamed, upto: int, kv: dict) -> None:
@@ -276,8 +304,10 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, 
     out = Path(recipe.output.dir)
     check_output(out, recipe.output.overwrite)
     work = work_dir(out)
-    main = world()[0] == 0  # with torchrun, the other processes only calibrate (distributed.py)
-    state = StreamCheckpoint.load(work / "stream", recipe.sha256) if resume and main else None
+    rank, processes = world()
+    main = rank == 0  # with torchrun, the other processes only calibrate (distributed.py)
+    # every rank reads the checkpoint (each resumes from its own windows' inputs); only rank 0 removes or creates
+    state = StreamCheckpoint.load(work / "stream", recipe.sha256, processes) if resume else None
     if not main:
         pass
     elif state is None and work.exists():
@@ -312,8 +342,7 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, 
         shard_args = ({"compress": "1"}, recipe.output.max_shard_bytes, True)  # keep_closed: for the checkpoint
         writer = ShardWriter.restore(stage, state["writer"], *shard_args) if state else ShardWriter(stage, *shard_args)
     blocks = StreamedBlocks(streamed, writer, recipe.output.save_dtype)
-    checkpoint = StreamCheckpoint(work / "stream", recipe.sha256, writer, blocks, evaluation, state) \
-        if world()[1] == 1 else None  # per-block resume is for one process (the ranks' inputs differ)
+    checkpoint = StreamCheckpoint(work / "stream", recipe.sha256, writer, blocks, evaluation, state, rank, processes)
     try:
         with timings("compress"):  # one pass: calibration, stages, the evaluation's forwards, the blocks' shards
             sections, _ = compress_model(model, tokenizer, recipe, plan, device, None, progress, log,
