@@ -2,13 +2,15 @@
 
 Loss per micro-batch: T**2 * KL(teacher || student) on T-softened next-token distributions at every
 position, plus optionally `hidden_weight` * MSE(final hidden states) / Var(teacher hidden).
-Runs on Hugging Face accelerate: one process, or DDP under `accelerate launch` (gloo on CPU).
+Runs on Hugging Face accelerate: one process, or DDP under `accelerate launch` (gloo on CPU); with `fsdp: true`
+under torchrun / `accelerate launch`, student and teacher are sharded over the processes (torch FSDP2, fsdp.py).
 Data order is a pure function of (seed, step): step s takes rows_per_step rows of a seeded
 per-epoch permutation and gives each (micro-batch, process) its own slice, so a resumed run
 trains on exactly the rows an uninterrupted run would have.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .evaluate.ppl import score_windows
+from .evaluate.ppl import score_hidden, score_windows
 
 STATE_FILE = "distill_state.json"  # written last, so a checkpoint folder without it is incomplete
 # changing these between a run and its resume would silently change what is trained
@@ -103,6 +105,19 @@ def _restore_forward(model: nn.Module) -> None:
         model.forward = original
 
 
+def _micro_loss(model: nn.Module, teacher: nn.Module, ids: Tensor, cfg, teacher_autocast=None) -> Tensor:
+    """One micro-batch's loss: KD on the logits (+ the hidden-state MSE). The teacher runs without gradients, under
+    `teacher_autocast()` where the student's own forward was patched for mixed precision by accelerate's prepare."""
+    with torch.no_grad(), (teacher_autocast() if teacher_autocast is not None else contextlib.nullcontext()):
+        t_out = teacher(input_ids=ids, output_hidden_states=cfg.hidden_weight > 0, use_cache=False)
+    s_out = model(input_ids=ids, output_hidden_states=cfg.hidden_weight > 0, use_cache=False)
+    loss = kd_loss(s_out.logits, t_out.logits, cfg.temperature)
+    if cfg.hidden_weight > 0:
+        t_h, s_h = t_out.hidden_states[-1].float(), s_out.hidden_states[-1].float()
+        loss = loss + cfg.hidden_weight * F.mse_loss(s_h, t_h) / t_h.var().clamp_min(1e-12)
+    return loss
+
+
 def _latest_checkpoint(work_dir: Path) -> Path | None:
     done = sorted(p.parent for p in (work_dir / "checkpoints").glob(f"step-*/{STATE_FILE}"))
     return done[-1] if done else None
@@ -144,15 +159,25 @@ def distill(student: nn.Module, teacher: nn.Module, train_ids: Tensor, cfg, work
         raise ValueError("the student has no parameter with requires_grad=True (a copy of a frozen teacher?); "
                          "call student.requires_grad_(True) before distill")
     teacher.eval().requires_grad_(False).to(acc.device)
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr,
-                                  betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    # Not prepared: accelerate's scheduler wrapper steps num_processes times per step; its state goes in STATE_FILE.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg) / cfg.lr)
+    sharded = bool(getattr(cfg, "fsdp", False)) and processes > 1
+    if getattr(cfg, "fsdp", False) and processes == 1:
+        say("distill: fsdp asks to shard over processes, and this is one process: training unsharded")
     had_input_grads_hook = hasattr(student, "_require_grads_hook")  # transformers 5 adds one with checkpointing
     if cfg.gradient_checkpointing:
         _set_checkpointing(student, True)
     student.train()
-    model, optimizer = acc.prepare(student, optimizer)
+    teach = teacher
+    if sharded:  # FSDP2: the copies train, the originals are released until gather_into (fsdp.py)
+        from . import fsdp
+
+        model, teach = fsdp.shard(student, acc.device), fsdp.shard(teacher, acc.device)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr,
+                                  betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    # Not prepared: accelerate's scheduler wrapper steps num_processes times per step; its state goes in STATE_FILE.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg) / cfg.lr)
+    if not sharded:
+        model, optimizer = acc.prepare(student, optimizer)
 
     step, curve, seconds, teacher_scores, resumed_from = 0, [], 0.0, None, None
     if resume:
@@ -162,11 +187,19 @@ def distill(student: nn.Module, teacher: nn.Module, train_ids: Tensor, cfg, work
                                     f"(step-*/{STATE_FILE}); run without resume")
         state = json.loads((ckpt / STATE_FILE).read_text())
         changed = [k for k in _RESUME_FIXED if state["config"][k] != getattr(cfg, k)]
+        if state.get("sharded") != ("fsdp" if sharded else None):
+            changed.append("fsdp")
         if changed or state["processes"] != processes:
             raise ValueError(f"{ckpt} was written with other {changed or 'processes'} than this run; "
                              f"resume with the same settings or start a new work_dir")
-        acc.load_state(str(ckpt))
+        if sharded:
+            fsdp.load_local(ckpt, acc.process_index, model, optimizer)
+        else:
+            acc.load_state(str(ckpt))
         scheduler.load_state_dict(state["scheduler"])
+        if sharded:  # the optimizer's own state_dict (which accelerate restores) would carry the learning rate
+            for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr
         step = resumed_from = state["step"]
         curve, seconds, teacher_scores = state["curve"], state["seconds"], state["teacher"]
         say(f"distill: resumed from {ckpt} at step {step}/{cfg.steps}")
@@ -176,10 +209,18 @@ def distill(student: nn.Module, teacher: nn.Module, train_ids: Tensor, cfg, work
         mean_loss = float(acc.reduce(loss_sum, "mean")) / n if n else None  # collective: all ranks
         point = {"step": step, "tokens": step * tokens_per_step, "seconds": round(seconds, 3),
                  "ppl": None, "kl": None, "train_loss": mean_loss}
-        if eval_ids is not None and main:
-            raw = acc.unwrap_model(model).eval()
-            scores = score_windows({"teacher": teacher, "student": raw}, eval_ids, baseline="teacher",
-                                   device=str(acc.device), progress=False)
+        if eval_ids is not None and (main or sharded):  # a sharded model's forward needs every process
+            raw = (model if sharded else acc.unwrap_model(model)).eval()
+            if sharded:  # through each root forward (FSDP gathers units only inside it), logits whole
+                def whole(m):
+                    return lambda k, ids: m(input_ids=ids, use_cache=False).logits[0, :-1].float()
+
+                scores = score_hidden({"teacher": whole(teach), "student": whole(raw)},
+                                      {"teacher": lambda x: x, "student": lambda x: x}, eval_ids,
+                                      baseline="teacher", device=str(acc.device), progress=False)
+            else:
+                scores = score_windows({"teacher": teach, "student": raw}, eval_ids, baseline="teacher",
+                                       device=str(acc.device), progress=False)
             raw.train()
             point["ppl"], point["kl"] = scores["student"].ppl, scores["student"].kl
             teacher_scores = teacher_scores or {"ppl": scores["teacher"].ppl, "nll": scores["teacher"].nll,
@@ -191,10 +232,15 @@ def distill(student: nn.Module, teacher: nn.Module, train_ids: Tensor, cfg, work
 
     def checkpoint() -> None:
         folder = work_dir / "checkpoints" / f"step-{step:06d}"
-        acc.save_state(str(folder))  # model as safetensors; optimizer, RNG and step counter from accelerate
+        if sharded:  # every process its own shards
+            fsdp.save_local(folder, acc.process_index, model, optimizer)
+        else:
+            acc.save_state(str(folder))  # model as safetensors; optimizer, RNG and step counter from accelerate
+        acc.wait_for_everyone()  # all written before the state file commits the checkpoint
         if main:
             state = {"step": step, "curve": curve, "tokens": step * tokens_per_step, "seconds": seconds,
                      "teacher": teacher_scores, "processes": processes, "scheduler": scheduler.state_dict(),
+                     "sharded": "fsdp" if sharded else None,
                      "config": asdict(cfg)}
             (folder / STATE_FILE).write_text(json.dumps(state, indent=1))
             for old in sorted((work_dir / "checkpoints").glob("step-*"))[:-cfg.keep_checkpoints]:
@@ -210,21 +256,24 @@ def distill(student: nn.Module, teacher: nn.Module, train_ids: Tensor, cfg, work
     loss_sum, n_loss = torch.zeros((), device=acc.device), 0
     while step < cfg.steps:
         t0 = time.perf_counter()
-        for rows in _step_rows(step, train_ids.shape[0], cfg, acc.process_index, processes):
+        for k, rows in enumerate(_step_rows(step, train_ids.shape[0], cfg, acc.process_index, processes)):
             ids = train_ids[rows].to(acc.device)  # [batch_size, seq_len]
-            with acc.accumulate(model):
-                with torch.no_grad(), acc.autocast():
-                    t_out = teacher(input_ids=ids, output_hidden_states=cfg.hidden_weight > 0, use_cache=False)
-                s_out = model(input_ids=ids, output_hidden_states=cfg.hidden_weight > 0, use_cache=False)
-                loss = kd_loss(s_out.logits, t_out.logits, cfg.temperature)
-                if cfg.hidden_weight > 0:
-                    t_h, s_h = t_out.hidden_states[-1].float(), s_out.hidden_states[-1].float()
-                    loss = loss + cfg.hidden_weight * F.mse_loss(s_h, t_h) / t_h.var().clamp_min(1e-12)
-                acc.backward(loss)
-                if acc.sync_gradients:
-                    acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad()
+            if sharded:  # gradients reduce-scattered at every micro-batch, so they stay sharded in between
+                with acc.autocast():
+                    loss = _micro_loss(model, teach, ids, cfg)
+                (loss / cfg.grad_accum).backward()  # what acc.backward does inside acc.accumulate
+                if k == cfg.grad_accum - 1:
+                    torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad()
+            else:
+                with acc.accumulate(model):
+                    loss = _micro_loss(model, teach, ids, cfg, acc.autocast)
+                    acc.backward(loss)
+                    if acc.sync_gradients:
+                        acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad()
             loss_sum += loss.detach().float() / cfg.grad_accum
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
@@ -239,7 +288,12 @@ def distill(student: nn.Module, teacher: nn.Module, train_ids: Tensor, cfg, work
             checkpoint()
     bar.close()
 
-    _restore_forward(student)
+    if sharded:  # the originals refilled with the trained values, on every process
+        fsdp.gather_into(student, model)
+        fsdp.gather_into(teacher, teach)
+        del model, teach, optimizer, trainable
+    else:
+        _restore_forward(student)
     student.eval()
     if cfg.gradient_checkpointing:
         _set_checkpointing(student, False)
@@ -252,5 +306,6 @@ def distill(student: nn.Module, teacher: nn.Module, train_ids: Tensor, cfg, work
         say(f"distill: {step - start_step} steps in {seconds:.1f} s training time, "
             f"{tokens / max(seconds, 1e-9):.0f} tokens/s")
     return {"steps": step, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
-            "processes": processes, "mixed_precision": acc.mixed_precision, "curve": curve,
+            "processes": processes, "sharded": "fsdp" if sharded else None,
+            "mixed_precision": acc.mixed_precision, "curve": curve,
             "teacher": teacher_scores, "resumed_from": resumed_from, "config": asdict(cfg)}

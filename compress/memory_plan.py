@@ -153,7 +153,13 @@ def plan_memory(recipe, config, dtype: torch.dtype, device: str, available: int 
     on_device = device.startswith("cuda")
     phases, device_phases = {"load": {"weights": weights, "dtype conversion": conversion}}, {}
     if any(getattr(s, "needs_teacher", False) for s in recipe.stages):
-        phases["distill"] = {"weights": weights, "teacher and optimizer": weights * 2 + size.parameters * 12}
+        # the teacher, the student's copy before distillation, gradients and AdamW's two moments (float32); with
+        # fsdp over several processes the teacher, gradients and moments are sharded over them (fsdp.py)
+        from .distributed import world
+
+        share = world()[1] if any(getattr(s, "fsdp", False) for s in recipe.stages) else 1
+        phases["distill"] = {"weights": weights,
+                             "teacher and optimizer": weights + (weights + size.parameters * 12) // share}
     if recipe.calibration is not None and any(not s.whole_model for s in recipe.stages):
         cal = recipe.calibration
         acts = 3 * cal.n_samples * cal.seq_len * size.hidden * width  # block inputs, float outputs, compressed outputs

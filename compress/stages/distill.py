@@ -34,6 +34,9 @@ class DistillStage(StageBase):
     keep_checkpoints: int = 2
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"  # auto: bf16 where the hardware has it (native_bf16)
     gradient_checkpointing: bool = False
+    # several processes: shard student and teacher parameters, gradients and AdamW moments over them (torch FSDP2)
+    # instead of a full copy of each on every process (DDP); no effect in one process
+    fsdp: bool = False
     max_grad_norm: float = 1.0
     seed: int = 0
     # training text (the pipeline cuts it into seq_len windows); kind `self` samples it from the teacher
@@ -116,7 +119,9 @@ def _render(stage: dict) -> list[str]:
     lines = ["", f"## Stage {stage['index']}: distill (knowledge distillation from the original)", "",
              f"{stage['steps']} steps, {stage['tokens']:,} training tokens from {stage['data']} in "
              f"{stage['seconds'] / 60:.1f} min ({stage['tokens_per_s']:.0f} tokens/s, {stage['processes']} "
-             f"process{'es' if stage['processes'] > 1 else ''}, mixed precision {stage['mixed_precision']})"
+             f"process{'es' if stage['processes'] > 1 else ''}"
+             f"{', sharded with FSDP' if stage.get('sharded') == 'fsdp' else ''}, "
+             f"mixed precision {stage['mixed_precision']})"
              + (f"; resumed from step {stage['resumed_from']}" if stage.get("resumed_from") else "") + "."]
     curve = stage.get("curve") or []
     if curve:  # without eval_windows only the training loss is known
