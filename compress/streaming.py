@@ -6,12 +6,14 @@ block i's tensors from the checkpoint files and `release(block)` sends the block
 then the outside modules plus one block, whatever the model's size.
 
 Sources: a local safetensors folder (read tensor by tensor with plain file reads, `shards.ShardReader`: the file's
-pages never count in the resident set), a hub id (its safetensors files downloaded first), or a model transformers
-converts as a whole (a GGUF file, the default model): its state dict is then the source, so it is resident once.
+pages never count in the resident set), a hub id (its safetensors files downloaded first), or a GGUF file (the
+default model among them) read tensor by tensor, each dequantized when its block is reached (`gguf_source.py`);
+a GGUF architecture whose conversion is not per tensor is converted whole by transformers (resident once).
 """
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .arch import ArchSpec, get_arch, get_module
+from .gguf_source import gguf_tensor_source
 from .shards import ShardReader
 
 STREAM_KINDS = ("folder", "hub", "gguf", "default")
@@ -212,19 +215,22 @@ def open_streamed(kind: str, where: str, dtype: torch.dtype, revision: str | Non
     if kind == "hub":
         where = _download(where, revision)
         kind = "folder"
-    if kind in ("gguf", "default"):  # transformers converts GGUF as a whole: its state dict is the source
-        loaded = load_model(where if kind == "gguf" else "default", str(dtype).replace("torch.", ""), "cpu",
-                            revision, trust_remote_code)
-        source, origin = StateSource(loaded.model.state_dict()), f"{where} (converted whole by transformers)"
-        tokenizer = loaded.tokenizer
-        del loaded
-    elif kind == "folder":
+    if kind not in ("gguf", "default", "folder"):
+        raise ValueError(f"a {kind} model cannot be streamed; set model.stream: false")
+    where, _, model = model_skeleton(where, revision, trust_remote_code, dtype)
+    model.tie_weights()  # the meta skeleton is built untied; tied names are then found by identity
+    if kind in ("gguf", "default"):  # read tensor by tensor where the conversion allows (gguf_source.py)
+        source = gguf_tensor_source(where, model)
+        origin = f"{where} (GGUF, tensor by tensor)"
+        folder, file = os.path.split(where)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+        if source is None:  # transformers converts it as a whole: its state dict is the source
+            loaded = load_model(where, str(dtype).replace("torch.", ""), "cpu", revision, trust_remote_code)
+            source, origin = StateSource(loaded.model.state_dict()), f"{where} (converted whole by transformers)"
+            del loaded
+    else:
         source, origin = ShardReader(where), f"{where} (safetensors, tensor by tensor)"
         tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
-    else:
-        raise ValueError(f"a {kind} model cannot be streamed; set model.stream: false")
-    _, _, model = model_skeleton(where, revision, trust_remote_code, dtype)
-    model.tie_weights()  # the meta skeleton is built untied; tied names are then found by identity
     arch = get_arch(model)
     if why := check_streamable(model, arch):
         raise ValueError(f"cannot stream this model: {why}. Set model.stream: false.")

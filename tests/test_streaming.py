@@ -250,12 +250,34 @@ def test_the_embedded_model_streamed_from_safetensors_equals_in_memory(tmp_path)
     assert reports["always"]["streamed"]["blocks"] == 30
 
 
-@pytest.mark.slow  # four conversions of the GGUF file (23 s each here)
+@pytest.mark.slow  # two conversions of the GGUF file in memory, two streamed runs
 @requires_data
 def test_the_embedded_gguf_model_streamed_equals_in_memory(tmp_path):
-    """The default model given as its GGUF file: transformers converts it whole, so its state dict is the source."""
+    """The default model given as its GGUF file, read tensor by tensor when streamed: the same run as in memory."""
     reports, _ = _embedded_runs(tmp_path, "default")
-    assert "converted whole by transformers" in reports["always"]["streamed"]["weights_from"]
+    assert "GGUF, tensor by tensor" in reports["always"]["streamed"]["weights_from"]
+
+
+def test_a_gguf_file_is_read_tensor_by_tensor_as_transformers_converts_it(monkeypatch):
+    """SmolLM2's Q4_1 GGUF file: every tensor dequantized on its own (Llama's q/k permutation undone) equals what
+    transformers' whole conversion gives, bit for bit; an architecture whose conversion is not per tensor is not
+    read this way (the streamed run then converts it whole, `open_streamed`; the slow test above runs the file
+    streamed end to end)."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from compress import gguf_source
+    from compress.default_model import default_model_path
+    from compress.models import model_skeleton
+
+    path = str(default_model_path())
+    _, _, skeleton = model_skeleton(path)
+    source = gguf_source.gguf_tensor_source(path, skeleton)
+    whole = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)["tensors"]
+    assert source.names() == set(whole) and len(whole) == 272
+    for name, tensor in whole.items():
+        assert torch.equal(source.get(name), tensor), name
+    monkeypatch.setattr(gguf_source, "_PER_TENSOR", ())
+    assert gguf_source.gguf_tensor_source(path, skeleton) is None
 
 
 def _four_blocks(tmp_path, family="llama"):
