@@ -168,9 +168,9 @@ def distill(student: nn.Module, teacher: nn.Module, train_ids: Tensor, cfg, work
     student.train()
     teach = teacher
     if sharded:  # FSDP2: the copies train, the originals are released until gather_into (fsdp.py)
-        from . import fsdp
+        from .fsdp import gather_into, load_local, save_local, shard
 
-        model, teach = fsdp.shard(student, acc.device), fsdp.shard(teacher, acc.device)
+        model, teach = shard(student, acc.device), shard(teacher, acc.device)
         trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr,
                                   betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -193,7 +193,7 @@ def distill(student: nn.Module, teacher: nn.Module, train_ids: Tensor, cfg, work
             raise ValueError(f"{ckpt} was written with other {changed or 'processes'} than this run; "
                              f"resume with the same settings or start a new work_dir")
         if sharded:
-            fsdp.load_local(ckpt, acc.process_index, model, optimizer)
+            load_local(ckpt, acc.process_index, model, optimizer)
         else:
             acc.load_state(str(ckpt))
         scheduler.load_state_dict(state["scheduler"])
@@ -233,7 +233,7 @@ def distill(student: nn.Module, teacher: nn.Module, train_ids: Tensor, cfg, work
     def checkpoint() -> None:
         folder = work_dir / "checkpoints" / f"step-{step:06d}"
         if sharded:  # every process its own shards
-            fsdp.save_local(folder, acc.process_index, model, optimizer)
+            save_local(folder, acc.process_index, model, optimizer)
         else:
             acc.save_state(str(folder))  # model as safetensors; optimizer, RNG and step counter from accelerate
         acc.wait_for_everyone()  # all written before the state file commits the checkpoint
@@ -289,8 +289,8 @@ def distill(student: nn.Module, teacher: nn.Module, train_ids: Tensor, cfg, work
     bar.close()
 
     if sharded:  # the originals refilled with the trained values, on every process
-        fsdp.gather_into(student, model)
-        fsdp.gather_into(teacher, teach)
+        gather_into(student, model)
+        gather_into(teacher, teach)
         del model, teach, optimizer, trainable
     else:
         _restore_forward(student)
