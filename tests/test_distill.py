@@ -267,16 +267,19 @@ def test_two_processes_ddp_over_gloo(tmp_path):
     assert ranks[0]["final_sha"] != ranks[0]["initial_sha"]
 
 
-def test_fsdp_over_two_processes_shards_the_state_and_trains_as_one_process(tmp_path):
+def test_fsdp_over_two_processes_shards_the_state_trains_as_one_process_and_resumes(tmp_path):
     """`fsdp: true` on 2 gloo processes: each holds half of the AdamW moments (the state is sharded, not copied),
     both end with the same full student, the teacher is given back unchanged, and the training equals one process
     taking both processes' rows (batch 4 = 2 × 2): the same training losses and nearly the same weights (AdamW's
-    normalised first steps amplify float summation-order differences of near-zero gradients, so not bit for bit)."""
+    normalised first steps amplify float summation-order differences of near-zero gradients, so not bit for bit).
+    Killed during step 2 of 3 with a checkpoint after every step, each process has saved its own shards of the
+    student and of AdamW's moments as safetensors, and resuming on 2 processes ends where the uninterrupted run
+    ended, bit for bit."""
     from safetensors.torch import load_file
 
     from tests.distill_worker import main as worker
 
-    ranks = _launch_two(tmp_path, "--fsdp")
+    ranks = _launch_two(tmp_path / "whole", "--fsdp")
     assert all(r["sharded"] == "fsdp" and r["teacher_unchanged"] for r in ranks)
     assert ranks[0]["final_sha"] == ranks[1]["final_sha"] != ranks[0]["initial_sha"]
     assert not set(ranks[0]["step0_rows"]) & set(ranks[1]["step0_rows"])
@@ -290,20 +293,15 @@ def test_fsdp_over_two_processes_shards_the_state_and_trains_as_one_process(tmp_
     assert single["sharded"] is None and single["initial_sha"] == ranks[0]["initial_sha"]
     assert ranks[0]["train_loss"][1:] == pytest.approx(single["train_loss"][1:], rel=1e-4)
     init, ref, two = (load_file(str(f)) for f in (one / "initial.safetensors", one / "student.safetensors",
-                                                 tmp_path / "student.safetensors"))
+                                                 tmp_path / "whole" / "student.safetensors"))
     moved = sum(float((ref[k] - init[k]).norm() ** 2) for k in ref) ** 0.5
     apart = sum(float((two[k] - ref[k]).norm() ** 2) for k in ref) ** 0.5
     assert apart < 0.1 * moved, (apart, moved)  # measured 0.023
 
-
-def test_fsdp_checkpoints_are_per_process_safetensors_and_resume_bit_for_bit(tmp_path):
-    """Killed during step 2 of 3 with a checkpoint after every step: each process saved its own shards of the
-    student and of AdamW's moments as safetensors; resuming on 2 processes ends where an uninterrupted run ends."""
-    whole = _launch_two(tmp_path / "whole", "--fsdp")
     assert _launch_two(tmp_path / "cut", "--fsdp", "--checkpoint-every", "1", "--crash-at", "2", check=False) != 0
     ckpt = tmp_path / "cut" / "work" / "checkpoints"
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-000001", "step-000002"]
     assert sorted(p.name for p in (ckpt / "step-000002").iterdir()) == [
         "distill_state.json", "shard-0.safetensors", "shard-1.safetensors"]
     resumed = _launch_two(tmp_path / "cut", "--fsdp", "--checkpoint-every", "1", "--resume")
-    assert resumed[0]["final_sha"] == resumed[1]["final_sha"] == whole[0]["final_sha"]
+    assert resumed[0]["final_sha"] == resumed[1]["final_sha"] == ranks[0]["final_sha"]
