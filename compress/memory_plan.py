@@ -205,13 +205,17 @@ def _streamed_plan(recipe, size: ModelSize, width: int, dtype, device: str, avai
         needs = [s.needs(None, i) for i, s in enumerate(recipe.stages) if not s.whole_model]
         stats = 4 * size.hessian_floats if any(n.hessian for n in needs) else 0
         kept = 4 * max((n.replay_samples for n in needs), default=0) * cal.seq_len * size.input_features
-        passing.update({"calibration activations": 0 if cal.offload == "disk" else acts, "block statistics": stats + kept,
-                        # GPTQ: the layer's H/n, its weight being updated, the lazy update (quantizers/gptq.py)
-                        "GPTQ solve": 4 * size.largest_solve if stats else 0})
-    phases = {"streamed pass": passing,
-              "embedding or head": {"embedding or head": size.vocab * size.hidden * width,
-                                    "evaluation hidden states": hidden,
-                                    "logits": 4 * 4 * ev.seq_len * size.vocab if windows else 0}}
+        passing.update({"calibration activations": 0 if cal.offload == "disk" else acts, "block statistics": stats + kept})
+    phases = {"streamed pass": passing}
+    if recipe.calibration is not None and stats:
+        # between the block's forwards: its float weights (no autocast or dequantized copies then), the statistics,
+        # and one GPTQ solve at a time: the layer's H/n, its weight being updated, the lazy update (quantizers/gptq.py)
+        phases["GPTQ solve"] = {**passing, "one block": size.block_parameters * width,
+                                "GPTQ solve": 4 * size.largest_solve}
+    phases |= {
+        "embedding or head": {"embedding or head": size.vocab * size.hidden * width,
+                              "evaluation hidden states": hidden,
+                              "logits": 4 * 4 * ev.seq_len * size.vocab if windows else 0}}
     phases = {name: {"runtime": RUNTIME, **{k: v for k, v in parts.items() if v}} for name, parts in phases.items()}
     if available is None:
         available = psutil.virtual_memory().available
