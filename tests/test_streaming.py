@@ -258,26 +258,44 @@ def test_the_embedded_gguf_model_streamed_equals_in_memory(tmp_path):
     assert "GGUF, tensor by tensor" in reports["always"]["streamed"]["weights_from"]
 
 
-def test_a_gguf_file_is_read_tensor_by_tensor_as_transformers_converts_it(monkeypatch):
-    """SmolLM2's Q4_1 GGUF file: every tensor dequantized on its own (Llama's q/k permutation undone) equals what
-    transformers' whole conversion gives, bit for bit; an architecture whose conversion is not per tensor is not
-    read this way (the streamed run then converts it whole, `open_streamed`; the slow test above runs the file
-    streamed end to end)."""
+def _gguf_tensors_equal_transformers(path: str) -> int:
+    """Every tensor of the GGUF file at `path` read on its own equals transformers' whole conversion; their count."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from compress import gguf_source
-    from compress.default_model import default_model_path
+    from compress.gguf_source import gguf_tensor_source
     from compress.models import model_skeleton
 
-    path = str(default_model_path())
     _, _, skeleton = model_skeleton(path)
-    source = gguf_source.gguf_tensor_source(path, skeleton)
+    source = gguf_tensor_source(path, skeleton)
     whole = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)["tensors"]
-    assert source.names() == set(whole) and len(whole) == 272
+    assert source.names() == set(whole)
     for name, tensor in whole.items():
         assert torch.equal(source.get(name), tensor), name
+    return len(whole)
+
+
+def test_a_gguf_file_is_read_tensor_by_tensor_as_transformers_converts_it(tmp_path, monkeypatch):
+    """A tiny Llama (4 heads, 2 KV heads) written as q8_0 GGUF: every tensor dequantized on its own, Llama's q/k
+    permutation undone, equals transformers' whole conversion bit for bit; an architecture whose conversion is not
+    per tensor is not read this way (the streamed run then converts it whole, `open_streamed`)."""
+    from compress import gguf_source
+    from compress.export.gguf import write_gguf
+    from compress.models import model_skeleton
+    from tests.tiny_tokenizer import byte_bpe_tokenizer
+
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(make_tiny_model("llama"), byte_bpe_tokenizer(), path, "q8_0")
+    assert _gguf_tensors_equal_transformers(path) == 20
     monkeypatch.setattr(gguf_source, "_PER_TENSOR", ())
-    assert gguf_source.gguf_tensor_source(path, skeleton) is None
+    assert gguf_source.gguf_tensor_source(path, model_skeleton(path)[2]) is None
+
+
+@pytest.mark.slow  # 24 s: transformers converts the whole file for the comparison
+def test_the_embedded_gguf_file_is_read_tensor_by_tensor_as_transformers_converts_it():
+    """SmolLM2's Q4_1 file: all 272 tensors equal transformers' whole conversion bit for bit."""
+    from compress.default_model import default_model_path
+
+    assert _gguf_tensors_equal_transformers(str(default_model_path())) == 272
 
 
 def _four_blocks(tmp_path, family="llama"):
@@ -373,6 +391,7 @@ def test_two_processes_reduce_the_statistics_of_all_windows(tmp_path):
             assert float((ranks[0][key] - ref).norm() / ref.norm()) < 1e-6, key
 
 
+@pytest.mark.slow  # 26 s: three torchrun launches; the one-process resume test above runs by default
 @requires_data
 def test_a_killed_two_process_run_resumes_bit_for_bit(tmp_path):
     """torchrun with 2 gloo processes, both killed before block 2 of 4: `--resume` on 2 processes continues at block
