@@ -159,8 +159,9 @@ def distill(student: nn.Module, teacher: nn.Module, train_ids: Tensor, cfg, work
         raise ValueError("the student has no parameter with requires_grad=True (a copy of a frozen teacher?); "
                          "call student.requires_grad_(True) before distill")
     teacher.eval().requires_grad_(False).to(acc.device)
-    sharded = bool(getattr(cfg, "fsdp", False)) and processes > 1
-    if getattr(cfg, "fsdp", False) and processes == 1:
+    fsdp = bool(getattr(cfg, "fsdp", False))
+    sharded = fsdp and processes > 1
+    if fsdp and processes == 1:
         say("distill: fsdp asks to shard over processes, and this is one process: training unsharded")
     had_input_grads_hook = hasattr(student, "_require_grads_hook")  # transformers 5 adds one with checkpointing
     if cfg.gradient_checkpointing:
@@ -192,14 +193,14 @@ def distill(student: nn.Module, teacher: nn.Module, train_ids: Tensor, cfg, work
         if changed or state["processes"] != processes:
             raise ValueError(f"{ckpt} was written with other {changed or 'processes'} than this run; "
                              f"resume with the same settings or start a new work_dir")
+        scheduler.load_state_dict(state["scheduler"])
         if sharded:
             load_local(ckpt, acc.process_index, model, optimizer)
-        else:
-            acc.load_state(str(ckpt))
-        scheduler.load_state_dict(state["scheduler"])
-        if sharded:  # the optimizer's own state_dict (which accelerate restores) would carry the learning rate
+            # the optimizer's own state_dict, which accelerate restores, would carry the learning rate
             for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
                 group["lr"] = lr
+        else:
+            acc.load_state(str(ckpt))
         step = resumed_from = state["step"]
         curve, seconds, teacher_scores = state["curve"], state["seconds"], state["teacher"]
         say(f"distill: resumed from {ckpt} at step {step}/{cfg.steps}")
@@ -211,7 +212,7 @@ def distill(student: nn.Module, teacher: nn.Module, train_ids: Tensor, cfg, work
                  "ppl": None, "kl": None, "train_loss": mean_loss}
         if eval_ids is not None and (main or sharded):  # a sharded model's forward needs every process
             raw = (model if sharded else acc.unwrap_model(model)).eval()
-            if sharded:  # through each root forward (FSDP gathers units only inside it), logits whole
+            if sharded:  # through each root forward (FSDP gathers units only inside it): one window's whole logits
                 def whole(m):
                     return lambda k, ids: m(input_ids=ids, use_cache=False).logits[0, :-1].float()
 

@@ -5,9 +5,9 @@ the duration of the distillation, by a copy whose parameters are split over the 
 its own FSDP unit (all-gathered for its forward and backward, freed after), the rest is the root unit. Gradients are
 reduce-scattered and AdamW's moments exist only for each process's shard, so a process holds about
 (student + teacher) / processes of parameters plus 3 × student / processes of gradients and moments, where plain
-data parallelism (DDP) holds all of it on every process. The original modules' parameters are released (moved to the
-empty) while the copies train, and refilled from the copies at the end, so the caller's objects are the ones
-trained, as in the unsharded path.
+data parallelism (DDP) holds all of it on every process. The original modules' parameters are released (emptied, the
+Parameter objects kept) while the copies train, and refilled from the copies at the end, so the caller's objects are
+the ones trained, as in the unsharded path.
 
 Checkpoints are each process's local shards as safetensors (`shard-R.safetensors`: parameters, AdamW moments and
 step), never pickles; a resume needs the same number of processes.
@@ -78,7 +78,7 @@ def save_local(folder: Path, rank: int, model: nn.Module, optimizer: torch.optim
         tensors[f"param.{name}"] = p.to_local().detach().contiguous()
         for key, value in optimizer.state.get(p, {}).items():
             value = value.to_local() if hasattr(value, "to_local") else value
-            tensors[f"optim.{name}.{key}"] = value.detach().reshape(value.shape).contiguous()
+            tensors[f"optim.{name}.{key}"] = value.detach().contiguous()
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / f"shard-{rank}.safetensors"))
 

@@ -21,8 +21,8 @@ _PER_TENSOR = ("TensorProcessor", "LlamaTensorProcessor")
 class GGUFSource:
     """names() / get(name) of a GGUF file, in the model's state-dict names (see the module docstring)."""
 
-    def __init__(self, path: str, reader, processor, mapping: dict[str, str], parsed: dict):
-        self.path, self.reader, self.processor, self.parsed = path, reader, processor, parsed
+    def __init__(self, reader, processor, mapping: dict[str, str]):
+        self.reader, self.processor = reader, processor
         self.mapping = mapping  # GGUF tensor name -> the model's name
         self.index = {mapping[t.name]: k for k, t in enumerate(reader.tensors) if t.name in mapping}
 
@@ -35,7 +35,7 @@ class GGUFSource:
         tensor = self.reader.tensors[self.index[name]]
         weights = dequantize(tensor.data, tensor.tensor_type)
         result = self.processor.process(weights=weights, name=tensor.name, tensor_key_mapping=self.mapping,
-                                        parsed_parameters=self.parsed)
+                                        parsed_parameters={})  # read only by the MoE processors
         return torch.from_numpy(np.copy(result.weights))
 
 
@@ -55,7 +55,7 @@ def gguf_tensor_source(path: str, skeleton: nn.Module) -> GGUFSource | None:
     mapping = _name_map(reader, architecture, skeleton)
     if mapping is None:  # transformers' map also tries every submodule's names (slower: seconds on a 135M model)
         mapping = get_gguf_hf_weights_map(skeleton, processor)
-    return GGUFSource(path, reader, processor, mapping, {})
+    return GGUFSource(reader, processor, mapping)
 
 
 def _name_map(reader, architecture: str, skeleton: nn.Module) -> dict[str, str] | None:
