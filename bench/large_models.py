@@ -9,6 +9,7 @@ and reading the report's peak RSS (getrusage). Results go to bench/results/large
     python bench/large_models.py [--sizes 7b,13b] [--runs rtn,gptq] [--models-dir DIR] [--keep]
     python bench/large_models.py --embedded    # streamed vs in-memory wall time on the embedded model
     python bench/large_models.py --sizes 13b --runs rtn-dense --reload   # + plain-transformers reload of the export
+    python bench/large_models.py --sizes 13b --runs none --offload-eval 8   # `compress eval --offload 8` of the model
 """
 from __future__ import annotations
 
@@ -178,6 +179,25 @@ def reload_dense(folder: Path, log: Path, cap: str = "8GiB", windows: int = 2, s
     return row
 
 
+def offload_eval(folder: Path, out: Path, log: Path, gigabytes: float) -> dict:
+    """`compress eval MODEL --offload GB` in a fresh process, memory sampled: one 128-token window and the short
+    speed run of a disk-offloaded model (every forward reads the offloaded weights again)."""
+    cmd = [sys.executable, "-m", "compress", "eval", str(folder), "--offload", f"{gigabytes:g}", "--max-windows", "1",
+           "--seq-len", "128", "--threads", "2", "--no-progress", "--output", str(out)]
+    t = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+        peak = watch(proc)
+    row = {"command": "compress eval " + " ".join(cmd[4:]), "exit": proc.returncode,
+           "wall_s": round(time.perf_counter() - t, 1), "peak_vmrss_sampled": peak["VmRSS"],
+           "peak_anonymous_sampled": peak["RssAnon"]}
+    if proc.returncode != 0:
+        return {**row, "log_tail": log.read_text()[-2000:]}
+    model = json.loads((out / "report.json").read_text())["eval"]["models"]["model"]
+    return {**row, "ppl": model.get("ppl"), "speed": model.get("speed"), "offloaded": model.get("offloaded")}
+
+
 def embedded(base: Path, commit: str) -> dict:
     """The streamed path's cost on the embedded model: the same int4 RTN run in memory and streamed, one after the
     other in fresh processes (nothing else running), wall time and report figures side by side."""
@@ -205,6 +225,9 @@ def main() -> None:
     parser.add_argument("--runs", default="rtn,gptq")
     parser.add_argument("--models-dir", default="/tmp/compress-large")
     parser.add_argument("--keep", action="store_true", help="keep the built models and outputs")
+    parser.add_argument("--offload-eval", type=float, metavar="GB",
+                        help="also `compress eval` each built model with --offload GB: perplexity on one window and "
+                             "the disk-offloaded speed run (row offload-eval)")
     parser.add_argument("--reload", action="store_true",
                         help="after a run with a dense export (rtn-dense), delete the source model and load the export "
                              "with plain transformers (disk offload), scoring the run's evaluation windows")
@@ -227,13 +250,24 @@ def main() -> None:
             n = build(size, folder)
             print(f"built {folder}: {n / 1e9:.2f}B parameters in {time.perf_counter() - t:.0f} s", flush=True)
         checkpoint = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-        for name in args.runs.split(","):
+        machine = f"{os.cpu_count()} CPU cores, {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 1e9:.0f} GB"
+        if args.offload_eval:
+            row = {**offload_eval(folder, base / f"eval-{size}", base / f"log-{size}-offload-eval.txt",
+                                  args.offload_eval),
+                   "model": f"Llama-2-{size} shape, random bf16", "checkpoint_bytes_in": checkpoint,
+                   "run": "offload-eval", "commit": commit, "date": datetime.date.today().isoformat(),
+                   "machine": machine}
+            print(json.dumps(row), flush=True)
+            results["rows"] = [r for r in results["rows"] if (r["model"], r["run"]) != (row["model"], row["run"])]
+            results["rows"].append(row)
+            results_path.write_text(json.dumps(results, indent=2) + "\n")
+        for name in [r for r in args.runs.split(",") if r != "none"]:
             recipe, overrides = RUNS[name]
             out = base / f"out-{size}-{name}"
             row = run_one(folder, recipe, overrides, out, base / f"log-{size}-{name}.txt")
             row.update({"model": f"Llama-2-{size} shape, random bf16", "checkpoint_bytes_in": checkpoint,
                         "run": name, "commit": commit, "date": datetime.date.today().isoformat(),
-                        "machine": f"{os.cpu_count()} CPU cores, {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 1e9:.0f} GB"})
+                        "machine": machine})
             if args.reload and row["exit"] == 0 and (out / "exports" / "dense").is_dir():
                 if not args.keep:  # room on disk for the offload
                     shutil.rmtree(folder, ignore_errors=True)

@@ -39,7 +39,8 @@ from .stages.base import make_plan
 from .streaming import STREAM_KINDS, Streamed, open_streamed, trim_heap
 
 NOT_STREAMED = {  # measured only on a resident model: reported as not measured in a streamed run
-    "speed": "tokens/s needs the whole model resident: run `compress eval OUTPUT` on a machine where it fits",
+    "speed": "tokens/s needs the whole model loaded: run `compress eval OUTPUT` where it fits, or on an export "
+             "with `--offload GB` where it does not (that times the disk)",
 }
 
 

@@ -641,7 +641,7 @@ def test_eval_scores_an_exported_checkpoint_on_lm_eval_tasks(tmp_path, recipe_fi
 @requires_data
 def test_eval_offloads_a_model_to_disk_with_the_same_figures(tmp_path, recipe_file, capsys):
     """`compress eval --offload GB`: accelerate's device_map keeps (here all) modules on disk; perplexity, KL and
-    lm-eval equal the resident evaluation's, weights are still counted, speed is reported as not measured; a compress
+    lm-eval equal the resident evaluation's, weights are still counted, speed is a short run labelled offloaded; a compress
     checkpoint is refused with the way out (export it first)."""
     pytest.importorskip("lm_eval")
     out = tmp_path / "out"
@@ -657,11 +657,15 @@ def test_eval_offloads_a_model_to_disk_with_the_same_figures(tmp_path, recipe_fi
     for n in ("baseline", "model"):
         assert offloaded["models"][n]["ppl"] == pytest.approx(resident["models"][n]["ppl"], rel=1e-6)
         assert offloaded["models"][n]["weights"]["total"] == resident["models"][n]["weights"]["total"] > 0
-        assert "speed" in resident["models"][n] and "speed" not in offloaded["models"][n]
+        speed = offloaded["models"][n]["speed"]  # a short run through the offloaded modules, labelled
+        assert speed["offloaded_modules"] == offloaded["models"][n]["offloaded"]["modules_on_disk"]
+        assert speed["decode_tok_s"] > 0 and (speed["prefill_tokens"], speed["decode_tokens"]) == (32, 4)
+        assert "offloaded_modules" not in resident["models"][n]["speed"]
         assert offloaded["models"][n]["offloaded"]["modules_on_disk"] >= 1
     assert offloaded["models"]["model"]["kl"] == pytest.approx(0, abs=1e-9)
     assert offloaded["lm_eval"]["scores"] == resident["lm_eval"]["scores"]
-    assert "## Offloaded to disk" in (tmp_path / "offloaded" / "report.md").read_text()
+    md = (tmp_path / "offloaded" / "report.md").read_text()
+    assert "## Offloaded to disk" in md and "(disk offload: " in md and "time the disk" in md
     capsys.readouterr()
     assert main(["eval", str(out), "--offload", "1", "--no-speed", "--max-windows", "1", "--seq-len", "32"]) == 2
     assert "compress export DIR --format dense" in capsys.readouterr().err
