@@ -18,6 +18,7 @@ from torch import nn
 from .arch import set_module
 from .default_model import default_model_path
 from .export.hf import set_architectures
+from .moe import unfuse_experts
 from .nn import QuantLinear, linear_shape
 from .kv_cache import kv_layers, set_kv_scales, use_kv_attention
 from .scheme import FP8_MAX, QuantScheme
@@ -115,6 +116,7 @@ def load_model(source: str = "default", dtype: str = "auto", device: str = "cpu"
             model.hf_quantizer = None
         model.config.__dict__.pop("quantization_config", None)
     model.eval()
+    unfuse_experts(model)  # a MoE block's fused 3-D expert tensors as one linear per expert (views, no copy)
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"model {source!r} is an encoder-decoder model; compress handles decoder-only causal LMs")
     return LoadedModel(model, tokenizer, where, "default" if source == "default" else kind)
@@ -165,6 +167,7 @@ def model_skeleton(source: str = "default", revision: str | None = None, trust_r
         model = AutoModelForCausalLM.from_config(load_config(source, revision, trust_remote_code),
                                                  trust_remote_code=trust_remote_code,
                                                  **({"dtype": dtype} if dtype is not None else {}))
+    unfuse_experts(model)
     return where, "default" if source == "default" else kind, model.eval()
 
 
@@ -237,6 +240,7 @@ def quantized_skeleton(config, layers: dict[str, QuantScheme], dtype: torch.dtyp
 
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    unfuse_experts(model)  # a compress checkpoint names each expert's layers (experts.{e}.gate_proj, ...)
     return meta_quant_layers(model, layers, dtype)
 
 

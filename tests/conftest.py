@@ -33,10 +33,31 @@ TINY_CONFIGS = {
                                             bos_token_id=0, eos_token_id=0),
 }
 
+_MOE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256)
+# mixture-of-experts families: 4 experts of width 32 (gpt-oss: 64), top-2; fused 3-D expert tensors in transformers 5
+TINY_MOE_CONFIGS = {
+    "mixtral": lambda: transformers.MixtralConfig(**_MOE, intermediate_size=32, num_local_experts=4,
+                                                  num_experts_per_tok=2),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**_MOE, intermediate_size=96, moe_intermediate_size=32,
+                                                     shared_expert_intermediate_size=48, num_experts=4,
+                                                     num_experts_per_tok=2, decoder_sparse_step=1),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**_MOE, intermediate_size=96, moe_intermediate_size=32,
+                                                     num_experts=4, num_experts_per_tok=2, head_dim=16),
+    "olmoe": lambda: transformers.OlmoeConfig(**_MOE, intermediate_size=32, num_experts=4, num_experts_per_tok=2),
+    "gpt_oss": lambda: transformers.GptOssConfig(**_MOE, intermediate_size=64, num_local_experts=4,
+                                                 num_experts_per_tok=2, head_dim=16, sliding_window=128,
+                                                 layer_types=["sliding_attention", "full_attention"]),
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **(_MOE | dict(num_key_value_heads=4)), intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
+}
+
 
 def make_tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    config = TINY_CONFIGS[family]()
+    config = (TINY_CONFIGS | TINY_MOE_CONFIGS)[family]()
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     return model

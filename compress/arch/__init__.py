@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..moe import ExpertLinears
 from ..nn import is_linear
 from .tables import ARCH_TABLE
 
@@ -75,7 +76,8 @@ def _generic(model: nn.Module, model_type: str | None) -> ArchSpec:
     n_layers = getattr(model.config, "num_hidden_layers", None)
     candidates = [
         name for name, m in model.named_modules()
-        if isinstance(m, nn.ModuleList) and len(m) > 0 and (n_layers is None or len(m) == n_layers)
+        if isinstance(m, nn.ModuleList) and not isinstance(m, ExpertLinears) and len(m) > 0
+        and (n_layers is None or len(m) == n_layers)
         and len({type(c) for c in m}) == 1 and any(is_linear(x) for x in m[0].modules())
     ]
     out = model.get_output_embeddings()

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..evaluate.fmt import num
 from ..arch import ArchSpec, get_module, set_module
+from ..moe import ROUTER_REASON, router_names
 from ..nn import QuantLinear, is_linear, kernel_for, linear_shape, linear_weight
 from ..observers import BlockObserver
 from ..quantizers import LayerInputs, build_options, get_quantizer
@@ -41,6 +42,10 @@ class QuantizeStage(StageBase):
     not by `ignore`. Because the default `ignore: [lm_head]` would silently turn `untie` into a no-op, a stage
     that says `untie` and still lists `lm_head` in `ignore` is rejected; write `ignore: []` (or a stage with
     `targets: [lm_head]` and `ignore: []` to quantize the head alone, e.g. at int8 while the body is int4).
+    min_expert_tokens: a mixture-of-experts expert's layers are calibrated on the tokens routed to it; where the
+    calibration set routed fewer than this many tokens to an expert, a method that needs calibration data (GPTQ)
+    quantizes its weights by round-to-nearest instead, and a static activation scale is the largest of its sibling
+    experts' (the same projection in the same block); the report lists every expert's tokens and each fallback.
     """
 
     method: str = "rtn"
@@ -50,6 +55,7 @@ class QuantizeStage(StageBase):
     strict: bool = True
     options: Any = None  # the method's options dataclass (a mapping in a recipe; None: its defaults)
     tied_lm_head: Literal["keep", "untie"] = "keep"
+    min_expert_tokens: int = 16  # a MoE expert routed fewer calibration tokens is quantized by the fallback rule
 
     @property
     def needs_calibration(self) -> bool:
@@ -60,6 +66,8 @@ class QuantizeStage(StageBase):
         object.__setattr__(self, "options", build_options(self.method, self.options))
         if (why := quantizer.problem(self.scheme)) is not None:
             raise ValueError(f"method {self.method} with scheme {self.scheme.name}: {why}")
+        if self.min_expert_tokens < 1:
+            raise ValueError(f"min_expert_tokens must be at least 1, got {self.min_expert_tokens}")
         if self.tied_lm_head not in TIED_LM_HEAD:
             raise ValueError(f"tied_lm_head is {self.tied_lm_head!r}; allowed values: "
                              f"{', '.join(map(repr, TIED_LM_HEAD))} (keep: leave a tied lm_head in float; untie: "
@@ -87,12 +95,20 @@ class QuantizeStage(StageBase):
         step = plan.steps[index]
         lines = [f"\nstage {index}: quantize, method {self.method}, scheme {self.scheme.name}: "
                  f"{len(step.quantized)} layers quantized, {len(step.skipped)} left in float"]
-        width = max((len(e.name) for e in step.layers), default=0)
-        for e in step.layers:
+        rows = expert_rows(step.layers)
+        width = max((len(name) for name, _, _ in rows), default=0)
+        for name, e, count in rows:
             what = e.scheme.name if e.scheme else f"float  ({e.reason})"
             if e.scheme and e.scheme.act is not None:
                 what += f"  [{kernel_for(e.scheme)}]"
-            lines.append(f"  {e.name:<{width}}  {e.shape[0]:>6}×{e.shape[1]:<6} {what}")
+            lines.append(f"  {name:<{width}}  {e.shape[0]:>6}×{e.shape[1]:<6} {what}" +
+                         (f"  ({count} experts)" if count > 1 else ""))
+        summary = step.float_summary()
+        if summary:
+            total = sum(r["elements"] for r in summary.values()) + sum(e.shape[0] * e.shape[1] for e in step.quantized)
+            lines.append("  other parameters kept in float:")
+            for why, r in sorted(summary.items(), key=lambda kv: -kv[1]["elements"]):
+                lines.append(f"    {r['params']:>5} tensors, {r['elements'] / total:7.2%} of the parameters: {why}")
         return lines, [{"name": e.name, "shape": e.shape, "scheme": e.scheme.name if e.scheme else None,
                         "reason": e.reason} for e in step.layers]
 
@@ -118,10 +134,12 @@ class QuantizeStage(StageBase):
         return {"index": index, "stage": "quantize", "method": self.method, "scheme": self.scheme.name,
                 "scheme_fields": asdict(self.scheme), "quantized": len(plan.quantized),
                 "skipped": [{"name": e.name, "reason": e.reason} for e in plan.skipped],
+                "float_parameters": plan.float_summary(),
                 "layers": {e.name: e.scheme.name for e in plan.quantized},
                 "untied": {e.name: {"extra_bytes": e.untied_bytes, "note": e.note} for e in plan.quantized
                            if e.untied_bytes is not None},
-                "layer_info": ctx.records.get(index, {})}
+                "layer_info": ctx.records.get(index, {}),
+                "experts": expert_tokens(ctx.records.get(index, {})), "min_expert_tokens": self.min_expert_tokens}
 
     @staticmethod
     def render(section: dict, models: dict) -> list[str]:
@@ -131,7 +149,55 @@ class QuantizeStage(StageBase):
         if section["skipped"]:
             lines += ["", "| layer | reason left in float |", "|---|---|"]
             lines += [f"| `{s['name']}` | {s['reason']} |" for s in section["skipped"]]
-        return lines + activation_lines(section, models)
+        return lines + float_lines(section) + expert_lines(section) + activation_lines(section, models)
+
+
+EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+
+
+def any_expert(name: str) -> str:
+    """`name` with its expert index replaced by `*` (model.layers.0.mlp.experts.*.gate_proj)."""
+    return EXPERT.sub(lambda m: m.group(0).replace(m.group(1), "*"), name, count=1)
+
+
+def expert_tokens(info: dict) -> dict[str, dict]:
+    """experts module -> {"tokens": calibration tokens routed to each expert, "fallback": {expert: rule}} from the
+    per-layer records of a quantize stage."""
+    out: dict[str, dict] = {}
+    for name, v in info.items():
+        m = EXPERT.search(name)
+        if m is None or "expert_tokens" not in v:
+            continue
+        moe = name[:m.start()] + m.group(0)[:-len(m.group(1)) - 2]
+        row = out.setdefault(moe, {"tokens": {}, "fallback": {}})
+        e = int(m.group(1))
+        row["tokens"][e] = max(row["tokens"].get(e, 0), v["expert_tokens"])
+        if "fallback" in v:
+            row["fallback"][e] = v["fallback"]
+    return {moe: {"tokens": [r["tokens"][e] for e in sorted(r["tokens"])], "fallback": r["fallback"]}
+            for moe, r in out.items()}
+
+
+def sibling_stats(observer: BlockObserver, rel: str):
+    """The input statistics of the same projection of the other experts of `rel`'s MoE block, pooled (max of the
+    maxima, sums of the rest): what a static input scale of an expert that saw too few tokens is taken from."""
+    from ..observers import InputStats
+    pattern = any_expert(rel)
+    seen = [st for n, st in observer.stats.items() if n != rel and st.tokens and any_expert(n) == pattern]
+    if not seen:
+        return None
+    maxima = [st.abs_max for st in seen if st.abs_max is not None]
+    return InputStats(abs_max=torch.stack(maxima).amax(0) if maxima else None, tokens=sum(st.tokens for st in seen))
+
+
+def expert_rows(layers: list[LayerPlan]) -> list[tuple[str, LayerPlan, int]]:
+    """(display name, a representative entry, how many) for `compress inspect`: the same projection of every expert
+    of one MoE block with the same shape and outcome is one row (`...experts.*.gate_proj`); other layers one each."""
+    rows: dict[tuple, list] = {}
+    for e in layers:
+        key = (any_expert(e.name), e.shape, e.scheme, e.reason)
+        rows.setdefault(key, [key[0], e, 0])[2] += 1
+    return [tuple(r) for r in rows.values()]
 
 
 def needs_input_stats(scheme: QuantScheme) -> bool:
@@ -155,6 +221,17 @@ class LayerPlan:
 @dataclass
 class QuantPlan:
     layers: list[LayerPlan] = field(default_factory=list)
+    # every parameter that is not the weight of a planned layer: (name, elements, reason it stays float)
+    float_params: list[tuple[str, int, str]] = field(default_factory=list)
+
+    def float_summary(self) -> dict[str, dict]:
+        """reason -> {"params": count, "elements": total}: what stays in float, by why."""
+        out: dict[str, dict] = {}
+        for _, n, why in self.float_params:
+            row = out.setdefault(why, {"params": 0, "elements": 0})
+            row["params"] += 1
+            row["elements"] += n
+        return out
 
     @property
     def quantized(self) -> list[LayerPlan]:
@@ -179,6 +256,7 @@ def plan_quantize(model: nn.Module, arch: ArchSpec, stage: QuantizeStage) -> Qua
     """Decide, for every linear layer, the scheme or the reason it stays in float. Raises on a
     layer the scheme cannot hold when stage.strict is set."""
     plan = QuantPlan()
+    routers = router_names(model)
     tied = _is_tied(model, arch.lm_head)
     sch = stage.scheme
     for name, module in model.named_modules():
@@ -189,6 +267,8 @@ def plan_quantize(model: nn.Module, arch: ArchSpec, stage: QuantizeStage) -> Qua
         in_features = entry.shape[1]
         if isinstance(module, QuantLinear):
             entry.reason = f"already quantized ({module.scheme.name})"
+        elif name in routers and _matches(name, module, stage.targets, arch.lm_head) in CLASS_TARGETS:
+            entry.reason = ROUTER_REASON + " (name it in `targets:` to quantize it)"
         elif not _matches(name, module, stage.targets, arch.lm_head):
             entry.reason = f"not matched by targets {list(stage.targets)}"
         elif pat := _matches(name, module, stage.ignore, arch.lm_head):
@@ -213,7 +293,43 @@ def plan_quantize(model: nn.Module, arch: ArchSpec, stage: QuantizeStage) -> Qua
         else:
             entry.scheme = sch
             entry.untie = name == arch.lm_head and tied
+    plan.float_params = float_parameters(model, plan, routers)
     return plan
+
+
+CLASS_TARGETS = (None, "Linear", "Conv1D")  # a target that names a module class, not a layer
+
+
+def float_parameters(model: nn.Module, plan: QuantPlan, routers: set[str]) -> list[tuple[str, int, str]]:
+    """Every parameter of `model` the plan does not quantize, with the reason: the weights of layers left in float
+    (their plan's reason), biases, norms, embeddings, routers and anything else, by module type. With the planned
+    weights, these are all of the model's parameters (a test checks every family)."""
+    planned = {e.name: e for e in plan.layers}
+    embed = model.get_input_embeddings()
+    out, seen = [], set()
+    for mod_name, module in model.named_modules():
+        for p_name, p in module.named_parameters(recurse=False):
+            if id(p) in seen:  # a tied weight is counted once, where it first appears
+                continue
+            seen.add(id(p))
+            full = f"{mod_name}.{p_name}" if mod_name else p_name
+            entry = planned.get(mod_name)
+            if entry is not None and p_name == "weight":
+                if entry.scheme is None:
+                    out.append((full, p.numel(), f"linear left in float: {entry.reason}"))
+                continue
+            if module is embed:
+                why = "input embedding: a lookup table, not a matmul"
+            elif entry is not None:
+                why = f"{p_name} of a linear layer: kept in float, as every checkpoint format does"
+            elif mod_name in routers:
+                why = ROUTER_REASON
+            elif "norm" in type(module).__name__.lower() or "norm" in mod_name.rsplit(".", 1)[-1]:
+                why = "normalisation weight: one value per channel"
+            else:
+                why = f"not a linear layer ({type(module).__name__}.{p_name})"
+            out.append((full, p.numel(), why))
+    return out
 
 
 def _is_tied(model: nn.Module, head_name: str) -> bool:
@@ -269,8 +385,26 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
         w = linear_weight(module).detach()
         rel = entry.name[len(prefix) + 1:] if prefix else entry.name
         stats = None if observer is None else observer.stats.get(rel)
-        inputs = LayerInputs(entry.name, stats, (input_divisor or {}).get(rel))
-        qt = quantizer.quantize(w, entry.scheme, stage.options, inputs)
+        divisor = (input_divisor or {}).get(rel)
+        inputs = LayerInputs(entry.name, stats, divisor)
+        method, options, expert_info = quantizer, stage.options, {}
+        if observer is not None and EXPERT.search(rel):  # a MoE expert: calibrated on the tokens routed to it
+            tokens = 0 if stats is None else stats.tokens
+            expert_info = {"expert_tokens": tokens}
+            needs_data = quantizer.needs_hessian or needs_input_stats(entry.scheme)
+            if tokens < stage.min_expert_tokens and needs_data:
+                if quantizer.needs_hessian:
+                    method, options = get_quantizer("rtn"), build_options("rtn", None)
+                if needs_input_stats(entry.scheme):
+                    inputs = LayerInputs(entry.name, sibling_stats(observer, rel), divisor)
+                expert_info["fallback"] = (f"{tokens} calibration tokens < min_expert_tokens "
+                                           f"{stage.min_expert_tokens}: " +
+                                           ("round-to-nearest weights" if quantizer.needs_hessian else "") +
+                                           ("; " if quantizer.needs_hessian and needs_input_stats(entry.scheme)
+                                            else "") +
+                                           ("input scale from its sibling experts" if needs_input_stats(entry.scheme)
+                                            else ""))
+        qt = method.quantize(w, entry.scheme, options, inputs)
         layer = QuantLinear.from_module(module, qt)
         act = entry.scheme.act
         # needed for static schemes (a clear error without calibration), recorded whenever observed
@@ -287,7 +421,9 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
                 if act.outliers == "static":
                     layer.outlier_cols = cols.to(layer.qdata.device)
             if info is not None:
-                info[entry.name] = layer_info
+                info[entry.name] = layer_info | expert_info
+        elif expert_info and info is not None:
+            info[entry.name] = expert_info
         if untied:  # only once the head is quantized (an error above leaves the model as it was); afterwards the
             untie_lm_head(model, entry.name)  # model is untied, so a second call finds nothing to untie
             bias = 0 if layer.bias is None else layer.bias.numel() * layer.bias.element_size()
@@ -299,9 +435,37 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
     return count
 
 
+def float_lines(stage: dict) -> list[str]:
+    """What else stays in float (embeddings, norms, routers, biases, linears left in float), by reason."""
+    summary = stage.get("float_parameters") or {}
+    if not summary:
+        return []
+    rows: dict[str, list[int]] = {}
+    for why, r in summary.items():  # the linears left in float are listed above, one row each
+        key = "the linear layers left in float (above)" if why.startswith("linear left in float") else why
+        row = rows.setdefault(key, [0, 0])
+        row[0], row[1] = row[0] + r["params"], row[1] + r["elements"]
+    lines = ["", "| every other parameter, kept in float | tensors | elements |", "|---|---:|---:|"]
+    return lines + [f"| {why} | {n} | {e:,} |" for why, (n, e) in sorted(rows.items(), key=lambda kv: -kv[1][1])]
+
+
+def expert_lines(stage: dict) -> list[str]:
+    """Mixture-of-experts calibration coverage: tokens routed to each expert, and the experts that fell back."""
+    experts = stage.get("experts") or {}
+    if not experts:
+        return []
+    lines = ["", f"Calibration tokens routed to each expert (an expert below {stage.get('min_expert_tokens')} "
+                 "falls back: round-to-nearest weights, sibling experts' input scale):", "",
+             "| experts | tokens per expert | fewest | fell back |", "|---|---|---:|---|"]
+    for moe, row in experts.items():
+        fell = ", ".join(f"{e}" for e in sorted(row["fallback"], key=int)) or "none"
+        lines.append(f"| `{moe}` | {' '.join(str(t) for t in row['tokens'])} | {min(row['tokens'])} | {fell} |")
+    return lines
+
+
 def activation_lines(stage: dict, models: dict) -> list[str]:
     """Quantized-activation facts per layer: calibrated input scale, LLM.int8 outlier features."""
-    info = stage.get("layer_info") or {}
+    info = {n: v for n, v in (stage.get("layer_info") or {}).items() if "input_absmax" in v}
     if not info:
         return []
     evals = next((m["llm_int8_outliers"] for m in models.values() if "llm_int8_outliers" in m), {})

@@ -1,0 +1,195 @@
+"""Mixture-of-experts blocks: fused expert tensors as one linear layer per expert projection.
+
+transformers 5 stores a MoE block's experts as 3-D parameters in one module (`experts.gate_up_proj` [E, 2I, H],
+`experts.down_proj` [E, H, I]; gpt-oss transposed, its gate and up interleaved, with biases). Nothing that looks
+for linear layers sees them, so a quantizer would leave 90% of a MoE model in float without a word. `unfuse_experts`
+replaces every such module by an `ExpertLinears`: one `nn.Linear` per expert and projection (`experts.{e}.gate_proj`,
+`up_proj`, `down_proj`, the names of the per-expert checkpoints that vLLM loads and transformers' conversion mapping
+merges back), whose weights are views of the fused tensors (no copy), and whose forward routes the tokens exactly as
+the fused module's eager forward does. Every stage then treats an expert projection as the linear layer it is: it is
+planned, quantized with the stage's scheme, calibrated on the tokens routed to it (the observer's hook on the
+expert's linear sees only those), saved and reloaded under its own name.
+
+The layout of a fused module is read from what transformers' `use_experts_implementation` records on it
+(`has_gate`, `is_concatenated`, `is_transposed`, `has_bias`); a module without those attributes is recognised by the
+generic rule (3-D `down_proj` and `gate_up_proj`/`up_proj` parameters whose shapes agree with the standard layout).
+The routers (`gate`, `router`, Qwen2-MoE's `shared_expert_gate`) stay in float: `router_reason` says why.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+ROUTER_NAMES = ("gate", "router", "shared_expert_gate")  # beside a MoE block's experts
+ROUTER_REASON = "router: it picks each token's experts, a top-k that a small weight error can flip"
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How one fused experts module stores its tensors."""
+
+    experts: int
+    has_gate: bool  # gate_up_proj (gated MLP) or up_proj alone
+    concatenated: bool  # gate_up rows [gate; up] (True) or interleaved [g0, u0, g1, u1, ...]
+    transposed: bool  # [E, in, out] (gpt-oss) instead of [E, out, in]
+    bias: bool  # gate_up_proj_bias / down_proj_bias
+
+    @property
+    def up_name(self) -> str:
+        return "gate_up_proj" if self.has_gate else "up_proj"
+
+    def fused_names(self) -> tuple[str, ...]:
+        names = (self.up_name, "down_proj")
+        return names + tuple(f"{n}_bias" for n in names) if self.bias else names
+
+
+def expert_layout(module: nn.Module) -> ExpertLayout | None:
+    """The layout of a fused experts module, or None when `module` is not one. Raises ValueError for fused experts
+    this module cannot represent (a post-expert norm)."""
+    down = module._parameters.get("down_proj") if hasattr(module, "_parameters") else None
+    if down is None or down.dim() != 3:
+        return None
+    has_gate = isinstance(module._parameters.get("gate_up_proj"), Tensor)
+    up = module._parameters.get("gate_up_proj" if has_gate else "up_proj")
+    if up is None or up.dim() != 3 or up.shape[0] != down.shape[0]:
+        return None
+    if getattr(module, "has_post_expert_norm", False):
+        raise ValueError(f"{type(module).__name__}: experts with a post-expert norm are not supported yet; leave "
+                         "this model in float or add the norm to compress/moe.py")
+    width = 2 if has_gate else 1
+    if hasattr(module, "is_transposed"):
+        transposed = bool(module.is_transposed)
+    else:  # the generic rule: [E, width*I, H] with down [E, H, I]; transposed [E, H, width*I] with down [E, I, H]
+        standard = up.shape[1] == width * down.shape[2] and up.shape[2] == down.shape[1]
+        flipped = up.shape[2] == width * down.shape[1] and up.shape[1] == down.shape[2]
+        if standard == flipped:
+            raise ValueError(f"{type(module).__name__}: cannot tell the layout of its expert tensors "
+                             f"({tuple(up.shape)}, {tuple(down.shape)}); describe it in compress/moe.py")
+        transposed = flipped
+    bias = isinstance(module._parameters.get("down_proj_bias"), Tensor)
+    return ExpertLayout(int(down.shape[0]), has_gate, bool(getattr(module, "is_concatenated", True)), transposed, bias)
+
+
+class Expert(nn.Module):
+    """One expert's projections as linear layers (gate_proj only for a gated MLP)."""
+
+    def __init__(self, gate: nn.Linear | None, up: nn.Linear, down: nn.Linear):
+        super().__init__()
+        if gate is not None:
+            self.gate_proj = gate
+        self.up_proj, self.down_proj = up, down
+
+
+def _linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
+    """An nn.Linear whose weight (and bias) are the given tensors, [out, in], shared not copied."""
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta", dtype=weight.dtype)
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias, requires_grad=False)
+    return layer
+
+
+class ExpertLinears(nn.ModuleList):
+    """A fused experts module as one `Expert` per expert; same forward signature and result as the fused module's
+    eager forward: (hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]."""
+
+    def __init__(self, fused: nn.Module, layout: ExpertLayout):
+        p = fused._parameters
+        up_w, down_w = p[layout.up_name], p["down_proj"]
+        up_b, down_b = (p[f"{layout.up_name}_bias"], p["down_proj_bias"]) if layout.bias else (None, None)
+        experts = []
+        for e in range(layout.experts):
+            w = up_w[e].t() if layout.transposed else up_w[e]  # [width*I, H]
+            d = down_w[e].t() if layout.transposed else down_w[e]  # [H, I]
+            b = None if up_b is None else up_b[e]
+            if layout.has_gate:
+                half = w.shape[0] // 2
+                rows = (slice(0, half), slice(half, None)) if layout.concatenated else \
+                    (slice(0, None, 2), slice(1, None, 2))
+                gate = _linear(w[rows[0]], None if b is None else b[rows[0]])
+                up = _linear(w[rows[1]], None if b is None else b[rows[1]])
+            else:
+                gate, up = None, _linear(w, b)
+            experts.append(Expert(gate, up, _linear(d, None if down_b is None else down_b[e])))
+        super().__init__(experts)
+        self.layout = layout
+        for name in layout.fused_names():  # the fused module keeps its activation and gating, not its tensors
+            del fused._parameters[name]
+        self.__dict__["_fused"] = fused  # not a submodule: it holds no tensors now, only act_fn and _apply_gate
+
+    def _activate(self, gate: Tensor | None, up: Tensor) -> Tensor:
+        fused = self._fused
+        if gate is None:
+            return fused.act_fn(up)
+        if self.layout.concatenated:
+            gate_up = torch.cat([gate, up], dim=-1)
+        else:
+            gate_up = torch.stack([gate, up], dim=-1).flatten(-2)
+        apply = getattr(type(fused), "_apply_gate", None)
+        if apply is None:  # transformers' default gating
+            return fused.act_fn(gate) * up
+        return apply(fused, gate_up)
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        out = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            hit = torch.unique(top_k_index).tolist()
+        for e in hit:
+            if not 0 <= e < len(self):  # expert-parallel sentinels
+                continue
+            token, pos = torch.where(top_k_index == e)
+            x = hidden_states[token]
+            expert = self[e]
+            gate = expert.gate_proj(x) if self.layout.has_gate else None
+            y = expert.down_proj(self._activate(gate, expert.up_proj(x)))
+            out.index_add_(0, token, (y * top_k_weights[token, pos, None]).to(out.dtype))
+        return out
+
+    def extra_repr(self) -> str:
+        lay = self.layout
+        return (f"experts={lay.experts}, from {type(self._fused).__name__} ({'gated' if lay.has_gate else 'ungated'}"
+                f"{', interleaved' if lay.has_gate and not lay.concatenated else ''}"
+                f"{', transposed' if lay.transposed else ''}{', biases' if lay.bias else ''})")
+
+
+def unfuse_experts(model: nn.Module) -> list[str]:
+    """Replace every fused experts module under `model` by an ExpertLinears (in place, weights shared); returns
+    their names. A model without fused experts is left as it is."""
+    found = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, ExpertLinears):
+            continue
+        layout = expert_layout(module)
+        if layout is None:
+            continue
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, child, ExpertLinears(module, layout))
+        found.append(name)
+    return found
+
+
+def moe_blocks(model: nn.Module) -> dict[str, ExpertLinears]:
+    """name -> ExpertLinears for every (unfused) experts module."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, ExpertLinears)}
+
+
+def router_names(model: nn.Module) -> set[str]:
+    """Full names of the routers: the modules named in ROUTER_NAMES beside an experts module."""
+    out = set()
+    for name in moe_blocks(model):
+        parent = name.rpartition(".")[0]
+        owner = model.get_submodule(parent) if parent else model
+        out |= {f"{parent}.{r}" if parent else r for r in ROUTER_NAMES if isinstance(getattr(owner, r, None),
+                                                                                     nn.Module)}
+    return out
+
+
+def expert_of(name: str, blocks: dict) -> tuple[str, int] | None:
+    """(experts module name, expert index) of a linear inside an ExpertLinears, or None."""
+    for moe in blocks:
+        if name.startswith(moe + "."):
+            return moe, int(name[len(moe) + 1:].split(".")[0])
+    return None

@@ -1,0 +1,149 @@
+"""Mixture-of-experts models: fused expert tensors become one linear layer per expert and projection, computing what
+the fused module computes; every parameter is quantized or listed with its reason; calibration reaches each expert
+through the tokens routed to it, and an expert that saw too few falls back by the stated rule, never to NaN."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from compress.arch import get_arch
+from compress.cli import main
+from compress.models import load_compressed, load_model
+from compress.moe import ROUTER_REASON, ExpertLinears, moe_blocks, router_names, unfuse_experts
+from compress.nn import QuantLinear
+from compress.quantizers import quantize_rtn
+from compress.quantizers.rtn import RTNOptions
+from compress.scheme import QuantScheme
+from compress.stages.quantize import QuantizeStage, plan_quantize
+
+from .conftest import TINY_CONFIGS, TINY_MOE_CONFIGS, make_tiny_model
+from .tiny_tokenizer import make_tiny_tokenizer, word_text
+
+MOE = sorted(TINY_MOE_CONFIGS)
+SCHEME = QuantScheme("int4", group_size=16)
+
+
+def _ids(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_unfused_experts_compute_what_the_fused_module_computes(family):
+    """The reference is transformers' own fused module (its eager forward); the unfused experts are views of its
+    tensors (no copy) and give the same logits."""
+    model = make_tiny_model(family)
+    fused = {n: m for n, m in model.named_modules() if type(m).__name__.endswith("Experts")}
+    shapes = {n: {k: tuple(p.shape) for k, p in m.named_parameters()} for n, m in fused.items()}
+    storages = {n: {p.untyped_storage().data_ptr() for p in m.parameters()} for n, m in fused.items()}
+    with torch.no_grad():
+        want = model(_ids()).logits
+    assert sorted(unfuse_experts(model)) == sorted(fused)
+    blocks = moe_blocks(model)
+    assert set(blocks) == set(fused) and all(isinstance(b, ExpertLinears) for b in blocks.values())
+    for name, block in blocks.items():
+        experts = next(iter(shapes[name].values()))[0]
+        assert len(block) == experts
+        per_expert = [p for e in block for p in e.parameters()]
+        assert {p.untyped_storage().data_ptr() for p in per_expert} <= storages[name]  # views, not copies
+        assert sum(p.numel() for p in per_expert) == sum(torch.Size(s).numel() for s in shapes[name].values())
+    with torch.no_grad():
+        got = model(_ids()).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert unfuse_experts(model) == []  # idempotent
+
+
+@pytest.mark.parametrize("family", sorted(TINY_CONFIGS) + MOE)
+def test_every_parameter_is_quantized_or_listed_with_a_reason(family):
+    """Quantized weights + parameters listed in float (with a reason) = all of the model's parameters, for every
+    family; a MoE model's experts are quantized (the bulk of its weights) and its routers listed in float."""
+    model = make_tiny_model(family)
+    unfuse_experts(model)
+    plan = plan_quantize(model, get_arch(model), QuantizeStage(scheme=SCHEME, strict=False))
+    quantized = sum(e.shape[0] * e.shape[1] for e in plan.quantized)
+    listed = sum(n for _, n, _ in plan.float_params)
+    assert quantized + listed == sum(p.numel() for p in model.parameters())
+    assert all(why for _, _, why in plan.float_params)
+    names = {e.name for e in plan.quantized}
+    for moe, block in moe_blocks(model).items():
+        projections = ("gate_proj", "up_proj", "down_proj") if block.layout.has_gate else ("up_proj", "down_proj")
+        assert {f"{moe}.{e}.{p}" for e in range(len(block)) for p in projections} <= names
+    routers = router_names(model)
+    assert bool(routers) == (family in MOE)
+    reasons = {n.rsplit(".", 1)[0]: why for n, _, why in plan.float_params}
+    for r in routers:
+        assert r not in names and ROUTER_REASON in reasons[r]
+
+
+def _write_model(folder, family: str, seed: int = 0, edit=None):
+    model = make_tiny_model(family, seed)
+    if edit is not None:
+        edit(model)
+    model.save_pretrained(folder)
+    make_tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _run(tmp_path, folder, method: str, **stage) -> dict:
+    calib = tmp_path / "calib.txt"
+    calib.write_text(word_text(512) + "\n")
+    recipe = {"model": {"source": str(folder), "dtype": "float32", "device": "cpu"},
+              "calibration": {"kind": "files", "files": [str(calib)], "n_samples": 4, "seq_len": 16},
+              "stages": [{"stage": "quantize", "method": method, "scheme": {"dtype": "int4", "group_size": 16},
+                          **stage}],
+              "eval": {"perplexity": False, "speed": False}, "output": {"dir": str(tmp_path / "out")}}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    assert main(["run", str(tmp_path / "r.yaml"), "--no-progress"]) == 0
+    return json.loads((tmp_path / "out" / "report.json").read_text())
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "mixtral"])
+def test_gptq_calibrates_every_expert_on_its_routed_tokens_and_the_checkpoint_reloads(tmp_path, family):
+    """GPTQ on a MoE model: every expert is quantized with the Hessian of the tokens routed to it, the report counts
+    each expert's tokens (each block sees n × seq_len tokens, top-k experts each), and the saved checkpoint
+    reloads to a model close to the float one."""
+    folder = _write_model(tmp_path / "model", family)
+    report = _run(tmp_path, folder, "gptq")
+    stage = report["stages"][0]
+    float_model = load_model(str(folder), "float32").model
+    blocks = moe_blocks(float_model)
+    top_k = float_model.config.num_experts_per_tok
+    assert set(stage["experts"]) == set(blocks)
+    for moe, row in stage["experts"].items():
+        assert len(row["tokens"]) == len(blocks[moe]) and sum(row["tokens"]) == 4 * 16 * top_k
+        assert row["fallback"] == {}  # 64 tokens over 4 experts: each saw at least 16 here
+    reloaded = load_compressed(tmp_path / "out")
+    experts = [n for n, m in reloaded.named_modules() if isinstance(m, QuantLinear) and ".experts." in n]
+    assert len(experts) == sum(len(b) * (3 if b.layout.has_gate else 2) for b in blocks.values())
+    with torch.no_grad():
+        q, f = reloaded(_ids(1)).logits, float_model(_ids(1)).logits
+    kl = torch.nn.functional.kl_div(q.log_softmax(-1), f.log_softmax(-1), log_target=True, reduction="batchmean")
+    assert torch.isfinite(q).all() and 0 < float(kl) < 0.05
+
+
+def test_an_expert_no_token_reaches_falls_back_to_round_to_nearest_and_is_listed(tmp_path):
+    """gpt-oss's router has a bias: -1e4 on expert 3 means no calibration token is routed to it. GPTQ cannot solve
+    without its inputs: its weights are round-to-nearest (equal to RTN's codes), finite, and the report says so;
+    the routed experts are GPTQ (different codes)."""
+    def starve(model):
+        for block in model.model.layers:
+            block.mlp.router.bias.data[3] = -1e4
+
+    folder = _write_model(tmp_path / "model", "gpt_oss", edit=starve)
+    stage = _run(tmp_path, folder, "gptq")["stages"][0]
+    for moe, row in stage["experts"].items():
+        assert row["tokens"][3] == 0 and min(row["tokens"][:3]) > 0
+        assert set(row["fallback"]) == {"3"} and "round-to-nearest" in row["fallback"]["3"]
+    reloaded = load_compressed(tmp_path / "out")
+    float_model = load_model(str(folder), "float32").model
+    for i in range(2):
+        for e, same in ((3, True), (0, False)):
+            name = f"model.layers.{i}.mlp.experts.{e}.down_proj"
+            got = reloaded.get_submodule(name).qtensor()
+            rtn = quantize_rtn(float_model.get_submodule(name).weight.detach(), SCHEME, RTNOptions())
+            assert torch.isfinite(got.scale).all()
+            assert torch.equal(got.codes(), rtn.codes()) == same, name
+    with torch.no_grad():
+        assert torch.isfinite(reloaded(_ids(2)).logits).all()
