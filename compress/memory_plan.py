@@ -39,25 +39,36 @@ def model_size(config) -> ModelSize:
     """Sizes of the model `config` describes, from a skeleton on the meta device (nothing allocated)."""
     from transformers import AutoModelForCausalLM
 
-    from .arch import get_arch
+    from .arch import block_pairs, get_arch
+    from .moe import unfuse_experts
     from .nn import is_linear, linear_shape
+    from .smoothing import EXPERT_INDEX
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    unfuse_experts(model)
     arch = get_arch(model)
     blocks = arch.block_list(model)
-    linears = {n: linear_shape(m) for n, m in blocks[0].named_modules() if n and is_linear(m)}
-    shared = {n: pair[1][0] for pair in arch.awq for n in pair[1]}  # linears reading one tensor share a Hessian
-    readers = {shared.get(n, n): k for n, (_, k) in linears.items()}
+    per_block = []  # (linears {name: (out, in)}, distinct linear inputs {reader: in}, parameters) of each block
+    for block in blocks:
+        linears = {n: linear_shape(m) for n, m in block.named_modules() if n and is_linear(m)}
+        shared = {}  # linears reading one tensor share a Hessian: a pair's balance linears (one expert's at a time)
+        for prev, balance, _, _ in block_pairs(block, arch.awq):
+            first: dict = {}  # an expert's gate/up read the tokens routed to it: one Hessian per expert
+            for n in balance:
+                m = EXPERT_INDEX.search(n)
+                shared[n] = first.setdefault(m.group(0) if m else None, n)
+        readers = {shared.get(n, n): k for n, (_, k) in linears.items()}
+        per_block.append((linears, readers, sum(p.numel() for p in block.parameters())))
     seen: set = set()
     params = sum(p.numel() for p in model.parameters() if not (id(p) in seen or seen.add(id(p))))
     return ModelSize(
         parameters=params,
-        block_linear_parameters=len(blocks) * sum(o * i for o, i in linears.values()),
-        block_parameters=sum(p.numel() for p in blocks[0].parameters()),
-        hessian_floats=sum(k * k for k in readers.values()),
-        input_features=sum(readers.values()),
-        largest_solve=max((i * i + 2 * o * i for o, i in linears.values()), default=0),
+        block_linear_parameters=sum(o * i for lin, _, _ in per_block for o, i in lin.values()),
+        block_parameters=max(n for _, _, n in per_block),
+        hessian_floats=max(sum(k * k for k in r.values()) for _, r, _ in per_block),
+        input_features=max(sum(r.values()) for _, r, _ in per_block),
+        largest_solve=max((i * i + 2 * o * i for lin, _, _ in per_block for o, i in lin.values()), default=0),
         hidden=int(getattr(config, "hidden_size", None) or getattr(config, "n_embd")),
         vocab=int(config.vocab_size),
         layers=len(blocks),

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .arch import ArchSpec
+from .arch import block_pairs
 from .smoothing import apply_smoothing, in_weight, pair_skip_reason
 
 
@@ -49,13 +50,13 @@ def plant_outliers(model: nn.Module, arch: ArchSpec, spec: PlantSpec = PlantSpec
     channels = sorted(torch.randperm(hidden, generator=gen)[: spec.channels].tolist())
     pairs = 0
     for block in arch.block_list(model):
-        for prev_name, balance_names, _ in arch.awq:
+        for prev_name, balance_names, _, followers in block_pairs(block, arch.awq):
             prev = block.get_submodule(prev_name)
             if isinstance(prev, nn.Linear) or type(prev).__name__ == "Conv1D":
                 continue  # only norms: their outputs are what the projections read
             if pair_skip_reason(block, prev_name, balance_names, set(balance_names)):
                 continue
-            balance = [block.get_submodule(n) for n in balance_names]
+            balance = [block.get_submodule(n) for n in balance_names + followers]  # routers: same routing
             s = torch.ones(in_weight(balance[0]).shape[1], dtype=torch.float32, device=prev.weight.device)
             if s.numel() != hidden:
                 continue

@@ -16,6 +16,7 @@ import torch
 
 from ._version import __version__
 from .distributed import active, check_stages, local_keep, reduce_stats, share, start as start_processes, world
+from .arch import block_pairs
 from .blockwise import run_blockwise
 from .data import calibration_windows, fingerprint
 from .evaluate.plots import plot_recovery
@@ -61,7 +62,7 @@ class StagePass:
         observer = None
         if linears and self.needs.any:
             nd = self.needs
-            inspect = sorted({insp for _, _, insp in self.ctx.arch.awq}) if nd.replay_samples else []
+            inspect = sorted({p[2] for p in block_pairs(block, self.ctx.arch.awq)}) if nd.replay_samples else []
             # with several processes, each keeps its own windows among the first replay_samples of all windows
             keep = local_keep(nd.replay_samples, *world()) if active() else nd.replay_samples
             observer = BlockObserver(block, linears, inspect, abs_mean=nd.abs_mean, hessian=nd.hessian,

@@ -7,11 +7,15 @@ function unchanged. Which pairs a family has is in arch/tables.py.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
+
+from .arch import block_pairs
+from .observers import InputStats
 
 
 def in_weight(m: nn.Module) -> Tensor:
@@ -64,7 +68,12 @@ class PairResult:
 
 
 def pair_label(prev_name: str, balance_names) -> str:
-    return f"{prev_name} -> {', '.join(balance_names)}"
+    """`prev -> balance, ...`, the experts of a MoE block written once as `experts.*`."""
+    names = dict.fromkeys(EXPERT_INDEX.sub("experts.*.", n) for n in balance_names)
+    return f"{EXPERT_INDEX.sub('experts.*.', prev_name)} -> {', '.join(names)}"
+
+
+EXPERT_INDEX = re.compile(r"experts\.\d+\.")
 
 
 def pair_skip_reason(block: nn.Module, prev_name: str, balance_names, quantized: set[str]) -> str | None:
@@ -82,25 +91,56 @@ def pair_skip_reason(block: nn.Module, prev_name: str, balance_names, quantized:
     return None
 
 
-def usable_pairs(block: nn.Module, pairs, quantized: set[str], results: list[PairResult]):
-    """Yield (label, prev, balance modules, balance names, inspect name) for each pair this block can scale;
-    a pair it cannot scale is appended to `results` as skipped, with the reason."""
-    for prev_name, balance_names, inspect_name in pairs:
+@dataclass
+class Pair:
+    """One scaling pair as it applies to one block (arch.block_pairs): modules and names."""
+
+    label: str
+    prev: nn.Module
+    balance: list[nn.Module]
+    balance_names: tuple[str, ...]
+    inspect_name: str
+    followers: list[nn.Module]  # routers reading prev's output: their input columns take s too (float)
+
+
+def usable_pairs(block: nn.Module, pairs, quantized: set[str], results: list[PairResult], observer=None):
+    """Yield a Pair for each pair of the family's table that this block can scale; a pair it cannot scale is
+    appended to `results` as skipped, with the reason. With an observer, a pair whose linears saw no calibration
+    input (an expert no token was routed to) is skipped too."""
+    for prev_name, balance_names, inspect_name, followers in block_pairs(block, pairs):
         label = pair_label(prev_name, balance_names)
         reason = pair_skip_reason(block, prev_name, balance_names, quantized)
+        if reason is None and observer is not None and pooled_stats(observer, balance_names) is None:
+            reason = "no calibration input reached these layers (no token was routed to this expert)"
         if reason:
             results.append(PairResult(label, skipped=reason))
             continue
-        yield (label, block.get_submodule(prev_name), [block.get_submodule(n) for n in balance_names],
-               balance_names, inspect_name)
+        yield Pair(label, block.get_submodule(prev_name), [block.get_submodule(n) for n in balance_names],
+                   balance_names, inspect_name, [block.get_submodule(n) for n in followers])
 
 
-def fold_scales(prev: nn.Module, balance: list[nn.Module], balance_names, s: Tensor, norm_offset: float,
-                input_divisor: dict[str, Tensor]) -> None:
-    """apply_smoothing, and record that the balance linears' inputs are now divided by s (GPTQ's Hessian,
-    clipping and later smoothing stages read the recorded inputs through `input_divisor`)."""
-    apply_smoothing(prev, balance, s, norm_offset)
-    for n in balance_names:
+def pooled_stats(observer, names) -> InputStats | None:
+    """The input statistics of the linears `names` pooled: one set where they read one tensor (q/k/v), and over
+    every expert of a MoE block where each reads the tokens routed to it (every token reaches top-k experts, so
+    the pooled mean |x| is the mean over all the block's tokens). None when none of them saw an input."""
+    distinct = list({id(st): st for n in names if (st := observer.stats.get(n)) is not None and st.tokens}.values())
+    if not distinct:
+        return None
+    if len(distinct) == 1:
+        return distinct[0]
+    sums = [st.abs_sum for st in distinct if st.abs_sum is not None]
+    maxima = [st.abs_max for st in distinct if st.abs_max is not None]
+    return InputStats(abs_sum=torch.stack(sums).sum(0) if sums else None,
+                      abs_max=torch.stack(maxima).amax(0) if maxima else None,
+                      tokens=sum(st.tokens for st in distinct))
+
+
+def fold_scales(pair: Pair, s: Tensor, norm_offset: float, input_divisor: dict[str, Tensor]) -> None:
+    """apply_smoothing (the followers' input columns too), and record that the balance linears' inputs are now
+    divided by s (GPTQ's Hessian, clipping and later smoothing stages read the recorded inputs through
+    `input_divisor`)."""
+    apply_smoothing(pair.prev, pair.balance + pair.followers, s, norm_offset)
+    for n in pair.balance_names:
         input_divisor[n] = input_divisor.get(n, torch.ones_like(s)) * s
 
 

@@ -147,3 +147,83 @@ def test_an_expert_no_token_reaches_falls_back_to_round_to_nearest_and_is_listed
             assert torch.equal(got.codes(), rtn.codes()) == same, name
     with torch.no_grad():
         assert torch.isfinite(reloaded(_ids(2)).logits).all()
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "gpt_oss"])
+def test_scales_folded_before_the_experts_leave_the_model_and_its_routing_unchanged(family):
+    """The norm -> every expert's gate/up pair: dividing the norm by s and multiplying the experts' (and a shared
+    expert's) input columns by s changes nothing only if the routers reading the norm take s too (followers);
+    without them the routing moves and the logits change."""
+    import dataclasses
+
+    from compress.smoothing import fold_scales, usable_pairs
+
+    def folded(with_followers: bool) -> torch.Tensor:
+        model = make_tiny_model(family)
+        unfuse_experts(model)
+        arch = get_arch(model)
+        s = torch.rand(64, generator=torch.Generator().manual_seed(1)) * 4 + 0.25
+        for block in arch.block_list(model):
+            names = {n for n, _ in block.named_modules()}
+            pairs = [p for p in usable_pairs(block, arch.awq, names, []) if p.label.startswith("post_attention")]
+            assert len(pairs) == 1 and len(pairs[0].balance) >= 8 and pairs[0].followers
+            pair = pairs[0] if with_followers else dataclasses.replace(pairs[0], followers=[])
+            fold_scales(pair, s, arch.norm_offset, {})
+        with torch.no_grad():
+            return model(_ids()).logits
+
+    with torch.no_grad():
+        want = make_tiny_model(family)(_ids()).logits
+    torch.testing.assert_close(folded(True), want, rtol=1e-4, atol=1e-4)
+    assert (folded(False) - want).abs().max() > 1e-2
+
+
+def test_awq_scales_every_expert_and_the_quantized_moe_reloads(tmp_path):
+    """AWQ on Qwen2-MoE (experts, a shared expert and its gate): the joint norm pair and every expert's up -> down
+    pair are searched (never worse than unscaled on the search's own loss), and the saved model reloads close to
+    the float one."""
+    folder = _write_model(tmp_path / "model", "qwen2_moe")
+    calib = tmp_path / "calib.txt"
+    calib.write_text(word_text(512) + "\n")
+    recipe = {"model": {"source": str(folder), "dtype": "float32", "device": "cpu"},
+              "calibration": {"kind": "files", "files": [str(calib)], "n_samples": 4, "seq_len": 16},
+              "stages": [{"stage": "awq", "n_grid": 5},
+                         {"stage": "quantize", "method": "rtn", "scheme": {"dtype": "int4", "group_size": 16}}],
+              "eval": {"perplexity": False, "speed": False}, "output": {"dir": str(tmp_path / "out")}}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    assert main(["run", str(tmp_path / "r.yaml"), "--no-progress"]) == 0
+    blocks = json.loads((tmp_path / "out" / "report.json").read_text())["stages"][0]["blocks"]
+    for blk in blocks:
+        pairs = {p["pair"]: p for p in blk["pairs"] if not p["skipped"]}
+        joint = "post_attention_layernorm -> mlp.experts.*.gate_proj, mlp.experts.*.up_proj, " \
+                "mlp.shared_expert.gate_proj, mlp.shared_expert.up_proj"
+        assert joint in pairs
+        assert sum(1 for p in blk["pairs"] if p["pair"] == "mlp.experts.*.up_proj -> mlp.experts.*.down_proj") == 4
+        assert all(p["loss"] <= p["loss_identity"] for p in pairs.values())
+    reloaded = load_compressed(tmp_path / "out")
+    with torch.no_grad():
+        q, f = reloaded(_ids(1)).logits, load_model(str(folder), "float32").model(_ids(1)).logits
+    kl = torch.nn.functional.kl_div(q.log_softmax(-1), f.log_softmax(-1), log_target=True, reduction="batchmean")
+    assert 0 < float(kl) < 0.05
+
+
+def test_inspect_shows_the_experts_and_the_memory_plan_counts_them(tmp_path, capsys):
+    """`compress inspect` lists each expert projection once per block with the expert count, the routers in float
+    with the reason, and what else stays float; the memory plan's model size counts every expert's weights."""
+    from transformers import AutoConfig
+
+    from compress.memory_plan import model_size
+
+    folder = _write_model(tmp_path / "model", "mixtral")
+    recipe = {"model": {"source": str(folder)},
+              "stages": [{"stage": "quantize", "method": "rtn", "scheme": {"dtype": "int4", "group_size": 16}}]}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    assert main(["inspect", str(tmp_path / "r.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.1.mlp.experts.*.down_proj" in out and "(4 experts)" in out
+    assert "layers quantized" in out and "router" in out and "other parameters kept in float" in out
+    size = model_size(AutoConfig.from_pretrained(folder))
+    model = make_tiny_model("mixtral")
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    attention = sum(p.numel() for n, p in model.named_parameters() if "self_attn" in n and n.endswith("weight"))
+    assert size.block_linear_parameters == experts + attention

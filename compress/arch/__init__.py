@@ -56,11 +56,55 @@ def get_arch(model: nn.Module) -> ArchSpec:
 def _check(model: nn.Module, spec: ArchSpec) -> None:
     blocks = spec.block_list(model)
     missing = [p for p in (spec.embed, spec.final_norm, spec.lm_head) if not _has(model, p)]
-    paths = spec.attention + spec.mlp + spec.norms + tuple(p for prev, bal, insp in spec.awq for p in (prev, *bal, insp))
+    paths = spec.attention + spec.mlp + spec.norms
     missing += [f"{spec.blocks}.0.{p}" for p in dict.fromkeys(paths) if not _has(blocks[0], p)]
+    # a scaling pair must apply to some block (MoE families mix dense and expert blocks)
+    missing += [f"{spec.blocks}.*.{p}" for pair in spec.awq if not any(block_pairs(b, (pair,)) for b in blocks)
+                for p in (pair[0], *pair[1], pair[2])]
     if missing:
         raise ValueError(f"model_type {spec.family!r}: the architecture table in compress/arch/tables.py names "
                          f"modules this model lacks: {missing}. Fix that entry for this transformers version.")
+
+
+def resolve(block: nn.Module, path: str) -> list[str]:
+    """The names `path` stands for in `block`: itself, or with `*` (an expert index, `mlp.experts.*.up_proj`) one
+    per expert; [] where the block lacks it."""
+    if "*" not in path:
+        return [path] if _has(block, path) else []
+    head, _, tail = path.partition(".*.")
+    if not _has(block, head):
+        return []
+    names = [f"{head}.{e}.{tail}" for e in range(len(get_module(block, head)))]
+    return names if all(_has(block, n) for n in names) else []
+
+
+def block_pairs(block: nn.Module, pairs) -> list[tuple[str, tuple[str, ...], str, tuple[str, ...]]]:
+    """(previous op, balance linears, inspect module, followers) of each scaling pair as it applies to `block`.
+    A `*` in the previous op makes one pair per expert (the same index throughout); a `*` in the balance linears
+    only stands for all experts, and the block's routers beside them become followers: they read the same input,
+    so their input columns take the scales too (in float, never searched or quantized), and the routing is
+    unchanged. A pair whose modules the block lacks does not apply to it."""
+    from ..moe import ROUTER_NAMES
+    out = []
+    for prev, balance, inspect in pairs:
+        if "*" in prev:
+            prevs = resolve(block, prev)
+            for e, p in enumerate(prevs):
+                sub = [b.replace(".*.", f".{e}.") for b in balance]
+                if all(_has(block, b) for b in sub):
+                    out.append((p, tuple(sub), inspect.replace(".*.", f".{e}."), ()))
+            continue
+        names = [resolve(block, b) for b in balance]
+        if not _has(block, prev) or not all(names) or not _has(block, inspect):
+            continue
+        followers = []
+        for b in balance:
+            if "*" in b:
+                owner = b.partition(".*.")[0].rpartition(".")[0]
+                followers += [f"{owner}.{r}" if owner else r for r in ROUTER_NAMES
+                              if _has(block, f"{owner}.{r}" if owner else r)]
+        out.append((prev, tuple(n for group in names for n in group), inspect, tuple(dict.fromkeys(followers))))
+    return out
 
 
 def _has(root: nn.Module, path: str) -> bool:

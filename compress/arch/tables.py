@@ -26,6 +26,19 @@ _LLAMA = dict(
     norms=("input_layernorm", "post_attention_layernorm"),
     awq=_LLAMA_AWQ, no_clip=("self_attn.q_proj", "self_attn.k_proj"),
 )
+# Mixture-of-experts families (compress/moe.py turns their fused expert tensors into experts.{e}.gate_proj, up_proj,
+# down_proj). `*` in an awq pair stands for every expert of the block: the norm before the MoE block scales all
+# experts' gate/up (and a shared expert's) jointly, its router's input columns follow in float (routing unchanged);
+# each expert's up_proj -> down_proj is a pair of its own. A pair whose modules a block lacks (DeepSeek-V3's first
+# dense blocks have no experts, its MoE blocks no dense MLP) does not apply to that block.
+_MOE_AWQ = (
+    _LLAMA_AWQ[0], _LLAMA_AWQ[1],
+    ("post_attention_layernorm", ("mlp.experts.*.gate_proj", "mlp.experts.*.up_proj"), "mlp"),
+    ("mlp.experts.*.up_proj", ("mlp.experts.*.down_proj",), "mlp.experts.*.down_proj"),
+)
+_MOE = dict(_LLAMA, mlp=(), awq=_MOE_AWQ)
+_SHARED = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj")
+_QK_NORMS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")
 _FUSED_QKV = "v is fused into one qkv projection; scaling its rows would need a row-sliced pair"
 _GELU = "a GELU sits between them, and GELU(x / s) != GELU(x) / s"
 
@@ -49,6 +62,32 @@ ARCH_TABLE: dict[str, dict] = {
                  awq_skip=(("self_attn.qkv_proj -> self_attn.o_proj", _FUSED_QKV),
                            ("mlp.gate_up_proj -> mlp.down_proj", "up is fused with gate in gate_up_proj")),
                  no_clip=("self_attn.qkv_proj",)),
+    "mixtral": _MOE,
+    "qwen3_moe": dict(_MOE, norms=_QK_NORMS),
+    "olmoe": dict(_MOE, norms=_QK_NORMS),
+    "qwen2_moe": dict(_MOE, mlp=_SHARED + ("mlp.shared_expert.down_proj",), awq=(
+        _MOE_AWQ[0], _MOE_AWQ[1],
+        ("post_attention_layernorm", ("mlp.experts.*.gate_proj", "mlp.experts.*.up_proj") + _SHARED, "mlp"),
+        _MOE_AWQ[3], ("mlp.shared_expert.up_proj", ("mlp.shared_expert.down_proj",), "mlp.shared_expert.down_proj"))),
+    # gpt-oss: its experts compute (clamp(up) + 1) * glu(clamp(gate)), and (up / s + 1) != (up + 1) / s: only the norm
+    # pair scales.
+    "gpt_oss": dict(_MOE, awq=_MOE_AWQ[:3], awq_skip=(
+        ("mlp.experts.*.up_proj -> mlp.experts.*.down_proj", "gpt-oss multiplies the gate by (up + 1) after a "
+         "clamp: scaling up's rows does not scale what down_proj reads"),)),
+    # DeepSeek-V3: multi-head latent attention (q through a low-rank q_a/q_b when q_lora_rank is set, k/v through
+    # kv_a_proj_with_mqa and its norm): no attention pairs are known; the first first_k_dense_replace blocks have a
+    # dense MLP, the others experts plus shared experts.
+    "deepseek_v3": dict(
+        _LLAMA, attention=("self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj", "self_attn.o_proj"), mlp=(),
+        norms=("input_layernorm", "post_attention_layernorm", "self_attn.kv_a_layernorm"),
+        awq=(_LLAMA_AWQ[2], _LLAMA_AWQ[3],
+             ("post_attention_layernorm", ("mlp.experts.*.gate_proj", "mlp.experts.*.up_proj",
+                                           "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"), "mlp"),
+             _MOE_AWQ[3],
+             ("mlp.shared_experts.up_proj", ("mlp.shared_experts.down_proj",), "mlp.shared_experts.down_proj")),
+        awq_skip=(("input_layernorm -> attention", "multi-head latent attention: q_a_proj / kv_a_proj_with_mqa read "
+                   "the norm, but their pairs are not mapped yet"),),
+        no_clip=()),
     "opt": dict(
         blocks="model.decoder.layers", embed="model.decoder.embed_tokens",
         final_norm="model.decoder.final_layer_norm", lm_head="lm_head",

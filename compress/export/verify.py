@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ..moe import unfuse_experts
 from ..shards import read_safetensors, read_tensor, tensor_names
 from . import EXPORT_META
 
@@ -58,6 +59,7 @@ def _dense_from_tensors(folder: Path, dequantize_layer) -> nn.Module:
     for p in prefixes:
         dense[f"{p}.weight"] = dequantize_layer(p, state)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    unfuse_experts(model)  # exports name each expert's layers (experts.{e}.gate_proj, ...)
     missing, unexpected = model.load_state_dict(dense, strict=False)
     model.tie_weights()
     missing = [m for m in missing if not (getattr(config, "tie_word_embeddings", False) and "lm_head" in m)]

@@ -22,7 +22,7 @@ from transformers.pytorch_utils import Conv1D
 from ..distributed import all_windows, mean_over_ranks
 from ..primitives import group_view
 from ..scheme import QuantScheme
-from ..smoothing import (REPLAY_DTYPE, PairResult, fold_scales, in_weight, replay, replay_autocast,
+from ..smoothing import (REPLAY_DTYPE, PairResult, fold_scales, in_weight, pooled_stats, replay, replay_autocast,
                          usable_pairs)
 from .rtn import fake_quantize
 
@@ -133,18 +133,19 @@ def awq_block(block: nn.Module, pairs, observer, stage, scheme: QuantScheme, qua
     names the next quantize stage will quantize; `input_divisor` collects what each linear's inputs were
     divided by (GPTQ and clipping read their recorded inputs through it)."""
     results = []
-    for label, prev, balance, balance_names, inspect_name in usable_pairs(block, pairs, quantized, results):
-        stats = observer.stats[balance_names[0]]
-        calls = observer.calls[inspect_name]
+    for pair in usable_pairs(block, pairs, quantized, results, observer):
+        balance = pair.balance
+        stats = pooled_stats(observer, pair.balance_names)
+        calls = observer.calls[pair.inspect_name]
         w_mean = weight_mean([in_weight(m) for m in balance], scheme) if stage.duo_scaling else None
-        inspect = block.get_submodule(inspect_name)
+        inspect = block.get_submodule(pair.inspect_name)
         with replay_autocast(balance[0].weight):
             reference = replay(inspect, calls)
         s, ratio, loss, loss0 = search_scales(
             stats.abs_mean, lambda sc: _replay_loss(inspect, calls, reference, balance, sc, scheme), stage.n_grid,
             w_mean)
-        fold_scales(prev, balance, balance_names, s, norm_offset, input_divisor)
-        results.append(PairResult(label, ratio, loss, loss0))
+        fold_scales(pair, s, norm_offset, input_divisor)
+        results.append(PairResult(pair.label, ratio, loss, loss0))
     if stage.clip and scheme.granularity != "tensor":
         for name in sorted(quantized):
             if name in no_clip or name not in observer.stats:

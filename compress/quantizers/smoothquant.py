@@ -22,7 +22,7 @@ from transformers.pytorch_utils import Conv1D
 from ..distributed import mean_over_ranks
 from ..primitives import fake_quantize_activation
 from ..scheme import QuantScheme
-from ..smoothing import PairResult, fold_scales, in_weight, replay, usable_pairs
+from ..smoothing import PairResult, fold_scales, in_weight, pooled_stats, replay, usable_pairs
 from .rtn import fake_quantize
 
 MIN_SCALE = 1e-5
@@ -69,8 +69,9 @@ def smoothquant_block(block: nn.Module, pairs, observer, stage, scheme: QuantSch
                       quantized: set[str], norm_offset: float, input_divisor: dict[str, Tensor]) -> list[PairResult]:
     """Smooth every usable pair of one block in place; record what each linear's inputs were divided by."""
     results = []
-    for label, prev, balance, balance_names, inspect_name in usable_pairs(block, pairs, quantized, results):
-        x_absmax = observer.stats[balance_names[0]].input_absmax(input_divisor.get(balance_names[0]))
+    for pair in usable_pairs(block, pairs, quantized, results, observer):
+        label, balance, balance_names, inspect_name = pair.label, pair.balance, pair.balance_names, pair.inspect_name
+        x_absmax = pooled_stats(observer, balance_names).input_absmax(input_divisor.get(balance_names[0]))
         w_absmax = weight_absmax(balance)
         alpha, loss, loss0 = stage.alpha, None, None
         if stage.alpha_grid:
@@ -83,6 +84,6 @@ def smoothquant_block(block: nn.Module, pairs, observer, stage, scheme: QuantSch
             alpha = min(losses, key=losses.get)
             loss = losses[alpha]
         s = smoothing_scales(x_absmax, w_absmax, alpha)
-        fold_scales(prev, balance, balance_names, s, norm_offset, input_divisor)
+        fold_scales(pair, s, norm_offset, input_divisor)
         results.append(PairResult(label, alpha, loss, loss0, grid=losses if stage.alpha_grid else None))
     return results

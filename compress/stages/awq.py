@@ -6,7 +6,9 @@ from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 from ..quantizers.awq import awq_block
+from ..arch import block_pairs
 from ..smoothing import pair_label, pair_skip_reason
+from .quantize import any_expert
 from ..scheme import QuantScheme
 from ..evaluate.fmt import num
 from .base import BlockState, Needs, Plan, RunContext, StageBase, next_target
@@ -82,13 +84,26 @@ class AWQStage(StageBase):
 
 
 def block0_pairs(plan: Plan, index: int) -> list[tuple]:
-    """(prev, balance, inspect, skip reason or None) of the scaling pairs of the stage at `index`, on block 0 (every
-    block has the same shapes)."""
+    """(prev, balance, inspect, skip reason or None) of the scaling pairs of the stage at `index`: on block 0, and
+    where a later block differs in kind (DeepSeek-V3's expert blocks after its dense ones), on the first such
+    block too. A pair over experts is shown once, with `*` for the expert index."""
     step = plan.target(index)[1]
-    prefix = f"{plan.arch.blocks}.0"
-    quantized = {e.name[len(prefix) + 1:] for e in step.quantized if e.name.startswith(prefix + ".")}
-    block = plan.arch.block_list(plan.model)[0]
-    return [(prev, bal, insp, pair_skip_reason(block, prev, bal, quantized)) for prev, bal, insp in plan.arch.awq]
+    blocks = plan.arch.block_list(plan.model)
+    shown, seen = [], set()
+    for i, block in enumerate(blocks):
+        pairs = block_pairs(block, plan.arch.awq)
+        kinds = tuple(any_expert(p[0]) for p in pairs)
+        if kinds in seen:
+            continue
+        seen.add(kinds)
+        prefix = f"{plan.arch.blocks}.{i}"
+        quantized = {e.name[len(prefix) + 1:] for e in step.quantized if e.name.startswith(prefix + ".")}
+        rows = {}
+        for prev, bal, insp, _ in pairs:
+            key = (any_expert(prev), tuple(dict.fromkeys(any_expert(b) for b in bal)), any_expert(insp))
+            rows.setdefault(key, pair_skip_reason(block, prev, bal, quantized))
+        shown += [(*key, reason) for key, reason in rows.items()]
+    return list(dict.fromkeys(shown))
 
 
 def describe_pairs(plan: Plan, index: int, lines: list[str], searched: bool) -> tuple[list[str], list[dict]]:
