@@ -17,6 +17,7 @@ The routers (`gate`, `router`, Qwen2-MoE's `shared_expert_gate`) stay in float: 
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -193,3 +194,96 @@ def expert_of(name: str, blocks: dict) -> tuple[str, int] | None:
         if name.startswith(moe + "."):
             return moe, int(name[len(moe) + 1:].split(".")[0])
     return None
+
+
+# ---------------------------------------------------------------- the names serving stacks load
+
+_PROJECTION = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.")
+
+
+@dataclass(frozen=True)
+class HubNames:
+    """How a family's checkpoints on the hub (and transformers' `save_pretrained`, and vLLM's loaders) name what
+    compress calls `experts.{e}.gate_proj` etc.: per-expert tensors under the family's own projection names
+    (Mixtral `block_sparse_moe.experts.{e}.w1`; Qwen-MoE, OLMoE, DeepSeek `mlp.experts.{e}.gate_proj`), or the fused
+    3-D tensors (`fused`: gpt-oss). Read from transformers' conversion mapping for the family, so it follows
+    transformers rather than a table of ours."""
+
+    projections: dict  # compress projection -> the checkpoint's (gate_proj -> w1)
+    renamings: tuple  # transformers' reversed renamings (Mixtral: .mlp. -> .block_sparse_moe.)
+    fused: bool  # the checkpoint stores the experts fused (no per-expert names exist for this family)
+
+    def tensor(self, key: str) -> str:
+        m = _PROJECTION.search(key)
+        if m and m.group(2) in self.projections:
+            key = key[:m.start(2)] + self.projections[m.group(2)] + key[m.end(2):]
+        for r in self.renamings:
+            key = r.rename_source_key(key)[0]
+        return key
+
+    def module(self, name: str) -> str:
+        return self.tensor(name + ".weight")[:-len(".weight")]
+
+
+def hub_names(model: nn.Module) -> HubNames:
+    """The checkpoint names of `model`'s family (identity for a model without experts)."""
+    if not moe_blocks(model):
+        return HubNames({}, (), False)
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+    conversions = get_model_conversion_mapping(model, add_legacy=False)
+    projections = {}
+    for c in conversions:
+        if not isinstance(c, WeightConverter):
+            continue
+        target = c.target_patterns[0]
+        names = [m.group(1) for s in c.source_patterns if (m := re.search(r"\*\.([^.*]+)\.weight$", s))]
+        if target.endswith("experts.gate_up_proj") and len(names) == 2:
+            projections.update(gate_proj=names[0], up_proj=names[1])
+        elif target.endswith("experts.up_proj") and len(names) == 1:
+            projections["up_proj"] = names[0]
+        elif target.endswith("experts.down_proj") and len(names) == 1:
+            projections["down_proj"] = names[0]
+    renamings = tuple(c.reverse_transform() for c in reversed(conversions) if type(c) is WeightRenaming)
+    return HubNames(projections, renamings, fused=not projections)
+
+
+def fuse_tensors(model: nn.Module, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Float per-expert tensors (`experts.{e}.gate_proj.weight`, ...) stacked back into each experts module's fused
+    layout (gate_up_proj [E, 2I, H] or gpt-oss's transposed, interleaved one, with biases): for families whose
+    checkpoints store them fused. Experts modules not (fully) among `tensors` are left as they are."""
+    out = dict(tensors)
+    for name, block in moe_blocks(model).items():
+        lay = block.layout
+        keys = [f"{name}.{e}.{p}.{leaf}" for e in range(lay.experts)
+                for p in (("gate_proj", "up_proj", "down_proj") if lay.has_gate else ("up_proj", "down_proj"))
+                for leaf in (("weight", "bias") if lay.bias else ("weight",))]
+        if not all(k in out for k in keys):
+            continue
+        t = {k: out.pop(k) for k in keys}
+
+        def stack(leaf: str, proj: str) -> Tensor:
+            return torch.stack([t[f"{name}.{e}.{proj}.{leaf}"] for e in range(lay.experts)])
+
+        for leaf, suffix in (("weight", ""), ("bias", "_bias")) if lay.bias else (("weight", ""),):
+            if lay.has_gate:
+                gate, up = stack(leaf, "gate_proj"), stack(leaf, "up_proj")  # [E, I, H] / [E, I]
+                both = torch.cat([gate, up], dim=1) if lay.concatenated else \
+                    torch.stack([gate, up], dim=2).flatten(1, 2)
+            else:
+                both = stack(leaf, "up_proj")
+            down = stack(leaf, "down_proj")
+            if lay.transposed and leaf == "weight":
+                both, down = both.transpose(1, 2), down.transpose(1, 2)
+            out[f"{name}.{lay.up_name}{suffix}"] = both.contiguous()
+            out[f"{name}.down_proj{suffix}"] = down.contiguous()
+    return out
+
+
+def checkpoint_tensors(model: nn.Module, tensors: dict[str, Tensor], names: HubNames | None = None) -> dict:
+    """`tensors` (compress's names) as the family's hub checkpoints name and lay them out."""
+    names = names or hub_names(model)
+    if names.fused:
+        tensors = fuse_tensors(model, tensors)
+    return {names.tensor(k): v for k, v in tensors.items()}

@@ -236,6 +236,8 @@ def open_streamed(kind: str, where: str, dtype: torch.dtype, revision: str | Non
         source, origin = ShardReader(where), f"{where} (safetensors, tensor by tensor)"
         tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
     arch = get_arch(model)
+    for block in arch.block_list(model):  # persistent buffers are read with their block (see open_compressed)
+        to_meta(block)
     if why := check_streamable(model, arch):
         raise ValueError(f"cannot stream this model: {why}. Set model.stream: false.")
     keys = _checkpoint_names(model, source.names(), _tied_names(model))
@@ -259,6 +261,8 @@ def open_compressed(folder: str | Path) -> Streamed:
     model, keep = compressed_skeleton(folder, dtype, {n: reader.shape(n)[0] for n in reader.names()})
     model.tie_weights()
     arch = get_arch(model)
+    for block in arch.block_list(model):  # the skeleton's persistent buffers (DeepSeek's routing bias) are real
+        to_meta(block)  # zeros: a block's are read with it, not written with every other part
     keys = _checkpoint_names(model, reader.names(), _tied_names(model))
     return Streamed(model.eval(), arch, reader, dtype, keys, f"{folder} (compress checkpoint, block by block)",
                     AutoTokenizer.from_pretrained(folder), str(folder), "compressed", keep=frozenset(keep))

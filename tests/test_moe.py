@@ -227,3 +227,45 @@ def test_inspect_shows_the_experts_and_the_memory_plan_counts_them(tmp_path, cap
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     attention = sum(p.numel() for n, p in model.named_parameters() if "self_attn" in n and n.endswith("weight"))
     assert size.block_linear_parameters == experts + attention
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_exports_use_the_hub_names_and_reload_with_plain_transformers(tmp_path, family, capsys):
+    """The dense export names every tensor as transformers' own save_pretrained does for the family (Mixtral's
+    block_sparse_moe.experts.{e}.w1, Qwen's experts.{e}.gate_proj, gpt-oss's fused tensors): the names vLLM's
+    loaders read. Plain `from_pretrained` reloads it with no missing or unexpected tensor, and so it does the
+    compressed-tensors export (routers in its `ignore` list), logits equal to the compress checkpoint's up to the
+    bf16 the exports store. gpt-oss has no per-expert layout: formats other than dense are refused, naming dense."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from compress.models import _compressed_tensors_kwargs
+
+    folder = _write_model(tmp_path / "model", family)
+    _run(tmp_path, folder, "rtn")
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        saved_by_transformers = set(f.keys())
+    compressed = load_compressed(tmp_path / "out")
+    with torch.no_grad():
+        want = compressed(_ids(3)).logits
+    for fmt in ("dense", "compressed-tensors"):
+        export = tmp_path / fmt
+        code = main(["export", str(tmp_path / "out"), "--format", fmt, "--output", str(export)])
+        if family == "gpt_oss" and fmt != "dense":
+            assert code == 2 and "export `dense`" in capsys.readouterr().err
+            continue
+        assert code == 0
+        with safe_open(export / "model.safetensors", "pt") as f:
+            names = set(f.keys())
+        if fmt == "dense":
+            assert names == saved_by_transformers
+        else:
+            config = json.loads((export / "config.json").read_text())["quantization_config"]
+            routers = {n for n in names if n.endswith(("gate.weight", "router.weight"))}
+            assert routers and {n.rsplit(".", 1)[0] for n in routers} <= set(config["ignore"])
+        model, info = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32, output_loading_info=True,
+                                                           **_compressed_tensors_kwargs(export))
+        assert not info["missing_keys"] and not info["unexpected_keys"]
+        with torch.no_grad():
+            got = model(_ids(3)).logits
+        torch.testing.assert_close(got, want, rtol=0, atol=0.02)

@@ -77,6 +77,12 @@ def check_export(model: nn.Module, name: str) -> Exporter:
     """The exporter for `name`, after checking that this model can be written in it."""
     exporter = get_exporter(name)
     problems = exporter.problems(model)
+    if name != "dense":
+        from ..moe import hub_names
+        if hub_names(model).fused:
+            problems = [f"{type(model).__name__} checkpoints store each MoE block's experts as fused 3-D tensors, "
+                        f"which the {name} format has no layout for (its loaders read per-expert quantized "
+                        "layers); export `dense` (the experts fused as transformers saves them)"] + problems
     if problems:
         shown = "\n  ".join(problems[:8]) + (f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise ExportError(f"cannot export to {name}:\n  {shown}")

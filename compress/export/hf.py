@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from ..nn import QuantLinear
 from ..qtensor import QuantizedTensor
+from ..moe import checkpoint_tensors, hub_names, router_names
 from ..shards import MAX_SHARD_BYTES, ShardWriter
 
 # transformers models whose linear layers are GPT-2 style Conv1D ([in, out] weights): quantized formats
@@ -38,9 +39,12 @@ def resident_layers(model: nn.Module) -> dict[str, QuantLinear]:
 
 
 def float_linears(model: nn.Module) -> list[str]:
-    """Linear layers left in float (they go into a quantized config's `ignore` list)."""
+    """Linear layers left in float, and a MoE model's routers (serving stacks run them as linear layers), under the
+    checkpoint's names: they go into a quantized config's `ignore` list."""
     from ..nn import LINEAR_TYPES
-    return [n for n, m in model.named_modules() if isinstance(m, LINEAR_TYPES)]
+    names = hub_names(model)
+    routers = router_names(model)
+    return [names.module(n) for n, m in model.named_modules() if isinstance(m, LINEAR_TYPES) or n in routers]
 
 
 def kv_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -107,8 +111,9 @@ def write_hf(model: nn.Module, tokenizer, folder: Path, tensors: Callable[[], di
     so memory holds one block and never the whole checkpoint)."""
     folder = Path(folder)
     writer = ShardWriter(folder, {k: str(v) for k, v in (metadata or {}).items()}, max_shard_bytes)
+    names = hub_names(model)  # a MoE family's experts under the names its hub checkpoints use
     for _ in parts if parts is not None else (None,):
-        for name, t in tensors().items():
+        for name, t in checkpoint_tensors(model, tensors(), names).items():
             writer.add(name, t)
     writer.finish()
     config = copy.deepcopy(model.config)
