@@ -86,7 +86,8 @@ def run_one(model: Path, recipe: str, overrides: list[str], out: Path, log: Path
             "ppl": {n: m.get("ppl") for n, m in models.items()}, "kl": models["compressed"].get("kl"),
             "top1": models["compressed"].get("top1_agreement"),
             "decode_tok_s": {n: (m.get("speed") or {}).get("decode_tok_s") for n, m in models.items()},
-            "peak_rss_report": report["eval"]["peak_rss_bytes"]}
+            "peak_rss_report": report["eval"]["peak_rss_bytes"],
+            "memory_plan_peak": report.get("memory_plan", {}).get("peak_bytes")}
 
 
 def main() -> None:

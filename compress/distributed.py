@@ -61,7 +61,23 @@ def share(samples: torch.Tensor, rank: int, size: int) -> torch.Tensor:
 
 def reduce_stats(observer: BlockObserver) -> None:
     """Sum (Hessians, |x| sums, token counts) and max (|x| maxima) the block's statistics over the ranks, in
-    place; every rank observed the same layers, in the same order."""
+    place; every rank observed the same layers, in the same order. A MoE expert may have been routed tokens on
+    one rank and none on another: the ranks first agree which layers anyone saw and which share one input (the
+    first reader's index, maxed), and a rank that saw none of a layer's inputs joins with zeros."""
+    names = observer.linears
+    alias = torch.full((len(names),), -1, dtype=torch.int64)
+    first: dict[int, int] = {}
+    for i, name in enumerate(names):
+        st = observer.stats.get(name)
+        if st is not None:
+            alias[i] = first.setdefault(id(st), i)
+    dist.all_reduce(alias, op=dist.ReduceOp.MAX)
+    for i, name in enumerate(names):
+        a = int(alias[i])
+        if a < 0 or name in observer.stats:
+            continue
+        observer.stats[name] = observer.stats[names[a]] if a != i else \
+            observer.empty_stats(observer.block.get_submodule(name))
     seen: set[int] = set()
     for name in observer.linears:
         st = observer.stats.get(name)
@@ -88,6 +104,15 @@ def reduce_sums(values: list[float]) -> list[float]:
 def local_keep(keep: int, rank: int, size: int) -> int:
     """How many of this rank's windows are among the first `keep` of all windows (rank r holds r, r + size, ...)."""
     return max(0, -(-(keep - rank) // size))
+
+
+def total_over_ranks(value: int) -> int:
+    """An integer summed over the ranks (in one process: itself)."""
+    if not active():
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t)
+    return int(t.item())
 
 
 def mean_over_ranks(values: list[float]) -> float:

@@ -62,6 +62,16 @@ class BlockObserver:
         self._seen: list[tuple[Tensor, str]] = []  # inputs of the current sample and their first reader
         self._handles: list = []
 
+    def empty_stats(self, linear: nn.Module) -> InputStats:
+        """Statistics of no input (zeros of the shapes this observer gathers): what a process contributes for a
+        layer it saw nothing of (a MoE expert no token of its windows was routed to) when the ranks' are summed."""
+        from .nn import linear_shape
+        k = linear_shape(linear)[1]
+        zeros = torch.zeros(k, dtype=torch.float32)
+        return InputStats(abs_sum=zeros.clone() if self.want_abs else None,
+                          abs_max=zeros.clone() if self.want_max else None,
+                          hessian=torch.zeros(k, k, dtype=torch.float32) if self.want_hessian else None)
+
     def __enter__(self) -> "BlockObserver":
         self._handles.append(self.block.register_forward_pre_hook(self._new_sample))
         for name, record in self.kv_absmax.items():

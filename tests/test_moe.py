@@ -242,7 +242,8 @@ def test_exports_use_the_hub_names_and_reload_with_plain_transformers(tmp_path, 
     from compress.models import _compressed_tensors_kwargs
 
     folder = _write_model(tmp_path / "model", family)
-    _run(tmp_path, folder, "rtn")
+    experts = _run(tmp_path, folder, "rtn")["stages"][0]["experts"]  # RTN needs no data, yet counts the tokens
+    assert experts and all(sum(r["tokens"]) > 0 and not r["fallback"] for r in experts.values())
     with safe_open(folder / "model.safetensors", "pt") as f:
         saved_by_transformers = set(f.keys())
     compressed = load_compressed(tmp_path / "out")
@@ -269,3 +270,26 @@ def test_exports_use_the_hub_names_and_reload_with_plain_transformers(tmp_path, 
         with torch.no_grad():
             got = model(_ids(3)).logits
         torch.testing.assert_close(got, want, rtol=0, atol=0.02)
+
+
+def test_two_processes_reduce_an_experts_statistics_that_only_one_of_them_saw(tmp_path):
+    """Data-parallel calibration of a MoE block over 2 gloo processes where only rank 0's windows reach expert 3:
+    the ranks agree on which layers anyone saw, rank 1 joins with zeros, and both end with the one-process
+    statistics of all the windows (Hessians to 1e-6 relative), for every expert."""
+    from safetensors.torch import load_file
+
+    from tests.calib_worker import MOE_LINEARS, flat, moe_block, observe
+    from tests.test_streaming import _torchrun
+
+    _torchrun(["tests/calib_worker.py", str(tmp_path), "moe"], tmp_path)
+    ranks = [load_file(str(tmp_path / f"rank-{i}.safetensors")) for i in range(2)]
+    index = MOE_LINEARS.index("experts.3.gate_proj")
+    assert bool(ranks[0]["saw"][index]) and not bool(ranks[1]["saw"][index])
+    single = flat(observe(*moe_block(), MOE_LINEARS), MOE_LINEARS)
+    assert int(single["experts.3.gate_proj.tokens"]) > 0
+    for key, ref in single.items():
+        assert torch.equal(ranks[0][key], ranks[1][key]), key
+        if key.endswith(("tokens", "abs_max")):
+            assert torch.equal(ranks[0][key], ref), key
+        else:
+            assert float((ranks[0][key] - ref).norm() / ref.norm()) < 1e-6, key

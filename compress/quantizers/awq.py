@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
-from ..distributed import all_windows, mean_over_ranks
+from ..distributed import all_windows, mean_over_ranks, total_over_ranks
 from ..primitives import group_view
 from ..scheme import QuantScheme
 from ..smoothing import (REPLAY_DTYPE, PairResult, fold_scales, in_weight, pooled_stats, replay, replay_autocast,
@@ -137,6 +137,10 @@ def awq_block(block: nn.Module, pairs, observer, stage, scheme: QuantScheme, qua
         balance = pair.balance
         stats = pooled_stats(observer, pair.balance_names)
         calls = observer.calls[pair.inspect_name]
+        if total_over_ranks(len(calls)) == 0:  # an expert whose tokens all came after the replayed windows
+            results.append(PairResult(pair.label, skipped="no replayed calibration window reached it (raise "
+                                                          "search_samples)"))
+            continue
         w_mean = weight_mean([in_weight(m) for m in balance], scheme) if stage.duo_scaling else None
         inspect = block.get_submodule(pair.inspect_name)
         with replay_autocast(balance[0].weight):
@@ -151,7 +155,10 @@ def awq_block(block: nn.Module, pairs, observer, stage, scheme: QuantScheme, qua
             if name in no_clip or name not in observer.stats:
                 continue
             st = observer.stats[name]
-            x = torch.cat(all_windows(st.kept))  # [T, K]; with several processes, every rank's windows
+            kept = all_windows(st.kept)
+            if not kept:  # an expert no replayed window reached: its range stays as it is
+                continue
+            x = torch.cat(kept)  # [T, K]; with several processes, every rank's windows
             x = x[:: max(1, x.shape[0] // stage.clip_tokens)][: stage.clip_tokens]
             if name in input_divisor:
                 x = x / input_divisor[name][None, :]

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
-from ..distributed import mean_over_ranks
+from ..distributed import mean_over_ranks, total_over_ranks
 from ..primitives import fake_quantize_activation
 from ..scheme import QuantScheme
 from ..smoothing import PairResult, fold_scales, in_weight, pooled_stats, replay, usable_pairs
@@ -74,9 +74,9 @@ def smoothquant_block(block: nn.Module, pairs, observer, stage, scheme: QuantSch
         x_absmax = pooled_stats(observer, balance_names).input_absmax(input_divisor.get(balance_names[0]))
         w_absmax = weight_absmax(balance)
         alpha, loss, loss0 = stage.alpha, None, None
-        if stage.alpha_grid:
+        calls = observer.calls.get(inspect_name, [])
+        if stage.alpha_grid and total_over_ranks(len(calls)):  # (an expert no replayed window reached: fixed alpha)
             inspect = block.get_submodule(inspect_name)
-            calls = observer.calls[inspect_name]
             reference = replay(inspect, calls)
             loss0 = _w8a8_replay_loss(inspect, calls, reference, balance, torch.ones_like(x_absmax), scheme)
             losses = {a: _w8a8_replay_loss(inspect, calls, reference, balance,

@@ -40,14 +40,15 @@ class Needs:
     abs_max: bool = False  # max |x| per input channel (SmoothQuant, static activation scales, LLM.int8)
     hessian: bool = False  # sum x xᵀ (GPTQ)
     replay_samples: int = 0  # windows whose inspect-module calls are kept for a scale search (AWQ, SmoothQuant)
+    tokens: bool = False  # only how many tokens each layer saw (a MoE expert's calibration coverage)
 
     def __or__(self, other: "Needs") -> "Needs":
         return Needs(self.abs_mean or other.abs_mean, self.abs_max or other.abs_max, self.hessian or other.hessian,
-                     max(self.replay_samples, other.replay_samples))
+                     max(self.replay_samples, other.replay_samples), self.tokens or other.tokens)
 
     @property
     def any(self) -> bool:
-        return self.abs_mean or self.abs_max or self.hessian or self.replay_samples > 0
+        return self.abs_mean or self.abs_max or self.hessian or self.replay_samples > 0 or self.tokens
 
 
 NO_NEEDS = Needs()

@@ -116,7 +116,9 @@ class QuantizeStage(StageBase):
         return {e.name for e in step.quantized}
 
     def needs(self, plan: Plan, index: int) -> Needs:
-        return Needs(abs_max=self.scheme.act is not None, hessian=get_quantizer(self.method).needs_hessian)
+        experts = plan is not None and any(EXPERT.search(e.name) for e in plan.steps[index].quantized)
+        return Needs(abs_max=self.scheme.act is not None, hessian=get_quantizer(self.method).needs_hessian,
+                     tokens=experts)  # (the memory plan asks without a plan: token counts cost nothing there)
 
     def begin(self, ctx: RunContext, index: int) -> None:
         ctx.records[index] = {}  # layer name -> what the pass found for it (input scale, outlier features)
