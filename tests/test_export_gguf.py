@@ -205,6 +205,32 @@ def test_int4_model_exported_exactly_reproduces_its_logits(tmp_path):
     assert rel_exact * 5 < rel_requant  # measured 0.069
 
 
+def test_tiny_mixtral_runs_in_llama_cpp_with_every_expert(tmp_path):
+    """A mixture of experts in llama.cpp: each MoE block's router as ffn_gate_inp and every expert's projection
+    stacked into ffn_{gate,up,down}_exps [E, out, in], expert_count / expert_used_count in the header. Float
+    weights at f16 and q8_0 reproduce transformers' logits; int4 g32 experts go in exactly (their Q4_0 blocks hold
+    our codes) and llama.cpp reproduces our quantized model."""
+    from compress.moe import unfuse_experts
+
+    model = make_tiny_model("mixtral")
+    unfuse_experts(model)
+    ids = windows()
+    ref = hf_logits(model, ids)
+    for qtype, max_rel in (("f16", 0.005), ("q8_0", 0.03)):  # measured 0.0004 and 0.011
+        path = tmp_path / f"{qtype}.gguf"
+        write_gguf(model, byte_bpe_tokenizer(), path, qtype)
+        out = llama_cpp_logits(path, ids)
+        assert agreement(out, ref) >= 0.95 and rel_err(out, ref) < max_rel, (qtype, rel_err(out, ref))
+    fields = gguf.GGUFReader(str(tmp_path / "f16.gguf")).fields
+    assert fields["llama.expert_count"].contents() == 4 and fields["llama.expert_used_count"].contents() == 2
+    stage = QuantizeStage(scheme=scheme("int4", "group", 32))
+    apply_quantize(model, plan_quantize(model, get_arch(model), stage), stage)
+    report = write_gguf(model, byte_bpe_tokenizer(), tmp_path / "q4.gguf", "q4_0", embed_qtype="f16")
+    experts = {k: v for k, v in report["tensors"].items() if "_exps" in k}
+    assert len(experts) == 6 and all(v["path"] == "exact" and v["shape"][0] == 4 for v in experts.values())
+    assert rel_err(llama_cpp_logits(tmp_path / "q4.gguf", ids), hf_logits(model, ids)) < 0.01  # measured 0.0036
+
+
 def test_llama_cpp_reads_the_tokenizer_and_chat_template(tmp_path):
     tok = byte_bpe_tokenizer()
     report = write_gguf(make_tiny_model("llama"), tok, tmp_path / "m.gguf", "f16")

@@ -34,7 +34,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..nn import QuantLinear, linear_weight
+from ..moe import ExpertLinears
+from ..nn import QuantLinear, linear_shape, linear_weight
 from ..qtensor import QuantizedTensor
 from .hf import resident
 
@@ -46,7 +47,11 @@ ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", True),
     "MistralForCausalLM": ("llama", True),  # convert_hf_to_gguf.py registers Mistral as LlamaModel
     "Qwen2ForCausalLM": ("qwen2", False),  # NeoX-style RoPE in llama.cpp: no permutation
+    "MixtralForCausalLM": ("llama", True),  # llama.cpp's llama graph with expert_count: softmax top-k, renormalised
 }
+# a MoE block's experts as llama.cpp stacks them: one 3-D tensor [E, out, in] per projection, and the router
+EXPERT_TENSORS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+ROUTER_TENSOR = "ffn_gate_inp"
 # which projections may carry a bias, per GGUF architecture
 BIASES = {"llama": (), "qwen2": ("q_proj", "k_proj", "v_proj")}
 LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -111,12 +116,18 @@ def _entries(model: nn.Module, arch: str) -> list[tuple[str, str, str]]:
     out = [("token_embd.weight", "model.embed_tokens", "embed")]
     for i in range(model.config.num_hidden_layers):
         p = f"model.layers.{i}"
+        moe = isinstance(getattr(model.get_submodule(f"{p}.mlp"), "experts", None), ExpertLinears)
         for hf, gg in NORMS.items():
             out.append((f"blk.{i}.{gg}.weight", f"{p}.{hf}.weight", "norm"))
         for hf, gg in LINEARS.items():
+            if moe and hf.startswith("mlp."):
+                continue
             out.append((f"blk.{i}.{gg}.weight", f"{p}.{hf}", "linear"))
             if hf.rpartition(".")[2] in BIASES[arch]:
                 out.append((f"blk.{i}.{gg}.bias", f"{p}.{hf}.bias", "bias"))
+        if moe:  # the router (float), then each projection of every expert stacked
+            out.append((f"blk.{i}.{ROUTER_TENSOR}.weight", f"{p}.mlp.gate.weight", "norm"))
+            out += [(f"blk.{i}.{gg}.weight", f"{p}.mlp.experts|{hf}", "experts") for hf, gg in EXPERT_TENSORS.items()]
     out.append(("output_norm.weight", "model.norm.weight", "norm"))
     if not _tied(model):
         out.append(("output.weight", "lm_head", "output"))
@@ -129,6 +140,12 @@ def _state_names(model: nn.Module, entries) -> set[str]:
     for _, hf, role in entries:
         if role in ("norm", "bias"):
             covered.add(hf)
+            continue
+        if role == "experts":
+            moe, proj = hf.split("|")
+            for e in range(len(model.get_submodule(moe))):
+                name = f"{moe}.{e}.{proj}"
+                covered |= {f"{name}.{k}" for k in model.get_submodule(name).state_dict()}
             continue
         module = model.get_submodule(hf)
         covered |= {f"{hf}.{k}" for k in module.state_dict()}
@@ -183,7 +200,16 @@ def gguf_problems(model: nn.Module, qtype: str) -> list[str]:
               "mlp.up_proj": (config.intermediate_size, config.hidden_size),
               "mlp.down_proj": (config.hidden_size, config.intermediate_size)}
     for i, layer in enumerate(model.model.layers):
-        for rel, shape in expect.items():
+        experts = getattr(layer.mlp, "experts", None)
+        checks = dict(expect)
+        if isinstance(experts, ExpertLinears):
+            if not experts.layout.has_gate or experts.layout.bias:
+                problems.append(f"model.layers.{i}.mlp.experts: llama.cpp's experts are gated and bias-free")
+                continue
+            checks = {k: v for k, v in expect.items() if not k.startswith("mlp.")}
+            checks |= {f"mlp.experts.{e}.{k.partition('.')[2]}": v for k, v in expect.items() if k.startswith("mlp.")
+                       for e in range(len(experts))}
+        for rel, shape in checks.items():
             m = layer.get_submodule(rel)
             got = (m.out_features, m.in_features) if isinstance(m, QuantLinear) else tuple(linear_weight(m).shape)
             if got != shape:
@@ -500,6 +526,9 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_vocab_size(n_vocab)
+    if getattr(config, "num_local_experts", None):
+        writer.add_expert_count(config.num_local_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
     file_types = {"f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1"}
     writer.add_file_type(int(getattr(gguf.LlamaFileType, file_types[qtype])))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -551,7 +580,32 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
         add_float(gname, w, target, "dequantized" if target == "f16" else "requantized", scheme=qt.scheme.name,
                   reason=why)
 
+    def add_experts(gname: str, moe: str, proj: str, target: str) -> None:
+        """Every expert's `proj` as one [E, out, in] tensor: each expert's rows encoded as its own 2-D tensor would
+        be (exactly where its codes fit the grid), stacked; requantized from float for all when one does not."""
+        layers = [model.get_submodule(f"{moe}.{e}.{proj}") for e in range(len(model.get_submodule(moe)))]
+        fits = [isinstance(m, QuantLinear) and exact_fit(m.qtensor(), target) is None for m in layers]
+        if all(fits):
+            data = np.stack([encode_exact(m.qtensor(), target, None)[0] for m in layers])
+            path_name, extra = "exact", {"scheme": layers[0].scheme.name}
+        else:
+            floats = [m.qtensor().dequantize(torch.float32) if isinstance(m, QuantLinear) else
+                      linear_weight(m).detach().float() for m in layers]
+            ggml = target.upper() if target == "f16" or floats[0].shape[-1] % BLOCK == 0 else "F16"
+            data = np.stack([_quantize_float(w, ggml) for w in floats])
+            target = ggml.lower()
+            path_name = "float" if target == "f16" and not isinstance(layers[0], QuantLinear) else \
+                "dequantized" if target == "f16" else \
+                "requantized" if isinstance(layers[0], QuantLinear) else "quantized-from-float"
+            extra = {}
+        writer.add_tensor(gname, data, raw_dtype=None if target in ("f16", "f32") else _ggml_type(target))
+        n_out, n_in = linear_shape(layers[0])
+        tensors[gname] = {"type": target.upper(), "path": path_name, "shape": [len(layers), n_out, n_in], **extra}
+
     def present(hf: str, role: str) -> bool:
+        if role == "experts":
+            moe, proj = hf.split("|")
+            return resident(model.get_submodule(f"{moe}.0.{proj}"))
         if role in ("norm", "bias"):
             return not model.get_parameter(hf).is_meta
         if role == "embed":  # looked up each time: a streamed part assigns new tensors
@@ -566,6 +620,8 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
                 later.append((gname, hf, role))
             elif role in ("norm", "bias"):
                 add_float(gname, model.get_parameter(hf).detach(), "f32", "float")  # qwen2 biases: rows unpermuted
+            elif role == "experts":
+                add_experts(gname, *hf.split("|"), qtype)
             elif role == "embed":
                 add_float(gname, model.get_input_embeddings().weight.detach(), embed_qtype,
                           "float" if embed_qtype == "f16" else "quantized-from-float")
