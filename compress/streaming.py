@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from .arch import ArchSpec, get_arch, get_module
 from .gguf_source import gguf_tensor_source
-from .moe import moe_blocks
+from .moe import hub_names, moe_blocks
 from .shards import ShardReader
 
 STREAM_KINDS = ("folder", "hub", "gguf", "default")
@@ -166,16 +166,17 @@ def _checkpoint_names(model: nn.Module, have: set[str], tied: set[str]) -> dict[
     again after loading. Raises ValueError naming what is missing."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     renamed = _renamed(model, have)
+    hub = hub_names(model)  # a MoE expert's layer under the family's checkpoint name (Mixtral's experts.{e}.w1)
     keys, missing = {}, []
     for name in model.state_dict(keep_vars=True):
-        candidates = [name]
+        candidates = [name] + ([hub.tensor(name)] if hub.projections else [])
         if prefix and name.startswith(prefix + "."):
             candidates.append(name[len(prefix) + 1:])
         elif prefix:
             candidates.append(f"{prefix}.{name}")
-        found = next((c for c in candidates if c in renamed), None)
+        found = next((renamed.get(c, c) for c in candidates if c in renamed or c in have), None)
         if found is not None:
-            keys[name] = renamed[found]
+            keys[name] = found
         elif name not in tied:
             missing.append(name)
     if missing:
@@ -198,9 +199,9 @@ def _tied_names(model: nn.Module) -> set[str]:
 def check_streamable(model: nn.Module, arch: ArchSpec) -> str | None:
     """Why this model's evaluation cannot be streamed block by block (None when it can): after the last block the
     run applies the final norm and the head itself, so the family must name its final norm and add nothing else."""
-    if moe_blocks(model):
-        return ("its mixture-of-experts blocks are read whole for now (the checkpoint's fused expert tensors are not "
-                "yet split per expert while streaming)")
+    if moe_blocks(model) and hub_names(model).fused:
+        return ("its checkpoints store each MoE block's experts fused (gpt-oss); streaming reads per-expert "
+                "tensors only")
     if not arch.final_norm:
         return f"model family {arch.family!r} has no final_norm entry in compress/arch/tables.py"
     if getattr(get_module(model, arch.blocks.rpartition(".")[0]), "project_out", None) is not None:

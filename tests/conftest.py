@@ -40,7 +40,7 @@ TINY_MOE_CONFIGS = {
     "mixtral": lambda: transformers.MixtralConfig(**_MOE, intermediate_size=32, num_local_experts=4,
                                                   num_experts_per_tok=2),
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**_MOE, intermediate_size=96, moe_intermediate_size=32,
-                                                     shared_expert_intermediate_size=48, num_experts=4,
+                                                     shared_expert_intermediate_size=64, num_experts=4,
                                                      num_experts_per_tok=2, decoder_sparse_step=1),
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**_MOE, intermediate_size=96, moe_intermediate_size=32,
                                                      num_experts=4, num_experts_per_tok=2, head_dim=16),
