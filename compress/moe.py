@@ -138,8 +138,10 @@ class ExpertLinears(nn.ModuleList):
         with torch.no_grad():
             hit = torch.unique(top_k_index).tolist()
         for e in hit:
-            if not 0 <= e < len(self):  # expert-parallel sentinels
+            if e == len(self):  # the expert-parallel sentinel, skipped as transformers' eager forward does
                 continue
+            if not 0 <= e < len(self):
+                raise IndexError(f"the router chose expert {e} of {len(self)}: its rows and the experts disagree")
             token, pos = torch.where(top_k_index == e)
             x = hidden_states[token]
             expert = self[e]

@@ -293,3 +293,142 @@ def test_two_processes_reduce_an_experts_statistics_that_only_one_of_them_saw(tm
             assert torch.equal(ranks[0][key], ref), key
         else:
             assert float((ranks[0][key] - ref).norm() / ref.norm()) < 1e-6, key
+
+
+# ---------------------------------------------------------------- expert pruning
+
+def _naive_reap(model, samples) -> dict[str, list[float]]:
+    """REAP from its definition, token by token, with the fused tensors of a second copy of the model: for each MoE
+    block the routing (index, weight) of every token, and expert j's output f_j(x) = down_j(act(gate_j x) * up_j x)
+    from the fused [E, 2I, H] / [E, H, I] tensors (Mixtral's layout)."""
+    fused = make_tiny_model("mixtral")  # the same seed: the same weights, still fused
+    captured = {}
+    hooks = [layer.mlp.experts.register_forward_pre_hook(
+        lambda m, args, i=i: captured.setdefault(i, []).append((args[0], args[1], args[2])))
+        for i, layer in enumerate(fused.model.layers)]
+    with torch.no_grad():
+        fused(input_ids=samples, use_cache=False)
+    for h in hooks:
+        h.remove()
+    out = {}
+    for i, calls in captured.items():
+        experts = fused.model.layers[i].mlp.experts
+        total, count = [0.0] * 4, [0] * 4
+        for x, index, weights in calls:
+            for t in range(x.shape[0]):
+                for k in range(index.shape[1]):
+                    j = int(index[t, k])
+                    gate, up = (experts.gate_up_proj[j] @ x[t]).chunk(2)
+                    y = experts.down_proj[j] @ (torch.nn.functional.silu(gate) * up)
+                    total[j] += float(weights[t, k]) * float(y.detach().norm())
+                    count[j] += 1
+        out[f"model.layers.{i}.mlp.experts"] = [s / max(n, 1) for s, n in zip(total, count)]
+    return out
+
+
+def test_reap_scores_equal_their_definition_and_the_best_experts_are_kept():
+    from compress.prune.experts import expert_scores, kept_experts
+
+    model = make_tiny_model("mixtral")
+    unfuse_experts(model)
+    samples = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(4))
+    scores = expert_scores(model, samples, "reap", batch_size=2)
+    naive = _naive_reap(model, samples)
+    for name, row in scores.items():
+        assert row["score"] == pytest.approx(naive[name], rel=1e-5)
+        assert sum(row["tokens"]) == 3 * 16 * 2
+    kept = kept_experts(scores, 3)
+    for name, idx in kept.items():
+        dropped = ({0, 1, 2, 3} - set(idx)).pop()
+        assert scores[name]["score"][dropped] == min(scores[name]["score"])
+    frequency = expert_scores(model, samples, "frequency")
+    assert all(row["score"] == [float(t) for t in row["tokens"]] for row in frequency.values())
+
+
+def test_pruning_an_expert_no_token_reaches_changes_nothing_and_plain_transformers_loads_it(tmp_path):
+    """gpt-oss with expert 3 starved by its router's bias: REAP scores it 0, prune_experts (keep 3) drops it, the
+    routers lose its row and bias, the config says 3, the logits are exactly the original's (gpt-oss softmaxes over
+    the chosen top-k only), and the dense export loads with plain from_pretrained to the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    def starve(model):
+        for block in model.model.layers:
+            block.mlp.router.bias.data[3] = -1e4
+
+    folder = _write_model(tmp_path / "model", "gpt_oss", edit=starve)
+    calib = tmp_path / "calib.txt"
+    calib.write_text(word_text(512) + "\n")
+    recipe = {"model": {"source": str(folder), "dtype": "float32", "device": "cpu"},
+              "calibration": {"kind": "files", "files": [str(calib)], "n_samples": 4, "seq_len": 16},
+              "stages": [{"stage": "prune_experts", "keep": 3, "n_samples": 4, "seq_len": 16}],
+              "eval": {"perplexity": False, "speed": False}, "output": {"dir": str(tmp_path / "out")}}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    assert main(["run", str(tmp_path / "r.yaml"), "--no-progress"]) == 0
+    section = json.loads((tmp_path / "out" / "report.json").read_text())["stages"][0]
+    assert section["experts_before"] == 4 and section["experts_after"] == 3
+    for row in section["blocks"].values():
+        assert row["kept"] == [0, 1, 2] and row["tokens"][3] == 0 and row["score"][3] == 0
+    pruned = load_compressed(tmp_path / "out")
+    assert pruned.config.num_local_experts == 3
+    assert pruned.model.layers[0].mlp.router.weight.shape[0] == 3 == pruned.model.layers[0].mlp.router.bias.shape[0]
+    original = load_model(str(folder), "float32").model
+    for p in original.parameters():  # the checkpoint keeps float tensors at output.save_dtype (bfloat16)
+        p.data = p.data.bfloat16().float()
+    with torch.no_grad():
+        torch.testing.assert_close(pruned(_ids(5)).logits, original(_ids(5)).logits, rtol=0, atol=1e-6)
+    assert main(["export", str(tmp_path / "out"), "--format", "dense", "--output", str(tmp_path / "dense")]) == 0
+    plain, info = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.float32,
+                                                       output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    with torch.no_grad():
+        torch.testing.assert_close(plain(_ids(5)).logits, original(_ids(5)).logits, rtol=0, atol=0.02)  # bf16
+
+
+def test_prune_experts_plans_the_new_shape_and_refuses_what_cannot_be(tmp_path, capsys):
+    from compress.stages.prune_experts import PruneExpertsStage
+
+    model = make_tiny_model("qwen3_moe")
+    unfuse_experts(model)
+    step = PruneExpertsStage(ratio=0.5).plan(model, get_arch(model), {}, 0)
+    assert "4 -> 2 experts in each of 2 MoE blocks" in step.line
+    assert len(moe_blocks(step.reshaped)["model.layers.0.mlp.experts"]) == 2
+    with pytest.raises(ValueError, match="fewer than the 2 each token is routed to"):
+        PruneExpertsStage(keep=1).plan(model, get_arch(model), {}, 0)
+    with pytest.raises(ValueError, match="exactly one of `keep`"):
+        PruneExpertsStage()
+    dense = make_tiny_model("llama")
+    with pytest.raises(ValueError, match="no mixture-of-experts blocks"):
+        PruneExpertsStage(keep=2).plan(dense, get_arch(dense), {}, 0)
+
+
+def test_a_pruned_mixtral_routes_as_the_original_with_the_dropped_experts_masked():
+    """Reference: the original Mixtral whose router gives the dropped experts -inf logits (its softmax over the
+    rest equals the pruned router's, then the same top-2 and renormalisation). The pruned model, with the router
+    rows and experts re-indexed, gives the same logits."""
+    import types
+
+    from compress.prune.experts import expert_scores, kept_experts, prune_experts
+
+    samples = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(6))
+    pruned = make_tiny_model("mixtral")
+    unfuse_experts(pruned)
+    kept = kept_experts(expert_scores(pruned, samples), 3)
+    assert len({tuple(k) for k in kept.values()}) > 1 or kept["model.layers.0.mlp.experts"] != [0, 1, 2]
+    prune_experts(pruned, kept)
+    assert pruned.config.num_local_experts == 3 and pruned.model.layers[1].mlp.gate.weight.shape[0] == 3
+
+    reference = make_tiny_model("mixtral")
+
+    def masked(self, hidden_states):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        logits = torch.nn.functional.linear(hidden_states, self.weight)
+        logits[:, self.dropped] = float("-inf")
+        probs = torch.softmax(logits.float(), dim=-1)
+        top, index = torch.topk(probs, self.top_k, dim=-1)
+        return logits, top / top.sum(dim=-1, keepdim=True), index
+
+    for i, layer in enumerate(reference.model.layers):
+        layer.mlp.gate.dropped = sorted({0, 1, 2, 3} - set(kept[f"model.layers.{i}.mlp.experts"]))
+        layer.mlp.gate.forward = types.MethodType(masked, layer.mlp.gate)
+    with torch.no_grad():
+        torch.testing.assert_close(pruned(_ids(7)).logits, reference(_ids(7)).logits, rtol=1e-5, atol=1e-5)

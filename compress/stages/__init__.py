@@ -12,11 +12,13 @@ from .base import Needs, Plan, RunContext, StageBase, make_plan, next_target
 from .distill import DistillStage
 from .kv_cache import KVCacheStage
 from .prune import PruneStage
+from .prune_experts import PruneExpertsStage
 from .quantize import QuantizeStage
 from .smoothquant import SmoothQuantStage
 
 STAGES: dict[str, type] = {
     "prune": PruneStage,  # Minitron importance pruning of the whole model
+    "prune_experts": PruneExpertsStage,  # a mixture of experts' least salient experts dropped (REAP)
     "distill": DistillStage,  # knowledge-distillation repair from the original
     "awq": AWQStage,  # activation-aware scales and clipping for the next quantize stage
     "smoothquant": SmoothQuantStage,  # activation outliers migrated into the weights
@@ -32,4 +34,4 @@ def get_stage(name: str) -> type:
 
 
 __all__ = ["STAGES", "get_stage", "make_plan", "next_target", "Needs", "Plan", "RunContext", "StageBase",
-           "AWQStage", "DistillStage", "KVCacheStage", "PruneStage", "QuantizeStage", "SmoothQuantStage"]
+           "AWQStage", "DistillStage", "KVCacheStage", "PruneExpertsStage", "PruneStage", "QuantizeStage", "SmoothQuantStage"]
