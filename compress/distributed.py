@@ -124,16 +124,19 @@ def mean_over_ranks(values: list[float]) -> float:
     return float(t[0] / t[1])
 
 
-def all_windows(kept: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Per-window tensors of every rank, in the order of all windows (window g is rank g % size's (g // size)-th);
-    in one process, `kept` itself. Exchanged with all_gather_object: between this run's own processes."""
+def all_windows(kept: list[torch.Tensor], at: list[int] | None = None) -> list[torch.Tensor]:
+    """Per-window tensors of every rank, in the order of all windows (rank r's local window i is window i·size + r);
+    in one process, `kept` itself. `at`: the local window of each tensor, where not every window has one (a MoE
+    expert no token of a window was routed to); by default tensor i is local window i. Exchanged with
+    all_gather_object: between this run's own processes."""
     if not active():
         return kept
-    size = dist.get_world_size()
+    size, rank = dist.get_world_size(), dist.get_rank()
+    at = list(range(len(kept))) if at is None else at
     parts: list = [None] * size
-    dist.all_gather_object(parts, [t.cpu() for t in kept])
-    total = sum(len(p) for p in parts)
-    return [parts[g % size][g // size].to(kept[0].device if kept else "cpu") for g in range(total)]
+    dist.all_gather_object(parts, [(i * size + rank, t.cpu()) for i, t in zip(at, kept)])
+    device = kept[0].device if kept else "cpu"
+    return [t.to(device) for _, t in sorted((p for part in parts for p in part), key=lambda p: p[0])]
 
 
 def max_over_ranks(records: dict[str, list[float]]) -> dict[str, list[float]]:

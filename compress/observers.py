@@ -22,6 +22,7 @@ class InputStats:
     hessian: Tensor | None = None  # [K, K] sum of x x^T over tokens (float32)
     tokens: int = 0
     kept: list[Tensor] = field(default_factory=list)  # inputs of the first samples, [T, K] each
+    kept_at: list[int] = field(default_factory=list)  # the sample each kept input came from (a MoE expert skips some)
 
     @property
     def abs_mean(self) -> Tensor:
@@ -129,6 +130,7 @@ class BlockObserver:
             st.hessian = h if st.hessian is None else st.hessian.add_(h)
         if self._sample < self.keep:
             st.kept.append(x2)
+            st.kept_at.append(self._sample)
         st.tokens += x2.shape[0]
 
     def _inspect_hook(self, name: str):

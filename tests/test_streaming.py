@@ -433,19 +433,22 @@ AWQ_SUBSET = [{"stage": "awq", "search_samples": 3}, {"stage": "quantize", "meth
 SMOOTHQUANT = [{"stage": "smoothquant", "search_samples": 3}, {"stage": "quantize", "method": "rtn", "scheme": "W8A8"}]
 
 
-@pytest.mark.parametrize("stages,stream", [(RECIPES["gptq"], "never"), (AWQ_SUBSET, "never"),
-                                           pytest.param(SMOOTHQUANT, "never", marks=pytest.mark.slow),
-                                           pytest.param(RECIPES["w8a8+kv"], "never", marks=pytest.mark.slow),
-                                           pytest.param(RECIPES["gptq"], "always", marks=pytest.mark.slow)],
-                         ids=["gptq", "awq", "smoothquant", "w8a8+kv", "gptq-streamed"])
+@pytest.mark.parametrize("stages,stream,family", [
+    (RECIPES["gptq"], "never", "llama"), (AWQ_SUBSET, "never", "llama"), (AWQ_SUBSET, "never", "mixtral"),
+    pytest.param(RECIPES["gptq"], "never", "mixtral", marks=pytest.mark.slow),
+    pytest.param(SMOOTHQUANT, "never", "llama", marks=pytest.mark.slow),
+    pytest.param(RECIPES["w8a8+kv"], "never", "llama", marks=pytest.mark.slow),
+    pytest.param(RECIPES["gptq"], "always", "llama", marks=pytest.mark.slow)],
+    ids=["gptq", "awq", "awq-moe", "gptq-moe", "smoothquant", "w8a8+kv", "gptq-streamed"])
 @requires_data
-def test_two_processes_equal_one_process(tmp_path, stages, stream):
+def test_two_processes_equal_one_process(tmp_path, stages, stream, family):
     """`torchrun --nproc-per-node 2 -m compress run` (gloo): the same output and block errors as one process, up to
     float summation order (GPTQ's Hessians summed over the ranks; AWQ's and SmoothQuant's search losses summed over
-    every rank's replayed windows, AWQ's clipping on all of them); rank 0 writes and evaluates."""
+    every rank's replayed windows, AWQ's clipping on all of them); rank 0 writes and evaluates. On a mixture of
+    experts (Mixtral) each expert's statistics are summed over the ranks whatever tokens each rank routed to it."""
     import yaml
 
-    folder = _four_blocks(tmp_path)
+    folder = _four_blocks(tmp_path, family)
     recipe = {"model": {"source": str(folder), "stream": stream, "dtype": "float32"}, "stages": stages,
               "calibration": {"kind": "wikitext2", "n_samples": 4, "seq_len": 32, "threads": 1},
               "eval": {"seq_len": 64, "max_windows": 2, "speed": False, "threads": 1}}

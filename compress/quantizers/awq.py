@@ -155,7 +155,7 @@ def awq_block(block: nn.Module, pairs, observer, stage, scheme: QuantScheme, qua
             if name in no_clip or name not in observer.stats:
                 continue
             st = observer.stats[name]
-            kept = all_windows(st.kept)
+            kept = all_windows(st.kept, st.kept_at)
             if not kept:  # an expert no replayed window reached: its range stays as it is
                 continue
             x = torch.cat(kept)  # [T, K]; with several processes, every rank's windows
