@@ -5,7 +5,8 @@ transformers 5 stores a MoE block's experts as 3-D parameters in one module (`ex
 for linear layers sees them, so a quantizer would leave 90% of a MoE model in float without a word. `unfuse_experts`
 replaces every such module by an `ExpertLinears`: one `nn.Linear` per expert and projection (`experts.{e}.gate_proj`,
 `up_proj`, `down_proj`, the names of the per-expert checkpoints that vLLM loads and transformers' conversion mapping
-merges back), whose weights are views of the fused tensors (no copy), and whose forward routes the tokens exactly as
+merges back), whose weights are views of the fused tensors (no copy; gpt-oss's strided slices are copied, then the
+fused tensors freed), and whose forward routes the tokens exactly as
 the fused module's eager forward does. Every stage then treats an expert projection as the linear layer it is: it is
 planned, quantized with the stage's scheme, calibrated on the tokens routed to it (the observer's hook on the
 expert's linear sees only those), saved and reloaded under its own name.
@@ -73,6 +74,28 @@ def expert_layout(module: nn.Module) -> ExpertLayout | None:
     return ExpertLayout(int(down.shape[0]), has_gate, bool(getattr(module, "is_concatenated", True)), transposed, bias)
 
 
+def split_expert(layout: ExpertLayout, fused: dict[str, Tensor], e: int) -> dict[str, Tensor]:
+    """Expert `e`'s tensors (views) from a fused module's (`fused`: its fused_names -> tensor), under the names of
+    an `Expert`: gate_proj.weight [I, H], up_proj.weight, down_proj.weight [H, I], and the biases."""
+    up_w, down_w = fused[layout.up_name][e], fused["down_proj"][e]
+    w = up_w.t() if layout.transposed else up_w  # [width*I, H]
+    out = {"down_proj.weight": down_w.t() if layout.transposed else down_w}  # [H, I]
+    b = fused[f"{layout.up_name}_bias"][e] if layout.bias else None
+    if layout.bias:
+        out["down_proj.bias"] = fused["down_proj_bias"][e]
+    if layout.has_gate:
+        half = w.shape[0] // 2
+        gate, up = (slice(0, half), slice(half, None)) if layout.concatenated else (slice(0, None, 2), slice(1, None, 2))
+        out |= {"gate_proj.weight": w[gate], "up_proj.weight": w[up]}
+        if b is not None:
+            out |= {"gate_proj.bias": b[gate], "up_proj.bias": b[up]}
+    else:
+        out["up_proj.weight"] = w
+        if b is not None:
+            out["up_proj.bias"] = b
+    return out
+
+
 class Expert(nn.Module):
     """One expert's projections as linear layers (gate_proj only for a gated MLP)."""
 
@@ -84,11 +107,13 @@ class Expert(nn.Module):
 
 
 def _linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
-    """An nn.Linear whose weight (and bias) are the given tensors, [out, in], shared not copied."""
+    """An nn.Linear whose weight (and bias) are the given tensors, [out, in]: shared where they are contiguous rows
+    of the fused tensor; a strided slice (gpt-oss: transposed, gate and up interleaved) is copied contiguous, one
+    expert at a time, so its matmuls run as a checkpoint read expert by expert would (streaming.py)."""
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta", dtype=weight.dtype)
-    layer.weight = nn.Parameter(weight, requires_grad=False)
+    layer.weight = nn.Parameter(weight if weight.is_contiguous() else weight.contiguous(), requires_grad=False)
     if bias is not None:
-        layer.bias = nn.Parameter(bias, requires_grad=False)
+        layer.bias = nn.Parameter(bias if bias.is_contiguous() else bias.contiguous(), requires_grad=False)
     return layer
 
 
@@ -97,23 +122,12 @@ class ExpertLinears(nn.ModuleList):
     eager forward: (hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]."""
 
     def __init__(self, fused: nn.Module, layout: ExpertLayout):
-        p = fused._parameters
-        up_w, down_w = p[layout.up_name], p["down_proj"]
-        up_b, down_b = (p[f"{layout.up_name}_bias"], p["down_proj_bias"]) if layout.bias else (None, None)
         experts = []
         for e in range(layout.experts):
-            w = up_w[e].t() if layout.transposed else up_w[e]  # [width*I, H]
-            d = down_w[e].t() if layout.transposed else down_w[e]  # [H, I]
-            b = None if up_b is None else up_b[e]
-            if layout.has_gate:
-                half = w.shape[0] // 2
-                rows = (slice(0, half), slice(half, None)) if layout.concatenated else \
-                    (slice(0, None, 2), slice(1, None, 2))
-                gate = _linear(w[rows[0]], None if b is None else b[rows[0]])
-                up = _linear(w[rows[1]], None if b is None else b[rows[1]])
-            else:
-                gate, up = None, _linear(w, b)
-            experts.append(Expert(gate, up, _linear(d, None if down_b is None else down_b[e])))
+            t = split_expert(layout, {n: fused._parameters[n] for n in layout.fused_names()}, e)
+            gate = _linear(t["gate_proj.weight"], t.get("gate_proj.bias")) if layout.has_gate else None
+            experts.append(Expert(gate, _linear(t["up_proj.weight"], t.get("up_proj.bias")),
+                                  _linear(t["down_proj.weight"], t.get("down_proj.bias"))))
         super().__init__(experts)
         self.layout = layout
         for name in layout.fused_names():  # the fused module keeps its activation and gating, not its tensors

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from .arch import ArchSpec, get_arch, get_module
 from .gguf_source import gguf_tensor_source
-from .moe import hub_names, moe_blocks
+from .moe import hub_names, moe_blocks, split_expert
 from .shards import ShardReader
 
 STREAM_KINDS = ("folder", "hub", "gguf", "default")
@@ -56,16 +56,25 @@ class Streamed:
     kind: str = ""  # folder | hub | gguf | default
     loaded_blocks: int = field(default=0)
     keep: frozenset = frozenset()  # tensors read at their stored dtype (a compressed model's codes and scales)
+    fused: dict = field(default_factory=dict)  # experts module -> (layout, fused name -> checkpoint name)
 
     def _state(self, prefix: str, module: nn.Module, skip: str | None = None) -> dict[str, Tensor]:
         """The tensors of `module` (at `prefix`) read from the checkpoint at the run's dtype, except those under
         `skip`."""
-        out = {}
+        out, blocks = {}, {}
         for rel in module.state_dict(keep_vars=True):
             full = f"{prefix}.{rel}" if prefix else rel
             if full not in self.keys or (skip is not None and full.startswith(skip + ".")):
                 continue
-            t = self.source.get(self.keys[full])
+            key = self.keys[full]
+            if key.startswith(FUSED):  # expert e's slice of its block's fused tensors, each read once per call
+                moe, e, part = key[len(FUSED):].split("|")
+                if moe not in blocks:
+                    layout, files = self.fused[moe]
+                    blocks[moe] = (layout, {n: self.source.get(f) for n, f in files.items()})
+                t = split_expert(blocks[moe][0], blocks[moe][1], int(e))[part].contiguous()
+            else:
+                t = self.source.get(key)
             out[rel] = t.to(self.dtype) if t.is_floating_point() and full not in self.keep else t
         return out
 
@@ -160,21 +169,44 @@ def _renamed(model: nn.Module, names: set[str]) -> dict[str, str]:
     return out
 
 
-def _checkpoint_names(model: nn.Module, have: set[str], tied: set[str]) -> dict[str, str]:
+FUSED = "fused:"  # a key naming expert e's tensor inside its block's fused checkpoint tensors
+
+
+def _checkpoint_names(model: nn.Module, have: set[str], tied: set[str],
+                      hub: bool = True) -> tuple[dict[str, str], dict]:
     """Map the model's state-dict names to the checkpoint's: equal after transformers' renamings, or differing by
     the base model's prefix (a checkpoint saved from the base model). Tied weights absent from the file are tied
-    again after loading. Raises ValueError naming what is missing."""
+    again after loading. A family whose checkpoints store the experts fused (gpt-oss) maps each expert's tensor to
+    its block's fused tensors (returned as experts module -> (layout, fused name -> checkpoint name)). Raises
+    ValueError naming what is missing."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     renamed = _renamed(model, have)
-    hub = hub_names(model)  # a MoE expert's layer under the family's checkpoint name (Mixtral's experts.{e}.w1)
-    keys, missing = {}, []
-    for name in model.state_dict(keep_vars=True):
+    # a MoE expert's layer under the family's checkpoint name (Mixtral's experts.{e}.w1); a compress checkpoint
+    # (hub=False) names them as compress does
+    hub = hub_names(model) if hub else hub_names(nn.Module())
+
+    def find(name: str) -> str | None:
         candidates = [name] + ([hub.tensor(name)] if hub.projections else [])
         if prefix and name.startswith(prefix + "."):
             candidates.append(name[len(prefix) + 1:])
         elif prefix:
             candidates.append(f"{prefix}.{name}")
-        found = next((renamed.get(c, c) for c in candidates if c in renamed or c in have), None)
+        return next((renamed.get(c, c) for c in candidates if c in renamed or c in have), None)
+
+    keys, missing = {}, []
+    fused = {}  # experts stored fused (gpt-oss): expert e's tensors are sliced from the block's fused ones
+    if hub.fused:
+        for moe, block in moe_blocks(model).items():
+            files = {n: find(f"{moe}.{n}") for n in block.layout.fused_names()}
+            missing += [f"{moe}.{n}" for n, f in files.items() if f is None]
+            fused[moe] = (block.layout, files)
+    for name in model.state_dict(keep_vars=True):
+        moe = next((m for m in fused if name.startswith(m + ".")), None)
+        if moe is not None:
+            e, _, part = name[len(moe) + 1:].partition(".")
+            keys[name] = f"{FUSED}{moe}|{e}|{part}"
+            continue
+        found = find(name)
         if found is not None:
             keys[name] = found
         elif name not in tied:
@@ -183,7 +215,7 @@ def _checkpoint_names(model: nn.Module, have: set[str], tied: set[str]) -> dict[
         raise ValueError(f"the checkpoint lacks tensors the model's config implies: {missing[:5]} "
                          f"({len(missing)} in all); it cannot be streamed block by block. Set model.stream: false "
                          "to load it through transformers as a whole.")
-    return keys
+    return keys, fused
 
 
 def _tied_names(model: nn.Module) -> set[str]:
@@ -199,9 +231,6 @@ def _tied_names(model: nn.Module) -> set[str]:
 def check_streamable(model: nn.Module, arch: ArchSpec) -> str | None:
     """Why this model's evaluation cannot be streamed block by block (None when it can): after the last block the
     run applies the final norm and the head itself, so the family must name its final norm and add nothing else."""
-    if moe_blocks(model) and hub_names(model).fused:
-        return ("its checkpoints store each MoE block's experts fused (gpt-oss); streaming reads per-expert "
-                "tensors only")
     if not arch.final_norm:
         return f"model family {arch.family!r} has no final_norm entry in compress/arch/tables.py"
     if getattr(get_module(model, arch.blocks.rpartition(".")[0]), "project_out", None) is not None:
@@ -241,8 +270,8 @@ def open_streamed(kind: str, where: str, dtype: torch.dtype, revision: str | Non
         to_meta(block)
     if why := check_streamable(model, arch):
         raise ValueError(f"cannot stream this model: {why}. Set model.stream: false.")
-    keys = _checkpoint_names(model, source.names(), _tied_names(model))
-    streamed = Streamed(model, arch, source, dtype, keys, origin, tokenizer, name, given)
+    keys, fused = _checkpoint_names(model, source.names(), _tied_names(model))
+    streamed = Streamed(model, arch, source, dtype, keys, origin, tokenizer, name, given, fused=fused)
     streamed.load_outside(skip=arch.lm_head)  # the head is read when it is needed, after the blocks
     return streamed
 
@@ -264,7 +293,7 @@ def open_compressed(folder: str | Path) -> Streamed:
     arch = get_arch(model)
     for block in arch.block_list(model):  # the skeleton's persistent buffers (DeepSeek's routing bias) are real
         to_meta(block)  # zeros: a block's are read with it, not written with every other part
-    keys = _checkpoint_names(model, reader.names(), _tied_names(model))
+    keys, _ = _checkpoint_names(model, reader.names(), _tied_names(model), hub=False)
     return Streamed(model.eval(), arch, reader, dtype, keys, f"{folder} (compress checkpoint, block by block)",
                     AutoTokenizer.from_pretrained(folder), str(folder), "compressed", keep=frozenset(keep))
 

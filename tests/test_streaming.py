@@ -88,11 +88,13 @@ def test_shard_writer_small_model_is_one_file_and_transformers_loads_shards(tmp_
 # ----------------------------------------------------------------------------------------------- streaming
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt_neox", "opt", "gemma2", "mixtral", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "opt", "gemma2", "mixtral", "qwen2_moe", "deepseek_v3",
+                                    "gpt_oss"])
 def test_a_streamed_model_computes_what_transformers_loads(tmp_path, family):
     """Tied heads (llama), renamed checkpoint tensors (GPT-NeoX's embed_out is lm_head), OPT's decoder, Gemma 2;
     mixtures of experts read expert by expert under the checkpoint's names (Mixtral's block_sparse_moe.experts.{e}.w1,
-    Qwen2-MoE's shared expert, DeepSeek-V3's dense first block and routing bias)."""
+    Qwen2-MoE's shared expert, DeepSeek-V3's dense first block and routing bias; gpt-oss's fused, transposed,
+    interleaved tensors sliced per expert)."""
     from compress.models import load_model
 
     folder, _ = _folder(tmp_path, family)
@@ -141,7 +143,7 @@ def _figures(report):
 @pytest.mark.parametrize("family,recipe,calibrate", [
     ("llama", "rtn", True), ("llama", "rtn", False), ("llama", "gptq", True), ("llama", "awq", True),
     ("llama", "w8a8+kv", True), ("qwen2", "gptq", True), ("gpt2", "awq", True), ("gemma2", "rtn", True),
-    ("mixtral", "gptq", True), ("qwen2_moe", "awq", True),
+    ("mixtral", "gptq", True), ("qwen2_moe", "awq", True), ("gpt_oss", "rtn", True),
 ])
 def test_the_streamed_run_equals_the_in_memory_run_bit_for_bit(tmp_path, family, recipe, calibrate):
     folder, _ = _folder(tmp_path, family)
