@@ -89,34 +89,35 @@ def _write_model(folder, family: str, seed: int = 0, edit=None):
     return folder
 
 
-def _run(tmp_path, folder, method: str, **stage) -> dict:
+def _run(tmp_path, folder, method: str, prepend: list = (), **stage) -> dict:
     calib = tmp_path / "calib.txt"
     calib.write_text(word_text(512) + "\n")
     recipe = {"model": {"source": str(folder), "dtype": "float32", "device": "cpu"},
               "calibration": {"kind": "files", "files": [str(calib)], "n_samples": 4, "seq_len": 16},
-              "stages": [{"stage": "quantize", "method": method, "scheme": {"dtype": "int4", "group_size": 16},
-                          **stage}],
+              "stages": [*prepend, {"stage": "quantize", "method": method,
+                                    "scheme": {"dtype": "int4", "group_size": 16}, **stage}],
               "eval": {"perplexity": False, "speed": False}, "output": {"dir": str(tmp_path / "out")}}
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
     assert main(["run", str(tmp_path / "r.yaml"), "--no-progress"]) == 0
     return json.loads((tmp_path / "out" / "report.json").read_text())
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "mixtral"])
-def test_gptq_calibrates_every_expert_on_its_routed_tokens_and_the_checkpoint_reloads(tmp_path, family):
-    """GPTQ on a MoE model: every expert is quantized with the Hessian of the tokens routed to it, the report counts
-    each expert's tokens (each block sees n × seq_len tokens, top-k experts each), and the saved checkpoint
-    reloads to a model close to the float one."""
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
+@pytest.mark.parametrize("family", MOE)
+def test_every_method_calibrates_every_expert_and_the_checkpoint_reloads(tmp_path, family, method):
+    """RTN, GPTQ and AWQ (+ RTN) on each MoE family: every expert is quantized (GPTQ with the Hessian of the tokens
+    routed to it), the report counts each expert's tokens (each block sees n × seq_len tokens, top-k experts each),
+    and the saved checkpoint reloads to a model close to the float one."""
     folder = _write_model(tmp_path / "model", family)
-    report = _run(tmp_path, folder, "gptq")
-    stage = report["stages"][0]
+    stages = [{"stage": "awq", "n_grid": 5}] if method == "awq" else []
+    report = _run(tmp_path, folder, "rtn" if method == "awq" else method, prepend=stages)
+    stage = report["stages"][-1]
     float_model = load_model(str(folder), "float32").model
     blocks = moe_blocks(float_model)
     top_k = float_model.config.num_experts_per_tok
     assert set(stage["experts"]) == set(blocks)
     for moe, row in stage["experts"].items():
         assert len(row["tokens"]) == len(blocks[moe]) and sum(row["tokens"]) == 4 * 16 * top_k
-        assert row["fallback"] == {}  # 64 tokens over 4 experts: each saw at least 16 here
     reloaded = load_compressed(tmp_path / "out")
     experts = [n for n, m in reloaded.named_modules() if isinstance(m, QuantLinear) and ".experts." in n]
     assert len(experts) == sum(len(b) * (3 if b.layout.has_gate else 2) for b in blocks.values())
