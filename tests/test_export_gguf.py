@@ -205,14 +205,29 @@ def test_int4_model_exported_exactly_reproduces_its_logits(tmp_path):
     assert rel_exact * 5 < rel_requant  # measured 0.069
 
 
-def test_tiny_mixtral_runs_in_llama_cpp_with_every_expert(tmp_path):
-    """A mixture of experts in llama.cpp: each MoE block's router as ffn_gate_inp and every expert's projection
-    stacked into ffn_{gate,up,down}_exps [E, out, in], expert_count / expert_used_count in the header. Float
-    weights at f16 and q8_0 reproduce transformers' logits; int4 g32 experts go in exactly (their Q4_0 blocks hold
-    our codes) and llama.cpp reproduces our quantized model."""
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_tiny_moe_runs_in_llama_cpp_with_every_expert(tmp_path, family):
+    """A mixture of experts in llama.cpp (Mixtral as its llama graph with experts, Qwen3-MoE as qwen3moe with its
+    q/k norms): each MoE block's router as ffn_gate_inp and every expert's projection stacked into
+    ffn_{gate,up,down}_exps [E, out, in], expert_count / expert_used_count in the header. Float weights at f16 and
+    q8_0 reproduce transformers' logits; int4 g32 experts go in exactly (their Q4_0 blocks hold our codes) and
+    llama.cpp reproduces our quantized model. A Qwen3-MoE that does not renormalise its top-k (llama.cpp always
+    does) is refused."""
+    from tests.conftest import TINY_MOE_CONFIGS
+
     from compress.moe import unfuse_experts
 
-    model = make_tiny_model("mixtral")
+    config = TINY_MOE_CONFIGS[family]()
+    if family == "qwen3_moe":
+        config.norm_topk_prob = False
+        torch.manual_seed(0)
+        unnormalised = transformers.AutoModelForCausalLM.from_config(config).eval()
+        unfuse_experts(unnormalised)
+        assert "norm_topk_prob" in gguf_problems(unnormalised, "f16")[0]
+        config.norm_topk_prob = True  # as the released Qwen3-MoE models
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     unfuse_experts(model)
     ids = windows()
     ref = hf_logits(model, ids)
@@ -222,7 +237,8 @@ def test_tiny_mixtral_runs_in_llama_cpp_with_every_expert(tmp_path):
         out = llama_cpp_logits(path, ids)
         assert agreement(out, ref) >= 0.95 and rel_err(out, ref) < max_rel, (qtype, rel_err(out, ref))
     fields = gguf.GGUFReader(str(tmp_path / "f16.gguf")).fields
-    assert fields["llama.expert_count"].contents() == 4 and fields["llama.expert_used_count"].contents() == 2
+    arch = fields["general.architecture"].contents()
+    assert fields[f"{arch}.expert_count"].contents() == 4 and fields[f"{arch}.expert_used_count"].contents() == 2
     stage = QuantizeStage(scheme=scheme("int4", "group", 32))
     apply_quantize(model, plan_quantize(model, get_arch(model), stage), stage)
     report = write_gguf(model, byte_bpe_tokenizer(), tmp_path / "q4.gguf", "q4_0", embed_qtype="f16")

@@ -48,12 +48,15 @@ ARCHITECTURES = {
     "MistralForCausalLM": ("llama", True),  # convert_hf_to_gguf.py registers Mistral as LlamaModel
     "Qwen2ForCausalLM": ("qwen2", False),  # NeoX-style RoPE in llama.cpp: no permutation
     "MixtralForCausalLM": ("llama", True),  # llama.cpp's llama graph with expert_count: softmax top-k, renormalised
+    "Qwen3MoeForCausalLM": ("qwen3moe", False),
 }
+# per-head q/k RMSNorms, per GGUF architecture
+QK_NORMS = {"qwen3moe": {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}}
 # a MoE block's experts as llama.cpp stacks them: one 3-D tensor [E, out, in] per projection, and the router
 EXPERT_TENSORS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 ROUTER_TENSOR = "ffn_gate_inp"
 # which projections may carry a bias, per GGUF architecture
-BIASES = {"llama": (), "qwen2": ("q_proj", "k_proj", "v_proj")}
+BIASES = {"llama": (), "qwen2": ("q_proj", "k_proj", "v_proj"), "qwen3moe": ()}
 LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
            "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
            "mlp.down_proj": "ffn_down"}
@@ -117,7 +120,7 @@ def _entries(model: nn.Module, arch: str) -> list[tuple[str, str, str]]:
     for i in range(model.config.num_hidden_layers):
         p = f"model.layers.{i}"
         moe = isinstance(getattr(model.get_submodule(f"{p}.mlp"), "experts", None), ExpertLinears)
-        for hf, gg in NORMS.items():
+        for hf, gg in (NORMS | QK_NORMS.get(arch, {})).items():
             out.append((f"blk.{i}.{gg}.weight", f"{p}.{hf}.weight", "norm"))
         for hf, gg in LINEARS.items():
             if moe and hf.startswith("mlp."):
@@ -181,7 +184,16 @@ def gguf_problems(model: nn.Module, qtype: str) -> list[str]:
                         "`dense` and convert it with llama.cpp's convert_hf_to_gguf.py")
     if arch == "llama" and (getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False)):
         problems.append("attention_bias / mlp_bias: this exporter writes bias-free llama models")
-    if arch == "qwen2" and getattr(config, "use_sliding_window", False):
+    if arch == "qwen3moe":
+        if not getattr(config, "norm_topk_prob", True):
+            problems.append("norm_topk_prob: false: llama.cpp's qwen3moe graph renormalises the top-k routing "
+                            "weights; export `dense`")
+        dense = [i for i, layer in enumerate(model.model.layers)
+                 if not isinstance(getattr(layer.mlp, "experts", None), ExpertLinears)]
+        if dense:
+            problems.append(f"blocks {dense[:4]} have a dense MLP (mlp_only_layers / decoder_sparse_step): "
+                            "llama.cpp's qwen3moe graph expects experts in every block")
+    if arch in ("qwen2", "qwen3moe") and getattr(config, "use_sliding_window", False):
         problems.append("use_sliding_window: llama.cpp's qwen2 graph attends to the whole context")
     try:
         entries = _entries(model, arch)
@@ -206,9 +218,11 @@ def gguf_problems(model: nn.Module, qtype: str) -> list[str]:
             if not experts.layout.has_gate or experts.layout.bias:
                 problems.append(f"model.layers.{i}.mlp.experts: llama.cpp's experts are gated and bias-free")
                 continue
+            width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
             checks = {k: v for k, v in expect.items() if not k.startswith("mlp.")}
-            checks |= {f"mlp.experts.{e}.{k.partition('.')[2]}": v for k, v in expect.items() if k.startswith("mlp.")
-                       for e in range(len(experts))}
+            checks |= {f"mlp.experts.{e}.{k.partition('.')[2]}": tuple(width if d == config.intermediate_size else d
+                                                                        for d in v)
+                       for k, v in expect.items() if k.startswith("mlp.") for e in range(len(experts))}
         for rel, shape in checks.items():
             m = layer.get_submodule(rel)
             got = (m.out_features, m.in_features) if isinstance(m, QuantLinear) else tuple(linear_weight(m).shape)
@@ -526,9 +540,12 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_vocab_size(n_vocab)
-    if getattr(config, "num_local_experts", None):
-        writer.add_expert_count(config.num_local_experts)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
+        if getattr(config, "moe_intermediate_size", None):
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     file_types = {"f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1"}
     writer.add_file_type(int(getattr(gguf.LlamaFileType, file_types[qtype])))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
