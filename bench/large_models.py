@@ -105,18 +105,24 @@ def watch(proc: subprocess.Popen, every: float = 0.05) -> dict:
     return peak
 
 
-def run_one(model: Path, recipe: str, overrides: list[str], out: Path, log: Path, common: bool = True) -> dict:
-    cmd = [sys.executable, "-m", "compress", "run", recipe, "--no-progress", "--output", str(out),
-           "--set", f"model={model}"] + [a for o in overrides + (COMMON if common else []) for a in ("--set", o)]
+def run_watched(cmd: list[str], log: Path) -> dict:
+    """`cmd` run in the repository, its output in `log`, its resident memory sampled: the row's command (from
+    `compress` on), exit status, wall time and peaks."""
     t = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
                                 env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
         peak = watch(proc)
-    wall = time.perf_counter() - t
-    row = {"command": "compress run " + " ".join(cmd[4:]), "exit": proc.returncode, "wall_s": round(wall, 1),
-           "peak_vmrss_sampled": peak["VmRSS"], "peak_anonymous_sampled": peak["RssAnon"]}
-    if proc.returncode != 0:
+    return {"command": "compress " + " ".join(cmd[3:]), "exit": proc.returncode,
+            "wall_s": round(time.perf_counter() - t, 1), "peak_vmrss_sampled": peak["VmRSS"],
+            "peak_anonymous_sampled": peak["RssAnon"]}
+
+
+def run_one(model: Path, recipe: str, overrides: list[str], out: Path, log: Path, common: bool = True) -> dict:
+    cmd = [sys.executable, "-m", "compress", "run", recipe, "--no-progress", "--output", str(out),
+           "--set", f"model={model}"] + [a for o in overrides + (COMMON if common else []) for a in ("--set", o)]
+    row = run_watched(cmd, log)
+    if row["exit"] != 0:
         row["log_tail"] = log.read_text()[-2000:]
         return row
     report = json.loads((out / "report.json").read_text())
@@ -184,15 +190,8 @@ def offload_eval(folder: Path, out: Path, log: Path, gigabytes: float) -> dict:
     speed run of a disk-offloaded model (every forward reads the offloaded weights again)."""
     cmd = [sys.executable, "-m", "compress", "eval", str(folder), "--offload", f"{gigabytes:g}", "--max-windows", "1",
            "--seq-len", "128", "--threads", "2", "--no-progress", "--output", str(out)]
-    t = time.perf_counter()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
-        peak = watch(proc)
-    row = {"command": "compress eval " + " ".join(cmd[4:]), "exit": proc.returncode,
-           "wall_s": round(time.perf_counter() - t, 1), "peak_vmrss_sampled": peak["VmRSS"],
-           "peak_anonymous_sampled": peak["RssAnon"]}
-    if proc.returncode != 0:
+    row = run_watched(cmd, log)
+    if row["exit"] != 0:
         return {**row, "log_tail": log.read_text()[-2000:]}
     model = json.loads((out / "report.json").read_text())["eval"]["models"]["model"]
     return {**row, "ppl": model.get("ppl"), "speed": model.get("speed"), "offloaded": model.get("offloaded")}

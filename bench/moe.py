@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.large_models import watch  # noqa: E402
+from bench.large_models import run_watched  # noqa: E402
 
 SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
              num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2)
@@ -59,14 +59,8 @@ def build(folder: Path) -> int:
 def run_one(model: Path, recipe: str, overrides: list[str], out: Path, log: Path) -> dict:
     cmd = [sys.executable, "-m", "compress", "run", recipe, "--no-progress", "--output", str(out),
            "--set", f"model={model}"] + [a for o in overrides + COMMON for a in ("--set", o)]
-    t = time.perf_counter()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
-        peak = watch(proc)
-    row = {"command": "compress run " + " ".join(cmd[4:]), "exit": proc.returncode,
-           "wall_s": round(time.perf_counter() - t, 1), "peak_vmrss_sampled": peak["VmRSS"]}
-    if proc.returncode != 0:
+    row = run_watched(cmd, log)
+    if row["exit"] != 0:
         return {**row, "log_tail": log.read_text()[-2000:]}
     report = json.loads((out / "report.json").read_text())
     models = report["eval"]["models"]
