@@ -103,13 +103,16 @@ def start_stages(model, plan: Plan) -> RunContext:
 
 
 def kept_in_float(model) -> list[str]:
-    """Weight-holding modules outside the linear layers (embeddings, norms): reported, never silent."""
-    kinds: dict[str, int] = {}
+    """Weight-holding modules outside the linear layers (embeddings, norms, MoE routers): reported, never silent."""
+    from .moe import ROUTER_REASON, router_names
+    routers = router_names(model)
+    kinds: dict[tuple[str, str], int] = {}
     for name, m in model.named_modules():
         if is_linear(m) or not isinstance(getattr(m, "weight", None), torch.Tensor) or list(m.children()):
             continue
-        kinds[type(m).__name__] = kinds.get(type(m).__name__, 0) + 1
-    return [f"{n}× {k} (weight-only integer schemes apply to linear layers)" for k, n in sorted(kinds.items())]
+        why = ROUTER_REASON if name in routers else "weight-only integer schemes apply to linear layers"
+        kinds[type(m).__name__, why] = kinds.get((type(m).__name__, why), 0) + 1
+    return [f"{n}× {k} ({why})" for (k, why), n in sorted(kinds.items())]
 
 
 def compress_model(model, tokenizer, recipe: Recipe, plan: Plan, device: str, model_reports: dict | None = None,
