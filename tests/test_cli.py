@@ -209,6 +209,7 @@ def _lm_eval_model(tmp_path, model_dir) -> Path:
     return tmp_path / "model"
 
 
+@pytest.mark.slow  # 27 s of lm-eval tasks; the default suite scores lm-eval through `compress eval` and `run` too
 @requires_data
 def test_eval_suite_with_flags_over_it(tmp_path, model_dir, capsys):
     """--suite quick brings its tasks and settings; flags given on the command line win."""

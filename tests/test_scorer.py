@@ -68,6 +68,7 @@ def test_kl_and_top1_equal_a_plain_implementation(family):
     assert scores["base"].kl == 0 and scores["base"].top1_agreement == 1.0
 
 
+@pytest.mark.slow  # 26 s: test_perplexity_equals_transformers_loss checks the same on every tiny family by default
 @requires_data
 def test_perplexity_on_the_embedded_model_equals_transformers_loss():
     from compress.evaluate.report import eval_windows
