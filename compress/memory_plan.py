@@ -41,9 +41,8 @@ def model_size(config) -> ModelSize:
     from transformers import AutoModelForCausalLM
 
     from .arch import block_pairs, get_arch
-    from .moe import moe_blocks, unfuse_experts
+    from .moe import EXPERT, moe_blocks, unfuse_experts
     from .nn import is_linear, linear_shape
-    from .smoothing import EXPERT_INDEX
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -57,7 +56,7 @@ def model_size(config) -> ModelSize:
         for prev, balance, _, _ in block_pairs(block, arch.awq):
             first: dict = {}  # an expert's gate/up read the tokens routed to it: one Hessian per expert
             for n in balance:
-                m = EXPERT_INDEX.search(n)
+                m = EXPERT.search(n)
                 shared[n] = first.setdefault(m.group(0) if m else None, n)
         readers = {shared.get(n, n): k for n, (_, k) in linears.items()}
         per_block.append((linears, readers, sum(p.numel() for p in block.parameters())))

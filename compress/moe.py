@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 ROUTER_NAMES = ("gate", "router", "shared_expert_gate")  # beside a MoE block's experts
+EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")  # a layer of expert N: `...mlp.experts.N.gate_proj`
 ROUTER_REASON = "router: it picks each token's experts, a top-k that a small weight error can flip"
 
 
@@ -204,12 +205,9 @@ def router_names(model: nn.Module) -> set[str]:
     return out
 
 
-def expert_of(name: str, blocks: dict) -> tuple[str, int] | None:
-    """(experts module name, expert index) of a linear inside an ExpertLinears, or None."""
-    for moe in blocks:
-        if name.startswith(moe + "."):
-            return moe, int(name[len(moe) + 1:].split(".")[0])
-    return None
+def any_expert(name: str) -> str:
+    """`name` with its expert index replaced by `*` (model.layers.0.mlp.experts.*.gate_proj)."""
+    return EXPERT.sub(lambda m: m.group(0).replace(m.group(1), "*"), name, count=1)
 
 
 # ---------------------------------------------------------------- the names serving stacks load

@@ -7,7 +7,6 @@ function unchanged. Which pairs a family has is in arch/tables.py.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +14,7 @@ from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
 from .arch import block_pairs
+from .moe import any_expert
 from .observers import InputStats
 
 
@@ -69,11 +69,8 @@ class PairResult:
 
 def pair_label(prev_name: str, balance_names) -> str:
     """`prev -> balance, ...`, the experts of a MoE block written once as `experts.*`."""
-    names = dict.fromkeys(EXPERT_INDEX.sub("experts.*.", n) for n in balance_names)
-    return f"{EXPERT_INDEX.sub('experts.*.', prev_name)} -> {', '.join(names)}"
-
-
-EXPERT_INDEX = re.compile(r"experts\.\d+\.")
+    names = dict.fromkeys(any_expert(n) for n in balance_names)
+    return f"{any_expert(prev_name)} -> {', '.join(names)}"
 
 
 def pair_skip_reason(block: nn.Module, prev_name: str, balance_names, quantized: set[str]) -> str | None:

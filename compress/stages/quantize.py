@@ -11,11 +11,12 @@ from torch import nn
 
 from ..evaluate.fmt import num
 from ..arch import ArchSpec, get_module, set_module
-from ..moe import ROUTER_REASON, router_names
+from ..moe import EXPERT, ROUTER_REASON, any_expert, router_names
 from ..nn import QuantLinear, is_linear, kernel_for, linear_shape, linear_weight
 from ..observers import BlockObserver
 from ..quantizers import LayerInputs, build_options, get_quantizer
 from ..scheme import W4A16_G64, QuantScheme
+from ..smoothing import pooled_stats
 from .base import BlockState, Needs, Plan, RunContext, StageBase
 
 COMMON_GROUP_SIZES = (16, 32, 64, 128, 256)
@@ -154,14 +155,6 @@ class QuantizeStage(StageBase):
         return lines + float_lines(section) + expert_lines(section) + activation_lines(section, models)
 
 
-EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
-
-
-def any_expert(name: str) -> str:
-    """`name` with its expert index replaced by `*` (model.layers.0.mlp.experts.*.gate_proj)."""
-    return EXPERT.sub(lambda m: m.group(0).replace(m.group(1), "*"), name, count=1)
-
-
 def expert_tokens(info: dict) -> dict[str, dict]:
     """experts module -> {"tokens": calibration tokens routed to each expert, "fallback": {expert: rule}} from the
     per-layer records of a quantize stage."""
@@ -181,15 +174,9 @@ def expert_tokens(info: dict) -> dict[str, dict]:
 
 
 def sibling_stats(observer: BlockObserver, rel: str):
-    """The input statistics of the same projection of the other experts of `rel`'s MoE block, pooled (max of the
-    maxima, sums of the rest): what a static input scale of an expert that saw too few tokens is taken from."""
-    from ..observers import InputStats
-    pattern = any_expert(rel)
-    seen = [st for n, st in observer.stats.items() if n != rel and st.tokens and any_expert(n) == pattern]
-    if not seen:
-        return None
-    maxima = [st.abs_max for st in seen if st.abs_max is not None]
-    return InputStats(abs_max=torch.stack(maxima).amax(0) if maxima else None, tokens=sum(st.tokens for st in seen))
+    """The input statistics of the same projection of the other experts of `rel`'s MoE block, pooled (the largest
+    maxima): what a static input scale of an expert that saw too few tokens is taken from."""
+    return pooled_stats(observer, [n for n in observer.stats if n != rel and any_expert(n) == any_expert(rel)])
 
 
 def expert_rows(layers: list[LayerPlan]) -> list[tuple[str, LayerPlan, int]]:
