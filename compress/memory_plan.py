@@ -184,7 +184,8 @@ def plan_memory(recipe, config, dtype: torch.dtype, device: str, available: int 
         stats = 4 * size.hessian_floats if any(n.hessian for n in needs) else 0
         kept = 4 * max((n.replay_samples for n in needs), default=0) * cal.seq_len * size.input_features
         work = {"calibration activations": 0 if cal.offload == "disk" else acts, "block statistics": stats + kept,
-                "GPTQ solve": 4 * size.largest_solve if stats else 0}
+                "GPTQ solve": 4 * size.largest_solve if stats else 0,
+                "block tuning": tuning_bytes(size, cal.seq_len) if any(n.block_tuning for n in needs) else 0}
         if on_device:
             phases["calibration"] = {"weights": weights}
             device_phases["calibration"] = {"one block": size.block_parameters * width, **work}
@@ -222,7 +223,8 @@ def _streamed_plan(recipe, size: ModelSize, width: int, dtype, device: str, avai
         needs = [s.needs(None, i) for i, s in enumerate(recipe.stages) if not s.whole_model]
         stats = 4 * size.hessian_floats if any(n.hessian for n in needs) else 0
         kept = 4 * max((n.replay_samples for n in needs), default=0) * cal.seq_len * size.input_features
-        passing.update({"calibration activations": 0 if cal.offload == "disk" else acts, "block statistics": stats + kept})
+        passing.update({"calibration activations": 0 if cal.offload == "disk" else acts, "block statistics": stats + kept,
+                        "block tuning": tuning_bytes(size, cal.seq_len) if any(n.block_tuning for n in needs) else 0})
     phases = {"streamed pass": passing}
     if recipe.calibration is not None and stats:
         # between the block's forwards: its float weights (no autocast or dequantized copies then), the statistics,
@@ -240,6 +242,14 @@ def _streamed_plan(recipe, size: ModelSize, width: int, dtype, device: str, avai
         device_available = torch.cuda.mem_get_info(torch.device(device))[0]
     return MemoryPlan(device, str(dtype).replace("torch.", "") + ", streamed", phases, {}, available,
                       device_available)
+
+
+def tuning_bytes(size: ModelSize, seq_len: int) -> int:
+    """AutoRound's tuning of one block (quantizers/autoround.py): per weight, float32 V, its gradient and the best
+    step's copy, the float32 weight and about five weight-sized temporaries of the rounding that autograd keeps for
+    the backward (36 bytes in all); and one window's forward saved for its backward, about 16 float32 values per
+    token and input feature."""
+    return 36 * size.block_parameters + 4 * 16 * seq_len * size.input_features
 
 
 def conversion_bytes(files: list, config, dtype: torch.dtype) -> int:

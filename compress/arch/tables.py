@@ -147,3 +147,20 @@ PRUNE_TABLE: dict[str, dict] = {
         family="GPT-2", axis="the heads"), mlp_in=("mlp.c_fc",), mlp_out="mlp.c_proj",
         config=dict(intermediate="n_inner", layers="n_layer")),
 }
+
+# Residual-stream rotation (compress/rotation.py, stage `rotate`): the linears that write into the residual stream
+# (their outputs are rotated); the readers are the `awq` pairs whose previous op is a norm (its gain is folded into
+# them first). A string: why the family cannot be rotated.
+_WRITERS = ("self_attn.o_proj", "mlp.down_proj")
+_LAYERNORM = ("{family}'s LayerNorm subtracts the mean, which a rotation of the residual stream does not preserve "
+              "(QuaRot first folds the mean subtraction into the weights: not built)")
+_MOE_ROTATE = "mixture of experts: rotating every expert and its router is not built yet"
+ROTATE_TABLE: dict[str, tuple[str, ...] | str] = {
+    "llama": _WRITERS, "mistral": _WRITERS, "qwen2": _WRITERS, "qwen3": _WRITERS, "gemma": _WRITERS, "phi3": _WRITERS,
+    "gemma2": ("Gemma 2's post-attention and post-feedforward norms apply a gain to the attention and MLP outputs "
+               "before the residual add; a rotation does not pass through a per-channel gain"),
+    "opt": _LAYERNORM.format(family="OPT"), "gpt_neox": _LAYERNORM.format(family="GPT-NeoX"),
+    "gpt2": _LAYERNORM.format(family="GPT-2"),
+    "mixtral": _MOE_ROTATE, "qwen2_moe": _MOE_ROTATE, "qwen3_moe": _MOE_ROTATE, "olmoe": _MOE_ROTATE,
+    "gpt_oss": _MOE_ROTATE, "deepseek_v3": _MOE_ROTATE,
+}

@@ -17,6 +17,7 @@ from torch import Tensor
 from ..observers import InputStats
 from ..qtensor import QuantizedTensor
 from ..scheme import QuantScheme
+from .autoround import AutoRoundOptions, autoround_problem, quantize_autoround_layer, tune_block
 from .gptq import GPTQConfig, gptq_problem, quantize_gptq_layer
 from .hqq import HQQOptions, hqq_problem, quantize_hqq
 from .rtn import RTNOptions, quantize_rtn
@@ -60,12 +61,18 @@ class Quantizer:
     options: type  # frozen dataclass; a recipe sets its fields under the stage's `options:`
     needs_hessian: bool = False  # the calibration pass accumulates each planned layer's input Hessian
     problem: Callable[[QuantScheme], str | None] = _any_scheme  # why it cannot produce a scheme (None: it can)
+    # a block-level method: tune_block(block, {name: weight}, scheme, options, BlockSamples, compute_dtype, schemes)
+    # -> ({name: QuantizedTensor}, record) quantizes a decoder block's planned linears jointly against the block's
+    # float output, inside the calibration pass; `quantize` is then only called for layers outside the blocks
+    tune_block: Callable | None = None
 
 
 QUANTIZERS: dict[str, Quantizer] = {
     "rtn": Quantizer(quantize_rtn, RTNOptions),  # round to nearest: scales from min/max or absmax
     "gptq": Quantizer(quantize_gptq_layer, GPTQConfig, needs_hessian=True, problem=gptq_problem),
     "hqq": Quantizer(quantize_hqq, HQQOptions, problem=hqq_problem),  # no calibration data
+    "autoround": Quantizer(quantize_autoround_layer, AutoRoundOptions, problem=autoround_problem,
+                           tune_block=tune_block),  # SignRound: learned rounding and clipping, block by block
 }
 
 

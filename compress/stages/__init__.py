@@ -14,9 +14,11 @@ from .kv_cache import KVCacheStage
 from .prune import PruneStage
 from .prune_experts import PruneExpertsStage
 from .quantize import QuantizeStage
+from .rotate import RotateStage
 from .smoothquant import SmoothQuantStage
 
 STAGES: dict[str, type] = {
+    "rotate": RotateStage,  # the residual stream rotated, folded into the weights (QuaRot / SpinQuant R1)
     "prune": PruneStage,  # Minitron importance pruning of the whole model
     "prune_experts": PruneExpertsStage,  # a mixture of experts' least salient experts dropped (REAP)
     "distill": DistillStage,  # knowledge-distillation repair from the original
@@ -34,4 +36,4 @@ def get_stage(name: str) -> type:
 
 
 __all__ = ["STAGES", "get_stage", "make_plan", "next_target", "Needs", "Plan", "RunContext", "StageBase",
-           "AWQStage", "DistillStage", "KVCacheStage", "PruneExpertsStage", "PruneStage", "QuantizeStage", "SmoothQuantStage"]
+           "AWQStage", "DistillStage", "KVCacheStage", "PruneExpertsStage", "PruneStage", "QuantizeStage", "RotateStage", "SmoothQuantStage"]

@@ -41,10 +41,14 @@ class Needs:
     hessian: bool = False  # sum x xᵀ (GPTQ)
     replay_samples: int = 0  # windows whose inspect-module calls are kept for a scale search (AWQ, SmoothQuant)
     tokens: bool = False  # only how many tokens each layer saw (a MoE expert's calibration coverage)
+    # the block's inputs and float outputs of every window are kept while its stages run, and its linears are
+    # tuned with gradients (AutoRound): what the memory plan counts
+    block_tuning: bool = False
 
     def __or__(self, other: "Needs") -> "Needs":
         return Needs(self.abs_mean or other.abs_mean, self.abs_max or other.abs_max, self.hessian or other.hessian,
-                     max(self.replay_samples, other.replay_samples), self.tokens or other.tokens)
+                     max(self.replay_samples, other.replay_samples), self.tokens or other.tokens,
+                     self.block_tuning or other.block_tuning)
 
     @property
     def any(self) -> bool:

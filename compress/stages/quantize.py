@@ -2,6 +2,7 @@
 (`quantizers.QUANTIZERS`) block by block during the calibration pass, then to what lies outside the blocks."""
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Literal
@@ -60,7 +61,14 @@ class QuantizeStage(StageBase):
 
     @property
     def needs_calibration(self) -> bool:
-        return get_quantizer(self.method).needs_hessian or needs_input_stats(self.scheme)
+        q = get_quantizer(self.method)
+        return q.needs_hessian or q.tune_block is not None or needs_input_stats(self.scheme)
+
+    @property
+    def data_parallel(self) -> bool:
+        """A block-tuning method (AutoRound) would need its gradients summed over the processes at every step;
+        not built, so such a stage runs in one process (distributed.check_stages refuses it before any work)."""
+        return get_quantizer(self.method).tune_block is None
 
     def __post_init__(self):
         quantizer = get_quantizer(self.method)  # unknown method -> ValueError listing the known ones
@@ -118,15 +126,40 @@ class QuantizeStage(StageBase):
 
     def needs(self, plan: Plan, index: int) -> Needs:
         experts = plan is not None and any(EXPERT.search(e.name) for e in plan.steps[index].quantized)
-        return Needs(abs_max=self.scheme.act is not None, hessian=get_quantizer(self.method).needs_hessian,
-                     tokens=experts)  # (the memory plan asks without a plan: token counts cost nothing there)
+        q = get_quantizer(self.method)
+        return Needs(abs_max=self.scheme.act is not None, hessian=q.needs_hessian, tokens=experts,
+                     block_tuning=q.tune_block is not None)  # (the memory plan asks without a plan)
+
+    def observing(self, block: BlockState, index: int):
+        """A block-tuning method (AutoRound) keeps the block's inputs and float outputs of every window (the
+        tensors the pass computes anyway: references, not copies) and the autocast dtype the pass computes in."""
+        if get_quantizer(self.method).tune_block is None:
+            return contextlib.nullcontext()
+        return _keep_block_samples(block, index)
 
     def begin(self, ctx: RunContext, index: int) -> None:
         ctx.records[index] = {}  # layer name -> what the pass found for it (input scale, outlier features)
 
     def on_block(self, ctx: RunContext, block: BlockState, index: int) -> None:
+        tuned = self._tune(ctx, block, index) if get_quantizer(self.method).tune_block is not None else None
         apply_quantize(ctx.model, ctx.plan.steps[index], self, block.prefix, block.observer, block.divisor,
-                       ctx.records[index])
+                       ctx.records[index], tuned=tuned)
+
+    def _tune(self, ctx: RunContext, block: BlockState, index: int) -> dict:
+        """The block's planned linears tuned jointly by the block-level method; recorded per block."""
+        entries = {e.name[len(block.prefix) + 1:]: e for e in ctx.plan.steps[index].quantized
+                   if e.name.startswith(block.prefix + ".")}
+        entries = {rel: e for rel, e in entries.items() if not isinstance(get_module(block.module, rel), QuantLinear)}
+        kept = block.observed.pop(index, None)
+        if not entries or kept is None or not kept[0].hidden:
+            return {}
+        samples, dtype = kept
+        weights = {rel: linear_weight(get_module(block.module, rel)).detach() for rel in entries}
+        tuned, record = get_quantizer(self.method).tune_block(
+            block.module, weights, self.scheme, self.options, samples, dtype,
+            {rel: e.scheme for rel, e in entries.items()})
+        ctx.records[index][block.prefix] = {"tuning": record}  # beside the layers' records (saved on resume)
+        return tuned
 
     def finalize(self, ctx: RunContext, index: int) -> None:
         """The planned layers outside the decoder blocks (lm_head), or all of them without a calibration pass."""
@@ -141,8 +174,9 @@ class QuantizeStage(StageBase):
                 "layers": {e.name: e.scheme.name for e in plan.quantized},
                 "untied": {e.name: {"extra_bytes": e.untied_bytes, "note": e.note} for e in plan.quantized
                            if e.untied_bytes is not None},
-                "layer_info": ctx.records.get(index, {}),
-                "experts": expert_tokens(ctx.records.get(index, {})), "min_expert_tokens": self.min_expert_tokens}
+                "layer_info": {n: v for n, v in ctx.records.get(index, {}).items() if "tuning" not in v},
+                "experts": expert_tokens(ctx.records.get(index, {})), "min_expert_tokens": self.min_expert_tokens,
+                "tuning": {n: v["tuning"] for n, v in ctx.records.get(index, {}).items() if "tuning" in v}}
 
     @staticmethod
     def render(section: dict, models: dict) -> list[str]:
@@ -152,7 +186,47 @@ class QuantizeStage(StageBase):
         if section["skipped"]:
             lines += ["", "| layer | reason left in float |", "|---|---|"]
             lines += [f"| `{s['name']}` | {s['reason']} |" for s in section["skipped"]]
-        return lines + float_lines(section) + expert_lines(section) + activation_lines(section, models)
+        return lines + float_lines(section) + expert_lines(section) + tuning_lines(section) + \
+            activation_lines(section, models)
+
+
+@contextlib.contextmanager
+def _keep_block_samples(block: BlockState, index: int):
+    """Record, during the block's float forward, every window's inputs and outputs in block.observed[index] as
+    (BlockSamples, the autocast dtype of the forward or None)."""
+    from ..quantizers.autoround import BlockSamples
+    samples, dtype = BlockSamples([], [], []), []
+
+    def hook(_module, args, kwargs, output):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        samples.hidden.append(hidden.detach())
+        samples.kwargs.append({k: v for k, v in kwargs.items() if k != "hidden_states"})
+        samples.target.append((output[0] if isinstance(output, (tuple, list)) else output).detach())
+        if not dtype:
+            dev = hidden.device.type
+            dtype.append(torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None)
+
+    handle = block.module.register_forward_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+    block.observed[index] = (samples, dtype[0] if dtype else None)
+
+
+def tuning_lines(stage: dict) -> list[str]:
+    """A block-tuning method's loss per block (block output MSE against the float block): first step, kept step."""
+    rows = stage.get("tuning") or {}
+    if not rows:
+        return []
+    secs = sum(r["seconds"] for r in rows.values())
+    lines = ["", f"Block tuning ({stage.get('method')}): block output MSE against the float block at the first step "
+                 f"and at the step kept; {secs:.0f} s in all.", "",
+             "| block | first step | kept (step) | seconds |", "|---|---:|---:|---:|"]
+    for name, r in rows.items():
+        lines.append(f"| `{name}` | {num(r['first_loss'], '{:.3g}')} | {num(r['kept_loss'], '{:.3g}')} "
+                     f"({r['kept_step']}) | {r['seconds']:.1f} |")
+    return lines
 
 
 def expert_tokens(info: dict) -> dict[str, dict]:
@@ -351,14 +425,15 @@ def untie_lm_head(model: nn.Module, head_name: str) -> None:
 @torch.no_grad()
 def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, prefix: str | None = None,
                    observer: BlockObserver | None = None, input_divisor: dict | None = None,
-                   info: dict | None = None, outside: str | None = None) -> int:
+                   info: dict | None = None, outside: str | None = None, tuned: dict | None = None) -> int:
     """Replace the planned layers (only those under `prefix`, when given; only those not under `outside`, when given:
     the decoder blocks the calibration pass has quantized already) by QuantLinear. Returns the count.
 
     Each layer goes through the stage's registered quantizer with its calibration inputs (`observer`, keys
     relative to `prefix`) as a LayerInputs, which corrects them for the scales an earlier AWQ or SmoothQuant stage
     divided the inputs by (`input_divisor`). Static activation scales and LLM.int8 outlier features come from the
-    corrected input maxima; what was found per layer goes into `info[name]`.
+    corrected input maxima; what was found per layer goes into `info[name]`. `tuned` (block-relative name ->
+    QuantizedTensor): what a block-level method (AutoRound) made of the block's layers; used instead of `quantize`.
     """
     quantizer = get_quantizer(stage.method)
     count = 0
@@ -380,20 +455,24 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
         if observer is not None and EXPERT.search(rel):  # a MoE expert: calibrated on the tokens routed to it
             tokens = 0 if stats is None else stats.tokens
             expert_info = {"expert_tokens": tokens}
-            needs_data = quantizer.needs_hessian or needs_input_stats(entry.scheme)
+            weights_need = quantizer.needs_hessian or quantizer.tune_block is not None
+            needs_data = weights_need or needs_input_stats(entry.scheme)
             if tokens < stage.min_expert_tokens and needs_data:
-                if quantizer.needs_hessian:
+                if weights_need:
                     method, options = get_quantizer("rtn"), build_options("rtn", None)
                 if needs_input_stats(entry.scheme):
                     inputs = LayerInputs(entry.name, sibling_stats(observer, rel), divisor)
                 expert_info["fallback"] = (f"{tokens} calibration tokens < min_expert_tokens "
                                            f"{stage.min_expert_tokens}: " +
-                                           ("round-to-nearest weights" if quantizer.needs_hessian else "") +
-                                           ("; " if quantizer.needs_hessian and needs_input_stats(entry.scheme)
+                                           ("round-to-nearest weights" if weights_need else "") +
+                                           ("; " if weights_need and needs_input_stats(entry.scheme)
                                             else "") +
                                            ("input scale from its sibling experts" if needs_input_stats(entry.scheme)
                                             else ""))
-        qt = method.quantize(w, entry.scheme, options, inputs)
+        if tuned and rel in tuned and method is quantizer:
+            qt = tuned[rel]
+        else:
+            qt = method.quantize(w, entry.scheme, options, inputs)
         layer = QuantLinear.from_module(module, qt)
         act = entry.scheme.act
         # needed for static schemes (a clear error without calibration), recorded whenever observed

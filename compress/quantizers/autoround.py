@@ -1,0 +1,303 @@
+"""AutoRound / SignRound (Cheng et al., 2023, arXiv:2309.05516; Intel's auto-round): learn, per decoder block, how
+each weight rounds and how far each group's range is clipped, by signed gradient descent on the block's output
+error against the float block.
+
+For a weight W [out, in] in groups of g, with the round-to-nearest parameters of the scheme (min/max or absmax):
+
+    lo = min(W_g, 0) · β,  hi = max(W_g, 0) · α          (asymmetric; symmetric: absmax · α)
+    s  = (hi - lo) / (qmax - qmin)  (stored precision),  z = round(-lo / s)
+    Ŵ  = (clamp(round(W / s + V) + z, qmin, qmax) - z) · s
+
+V ∈ [-0.5, 0.5] (one per weight) moves a weight to the other neighbour of the grid; α, β ∈ [0, 1] (one per group)
+clip the range. At V = 0, α = β = 1 this is exactly `quantize_rtn`. The gradient passes `round` straight through
+(round(x) = x + (round(x) - x).detach()). Each step takes `batch_size` calibration windows of the block's inputs x,
+loss = mean over the windows of mean((block_Ŵ(x) - block_W(x))²), and moves every parameter by -lr_t · sign(grad)
+(SignSGD), lr_t = lr · (1 - t / iters) (linear decay to 0), then clamps V and α, β to their ranges. The parameters
+of the step with the lowest loss are kept (auto-round's default; `best: false` keeps the last).
+
+Differences from auto-round, by decision: the block's inputs are the outputs of the blocks already quantized, and
+the target is the float block on those same inputs (the runner's one stream of activations, as GPTQ uses it);
+auto-round's default keeps a second, float stream as the target. Symmetric schemes keep this project's grid (absmax
+/ qmax, codes in [qmin, qmax]), not auto-round's "full range" one, so the result is an ordinary symmetric checkpoint.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ..primitives import group_view, scale_shape, ungroup
+from ..qtensor import QuantizedTensor
+from ..scheme import QuantScheme
+
+V_RANGE = 0.5  # a weight may round to either neighbour on the grid, nothing further
+CLIP_RANGE = (0.0, 1.0)  # α, β only shrink the range (auto-round's bounds)
+
+
+@dataclass(frozen=True)
+class AutoRoundOptions:
+    """AutoRound's settings (`options:` of a `method: autoround` quantize stage). The defaults are the paper's."""
+
+    iters: int = 200  # SignSGD steps per block
+    lr: float = 0.0  # step size of V; 0 = 1 / iters (5e-3 at 200 steps, the paper's)
+    minmax_lr: float = 0.0  # step size of the clipping α, β; 0 = lr
+    batch_size: int = 8  # calibration windows per step (drawn without replacement, epoch by epoch)
+    minmax_tuning: bool = True  # learn the per-group clipping α, β (false: only the rounding V)
+    best: bool = True  # keep the parameters of the step with the lowest loss (false: those after the last step)
+    seed: int = 0  # the order in which windows are drawn
+
+    def __post_init__(self):
+        if self.iters < 0:
+            raise ValueError(f"autoround iters must be >= 0 (the paper uses 200; 0 = round to nearest), got "
+                             f"{self.iters}")
+        if self.lr < 0 or self.minmax_lr < 0:
+            raise ValueError(f"autoround lr and minmax_lr must be >= 0 (0 = 1 / iters), got {self.lr}, "
+                             f"{self.minmax_lr}")
+        if self.batch_size < 1:
+            raise ValueError(f"autoround batch_size must be >= 1 (the paper uses 8), got {self.batch_size}")
+
+    @property
+    def step_size(self) -> float:
+        return self.lr or (1.0 / self.iters if self.iters else 0.0)
+
+    @property
+    def clip_step_size(self) -> float:
+        return self.minmax_lr or self.step_size
+
+
+def autoround_problem(scheme: QuantScheme) -> str | None:
+    """Why AutoRound cannot produce `scheme` (None: it can)."""
+    if scheme.is_float:
+        return f"AutoRound learns rounding on an integer grid; {scheme.dtype} rounds to a float grid (use rtn or gptq)"
+    if scheme.granularity not in ("group", "channel", "tensor"):
+        return f"AutoRound works per group, channel or tensor, not per {scheme.granularity}"
+    if scheme.zero_point_dtype != "uint8":
+        return "AutoRound keeps integer zero points; fractional ones (zero_point_dtype: float16) are HQQ's"
+    if scheme.act is not None:
+        return ("AutoRound's loss does not simulate quantized activations; for a scheme with `act:` use method: gptq "
+                "or rtn (or tune the weights weight-only)")
+    return None
+
+
+def quantize_autoround_layer(w: Tensor, scheme: QuantScheme, options: AutoRoundOptions, inputs) -> QuantizedTensor:
+    """The registry's per-layer signature. AutoRound tunes a decoder block at a time inside the calibration pass
+    (`tune_block`); a layer outside the blocks has no block to tune against."""
+    raise ValueError(f"{inputs.name}: AutoRound tunes the layers of a decoder block against the block's float "
+                     "output, and this layer is outside the decoder blocks. Add it to `ignore:` or quantize it in a "
+                     "separate stage with method: rtn.")
+
+
+# ---------------------------------------------------------------- the rounding function and its parameters
+
+def round_ste(x: Tensor) -> Tensor:
+    """round(x) forward, identity backward (straight-through)."""
+    return x + (torch.round(x) - x).detach()
+
+
+@dataclass
+class Rounding:
+    """The learned parameters of one weight: V [out, in] and the clipping α (hi), β (lo) per group, float32."""
+
+    v: Tensor
+    alpha: Tensor
+    beta: Tensor
+
+    @classmethod
+    def start(cls, w: Tensor, scheme: QuantScheme) -> "Rounding":
+        n_groups = group_view(w, scheme).shape[:-1]
+        return cls(torch.zeros(w.shape, dtype=torch.float32, device=w.device),
+                   torch.ones(n_groups, dtype=torch.float32, device=w.device),
+                   torch.ones(n_groups, dtype=torch.float32, device=w.device))
+
+    def tensors(self, minmax: bool) -> list[Tensor]:
+        return [self.v, self.alpha, self.beta] if minmax else [self.v]
+
+    def copy(self) -> "Rounding":
+        return Rounding(self.v.detach().clone(), self.alpha.detach().clone(), self.beta.detach().clone())
+
+
+def qparams(w: Tensor, scheme: QuantScheme, r: Rounding) -> tuple[Tensor, Tensor | None]:
+    """Scale and zero point [groups] of `w` (as group_view's leading dims) with the clipping α, β applied;
+    differentiable in α, β. At α = β = 1 these equal primitives.compute_qparams exactly."""
+    wg = group_view(w.float(), scheme)
+    if scheme.symmetric:
+        scale = wg.abs().amax(dim=-1) * r.alpha / scheme.qmax
+        lo = None
+    else:
+        lo = wg.amin(dim=-1).clamp(max=0.0) * r.beta
+        hi = wg.amax(dim=-1).clamp(min=0.0) * r.alpha
+        scale = (hi - lo) / (scheme.qmax - scheme.qmin)
+    stored = scale.to(getattr(torch, scheme.scale_dtype)).float()
+    scale = scale + (stored - scale).detach()  # the stored precision, gradient straight through
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    if lo is None:
+        return scale, None
+    return scale, torch.clamp(round_ste(-lo / scale), scheme.qmin, scheme.qmax)
+
+
+def fake_quant(w: Tensor, scheme: QuantScheme, r: Rounding) -> Tensor:
+    """Ŵ [out, in] (float32): the weight as the codes with rounding offsets V and clipping α, β dequantize."""
+    scale, zero = qparams(w, scheme, r)
+    wg, vg = group_view(w.float(), scheme), group_view(r.v, scheme)
+    s = scale[..., None]
+    q = round_ste(wg / s + vg)
+    if zero is not None:
+        q = q + zero[..., None]
+    q = torch.clamp(q, scheme.qmin, scheme.qmax)
+    deq = (q - zero[..., None]) * s if zero is not None else q * s
+    return ungroup(deq, tuple(w.shape), scheme)
+
+
+@torch.no_grad()
+def finish(w: Tensor, scheme: QuantScheme, r: Rounding) -> QuantizedTensor:
+    """The codes, scale and zero point that `fake_quant(w, scheme, r)` dequantizes from, packed."""
+    scale, zero = qparams(w, scheme, r)
+    wg, vg = group_view(w.float(), scheme), group_view(r.v, scheme)
+    q = torch.round(wg / scale[..., None] + vg)
+    if zero is not None:
+        q = q + zero[..., None]
+    q = torch.clamp(q, scheme.qmin, scheme.qmax)
+    shape = scale_shape(scheme, *w.shape)
+    return QuantizedTensor.from_codes(ungroup(q, tuple(w.shape), scheme), scale.reshape(shape),
+                                      None if zero is None else zero.reshape(shape), scheme)
+
+
+@torch.no_grad()
+def sign_step(r: Rounding, lr: float, clip_lr: float, minmax: bool) -> None:
+    """One SignSGD step on the gradients the last backward left, then the parameters back into their ranges;
+    the gradients are cleared."""
+    if r.v.grad is not None:  # None: the layer saw no input in this step (an expert no token was routed to)
+        r.v -= lr * torch.sign(r.v.grad)
+        r.v.clamp_(-V_RANGE, V_RANGE)
+    if minmax:
+        for p in (r.alpha, r.beta):
+            if p.grad is not None:
+                p -= clip_lr * torch.sign(p.grad)
+                p.clamp_(*CLIP_RANGE)
+    for p in r.tensors(True):
+        p.grad = None
+
+
+# ---------------------------------------------------------------- tuning a block
+
+class _Rounded(nn.Module):
+    """A linear layer whose weight is `fake_quant(W, scheme, rounding)` for the duration of the tuning."""
+
+    def __init__(self, original: nn.Module, w: Tensor, scheme: QuantScheme, rounding: Rounding):
+        super().__init__()
+        self.original, self.w, self.scheme, self.rounding = original, w, scheme, rounding
+        self.bias = original.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        w_hat = fake_quant(self.w, self.scheme, self.rounding).to(x.dtype)
+        return nn.functional.linear(x, w_hat, self.bias)
+
+
+@dataclass
+class BlockSamples:
+    """What the calibration pass showed one block: its inputs (hidden states and keyword arguments, per window)
+    and its float outputs on them (the targets)."""
+
+    hidden: list[Tensor]
+    kwargs: list[dict]
+    target: list[Tensor]
+
+
+@contextlib.contextmanager
+def _swapped(block: nn.Module, layers: dict[str, nn.Module]):
+    from ..arch import set_module
+    originals = {name: _get(block, name) for name in layers}
+    try:
+        for name, m in layers.items():
+            set_module(block, name, m)
+        yield
+    finally:
+        for name, m in originals.items():
+            set_module(block, name, m)
+
+
+def _get(block: nn.Module, name: str) -> nn.Module:
+    from ..arch import get_module
+    return get_module(block, name)
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def tune_block(block: nn.Module, weights: dict[str, Tensor], scheme: QuantScheme, options: AutoRoundOptions,
+               samples: BlockSamples, compute_dtype: torch.dtype | None = None,
+               schemes: dict[str, QuantScheme] | None = None) -> tuple[dict[str, QuantizedTensor], dict]:
+    """Tune the rounding of the linears `weights` (block-relative name -> [out, in] float weight) of `block`
+    jointly, against `samples.target`. Returns the quantized layers and a record (loss before and after, the step
+    kept, seconds). `compute_dtype` (bfloat16): the block's matmuls run under autocast in it, as the pass's
+    forwards do; the parameters, the rounding and the loss stay float32. `schemes` overrides the scheme per layer.
+    The block's own parameters are not changed (the caller replaces the layers with the returned ones)."""
+    import time
+    t0 = time.perf_counter()
+    schemes = {name: (schemes or {}).get(name, scheme) for name in weights}
+    rounding = {name: Rounding.start(w, schemes[name]) for name, w in weights.items()}
+    wrapped = {name: _Rounded(_get(block, name), w.detach().float(), schemes[name], rounding[name])
+               for name, w in weights.items()}
+    params = [p for r in rounding.values() for p in r.tensors(options.minmax_tuning)]
+    n = len(samples.hidden)
+    gen = torch.Generator().manual_seed(options.seed)
+    order: list[int] = []
+    device = samples.hidden[0].device
+    autocast = (torch.autocast(device_type=device.type, dtype=compute_dtype)
+                if compute_dtype is not None and compute_dtype != samples.hidden[0].dtype
+                else contextlib.nullcontext())
+    frozen = [p for p in block.parameters() if p.requires_grad]
+
+    def batch_loss(idx: list[int], backward: bool) -> float:
+        total = 0.0
+        for i in idx:
+            with autocast:
+                out = _first(block(samples.hidden[i], **samples.kwargs[i]))
+            loss = (out.float() - samples.target[i].float()).pow(2).mean() / len(idx)
+            if backward:
+                loss.backward()
+            total += float(loss.detach())
+        return total
+
+    lr, clip_lr = options.step_size, options.clip_step_size
+    best_loss, best, first_loss, last_loss, kept = math.inf, None, None, None, 0
+    try:
+        for p in frozen:
+            p.requires_grad_(False)
+        with _swapped(block, wrapped), torch.enable_grad():
+            for p in params:
+                p.requires_grad_(True)
+            for step in range(options.iters):
+                if len(order) < options.batch_size:
+                    order += torch.randperm(n, generator=gen).tolist()
+                idx, order = order[:options.batch_size], order[options.batch_size:]
+                loss = batch_loss(idx, backward=True)
+                first_loss = loss if first_loss is None else first_loss
+                if options.best and loss < best_loss:
+                    best_loss, best, kept = loss, {k: r.copy() for k, r in rounding.items()}, step
+                last_loss = loss
+                sign_step_all(rounding, lr * (1 - step / options.iters), clip_lr * (1 - step / options.iters),
+                              options.minmax_tuning)
+            for p in params:
+                p.requires_grad_(False)
+        if options.best and best is not None:
+            rounding = best
+        else:
+            kept = options.iters
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    out = {name: finish(weights[name], schemes[name], rounding[name]) for name in weights}
+    record = {"iters": options.iters, "first_loss": first_loss, "last_loss": last_loss,
+              "kept_step": kept, "kept_loss": best_loss if options.best and best is not None else last_loss,
+              "seconds": round(time.perf_counter() - t0, 2)}
+    return out, record
+
+
+def sign_step_all(rounding: dict[str, Rounding], lr: float, clip_lr: float, minmax: bool) -> None:
+    for r in rounding.values():
+        sign_step(r, lr, clip_lr, minmax)
