@@ -45,6 +45,12 @@ RUNS = {  # name: (recipe, extra --set overrides)
     "autoround int4": ("recipes/autoround_int4.yaml", []),
     "awq+autoround int4": ("recipes/awq_gptq_int4.yaml", AR),
     "awq+autoround int3": ("recipes/awq_gptq_int4.yaml", [*AR, "stages.1.scheme.dtype=int3"]),
+    "rotate+gptq int4": ("recipes/rotate_gptq_int3.yaml", ["stages.1.scheme.dtype=int4"]),
+    "rotate+gptq int3": ("recipes/rotate_gptq_int3.yaml", []),
+    "rotate+gptq int2 g32": ("recipes/rotate_gptq_int3.yaml", ["stages.1.scheme.dtype=int2",
+                                                              "stages.1.scheme.group_size=32"]),
+    "rotate+autoround int2 g32": ("recipes/rotate_gptq_int3.yaml", [*AR, "stages.1.scheme.dtype=int2",
+                                                                   "stages.1.scheme.group_size=32"]),
     "awq+autoround int2 g32": ("recipes/awq_gptq_int4.yaml", [*AR, "stages.1.scheme.dtype=int2",
                                                               "stages.1.scheme.group_size=32"]),
 }

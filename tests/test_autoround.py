@@ -202,3 +202,19 @@ def test_options_are_validated_and_several_processes_refused():
     with pytest.raises(ValueError, match="one process"):
         check_stages(plan)
     assert _recipe([AR]).stages[0].needs_calibration
+
+
+def test_the_memory_plan_counts_the_block_tuning():
+    from transformers import LlamaConfig
+
+    from compress.memory_plan import model_size, plan_memory, tuning_bytes
+    config = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                         vocab_size=32000)
+    recipe = from_dict({"model": "unused", "calibration": {"kind": "self", "n_samples": 16, "seq_len": 512},
+                        "stages": [{**AR, "scheme": "W4A16"}]})
+    plan = plan_memory(recipe, config, torch.bfloat16, "cpu", available=10 ** 12)
+    expected = tuning_bytes(model_size(config), 512)
+    assert plan.phases["calibration"]["block tuning"] == expected > 36 * 202_000_000  # a 7B block: ~7.3 GB
+    rtn = from_dict({"model": "unused", "stages": [{**RTN, "scheme": "W4A16"}]})
+    assert "block tuning" not in plan_memory(rtn, config, torch.bfloat16, "cpu", available=10 ** 12).phases.get(
+        "calibration", {})

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ..arch import get_module, set_module
+from ..blockwise import _first
 from ..primitives import group_view, scale_shape, ungroup
 from ..qtensor import QuantizedTensor
 from ..scheme import QuantScheme
@@ -208,8 +210,8 @@ class BlockSamples:
 
 @contextlib.contextmanager
 def _swapped(block: nn.Module, layers: dict[str, nn.Module]):
-    from ..arch import set_module
-    originals = {name: _get(block, name) for name in layers}
+    """The block with `layers` (block-relative name -> module) in place of its own, restored on exit."""
+    originals = {name: get_module(block, name) for name in layers}
     try:
         for name, m in layers.items():
             set_module(block, name, m)
@@ -217,15 +219,6 @@ def _swapped(block: nn.Module, layers: dict[str, nn.Module]):
     finally:
         for name, m in originals.items():
             set_module(block, name, m)
-
-
-def _get(block: nn.Module, name: str) -> nn.Module:
-    from ..arch import get_module
-    return get_module(block, name)
-
-
-def _first(out):
-    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 def tune_block(block: nn.Module, weights: dict[str, Tensor], scheme: QuantScheme, options: AutoRoundOptions,
@@ -240,7 +233,7 @@ def tune_block(block: nn.Module, weights: dict[str, Tensor], scheme: QuantScheme
     t0 = time.perf_counter()
     schemes = {name: (schemes or {}).get(name, scheme) for name in weights}
     rounding = {name: Rounding.start(w, schemes[name]) for name, w in weights.items()}
-    wrapped = {name: _Rounded(_get(block, name), w.detach().float(), schemes[name], rounding[name])
+    wrapped = {name: _Rounded(get_module(block, name), w.detach().float(), schemes[name], rounding[name])
                for name, w in weights.items()}
     params = [p for r in rounding.values() for p in r.tensors(options.minmax_tuning)]
     n = len(samples.hidden)
