@@ -42,8 +42,9 @@ RUNS = {  # name: (recipe, extra --set overrides)
     "hqq int4, rounded zero points": ("recipes/hqq_int4.yaml", ["stages.0.scheme.zero_point_dtype=uint8"]),
     "hqq int3": ("recipes/hqq_int4.yaml", ["stages.0.scheme.dtype=int3"]),
     # AutoRound (issue 19): 200 steps of 2 windows on this CPU (the recipe's setting; the paper's 8 is 4x the time)
-    "autoround int4": ("recipes/autoround_int4.yaml", []),
-    "awq+autoround int4": ("recipes/awq_gptq_int4.yaml", AR),
+    "autoround int4": ("recipes/gptq_int4.yaml", ["stages.0.method=autoround",
+                                                  "stages.0.options={iters: 200, batch_size: 2}"]),
+    "awq+autoround int4": ("recipes/autoround_int4.yaml", []),
     "awq+autoround int3": ("recipes/awq_gptq_int4.yaml", [*AR, "stages.1.scheme.dtype=int3"]),
     "rotate+gptq int4": ("recipes/rotate_gptq_int3.yaml", ["stages.1.scheme.dtype=int4"]),
     "rotate+gptq int3": ("recipes/rotate_gptq_int3.yaml", []),
@@ -51,6 +52,9 @@ RUNS = {  # name: (recipe, extra --set overrides)
                                                               "stages.1.scheme.group_size=32"]),
     "rotate+autoround int2 g32": ("recipes/rotate_gptq_int3.yaml", [*AR, "stages.1.scheme.dtype=int2",
                                                                    "stages.1.scheme.group_size=32"]),
+    # rotated activations: int8 weights per channel, int8 activations with one static scale per tensor (calibrated)
+    "rtn w8a8 static": ("recipes/gptq_int4.yaml", ["stages.0.method=rtn", "stages.0.scheme=W8A8_STATIC"]),
+    "rotate+rtn w8a8 static": ("recipes/rotate_gptq_int3.yaml", ["stages.1.method=rtn", "stages.1.scheme=W8A8_STATIC"]),
     "awq+autoround int2 g32": ("recipes/awq_gptq_int4.yaml", [*AR, "stages.1.scheme.dtype=int2",
                                                               "stages.1.scheme.group_size=32"]),
 }
