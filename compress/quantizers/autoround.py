@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -229,7 +230,6 @@ def tune_block(block: nn.Module, weights: dict[str, Tensor], scheme: QuantScheme
     kept, seconds). `compute_dtype` (bfloat16): the block's matmuls run under autocast in it, as the pass's
     forwards do; the parameters, the rounding and the loss stay float32. `schemes` overrides the scheme per layer.
     The block's own parameters are not changed (the caller replaces the layers with the returned ones)."""
-    import time
     t0 = time.perf_counter()
     schemes = {name: (schemes or {}).get(name, scheme) for name in weights}
     rounding = {name: Rounding.start(w, schemes[name]) for name, w in weights.items()}
@@ -273,8 +273,9 @@ def tune_block(block: nn.Module, weights: dict[str, Tensor], scheme: QuantScheme
                 if options.best and loss < best_loss:
                     best_loss, best, kept = loss, {k: r.copy() for k, r in rounding.items()}, step
                 last_loss = loss
-                sign_step_all(rounding, lr * (1 - step / options.iters), clip_lr * (1 - step / options.iters),
-                              options.minmax_tuning)
+                decay = 1 - step / options.iters  # linear decay to 0
+                for r in rounding.values():
+                    sign_step(r, lr * decay, clip_lr * decay, options.minmax_tuning)
             for p in params:
                 p.requires_grad_(False)
         if options.best and best is not None:
@@ -289,8 +290,3 @@ def tune_block(block: nn.Module, weights: dict[str, Tensor], scheme: QuantScheme
               "kept_step": kept, "kept_loss": best_loss if options.best and best is not None else last_loss,
               "seconds": round(time.perf_counter() - t0, 2)}
     return out, record
-
-
-def sign_step_all(rounding: dict[str, Rounding], lr: float, clip_lr: float, minmax: bool) -> None:
-    for r in rounding.values():
-        sign_step(r, lr, clip_lr, minmax)
