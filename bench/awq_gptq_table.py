@@ -57,6 +57,14 @@ RUNS = {  # name: (recipe, extra --set overrides)
     "rotate+rtn w8a8 static": ("recipes/rotate_gptq_int3.yaml", ["stages.1.method=rtn", "stages.1.scheme=W8A8_STATIC"]),
     "awq+autoround int2 g32": ("recipes/awq_gptq_int4.yaml", [*AR, "stages.1.scheme.dtype=int2",
                                                               "stages.1.scheme.group_size=32"]),
+    # mixed precision (issue 19): a scheme per layer by Fisher sensitivity and a knapsack, then AWQ + GPTQ
+    "auto awq+gptq @int4 g64 bytes": ("recipes/auto_precision_4bit.yaml", []),
+    "auto awq+gptq @int4 g64 bytes, output_error": ("recipes/auto_precision_4bit.yaml",
+                                                    ["stages.0.sensitivity=output_error"]),
+    "auto awq+gptq @3.5 bits": ("recipes/auto_precision_4bit.yaml", ["stages.0.bytes_of=null",
+                                                                     "stages.0.bits_per_weight=3.5"]),
+    "awq+gptq int3 g32": ("recipes/awq_gptq_int4.yaml", ["stages.1.scheme.dtype=int3",
+                                                         "stages.1.scheme.group_size=32"]),
 }
 
 
@@ -109,7 +117,18 @@ def score_all(info: dict, max_windows: int) -> dict:
     models.update({name: load_compressed(i["dir"]) for name, i in info.items()})
     windows = eval_windows(base.tokenizer, protocol.SPLIT, protocol.SEQ_LEN, max_windows)
     scores = score_windows(models, windows, baseline="baseline (float32)")
-    return {n: {"ppl": s.ppl, "kl": s.kl, "top1": s.top1_agreement, "tokens": s.tokens} for n, s in scores.items()}
+    return {n: {"ppl": s.ppl, "kl": s.kl, "top1": s.top1_agreement, "tokens": s.tokens,
+                **linear_bits(models[n])} for n, s in scores.items()}
+
+
+def linear_bits(model) -> dict:
+    """Stored bytes of the quantized linears (codes, scales, zero points) and bits per weight over them."""
+    from compress.nn import QuantLinear
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if not layers:
+        return {}
+    nbytes = sum(m.qtensor().nbytes for m in layers)
+    return {"linear_bytes": nbytes, "bits_per_weight": 8 * nbytes / sum(m.in_features * m.out_features for m in layers)}
 
 
 def main() -> None:

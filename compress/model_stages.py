@@ -21,23 +21,25 @@ def work_dir(out: Path) -> Path:
 
 
 def run_model_stages(model: nn.Module, tokenizer, arch, recipe, out: Path, resume: bool, progress: bool,
-                     log) -> tuple[dict[int, dict], nn.Module | None]:
-    """Run the recipe's whole-model stages in order. Returns {stage index: report section} and the model as it was
-    before distillation (for the before/after evaluation), or None when nothing was distilled."""
+                     log) -> tuple[dict[int, dict], nn.Module | None, tuple]:
+    """Run the recipe's whole-model stages in order. Returns {stage index: report section}, the model as it was
+    before distillation (for the before/after evaluation) or None when nothing was distilled, and the recipe's stages
+    as the whole-model stages resolved them (`resolve_stages`: auto_precision's per-layer schemes)."""
     from .arch import get_arch
     from .stages.base import ModelStageContext
 
     stages = [(i, s) for i, s in enumerate(recipe.stages) if s.whole_model]
     if not stages:
-        return {}, None
+        return {}, None, recipe.stages
     rank, _ = world()
     main = rank == 0
     ctx = ModelStageContext(model, tokenizer, arch, recipe.calibration, out, resume, progress and main,
-                            log if main else (lambda *_: None))
+                            log if main else (lambda *_: None), stages=recipe.stages)
     if any(s.needs_teacher for _, s in stages):
         ctx.teacher = copy.deepcopy(model).eval()
     reports = {}
     for i, stage in stages:
         reports[i] = stage.run_model(ctx, i)
+        ctx.stages = stage.resolve_stages(ctx.stages, i, reports[i])
         ctx.arch = get_arch(model)  # a prune changes the block list
-    return reports, ctx.before_distill
+    return reports, ctx.before_distill, ctx.stages

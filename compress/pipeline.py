@@ -5,6 +5,7 @@ place at the end, so a crash or Ctrl-C never leaves a half-written output.
 """
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -113,9 +114,10 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
     plan = make_plan(model, get_arch(model), recipe.stages)
     check_formats(plan.model, plan, recipe.output.formats)
     with timings("prune_distill", any(s.whole_model for s in recipe.stages)):
-        model_reports, before_distill = run_model_stages(model, tokenizer, get_arch(model), recipe, out, resume,
-                                                         progress, log)
-    if model_reports:  # planned again on the model as pruned and distilled
+        model_reports, before_distill, stages = run_model_stages(model, tokenizer, get_arch(model), recipe, out,
+                                                                 resume, progress, log)
+    if model_reports:  # planned again on the model as pruned and distilled, with the stages as they resolved them
+        recipe = dataclasses.replace(recipe, stages=stages)
         plan = make_plan(model, get_arch(model), recipe.stages, model_stages_done=True)
         check_formats(model, plan, recipe.output.formats)
     report = run_header(recipe, loaded, model, plan.arch, n_params, device, planted)

@@ -107,7 +107,7 @@ def test_rotated_then_quantized_by_gptq():
     ids = torch.randint(0, 256, (4, 16))
     with torch.no_grad():
         before = model(ids).logits
-    reports, _ = run_model_stages(model, None, arch, recipe, None, False, False, lambda *_: None)
+    reports, _, _ = run_model_stages(model, None, arch, recipe, None, False, False, lambda *_: None)
     assert reports[0]["stage"] == "rotate" and "Hadamard" in reports[0]["rotation"]
     assert "Residual stream rotated" in "\n".join(RotateStage.render(reports[0], {}))
     plan = make_plan(model, arch, recipe.stages, model_stages_done=True)

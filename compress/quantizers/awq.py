@@ -110,13 +110,13 @@ def apply_clip(m: nn.Module, lo: Tensor, hi: Tensor, scheme: QuantScheme) -> Non
 
 @torch.no_grad()
 def _replay_loss(inspect: nn.Module, calls, reference: list[Tensor], balance: list[nn.Module], s: Tensor,
-                 scheme: QuantScheme) -> float:
-    """MSE of the inspect module's output with balance weights fake-quantized as Q(W * s) / s."""
+                 schemes: list[QuantScheme]) -> float:
+    """MSE of the inspect module's output with balance weights fake-quantized as Q(W * s) / s, each in its scheme."""
     originals = [m.weight.data for m in balance]
     try:
-        for m, w0 in zip(balance, originals):
+        for m, sch in zip(balance, schemes):
             w = in_weight(m).float()
-            trial = fake_quantize(w * s[None, :], scheme) / s[None, :]
+            trial = fake_quantize(w * s[None, :], sch) / s[None, :]
             # held in the replay's matmul dtype: the same values autocast would produce, cast once, not per call
             m.weight.data = (trial.t() if isinstance(m, Conv1D) else trial).to(REPLAY_DTYPE).contiguous()
         with replay_autocast(originals[0]):
@@ -128,10 +128,14 @@ def _replay_loss(inspect: nn.Module, calls, reference: list[Tensor], balance: li
 
 
 def awq_block(block: nn.Module, pairs, observer, stage, scheme: QuantScheme, quantized: set[str],
-              no_clip: tuple[str, ...], norm_offset: float, input_divisor: dict[str, Tensor]) -> list[PairResult]:
+              no_clip: tuple[str, ...], norm_offset: float, input_divisor: dict[str, Tensor],
+              schemes: dict[str, QuantScheme] | None = None) -> list[PairResult]:
     """Search and fold the scales of every pair of one block, then clip. `quantized` holds the block-relative
     names the next quantize stage will quantize; `input_divisor` collects what each linear's inputs were
-    divided by (GPTQ and clipping read their recorded inputs through it)."""
+    divided by (GPTQ and clipping read their recorded inputs through it). `schemes` (block-relative name -> scheme):
+    layers the quantize stage stores in another scheme than `scheme` (mixed precision); each is searched and clipped
+    for its own."""
+    schemes = {name: (schemes or {}).get(name, scheme) for name in quantized}
     results = []
     for pair in usable_pairs(block, pairs, quantized, results, observer):
         balance = pair.balance
@@ -141,18 +145,19 @@ def awq_block(block: nn.Module, pairs, observer, stage, scheme: QuantScheme, qua
             results.append(PairResult(pair.label, skipped="no replayed calibration window reached it (raise "
                                                           "search_samples)"))
             continue
-        w_mean = weight_mean([in_weight(m) for m in balance], scheme) if stage.duo_scaling else None
+        balance_schemes = [schemes[n] for n in pair.balance_names]
+        w_mean = weight_mean([in_weight(m) for m in balance], balance_schemes[0]) if stage.duo_scaling else None
         inspect = block.get_submodule(pair.inspect_name)
         with replay_autocast(balance[0].weight):
             reference = replay(inspect, calls)
         s, ratio, loss, loss0 = search_scales(
-            stats.abs_mean, lambda sc: _replay_loss(inspect, calls, reference, balance, sc, scheme), stage.n_grid,
+            stats.abs_mean, lambda sc: _replay_loss(inspect, calls, reference, balance, sc, balance_schemes), stage.n_grid,
             w_mean)
         fold_scales(pair, s, norm_offset, input_divisor)
         results.append(PairResult(pair.label, ratio, loss, loss0))
-    if stage.clip and scheme.granularity != "tensor":
+    if stage.clip:
         for name in sorted(quantized):
-            if name in no_clip or name not in observer.stats:
+            if name in no_clip or name not in observer.stats or schemes[name].granularity == "tensor":
                 continue
             st = observer.stats[name]
             kept = all_windows(st.kept, st.kept_at)
@@ -163,6 +168,6 @@ def awq_block(block: nn.Module, pairs, observer, stage, scheme: QuantScheme, qua
             if name in input_divisor:
                 x = x / input_divisor[name][None, :]
             m = block.get_submodule(name)
-            lo, hi = search_clip(in_weight(m), x, scheme, stage.clip_grid, stage.max_shrink)
-            apply_clip(m, lo, hi, scheme)
+            lo, hi = search_clip(in_weight(m), x, schemes[name], stage.clip_grid, stage.max_shrink)
+            apply_clip(m, lo, hi, schemes[name])
     return results

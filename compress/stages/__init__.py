@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+from .auto_precision import AutoPrecisionStage
 from .awq import AWQStage
 from .base import Needs, Plan, RunContext, StageBase, make_plan, next_target
 from .distill import DistillStage
@@ -22,6 +23,7 @@ STAGES: dict[str, type] = {
     "prune": PruneStage,  # Minitron importance pruning of the whole model
     "prune_experts": PruneExpertsStage,  # a mixture of experts' least salient experts dropped (REAP)
     "distill": DistillStage,  # knowledge-distillation repair from the original
+    "auto_precision": AutoPrecisionStage,  # one scheme per layer within a byte budget, for the next quantize stage
     "awq": AWQStage,  # activation-aware scales and clipping for the next quantize stage
     "smoothquant": SmoothQuantStage,  # activation outliers migrated into the weights
     "quantize": QuantizeStage,  # weights (and activations) quantized by a method in quantizers.QUANTIZERS
@@ -36,4 +38,4 @@ def get_stage(name: str) -> type:
 
 
 __all__ = ["STAGES", "get_stage", "make_plan", "next_target", "Needs", "Plan", "RunContext", "StageBase",
-           "AWQStage", "DistillStage", "KVCacheStage", "PruneExpertsStage", "PruneStage", "QuantizeStage", "RotateStage", "SmoothQuantStage"]
+           "AutoPrecisionStage", "AWQStage", "DistillStage", "KVCacheStage", "PruneExpertsStage", "PruneStage", "QuantizeStage", "RotateStage", "SmoothQuantStage"]

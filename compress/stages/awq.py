@@ -68,8 +68,10 @@ class AWQStage(StageBase):
     def on_block(self, ctx: RunContext, block: BlockState, index: int) -> None:
         target, step = ctx.plan.target(index)
         arch = ctx.arch
+        mine = [e for e in step.quantized if e.name.startswith(block.prefix + ".")]
         results = awq_block(block.module, arch.awq, block.observer, self, target.scheme,
-                            block.under(e.name for e in step.quantized), arch.no_clip, arch.norm_offset, block.divisor)
+                            block.under(e.name for e in mine), arch.no_clip, arch.norm_offset, block.divisor,
+                            {e.name[len(block.prefix) + 1:]: e.scheme for e in mine})
         ctx.records[index].append({"block": block.index, "pairs": [asdict(r) for r in results]})
 
     def report(self, ctx: RunContext, index: int) -> dict:

@@ -9,7 +9,8 @@ writes only what it does:
 - `plan(model, arch, claimed, index)`: what it will do to this model, computed without data (`compress inspect`
   prints it, `compress run` follows it); `describe(...)` renders it.
 - Whole-model stages (`whole_model = True`: prune, distill) run once, before the calibration pass:
-  `run_model(ctx, index)` returns the stage's report section.
+  `run_model(ctx, index)` returns the stage's report section, and `resolve_stages(stages, index, section)` may
+  write what it decided into the later stages (auto_precision: the quantize stage's per-layer schemes).
 - Block stages act inside the calibration pass: `needs(plan, index)` says which statistics the pass must gather,
   `observing(block)` may add a stage's own observation of the block's float forward, `on_block(ctx, block, index)`
   changes the block, `finalize(ctx, index)` acts on the whole model afterwards, `report(ctx, index)` returns the
@@ -168,6 +169,7 @@ class ModelStageContext:
     log: Any
     teacher: nn.Module | None = None
     before_distill: nn.Module | None = None  # the pruned model before distillation, for the before/after evaluation
+    stages: tuple = ()  # the recipe's stages, as resolved by the whole-model stages run so far
 
 
 class StageBase:
@@ -221,6 +223,12 @@ class StageBase:
 
     def run_model(self, ctx: ModelStageContext, index: int) -> dict:
         raise NotImplementedError(f"{self.name} is not a whole-model stage")
+
+    def resolve_stages(self, stages: tuple, index: int, section: dict) -> tuple:
+        """After `run_model`: the recipe's stages with what this stage decided written into them (auto_precision
+        sets the next quantize stage's layer_schemes); the run continues with these, and recipe.resolved.yaml holds
+        them, so the resolved recipe reproduces the decision without measuring again."""
+        return stages
 
     @staticmethod
     def render(section: dict, models: dict) -> list[str]:

@@ -25,6 +25,17 @@ TIED_LM_HEAD = ("keep", "untie")
 
 
 @dataclass(frozen=True)
+class LayerScheme:
+    """One entry of a quantize stage's `layer_schemes`: the layers `layer` names (a full module name, a class name or
+    a `re:` pattern, as in `targets`) take `scheme` instead of the stage's; `scheme: null` leaves them in float
+    (reported). The first entry that matches a layer wins. `stage: auto_precision` writes these for the quantize
+    stage after it (recipe.resolved.yaml then reproduces its choice without measuring again)."""
+
+    layer: str
+    scheme: QuantScheme | None = None
+
+
+@dataclass(frozen=True)
 class QuantizeStage(StageBase):
     """Recipe entry `- stage: quantize`.
 
@@ -48,6 +59,9 @@ class QuantizeStage(StageBase):
     calibration set routed fewer than this many tokens to an expert, a method that needs calibration data (GPTQ)
     quantizes its weights by round-to-nearest instead, and a static activation scale is the largest of its sibling
     experts' (the same projection in the same block); the report lists every expert's tokens and each fallback.
+    layer_schemes: per-layer exceptions to `scheme` (mixed precision by hand, or as `auto_precision` chose it): a
+    list of {layer: NAME or re:PATTERN, scheme: SCHEME or null}; a layer matched by `targets` (and not `ignore`)
+    takes the first matching entry's scheme, float for null.
     """
 
     method: str = "rtn"
@@ -58,11 +72,24 @@ class QuantizeStage(StageBase):
     options: Any = None  # the method's options dataclass (a mapping in a recipe; None: its defaults)
     tied_lm_head: Literal["keep", "untie"] = "keep"
     min_expert_tokens: int = 16  # a MoE expert routed fewer calibration tokens is quantized by the fallback rule
+    layer_schemes: tuple[LayerScheme, ...] = ()
+
+    @property
+    def schemes(self) -> list[QuantScheme]:
+        """Every scheme the stage may store: its own and those of layer_schemes."""
+        return [self.scheme] + [e.scheme for e in self.layer_schemes if e.scheme is not None]
+
+    def scheme_for(self, name: str, module: nn.Module, lm_head: str) -> tuple[QuantScheme | None, str | None]:
+        """(the scheme layer `name` takes, the layer_schemes pattern that decided it or None for the stage's own)."""
+        for e in self.layer_schemes:
+            if _matches(name, module, (e.layer,), lm_head):
+                return e.scheme, e.layer
+        return self.scheme, None
 
     @property
     def needs_calibration(self) -> bool:
         q = get_quantizer(self.method)
-        return q.needs_hessian or q.tune_block is not None or needs_input_stats(self.scheme)
+        return q.needs_hessian or q.tune_block is not None or any(needs_input_stats(s) for s in self.schemes)
 
     @property
     def data_parallel(self) -> bool:
@@ -73,8 +100,9 @@ class QuantizeStage(StageBase):
     def __post_init__(self):
         quantizer = get_quantizer(self.method)  # unknown method -> ValueError listing the known ones
         object.__setattr__(self, "options", build_options(self.method, self.options))
-        if (why := quantizer.problem(self.scheme)) is not None:
-            raise ValueError(f"method {self.method} with scheme {self.scheme.name}: {why}")
+        for sch in dict.fromkeys(self.schemes):
+            if (why := quantizer.problem(sch)) is not None:
+                raise ValueError(f"method {self.method} with scheme {sch.name}: {why}")
         if self.min_expert_tokens < 1:
             raise ValueError(f"min_expert_tokens must be at least 1, got {self.min_expert_tokens}")
         if self.tied_lm_head not in TIED_LM_HEAD:
@@ -102,7 +130,10 @@ class QuantizeStage(StageBase):
 
     def describe(self, plan: Plan, index: int) -> tuple[list[str], list[dict]]:
         step = plan.steps[index]
-        lines = [f"\nstage {index}: quantize, method {self.method}, scheme {self.scheme.name}: "
+        mixed = {e.scheme for e in step.quantized}
+        what = self.scheme.name if mixed <= {self.scheme} else \
+            f"{len(mixed)} schemes ({', '.join(sorted(s.name for s in mixed))}; per layer below)"
+        lines = [f"\nstage {index}: quantize, method {self.method}, scheme {what}: "
                  f"{len(step.quantized)} layers quantized, {len(step.skipped)} left in float"]
         rows = expert_rows(step.layers)
         width = max((len(name) for name, _, _ in rows), default=0)
@@ -127,7 +158,7 @@ class QuantizeStage(StageBase):
     def needs(self, plan: Plan, index: int) -> Needs:
         experts = plan is not None and any(EXPERT.search(e.name) for e in plan.steps[index].quantized)
         q = get_quantizer(self.method)
-        return Needs(abs_max=self.scheme.act is not None, hessian=q.needs_hessian, tokens=experts,
+        return Needs(abs_max=any(s.act is not None for s in self.schemes), hessian=q.needs_hessian, tokens=experts,
                      block_tuning=q.tune_block is not None)  # (the memory plan asks without a plan)
 
     def observing(self, block: BlockState, index: int):
@@ -321,10 +352,10 @@ def plan_quantize(model: nn.Module, arch: ArchSpec, stage: QuantizeStage) -> Qua
     plan = QuantPlan()
     routers = router_names(model)
     tied = _is_tied(model, arch.lm_head)
-    sch = stage.scheme
     for name, module in model.named_modules():
         if not is_linear(module):
             continue
+        sch, by = stage.scheme_for(name, module, arch.lm_head)
         entry = LayerPlan(name, type(module).__name__, linear_shape(module), None)
         plan.layers.append(entry)
         in_features = entry.shape[1]
@@ -339,6 +370,8 @@ def plan_quantize(model: nn.Module, arch: ArchSpec, stage: QuantizeStage) -> Qua
         elif name == arch.lm_head and tied and stage.tied_lm_head == "keep":
             entry.reason = ("lm_head shares its weight with the input embedding (tie_word_embeddings); kept in "
                             "float; set tied_lm_head: untie to quantize a separate copy")
+        elif sch is None:
+            entry.reason = f"left in float by layer_schemes ({by})"
         elif sch.granularity == "block" and (in_features % sch.group_size or entry.shape[0] % sch.group_size):
             msg = (f"{name}: shape {entry.shape} is not a whole number of {sch.group_size}×{sch.group_size} blocks")
             if stage.strict:

@@ -1,0 +1,92 @@
+"""Mixed precision under a byte budget (stage auto_precision) on SmolLM2-135M: how well each sensitivity predicts
+the measured one, and what the knapsack's choice costs against uniform schemes at equal or more bytes.
+
+Phase 1 (`--sensitivity`): the fisher and output_error sensitivities of every planned linear to each option of the
+default menu on N × 512 WikiText-2 validation tokens, and the measured KL (each layer quantized alone) on fewer
+windows; Spearman rank correlations against the measured KL, pooled over (layer, option) and per option, and the
+seconds each took. Phase 2 (`--runs`): `compress run` of the auto_precision recipes and their uniform baselines
+through bench/awq_gptq_table.py's machinery (same protocol, same scoring loop).
+
+    python bench/auto_precision.py --sensitivity --out bench/results/auto_precision_sensitivity.json
+    python bench/awq_gptq_table.py --jobs 2 --only "awq+gptq int4" "auto awq+gptq @int4 bytes" ... \
+        --out bench/results/auto_precision_table.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def sensitivity(n_fisher: int, n_kl: int, threads: int) -> dict:
+    from compress.arch import get_arch
+    from compress.data import TextSource, calibration_windows
+    from compress.models import load_model
+    from compress.precision import measure_sensitivity
+    from compress.stages.auto_precision import DEFAULT_MENU
+    from compress.stages.quantize import QuantizeStage, plan_quantize
+
+    torch.set_num_threads(threads)
+    loaded = load_model("default", "float32")
+    model, tok = loaded.model, loaded.tokenizer
+    names = [e.name for e in plan_quantize(model, get_arch(model), QuantizeStage()).quantized]
+    windows = calibration_windows(TextSource("wikitext2", "validation"), tok, model, n_fisher, 512, 0)
+    menu = list(DEFAULT_MENU)
+    t = time.perf_counter()
+    fisher = measure_sensitivity(model, windows, names, menu, "fisher")
+    t_fisher = time.perf_counter() - t
+    t = time.perf_counter()
+    kl = measure_sensitivity(model, windows[:n_kl], names, menu, "kl")
+    t_kl = time.perf_counter() - t
+    ref = kl.costs["kl"]
+    ok = np.isfinite(ref)
+    out = {"layers": len(names), "options": fisher.options, "fisher_windows": n_fisher, "kl_windows": n_kl,
+           "seq_len": 512, "threads": threads, "seconds": {"fisher+output_error": t_fisher, "kl": t_kl},
+           "spearman_vs_kl": {}, "spearman_vs_kl_per_option": {}, "sum_over_layers": {}}
+    for kind in ("fisher", "output_error"):
+        c = fisher.costs[kind]
+        out["spearman_vs_kl"][kind] = spearman(c[ok], ref[ok])
+        out["spearman_vs_kl_per_option"][kind] = {
+            o: spearman(c[:, j], ref[:, j]) for j, o in enumerate(fisher.options) if ok[:, j].all()}
+        out["sum_over_layers"][kind] = {o: float(c[:, j].sum()) for j, o in enumerate(fisher.options)
+                                        if ok[:, j].all()}
+    out["sum_over_layers"]["kl"] = {o: float(ref[:, j].sum()) for j, o in enumerate(fisher.options) if ok[:, j].all()}
+    out["table"] = {"fisher": fisher.to_dict(), "kl": kl.to_dict()}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sensitivity", action="store_true")
+    ap.add_argument("--fisher-windows", type=int, default=8)
+    ap.add_argument("--kl-windows", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/auto_precision_sensitivity.json")
+    args = ap.parse_args()
+    if args.sensitivity:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True).stdout.strip()
+        res = {"date": time.strftime("%Y-%m-%d"), "commit": commit,
+               **sensitivity(args.fisher_windows, args.kl_windows, args.threads)}
+        args.out.write_text(json.dumps(res, indent=1) + "\n")
+        print(json.dumps({k: v for k, v in res.items() if k != "table"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

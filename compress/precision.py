@@ -1,0 +1,271 @@
+"""Mixed precision under a byte budget: how much each layer suffers under each scheme of a menu (its sensitivity),
+and the choice of one scheme per layer that minimises the summed sensitivity within the bytes (a multiple-choice
+knapsack, solved exactly by dynamic programming over the bytes).
+
+Sensitivities (`measure_sensitivity`), each the cost of quantizing one layer alone, by round-to-nearest:
+
+- `fisher` (default): the second-order KL the layer's output error causes at the model's output,
+  ½ Σ_t (g_t · δy_t)² / T, with δy_t = (Q(W) − W) x_t the layer's output error at position t and g_t the gradient,
+  at the layer's output, of the window's log-likelihood of labels *sampled from the model's own prediction*. With
+  sampled labels E[g_t g_tᵀ] is the Fisher of the output distribution with respect to y_t, so each term estimates
+  without bias the KL(float ‖ quantized) (nats per token, to second order: what `compress run` measures afterwards,
+  in the same units) that perturbing position t alone causes; the interaction of the errors at different positions
+  of a window is left out. One forward and one backward per window, no weight gradients.
+- `output_error`: the layer's relative output error Σ‖δy‖² / Σ‖y‖² (the input-Hessian proxy tr(ΔW H ΔWᵀ) over the
+  layer's output energy): no backward, but blind to how much the rest of the network amplifies or hides the error;
+  measured in the same pass, and reported beside `fisher` for comparison.
+- `kl`: the measured KL(float ‖ quantized) of the model's next-token distribution with only that layer quantized:
+  one forward of every window per layer and scheme (the most faithful and by far the slowest; the reference the
+  proxies are compared with).
+
+The knapsack assumes the layers' costs add up (each was measured with the others in float); the report shows the
+sum it predicted beside the KL measured on the whole quantized model.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from .nn import linear_weight
+from .quantizers.rtn import quantize_rtn
+from .scheme import QuantScheme
+
+FLOAT = "float"  # the menu option of keeping a layer's weight in float (bfloat16 bytes)
+FLOAT_BYTES = 2
+SENSITIVITIES = ("fisher", "output_error", "kl")
+
+
+@dataclass
+class Sensitivity:
+    """Per layer (rows) and menu option (columns): the stored weight bytes and the costs of each kind measured.
+    An option a layer cannot take (a group size that does not divide it) has bytes -1 and cost inf."""
+
+    layers: list[str]
+    options: list[str]  # scheme names, FLOAT last when offered
+    nbytes: np.ndarray  # int64 [L, S]
+    costs: dict[str, np.ndarray] = field(default_factory=dict)  # kind -> float64 [L, S]
+    tokens: int = 0
+
+    def to_dict(self) -> dict:
+        return {"layers": self.layers, "options": self.options, "bytes": self.nbytes.tolist(), "tokens": self.tokens,
+                "costs": {k: [[None if not math.isfinite(v) else float(v) for v in row] for row in c.tolist()]
+                          for k, c in self.costs.items()}}
+
+
+def option_name(option: QuantScheme | None) -> str:
+    return FLOAT if option is None else option.name
+
+
+def fits(w_shape: tuple[int, int], scheme: QuantScheme) -> bool:
+    """Whether a [out, in] weight is a whole number of the scheme's groups (or blocks)."""
+    if scheme.granularity == "group":
+        return w_shape[1] % scheme.group_size == 0
+    if scheme.granularity == "block":
+        return w_shape[0] % scheme.group_size == 0 and w_shape[1] % scheme.group_size == 0
+    return True
+
+
+def weight_error(w: Tensor, option: QuantScheme | None) -> tuple[Tensor | None, int]:
+    """(Q(W) − W by round-to-nearest, or None for float, the stored bytes of the option) for a float32 weight."""
+    if option is None:
+        return None, w.numel() * FLOAT_BYTES
+    qt = quantize_rtn(w, option)
+    return qt.dequantize(torch.float32) - w, qt.nbytes
+
+
+def _layers(model: nn.Module, names: list[str]) -> dict[str, nn.Module]:
+    return {n: model.get_submodule(n) for n in names}
+
+
+def measure_sensitivity(model: nn.Module, windows: Tensor, names: list[str], menu: list[QuantScheme | None],
+                        kind: str = "fisher", seed: int = 0, progress=None) -> Sensitivity:
+    """The sensitivity table of layers `names` (full module names of linear layers of `model`) to every option of
+    `menu` (None = float), on token windows [N, T]. `fisher` and `output_error` come from the same pass and are both
+    returned; `kl` measures every (layer, option) with a forward of all windows. The model is left as it was."""
+    if kind not in SENSITIVITIES:
+        raise ValueError(f"sensitivity {kind!r}; choose one of {list(SENSITIVITIES)}")
+    modules = _layers(model, names)
+    shapes = {n: tuple(linear_weight(m).shape) for n, m in modules.items()}
+    options = [option_name(o) for o in menu]
+    nbytes = np.full((len(names), len(menu)), -1, dtype=np.int64)
+    for i, n in enumerate(names):
+        for j, o in enumerate(menu):
+            if o is None:
+                nbytes[i, j] = shapes[n][0] * shapes[n][1] * FLOAT_BYTES
+            elif fits(shapes[n], o):
+                nbytes[i, j] = scheme_bytes(shapes[n], o)
+    out = Sensitivity(list(names), options, nbytes, tokens=int(windows.numel()))
+    was_training = model.training
+    model.eval()
+    try:
+        if kind == "kl":
+            out.costs["kl"] = _measured_kl(model, windows, modules, menu, nbytes, progress)
+        else:
+            out.costs.update(_fisher_pass(model, windows, modules, menu, nbytes, seed, progress))
+    finally:
+        model.train(was_training)
+    return out
+
+
+def scheme_bytes(shape: tuple[int, int], scheme: QuantScheme) -> int:
+    """Stored bytes of a [out, in] weight in `scheme` (codes, scales, zero points), from an all-zero weight."""
+    return quantize_rtn(torch.zeros(shape), scheme).nbytes
+
+
+def _fisher_pass(model: nn.Module, windows: Tensor, modules: dict[str, nn.Module], menu, nbytes: np.ndarray,
+                 seed: int, progress) -> dict[str, np.ndarray]:
+    """One forward and backward per window with labels sampled from the model's prediction; at every planned
+    linear, per option: ½ Σ_t (g_t · δy_t)² (fisher) and Σ ‖δy_t‖² (output error, divided by Σ ‖y_t‖² at the end)."""
+    names = list(modules)
+    fisher = np.zeros(nbytes.shape)
+    err = np.zeros(nbytes.shape)
+    energy = np.zeros(len(names))
+    gen = torch.Generator().manual_seed(seed)
+    handles = []
+
+    def attach(i: int, module: nn.Module):
+        def hook(_m, args, output):
+            x = args[0].detach().float().reshape(-1, args[0].shape[-1])  # [T, in]
+            y = output if isinstance(output, Tensor) else output[0]
+            energy[i] += float(y.detach().float().pow(2).sum())
+            deltas = []
+            w = linear_weight(module).detach().float()
+            for j, option in enumerate(menu):
+                if option is None or nbytes[i, j] < 0:
+                    deltas.append(None)
+                    continue
+                d = x @ weight_error(w, option)[0].t()  # [T, out]
+                err[i, j] += float(d.pow(2).sum())
+                deltas.append(d)
+
+            def grad_hook(g):
+                g = g.detach().float().reshape(-1, g.shape[-1])  # [T, out]
+                for j, d in enumerate(deltas):
+                    if d is not None:
+                        fisher[i, j] += 0.5 * float((g * d).sum(-1).pow(2).sum())
+
+            if y.requires_grad:
+                y.register_hook(grad_hook)
+        return module.register_forward_hook(hook)
+
+    embed = model.get_input_embeddings()
+    handles.append(embed.register_forward_hook(lambda _m, _a, out: out.requires_grad_()))
+    handles += [attach(i, m) for i, m in enumerate(modules.values())]
+    params = [p for p in model.parameters()]
+    grads = [p.requires_grad for p in params]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        for k in range(windows.shape[0]):
+            ids = windows[k:k + 1]
+            logits = model(input_ids=ids, use_cache=False).logits.float()  # [1, T, V]
+            with torch.no_grad():
+                probs = torch.softmax(logits[0], -1)
+                labels = torch.multinomial(probs, 1, generator=gen).reshape(-1)  # sampled: the true Fisher
+            loss = nn.functional.cross_entropy(logits[0], labels, reduction="sum")
+            loss.backward()
+            if progress is not None:
+                progress(k + 1, windows.shape[0])
+    finally:
+        for h in handles:
+            h.remove()
+        for p, g in zip(params, grads):
+            p.requires_grad_(g)
+    tokens = windows.numel()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rel = err / np.maximum(energy, 1e-30)[:, None]
+    for arr in (fisher, rel):
+        arr[nbytes < 0] = math.inf
+        for j, option in enumerate(menu):
+            if option is None:
+                arr[:, j] = 0.0
+    return {"fisher": fisher / tokens, "output_error": rel}
+
+
+@torch.no_grad()
+def _measured_kl(model: nn.Module, windows: Tensor, modules: dict[str, nn.Module], menu, nbytes: np.ndarray,
+                 progress) -> np.ndarray:
+    """KL(float ‖ model with one layer quantized), mean over the windows' tokens, for every layer and option. The
+    layer's output gets its error x (Q(W) − W)ᵀ added by a hook: no weight is changed, so a head that shares its
+    matrix with the embedding is quantized as a head only."""
+    ref = [torch.log_softmax(model(input_ids=windows[k:k + 1], use_cache=False).logits.double(), -1)
+           for k in range(windows.shape[0])]
+    out = np.zeros(nbytes.shape)
+    steps, done = int(sum(1 for o in menu if o is not None) * len(modules)), 0
+    for i, module in enumerate(modules.values()):
+        w = linear_weight(module).detach().float()
+        for j, option in enumerate(menu):
+            if option is None:
+                continue
+            if nbytes[i, j] < 0:
+                out[i, j] = math.inf
+                continue
+            delta = weight_error(w, option)[0]
+
+            def add_error(_m, args, output, delta=delta):
+                return output + (args[0].float() @ delta.t()).to(output.dtype)
+
+            handle = module.register_forward_hook(add_error)
+            try:
+                total = 0.0
+                for k in range(windows.shape[0]):
+                    lq = torch.log_softmax(model(input_ids=windows[k:k + 1], use_cache=False).logits.double(), -1)
+                    total += float((ref[k].exp() * (ref[k] - lq)).sum())
+            finally:
+                handle.remove()
+            out[i, j] = total / windows.numel()
+            done += 1
+            if progress is not None:
+                progress(done, steps)
+    return out
+
+
+# ---------------------------------------------------------------- the choice
+
+def choose(costs: np.ndarray, nbytes: np.ndarray, budget: int, resolution: int | None = None) -> list[int]:
+    """One option per layer minimising Σ costs[l, c_l] subject to Σ nbytes[l, c_l] <= budget (bytes).
+
+    Dynamic programming over the bytes in `resolution` units of budget / resolution each, every option's bytes
+    rounded *up* to whole units, so the choice always fits the budget exactly and is optimal for the rounded sizes
+    (default resolution 100 × layers: at most 1% of the budget lost to rounding). Options with bytes < 0 or an
+    infinite cost are unavailable. Raises ValueError when even the smallest option of every layer does not fit."""
+    costs, nbytes = np.asarray(costs, dtype=np.float64), np.asarray(nbytes, dtype=np.int64)
+    n_layers, n_opts = costs.shape
+    ok = (nbytes >= 0) & np.isfinite(costs)
+    if not ok.any(axis=1).all():
+        bad = int(np.flatnonzero(~ok.any(axis=1))[0])
+        raise ValueError(f"layer {bad} can take none of the menu's options; add an option that fits it")
+    smallest = int(np.where(ok, nbytes, np.iinfo(np.int64).max).min(axis=1).sum())
+    if smallest > budget:
+        raise ValueError(f"the budget of {budget} bytes is below the smallest the menu allows ({smallest} bytes: the "
+                         "narrowest option for every layer); raise the budget or add a narrower scheme to the menu")
+    units = resolution or min(max(4096, 100 * n_layers), 200_000)
+    unit = budget / units
+    size = np.where(ok, np.ceil(nbytes / unit - 1e-9).astype(np.int64), units + 1)  # [L, S] units
+    size = np.clip(size, 0, units + 1)
+    inf = math.inf
+    best = np.zeros(units + 1)  # best[u]: least cost of the layers so far within u units
+    pick = np.zeros((n_layers, units + 1), dtype=np.int16)
+    for layer in range(n_layers):
+        new = np.full(units + 1, inf)
+        for opt in range(n_opts):
+            s = int(size[layer, opt])
+            if not ok[layer, opt] or s > units:
+                continue
+            cand = np.full(units + 1, inf)
+            cand[s:] = best[:units + 1 - s] + costs[layer, opt]
+            better = cand < new
+            new[better] = cand[better]
+            pick[layer, better] = opt
+        best = new
+    if not math.isfinite(best[units]):
+        raise ValueError(f"no choice fits {budget} bytes at this resolution; raise the budget slightly")
+    u, chosen = units, [0] * n_layers
+    for layer in range(n_layers - 1, -1, -1):
+        chosen[layer] = int(pick[layer, u])
+        u -= int(size[layer, chosen[layer]])
+    return chosen

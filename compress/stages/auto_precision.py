@@ -1,0 +1,198 @@
+"""The `auto_precision` stage: mixed precision under a byte budget (compress/precision.py). Before calibration it
+measures every targeted layer's sensitivity to each scheme of a menu, chooses one scheme per layer by a knapsack
+within the budget, and writes the choice into the next `quantize` stage as its `layer_schemes`, which then quantizes
+each layer in its own scheme by that stage's method (RTN, GPTQ, AutoRound, ...; an `awq` stage in between searches
+each layer for its own scheme)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import ClassVar, Literal
+
+import numpy as np
+from torch import nn
+
+from ..arch import ArchSpec
+from ..data import calibration_windows
+from ..nn import linear_shape
+from ..precision import FLOAT, SENSITIVITIES, choose, fits, measure_sensitivity, option_name, scheme_bytes
+from ..quantizers import get_quantizer
+from ..scheme import W4A16_ASYM_G64, W8A16, QuantScheme
+from .base import ModelStageContext, Plan, StageBase, next_target
+from .quantize import LayerScheme, plan_quantize
+
+_INT4_G128 = replace(W4A16_ASYM_G64, group_size=128)
+_INT3_G64 = replace(W4A16_ASYM_G64, dtype="int3")
+DEFAULT_MENU = (W8A16, _INT4_G128, W4A16_ASYM_G64, _INT3_G64)
+
+
+@dataclass(frozen=True)
+class AutoPrecisionStage(StageBase):
+    """Recipe stage `auto_precision`, followed (after any awq stage) by the `quantize` stage whose layers it assigns.
+
+    menu: the schemes a layer may take (weight-only; presets or mappings); keep_float: also offer bfloat16 (16 bits).
+    The budget, exactly one of: bits_per_weight (stored bits per weight of the targeted layers, scales and zero points
+    included), bytes (their stored bytes), bytes_of (the bytes uniform quantization with this scheme would take).
+    sensitivity: fisher (predicted KL from one forward and backward per window; default), output_error (relative
+    output error, no backward) or kl (measured KL with each layer quantized alone: one forward per layer and scheme,
+    slow). The targeted layers are those the quantize stage's targets / ignore select; n_samples windows of the
+    recipe's calibration text (seq_len tokens, the calibration's by default) are measured.
+    """
+
+    menu: tuple[QuantScheme, ...] = DEFAULT_MENU
+    keep_float: bool = False
+    bits_per_weight: float | None = None
+    bytes: int | None = None
+    bytes_of: QuantScheme | None = None
+    sensitivity: Literal["fisher", "output_error", "kl"] = "fisher"
+    n_samples: int = 8
+    seq_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        given = [k for k in ("bits_per_weight", "bytes", "bytes_of") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("auto_precision needs exactly one budget: bits_per_weight (e.g. 4.25), bytes, or "
+                             f"bytes_of (a scheme: the bytes uniform quantization with it takes); got {given or 'none'}")
+        if self.bits_per_weight is not None and not self.bits_per_weight > 0:
+            raise ValueError(f"bits_per_weight must be > 0, got {self.bits_per_weight}")
+        if self.bytes is not None and self.bytes < 1:
+            raise ValueError(f"bytes must be >= 1, got {self.bytes}")
+        if not self.menu:
+            raise ValueError("menu is empty; list the schemes a layer may take (e.g. [W8A16, W4A16_ASYM_G64])")
+        if len(set(self.menu)) != len(self.menu):
+            raise ValueError(f"menu lists a scheme twice: {[s.name for s in self.menu]}")
+        for s in self.menu:
+            if s.act is not None:
+                raise ValueError(f"menu scheme {s.name} quantizes activations; auto_precision chooses weight formats "
+                                 "(the sensitivity is measured on the weights alone): use weight-only schemes")
+        if self.sensitivity not in SENSITIVITIES:
+            raise ValueError(f"sensitivity {self.sensitivity!r}; choose one of {list(SENSITIVITIES)}")
+        if self.n_samples < 1 or (self.seq_len is not None and self.seq_len < 2):
+            raise ValueError("n_samples must be >= 1 and seq_len >= 2")
+
+    name: ClassVar[str] = "auto_precision"
+    whole_model: ClassVar[bool] = True
+
+    @property
+    def needs_calibration(self) -> bool:
+        return True
+
+    @property
+    def options(self) -> list[QuantScheme | None]:
+        return list(self.menu) + ([None] if self.keep_float else [])
+
+    def check(self, index: int, stages: tuple, calibrated: bool) -> "AutoPrecisionStage":
+        super().check(index, stages, calibrated)
+        j = next_target(stages, index)
+        if j is None:
+            raise ValueError(f"`stages.{index}` (auto_precision) chooses a scheme per layer for a later "
+                             "`stage: quantize`, and there is none; add one (its method quantizes every layer)")
+        q = stages[j]
+        if q.layer_schemes:
+            raise ValueError(f"`stages.{j}` already has layer_schemes, which `stages.{index}` (auto_precision) would "
+                             "replace; remove one of them")
+        method = get_quantizer(q.method)
+        for s in self.menu:
+            if (why := method.problem(s)) is not None:
+                raise ValueError(f"`stages.{index}.menu`: method {q.method} of `stages.{j}` cannot store {s.name}: "
+                                 f"{why}")
+        return self
+
+    def plan(self, model: nn.Module, arch: ArchSpec, claimed: dict[str, int], index: int) -> str:
+        budget = (f"{self.bits_per_weight} bits per weight" if self.bits_per_weight is not None else
+                  f"{self.bytes} bytes" if self.bytes is not None else f"the bytes of uniform {self.bytes_of.name}")
+        return (f"\nstage {index}: auto_precision, one scheme per layer of the next quantize stage from "
+                f"[{', '.join(option_name(o) for o in self.options)}] within {budget}, by {self.sensitivity} "
+                f"sensitivity on {self.n_samples} calibration windows (chosen at run time, before calibration)")
+
+    def describe(self, plan: Plan, index: int) -> tuple[list[str], str]:
+        return [plan.steps[index]], plan.steps[index].strip()
+
+    def run_model(self, ctx: ModelStageContext, index: int) -> dict:
+        q = ctx.stages[next_target(ctx.stages, index)]
+        plan = plan_quantize(ctx.model, ctx.arch, replace(q, strict=False))
+        # every layer the quantize stage selects, including those its own scheme's group size cannot divide
+        names = [e.name for e in plan.layers if e.scheme is not None or e.reason.endswith("(strict: false)")]
+        if not names:
+            raise ValueError(f"stage {index} (auto_precision): the quantize stage after it selects no layer")
+        seq_len = self.seq_len or ctx.calibration.seq_len
+        ctx.log(f"stage {index}: auto_precision — {self.sensitivity} sensitivity of {len(names)} layers to "
+                f"{len(self.options)} options on {self.n_samples} × {seq_len} calibration tokens ...")
+        windows = calibration_windows(ctx.calibration.source(), ctx.tokenizer, ctx.model, self.n_samples, seq_len,
+                                      ctx.calibration.seed)
+        t0 = time.perf_counter()
+        sens = measure_sensitivity(ctx.model, windows, names, self.options, self.sensitivity, self.seed)
+        seconds = time.perf_counter() - t0
+        numel = np.array([int(ctx.model.get_submodule(n).weight.numel()) for n in names], dtype=np.int64)
+        budget = self._budget(ctx.model, names, numel)
+        costs = sens.costs[self.sensitivity]
+        picked = choose(costs, sens.nbytes, budget)
+        rows = np.arange(len(names))
+        chosen_bytes = int(sens.nbytes[rows, picked].sum())
+        predicted = {k: float(c[rows, picked].sum()) for k, c in sens.costs.items()}
+        uniform = {}
+        for j, opt in enumerate(sens.options):
+            if (sens.nbytes[:, j] >= 0).all():
+                uniform[opt] = {"bytes": int(sens.nbytes[:, j].sum()),
+                                "bits_per_weight": float(sens.nbytes[:, j].sum() * 8 / numel.sum()),
+                                **{f"predicted_{k}": float(c[:, j].sum()) for k, c in sens.costs.items()}}
+        assignment = {n: sens.options[p] for n, p in zip(names, picked)}
+        options = {option_name(o): o for o in self.options}
+        return {"index": index, "stage": "auto_precision", "sensitivity": self.sensitivity,
+                "menu": list(sens.options), "layers": len(names), "weights": int(numel.sum()),
+                "budget_bytes": int(budget), "budget_bits_per_weight": float(budget * 8 / numel.sum()),
+                "bytes": chosen_bytes, "bits_per_weight": float(chosen_bytes * 8 / numel.sum()),
+                "predicted": predicted, "uniform": uniform, "seconds": seconds, "tokens": sens.tokens,
+                "counts": {o: int((np.array(picked) == j).sum()) for j, o in enumerate(sens.options)},
+                "assignment": assignment, "table": sens.to_dict(),
+                "layer_schemes": [{"layer": n, "scheme": None if options[o] is None else options[o].to_dict()}
+                                  for n, o in assignment.items()]}
+
+    def _budget(self, model: nn.Module, names: list[str], numel: np.ndarray) -> int:
+        if self.bits_per_weight is not None:
+            return int(self.bits_per_weight * int(numel.sum()) / 8)
+        if self.bytes is not None:
+            return self.bytes
+        total = 0
+        for n in names:
+            shape = linear_shape(model.get_submodule(n))
+            if not fits(shape, self.bytes_of):
+                raise ValueError(f"bytes_of: {self.bytes_of.name} cannot hold {n} {shape}; give the budget as "
+                                 "bits_per_weight or bytes, or a bytes_of scheme every layer fits")
+            total += scheme_bytes(shape, self.bytes_of)
+        return total
+
+    def resolve_stages(self, stages: tuple, index: int, section: dict) -> tuple:
+        """The recipe's stages with the choice written into the next quantize stage's layer_schemes."""
+        j = next_target(stages, index)
+        chosen = tuple(LayerScheme(e["layer"], None if e["scheme"] is None else QuantScheme.from_dict(e["scheme"]))
+                       for e in section["layer_schemes"])
+        return stages[:j] + (replace(stages[j], layer_schemes=chosen),) + stages[j + 1:]
+
+    @staticmethod
+    def render(section: dict, models: dict) -> list[str]:
+        measured = (models.get("compressed") or {}).get("kl")
+        kind = section["sensitivity"]
+        lines = ["", f"## Stage {section['index']}: auto_precision", "",
+                 f"One scheme per layer for {section['layers']} layers ({section['weights']:,} weights) within "
+                 f"{section['budget_bits_per_weight']:.3f} bits per weight ({section['budget_bytes']:,} bytes), by "
+                 f"{kind} sensitivity measured on {section['tokens']:,} calibration tokens in "
+                 f"{section['seconds']:.0f} s: **{section['bits_per_weight']:.3f} bits per weight** "
+                 f"({section['bytes']:,} bytes).", "",
+                 f"Predicted cost (sum over layers of the {kind} sensitivity of the chosen schemes): "
+                 f"{section['predicted'][kind]:.4g}" +
+                 (f"; measured KL of the quantized model: {measured:.4g} nats per token." if measured is not None
+                  and kind != "output_error" else "."), "",
+                 "| scheme | layers chosen | uniform: bits per weight | uniform: predicted |", "|---|---:|---:|---:|"]
+        for opt in section["menu"]:
+            u = section["uniform"].get(opt)
+            lines.append(f"| {opt} | {section['counts'].get(opt, 0)} | "
+                         f"{'—' if u is None else format(u['bits_per_weight'], '.3f')} | "
+                         f"{'— (does not fit every layer)' if u is None else format(u['predicted_' + kind], '.4g')} |")
+        lines += ["", "| layer | scheme |", "|---|---|"]
+        lines += [f"| `{n}` | {o} |" for n, o in section["assignment"].items()]
+        return lines
+
+
+__all__ = ["AutoPrecisionStage", "DEFAULT_MENU", "FLOAT"]
