@@ -34,7 +34,7 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def sensitivity(n_fisher: int, n_kl: int, threads: int) -> dict:
+def sensitivity(n_fisher: int, n_kl: int, threads: int, kl_blocks: list[int]) -> dict:
     from compress.arch import get_arch
     from compress.data import TextSource, calibration_windows
     from compress.models import load_model
@@ -51,12 +51,15 @@ def sensitivity(n_fisher: int, n_kl: int, threads: int) -> dict:
     t = time.perf_counter()
     fisher = measure_sensitivity(model, windows, names, menu, "fisher")
     t_fisher = time.perf_counter() - t
+    # the measured KL (one forward per layer and option) on the layers of a few blocks: the reference
+    rows = [i for i, n in enumerate(names) if int(n.split(".")[2]) in kl_blocks] if kl_blocks else list(range(len(names)))
     t = time.perf_counter()
-    kl = measure_sensitivity(model, windows[:n_kl], names, menu, "kl")
+    kl = measure_sensitivity(model, windows[:n_kl], [names[i] for i in rows], menu, "kl")
     t_kl = time.perf_counter() - t
     ref = kl.costs["kl"]
+    fisher.costs, fisher.nbytes = {k: c[rows] for k, c in fisher.costs.items()}, fisher.nbytes[rows]
     ok = np.isfinite(ref)
-    out = {"layers": len(names), "options": fisher.options, "fisher_windows": n_fisher, "kl_windows": n_kl,
+    out = {"layers": len(names), "kl_layers": [names[i] for i in rows], "options": fisher.options, "fisher_windows": n_fisher, "kl_windows": n_kl,
            "seq_len": 512, "threads": threads, "seconds": {"fisher+output_error": t_fisher, "kl": t_kl},
            "spearman_vs_kl": {}, "spearman_vs_kl_per_option": {}, "sum_over_layers": {}}
     for kind in ("fisher", "output_error"):
@@ -67,6 +70,7 @@ def sensitivity(n_fisher: int, n_kl: int, threads: int) -> dict:
         out["sum_over_layers"][kind] = {o: float(c[:, j].sum()) for j, o in enumerate(fisher.options)
                                         if ok[:, j].all()}
     out["sum_over_layers"]["kl"] = {o: float(ref[:, j].sum()) for j, o in enumerate(fisher.options) if ok[:, j].all()}
+    fisher.layers = [names[i] for i in rows]
     out["table"] = {"fisher": fisher.to_dict(), "kl": kl.to_dict()}
     return out
 
@@ -77,13 +81,15 @@ def main() -> None:
     ap.add_argument("--fisher-windows", type=int, default=8)
     ap.add_argument("--kl-windows", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--kl-blocks", type=int, nargs="*", default=[0, 10, 20, 29],
+                    help="decoder blocks whose layers get the measured KL (none given: every layer; slow)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/auto_precision_sensitivity.json")
     args = ap.parse_args()
     if args.sensitivity:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                 text=True).stdout.strip()
         res = {"date": time.strftime("%Y-%m-%d"), "commit": commit,
-               **sensitivity(args.fisher_windows, args.kl_windows, args.threads)}
+               **sensitivity(args.fisher_windows, args.kl_windows, args.threads, args.kl_blocks)}
         args.out.write_text(json.dumps(res, indent=1) + "\n")
         print(json.dumps({k: v for k, v in res.items() if k != "table"}, indent=1))
 

@@ -104,7 +104,8 @@ class AutoPrecisionStage(StageBase):
                   f"{self.bytes} bytes" if self.bytes is not None else f"the bytes of uniform {self.bytes_of.name}")
         return (f"\nstage {index}: auto_precision, one scheme per layer of the next quantize stage from "
                 f"[{', '.join(option_name(o) for o in self.options)}] within {budget}, by {self.sensitivity} "
-                f"sensitivity on {self.n_samples} calibration windows (chosen at run time, before calibration)")
+                f"sensitivity on {self.n_samples} calibration windows (chosen at run time, before calibration; until then "
+                "the quantize stage below lists its own scheme for every layer)")
 
     def describe(self, plan: Plan, index: int) -> tuple[list[str], str]:
         return [plan.steps[index]], plan.steps[index].strip()
