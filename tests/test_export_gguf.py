@@ -305,7 +305,7 @@ def test_unknown_gguf_type_and_tokenizers_llama_cpp_cannot_read(tmp_path):
     from tests.tiny_tokenizer import make_tiny_tokenizer
 
     model = make_tiny_model("llama")
-    assert "choose one of f16, q8_0, q4_0, q4_1" in gguf_problems(model, "q5_k")[0]
+    assert "choose one of f16, q8_0, q4_0, q4_1, q4_k, q5_k, q6_k, q4_k_m, q5_k_m" in gguf_problems(model, "q3_k")[0]
     with pytest.raises(ValueError, match="builds byte-level BPE"):  # a WordLevel tokenizer
         write_gguf(model, make_tiny_tokenizer(), tmp_path / "m.gguf", "f16")
     tok = byte_bpe_tokenizer()

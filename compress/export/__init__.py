@@ -20,7 +20,8 @@ from .._version import __version__
 from .errors import ExportError
 
 EXPORT_META = "export.json"
-GGUF_TYPES = ("f16", "q8_0", "q4_0", "q4_1")  # llama.cpp block formats we write
+# llama.cpp block formats we write; the K-quant ones with llama-quantize's per-tensor mixes (gguf_mix.py)
+GGUF_TYPES = ("f16", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q4_k_m", "q5_k_m")
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,7 @@ def _registry() -> dict[str, Exporter]:
     return table
 
 
-FORMAT_NAMES = ("dense", "compressed-tensors", "awq", "gptq", "fp8", "gguf-f16", "gguf-q8_0", "gguf-q4_0",
-                "gguf-q4_1")
+FORMAT_NAMES = ("dense", "compressed-tensors", "awq", "gptq", "fp8") + tuple(f"gguf-{t}" for t in GGUF_TYPES)
 
 
 def get_exporter(name: str) -> Exporter:

@@ -37,10 +37,11 @@ from torch import Tensor, nn
 from ..moe import ExpertLinears
 from ..nn import QuantLinear, linear_shape, linear_weight
 from ..qtensor import QuantizedTensor
+from . import gguf_kquants, gguf_mix
 from .hf import resident
 
-GGUF_TYPES = ("f16", "q8_0", "q4_0", "q4_1")
-BLOCK = 32  # weights per Q8_0 / Q4_0 / Q4_1 block
+GGUF_TYPES = ("f16", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q4_k_m", "q5_k_m")
+BLOCK = 32  # weights per Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 block (K-quants: super-blocks of 256, gguf_kquants.py)
 
 # transformers class -> (GGUF architecture, whether attn_q / attn_k rows are permuted for llama.cpp's RoPE)
 ARCHITECTURES = {
@@ -305,6 +306,15 @@ def exact_fit(qt: QuantizedTensor, qtype: str) -> str | None:
         return "Q4_0 holds symmetric grids of at most 4 bits"
     if qtype == "q4_1" and s.bits > 4:
         return "Q4_1 holds grids of at most 4 bits"
+    if qtype == "q5_0" and not (s.symmetric and s.bits <= 5):
+        return "Q5_0 holds symmetric grids of at most 5 bits"
+    if qtype == "q5_1" and s.bits > 5:
+        return "Q5_1 holds grids of at most 5 bits"
+    if qtype in ("q4_k", "q5_k", "q6_k"):
+        # a K-quant stores each 32 (Q6_K: 16) weights' scale as a 6-bit (8-bit) multiple of one fp16 value per 256
+        # weights; our per-group fp16 scales (and zero points) are not on such a grid
+        return f"{qtype.upper()} keeps per-256-weight double-quantized 6-bit scales; {s.name}'s scales are not on " \
+               "that grid"
     return None
 
 
@@ -318,13 +328,14 @@ def encode_exact(qt: QuantizedTensor, qtype: str, n_head: int | None = None) -> 
     m = None
     if qtype == "q8_0":
         vals = codes if s.symmetric else codes - zero.repeat_interleave(BLOCK, dim=1).to(torch.int32)
-    elif qtype == "q4_0":
-        vals = codes + 8
-    else:  # q4_1: w = d * n + m
+    elif qtype in ("q4_0", "q5_0"):
+        vals = codes + (8 if qtype == "q4_0" else 16)
+    else:  # q4_1 / q5_1: w = d * n + m
         if s.symmetric:
-            vals, m = codes + 8, -8.0 * d
+            half = 8 if qtype == "q4_1" else 16
+            vals, m = codes + half, -float(half) * d
         else:
-            vals, m = codes, -zero * d  # exact in float32 (4-bit integer times an fp16 value)
+            vals, m = codes, -zero * d  # exact in float32 (a small integer times an fp16 value)
     if n_head is not None:
         vals, d = _permute_rows(vals, n_head), _permute_rows(d, n_head)
         m = None if m is None else _permute_rows(m, n_head)
@@ -343,16 +354,25 @@ def encode_exact(qt: QuantizedTensor, qtype: str, n_head: int | None = None) -> 
         return encode_q8_0(v, dn), notes
     if qtype == "q4_0":
         return encode_q4_0(v, dn), notes
+    if qtype == "q5_0":
+        return gguf_kquants.pack_q5_0(dn.reshape(-1), v.reshape(-1, BLOCK)).reshape(v.shape[0], -1), notes
+    if qtype == "q5_1":
+        return gguf_kquants.pack_q5_1(dn.reshape(-1), m.numpy().reshape(-1), v.reshape(-1, BLOCK)) \
+            .reshape(v.shape[0], -1), notes
     return encode_q4_1(v, dn, m.numpy()), notes
 
 
-def _quantize_float(w: Tensor, ggml_name: str) -> np.ndarray:
-    """llama.cpp's reference quantizer (gguf-py mirrors ggml-quants.c), or a float cast."""
+def _quantize_float(w: Tensor, ggml_name: str, imatrix: np.ndarray | None = None) -> np.ndarray:
+    """llama.cpp's quantizer for `ggml_name` (K-quants, Q5_0, Q5_1: our port in gguf_kquants.py, with the
+    importance matrix when given; Q8_0 / Q4_0 / Q4_1: gguf-py's reference quantizer), or a float cast."""
     a = w.detach().float().cpu().numpy()
     if ggml_name == "F32":
         return a.astype(np.float32)
     if ggml_name == "F16":
         return a.astype(np.float16)
+    if ggml_name in gguf_kquants.BLOCK_BYTES and ggml_name != "Q8_0":
+        rows = a.reshape(-1, a.shape[-1])
+        return gguf_kquants.quantize(rows, ggml_name, imatrix).reshape(*a.shape[:-1], -1)
     return _gguf().quants.quantize(a, _ggml_type(ggml_name))
 
 
@@ -483,8 +503,14 @@ def copy_gguf_tokenizer(writer, reader, source_gguf: str | Path, n_vocab: int) -
 
 def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source_gguf: str | None = None, *,
                embed_qtype: str | None = None, pre: str | None = None, name: str | None = None,
-               parts: Iterable | None = None) -> dict:
+               parts: Iterable | None = None, imatrix: dict | None = None, hessians: dict | None = None) -> dict:
     """Write `model` to the .gguf file `path` with its weights in `qtype` (one of GGUF_TYPES).
+
+    K-quant formats (q4_k, q5_k, q6_k, q4_k_m, q5_k_m): each tensor's type follows llama-quantize's mix and
+    fallback rules (gguf_mix.py). imatrix: {HF module name: mean x^2 per input column} from calibration
+    (calibration_stats): float and requantized weights are then quantized with llama.cpp's importance-weighted
+    quantizer, as llama-quantize --imatrix does. hessians: {HF module name: X^T X / n [in, in]}: float weights
+    are quantized by GPTQ onto the very block grid llama.cpp's imatrix quantizer picks (gguf_gptq.py).
 
     source_gguf: the .gguf the model was loaded from; its tokenizer.* keys (vocabulary, merges, special ids,
     chat template) are copied as they are. Without it they are built from `tokenizer` (byte-level BPE).
@@ -500,6 +526,10 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
     problems = gguf_problems(model, qtype)
     if problems:
         raise ValueError("cannot export to GGUF " + qtype + ":\n  " + "\n  ".join(problems))
+    kmix = qtype in gguf_mix.K_FORMATS
+    if kmix and embed_qtype is not None:
+        raise ValueError(f"embed_qtype= is for the 32-block types; {qtype} types token_embd / output by "
+                         "llama-quantize's rules (gguf_mix.py)")
     if embed_qtype is None:
         embed_qtype = "q8_0" if qtype in ("q4_0", "q4_1") else qtype
     if embed_qtype not in GGUF_TYPES:
@@ -546,7 +576,8 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
         writer.add_expert_used_count(config.num_experts_per_tok)
         if getattr(config, "moe_intermediate_size", None):
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    file_types = {"f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1"}
+    file_types = {"f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1"} | \
+        {k: v[1] for k, v in gguf_mix.K_FORMATS.items()}
     writer.add_file_type(int(getattr(gguf.LlamaFileType, file_types[qtype])))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     if source_gguf is not None:
@@ -568,39 +599,66 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
 
     tensors: dict[str, dict] = {}
 
-    def add_float(gname: str, w: Tensor, target: str, path_name: str, **extra) -> None:
+    n_expert = int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
+    imatrix, hessians = imatrix or {}, hessians or {}
+
+    def pick(gname: str, ncols: int, target: str) -> tuple[str, dict]:
+        """The block type of tensor `gname` (lower case) and the report's note on a fallback."""
+        if not kmix:
+            return target, {}
+        kind, why = gguf_mix.tensor_type(qtype, gname, ncols, config.num_hidden_layers, _tied(model), n_expert)
+        return kind.lower(), ({"fallback": why} if why else {})
+
+    def encode_float(w: Tensor, ggml: str, hf: str | None) -> tuple[np.ndarray, dict]:
+        """Block bytes of float weights `w` in `ggml`, with the calibration statistics of layer `hf` if any."""
+        h = hessians.get(hf) if hf is not None else None
+        im = imatrix.get(hf) if hf is not None else None
+        if ggml in ("F16", "F32", "Q8_0") or (h is None and im is None):
+            return _quantize_float(w, ggml), {}
+        if ggml in ("Q4_0", "Q4_1"):
+            return _quantize_float(w, ggml), {"note": "imatrix not used for Q4_0 / Q4_1 (not ported)"}
+        im = np.asarray(im if im is not None else torch.diagonal(torch.as_tensor(h)), np.float32)
+        if h is not None:
+            from .gguf_gptq import quantize_gptq_gguf
+            return quantize_gptq_gguf(w, torch.as_tensor(h), ggml, im), {"method": "gptq"}
+        return _quantize_float(w, ggml, im), {"method": "imatrix"}
+
+    def add_float(gname: str, w: Tensor, target: str, path_name: str, hf: str | None = None, **extra) -> None:
         ggml = target.upper()
-        if ggml not in ("F16", "F32") and w.shape[-1] % BLOCK:
+        if ggml not in ("F16", "F32") and w.shape[-1] % gguf_mix.BLOCK[ggml]:
             ggml, extra = "F16", {**extra, "note": f"row of {w.shape[-1]} is not a whole number of blocks: F16"}
-        data = _quantize_float(w, ggml)
+        data, how = encode_float(w, ggml, hf)
         raw = None if ggml in ("F16", "F32") else _ggml_type(ggml)
         writer.add_tensor(gname, data, raw_dtype=raw)
         tensors[gname] = {"type": ggml, "path": path_name if ggml != "F16" or target == "f16" else "float",
-                          "shape": list(w.shape), **extra}
+                          "shape": list(w.shape), **extra, **how}
 
-    def add_linear(gname: str, module: nn.Module, target: str, heads: int | None) -> None:
+    def add_linear(gname: str, module: nn.Module, target: str, heads: int | None, hf: str | None = None) -> None:
+        target, extra = pick(gname, linear_shape(module)[1], target)
         if not isinstance(module, QuantLinear):
             w = linear_weight(module).detach().float()
             w = w if heads is None else _permute_rows(w, heads)
-            add_float(gname, w, target, "float" if target == "f16" else "quantized-from-float")
+            add_float(gname, w, target, "float" if target == "f16" else "quantized-from-float", hf, **extra)
             return
         qt = module.qtensor()
         why = exact_fit(qt, target)
         if why is None:
-            data, extra = encode_exact(qt, target, heads)
+            data, notes_ = encode_exact(qt, target, heads)
             writer.add_tensor(gname, data, raw_dtype=_ggml_type(target))
             tensors[gname] = {"type": target.upper(), "path": "exact", "shape": list(qt.shape),
-                              "scheme": qt.scheme.name, **extra}
+                              "scheme": qt.scheme.name, **extra, **notes_}
             return
         w = qt.dequantize(torch.float32)
         w = w if heads is None else _permute_rows(w, heads)
-        add_float(gname, w, target, "dequantized" if target == "f16" else "requantized", scheme=qt.scheme.name,
-                  reason=why)
+        add_float(gname, w, target, "dequantized" if target == "f16" else "requantized", hf, scheme=qt.scheme.name,
+                  reason=why, **extra)
 
     def add_experts(gname: str, moe: str, proj: str, target: str) -> None:
         """Every expert's `proj` as one [E, out, in] tensor: each expert's rows encoded as its own 2-D tensor would
         be (exactly where its codes fit the grid), stacked; requantized from float for all when one does not."""
         layers = [model.get_submodule(f"{moe}.{e}.{proj}") for e in range(len(model.get_submodule(moe)))]
+        n_out, n_in = linear_shape(layers[0])
+        target, fell = pick(gname, n_in, target)
         fits = [isinstance(m, QuantLinear) and exact_fit(m.qtensor(), target) is None for m in layers]
         if all(fits):
             data = np.stack([encode_exact(m.qtensor(), target, None)[0] for m in layers])
@@ -608,16 +666,17 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
         else:
             floats = [m.qtensor().dequantize(torch.float32) if isinstance(m, QuantLinear) else
                       linear_weight(m).detach().float() for m in layers]
-            ggml = target.upper() if target == "f16" or floats[0].shape[-1] % BLOCK == 0 else "F16"
-            data = np.stack([_quantize_float(w, ggml) for w in floats])
+            ggml = target.upper() if target == "f16" or floats[0].shape[-1] % gguf_mix.BLOCK[target.upper()] == 0 \
+                else "F16"
+            data = np.stack([_quantize_float(w, ggml) for w in floats])  # no per-expert calibration statistics
             target = ggml.lower()
             path_name = "float" if target == "f16" and not isinstance(layers[0], QuantLinear) else \
                 "dequantized" if target == "f16" else \
                 "requantized" if isinstance(layers[0], QuantLinear) else "quantized-from-float"
             extra = {}
         writer.add_tensor(gname, data, raw_dtype=None if target in ("f16", "f32") else _ggml_type(target))
-        n_out, n_in = linear_shape(layers[0])
-        tensors[gname] = {"type": target.upper(), "path": path_name, "shape": [len(layers), n_out, n_in], **extra}
+        tensors[gname] = {"type": target.upper(), "path": path_name, "shape": [len(layers), n_out, n_in], **extra,
+                          **fell}
 
     def present(hf: str, role: str) -> bool:
         if role == "experts":
@@ -640,23 +699,29 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
             elif role == "experts":
                 add_experts(gname, *hf.split("|"), qtype)
             elif role == "embed":
-                add_float(gname, model.get_input_embeddings().weight.detach(), embed_qtype,
-                          "float" if embed_qtype == "f16" else "quantized-from-float")
+                emb = model.get_input_embeddings().weight.detach()
+                target, fell = pick(gname, emb.shape[1], embed_qtype)
+                add_float(gname, emb, target, "float" if target == "f16" else "quantized-from-float",
+                          "lm_head" if _tied(model) else None, **fell)  # tied: the output matmul's statistics
             elif role == "output":
                 module = model.get_submodule(hf)
-                add_linear(gname, module, embed_qtype if not isinstance(module, QuantLinear) else qtype, None)
+                add_linear(gname, module, embed_qtype if not isinstance(module, QuantLinear) else qtype, None, hf)
             else:
                 heads = None
                 if permute and hf.endswith("q_proj"):
                     heads = n_head
                 elif permute and hf.endswith("k_proj"):
                     heads = n_kv
-                add_linear(gname, model.get_submodule(hf), qtype, heads)
+                add_linear(gname, model.get_submodule(hf), qtype, heads, hf)
         pending = later
     if pending:
         raise ValueError(f"GGUF export: tensors never in memory: {[g for g, _, _ in pending][:5]}")
 
-    if embed_qtype != qtype:
+    fallbacks = [g for g, t in tensors.items() if "fallback" in t]
+    if fallbacks:
+        notes.append(f"{len(fallbacks)} tensors have rows that are not whole 256-weight super-blocks and took "
+                     f"llama.cpp's fallback type (e.g. {fallbacks[0]}: {tensors[fallbacks[0]]['fallback']})")
+    if embed_qtype != qtype and not kmix:
         notes.append(f"token_embd{'' if _tied(model) else ' and output'} in {embed_qtype.upper()} (float in the "
                      f"model; llama-quantize likewise keeps the output / tied embedding above a 4-bit type); "
                      "pass embed_qtype= to change")
