@@ -53,9 +53,11 @@ def stream_blockers(recipe: Recipe) -> list[str]:
         kind = None
     if kind is not None and kind not in STREAM_KINDS:
         why.append(f"a {kind} model is loaded as a whole (stream a Hugging Face folder, a hub id or a .gguf file)")
-    if any(s.whole_model for s in recipe.stages):
-        why.append("prune and distill act on the whole model (run them on a machine where it fits, then stream "
-                   "the quantization of their output)")
+    whole = [s.name for s in recipe.stages if s.whole_model]
+    if whole:
+        why.append(f"{', '.join(dict.fromkeys(whole))} act on the whole model (run them on a machine where it fits, "
+                   "then stream the quantization of their output; an auto_precision choice is reused by running the "
+                   "layer_schemes of its recipe.resolved.yaml)")
     if recipe.output.formats and not recipe.output.save_model:
         why.append("output.formats with output.save_model: false: a streamed run exports block by block from the "
                    "checkpoint it saves (set output.save_model: true)")
