@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from compress.export import gguf_kquants as kq
+from tests.conftest import requires_data
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("llama_cpp")
@@ -328,3 +329,32 @@ def test_gptq_on_the_gguf_grid_keeps_the_grid_and_lowers_the_layer_loss(tmp_path
                 loss[how] = float(torch.trace(e @ h @ e.T))
             # measured 0.02-0.05 (attn_output) and 0.36-0.38 (attn_v) of the imatrix quantizer's loss
             assert loss["gptq"] < 0.6 * loss["rtn"], (name, loss)
+
+
+@pytest.mark.slow  # ~25 s: tokenizing WikiText-2 validation with the tiny tokenizer
+@requires_data
+def test_export_model_calibrates_k_quant_exports(tmp_path, monkeypatch):
+    """`compress export` / output.formats: a K-quant export runs the calibration pass itself (WikiText-2
+    validation) and says so in export.json; float layers go through GPTQ onto the GGUF grid."""
+    from compress.export import export_model
+    from tests.tiny_tokenizer import byte_bpe_tokenizer
+
+    import compress.export.gguf_calib as calib
+
+    monkeypatch.setattr(calib, "EXPORT_WINDOWS", 2)
+    monkeypatch.setattr(calib, "EXPORT_SEQ_LEN", 64)
+    record = export_model(kquant_model(layers=2, tied=True), byte_bpe_tokenizer(), "gguf-q4_k_m", tmp_path / "m")
+    assert record["calibration"].startswith("calibrated (imatrix + GPTQ onto the GGUF grid for float layers) "
+                                            "on 2 x 64 tokens")
+    assert record["tensors"]["blk.0.attn_q.weight"]["method"] == "gptq"
+
+
+def test_k_quant_export_without_calibration_text_says_so(tmp_path, monkeypatch):
+    import compress.data
+    from compress.export import export_model
+    from tests.tiny_tokenizer import byte_bpe_tokenizer
+
+    monkeypatch.setattr(compress.data, "find_data_dir", lambda: None)
+    record = export_model(kquant_model(layers=2, tied=True), byte_bpe_tokenizer(), "gguf-q4_k_m", tmp_path / "m")
+    assert "without an importance matrix, as llama-quantize without --imatrix" in record["calibration"]
+    assert "method" not in record["tensors"]["blk.0.attn_q.weight"]

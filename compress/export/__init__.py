@@ -40,8 +40,21 @@ def _gguf(qtype: str) -> Exporter:
 
     def write(model, tokenizer, folder, source_gguf=None, parts=None, **_):  # one .gguf file (llama.cpp reads one)
         from .gguf import write_gguf
-        return write_gguf(model, tokenizer, Path(folder) / f"model-{qtype}.gguf", qtype, source_gguf=source_gguf,
-                          parts=parts)
+        from .gguf_mix import K_FORMATS
+
+        stats, note = {}, None
+        if qtype in K_FORMATS:  # llama-quantize --imatrix's statistics, from the calibration text (gguf_calib.py)
+            if parts is not None:
+                note = "streamed model: no calibration pass, quantized without an importance matrix"
+            else:
+                from .gguf_calib import export_calibration
+                stats, note = export_calibration(model, tokenizer)
+        report = write_gguf(model, tokenizer, Path(folder) / f"model-{qtype}.gguf", qtype, source_gguf=source_gguf,
+                            parts=parts, **stats)
+        if note:
+            report["calibration"] = note
+            report["notes"].append(note)
+        return report
 
     return Exporter(f"gguf-{qtype}", "llama.cpp, llama-cpp-python, Ollama, LM Studio", problems, write)
 

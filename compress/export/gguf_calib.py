@@ -19,13 +19,19 @@ def calibration_stats(model: nn.Module, windows: Tensor, hessians: bool = False,
     counts: dict[str, int] = {}
     hooks = []
 
+    seen: dict = {}  # one forward's statistics per input tensor: q / k / v (gate / up) share theirs
+
     def hook(name):
         def fn(_module, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).double()  # [tokens, in]
-            sums[name] = sums.get(name, 0) + (x * x).sum(0)
-            counts[name] = counts.get(name, 0) + x.shape[0]
+            key = id(args[0])  # the entry holds the tensor, so no other input can take its id this forward
+            if key not in seen:
+                x = args[0].detach().reshape(-1, args[0].shape[-1]).float()  # [tokens, in]
+                seen[key] = (args[0], (x * x).sum(0).double(), (x.T @ x).double() if hessians else None, x.shape[0])
+            _, sq, gram, n = seen[key]
+            sums[name] = sums.get(name, 0) + sq  # float64 across windows
+            counts[name] = counts.get(name, 0) + n
             if hessians:
-                grams[name] = grams.get(name, 0) + x.T @ x
+                grams[name] = grams.get(name, 0) + gram
         return fn
 
     for name, module in model.named_modules():
@@ -33,9 +39,32 @@ def calibration_stats(model: nn.Module, windows: Tensor, hessians: bool = False,
             hooks.append(module.register_forward_pre_hook(hook(name)))
     try:
         for i in range(0, windows.shape[0], batch_size):
+            seen.clear()
             model(input_ids=windows[i:i + batch_size], use_cache=False)
     finally:
         for h in hooks:
             h.remove()
     imatrix = {k: (v / counts[k]).float() for k, v in sums.items()}
     return imatrix, {k: (v / counts[k]).float() for k, v in grams.items()}
+
+
+EXPORT_WINDOWS, EXPORT_SEQ_LEN = 32, 512  # what bench/gguf_kquants.py measured
+
+
+def export_calibration(model: nn.Module, tokenizer) -> tuple[dict, str]:
+    """Statistics for a K-quant export run from `compress export` / a recipe's output.formats: EXPORT_WINDOWS
+    windows of EXPORT_SEQ_LEN tokens of WikiText-2 validation (seed 0, the calibration preset's text), the imatrix
+    for every layer and Hessians where a linear layer is still float (GPTQ onto the GGUF grid). Returns
+    (write_gguf keyword arguments, the note for the report); without local WikiText-2 the statistics are empty and
+    the note says the file was quantized as llama-quantize does without --imatrix."""
+    from ..data import TextSource, calibration_windows, find_data_dir
+
+    if tokenizer is None or find_data_dir() is None:
+        return {}, ("no calibration text (WikiText-2 under COMPRESS_DATA_DIR) or tokenizer: quantized without an "
+                    "importance matrix, as llama-quantize without --imatrix")
+    float_linears = any(isinstance(m, nn.Linear) for n, m in model.named_modules() if ".layers." in n)
+    ids = calibration_windows(TextSource(), tokenizer, model, EXPORT_WINDOWS, EXPORT_SEQ_LEN, 0)
+    imatrix, hessians = calibration_stats(model, ids, hessians=float_linears)
+    how = "imatrix" + (" + GPTQ onto the GGUF grid for float layers" if float_linears else "")
+    return ({"imatrix": imatrix, "hessians": hessians or None},
+            f"calibrated ({how}) on {EXPORT_WINDOWS} x {EXPORT_SEQ_LEN} tokens of WikiText-2 validation, seed 0")
