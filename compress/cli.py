@@ -59,6 +59,9 @@ EPILOG_EXPORT = """formats (FORMAT: who loads it):
   gguf-f16 | gguf-q8_0 | gguf-q4_0 | gguf-q4_1   llama.cpp: int4 g32 sym -> q4_0, asym -> q4_1, int8 g32 -> q8_0
                       keep our codes exactly; anything else is dequantized and re-quantized (export.json says
                       which path each tensor took)
+  gguf-q4_k | gguf-q5_k | gguf-q6_k | gguf-q4_k_m | gguf-q5_k_m   llama.cpp K-quants, llama-quantize's per-tensor
+                      mix and fallbacks (Q5_0 / Q5_1 / Q8_0 for rows not a multiple of 256); calibrated on WikiText-2
+                      (imatrix; GPTQ onto the grid for float layers) when the data is there
 
 examples:
   compress export runs/awq_int4 --format compressed-tensors --format awq
