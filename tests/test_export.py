@@ -241,7 +241,7 @@ def test_unsupported_combinations_fail_before_writing(fmt, sch, family, words, t
 
 def test_unknown_format_names_the_choices(tmp_path):
     with pytest.raises(ExportError, match="gguf-q4_0"):
-        export(make_tiny_model("llama"), "gguf-q5_k", tmp_path)
+        export(make_tiny_model("llama"), "gguf-q3_k", tmp_path)  # q4_k, q5_k and q6_k are written (K-quants)
 
 
 def test_existing_folder_needs_overwrite_and_is_replaced_whole(tmp_path):
