@@ -37,7 +37,8 @@ from torch import Tensor, nn
 from ..moe import ExpertLinears
 from ..nn import QuantLinear, linear_shape, linear_weight
 from ..qtensor import QuantizedTensor
-from . import gguf_kquants, gguf_mix
+from .gguf_kquants import BLOCK_BYTES as KQ_BLOCK_BYTES, pack_q5_0, pack_q5_1, quantize as quantize_kquant
+from .gguf_mix import BLOCK as MIX_BLOCK, K_FORMATS, tensor_type
 from .hf import resident
 
 GGUF_TYPES = ("f16", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q4_k_m", "q5_k_m")
@@ -355,9 +356,9 @@ def encode_exact(qt: QuantizedTensor, qtype: str, n_head: int | None = None) -> 
     if qtype == "q4_0":
         return encode_q4_0(v, dn), notes
     if qtype == "q5_0":
-        return gguf_kquants.pack_q5_0(dn.reshape(-1), v.reshape(-1, BLOCK)).reshape(v.shape[0], -1), notes
+        return pack_q5_0(dn.reshape(-1), v.reshape(-1, BLOCK)).reshape(v.shape[0], -1), notes
     if qtype == "q5_1":
-        return gguf_kquants.pack_q5_1(dn.reshape(-1), m.numpy().reshape(-1), v.reshape(-1, BLOCK)) \
+        return pack_q5_1(dn.reshape(-1), m.numpy().reshape(-1), v.reshape(-1, BLOCK)) \
             .reshape(v.shape[0], -1), notes
     return encode_q4_1(v, dn, m.numpy()), notes
 
@@ -370,9 +371,9 @@ def _quantize_float(w: Tensor, ggml_name: str, imatrix: np.ndarray | None = None
         return a.astype(np.float32)
     if ggml_name == "F16":
         return a.astype(np.float16)
-    if ggml_name in gguf_kquants.BLOCK_BYTES and ggml_name != "Q8_0":
+    if ggml_name in KQ_BLOCK_BYTES and ggml_name != "Q8_0":
         rows = a.reshape(-1, a.shape[-1])
-        return gguf_kquants.quantize(rows, ggml_name, imatrix).reshape(*a.shape[:-1], -1)
+        return quantize_kquant(rows, ggml_name, imatrix).reshape(*a.shape[:-1], -1)
     return _gguf().quants.quantize(a, _ggml_type(ggml_name))
 
 
@@ -526,7 +527,7 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
     problems = gguf_problems(model, qtype)
     if problems:
         raise ValueError("cannot export to GGUF " + qtype + ":\n  " + "\n  ".join(problems))
-    kmix = qtype in gguf_mix.K_FORMATS
+    kmix = qtype in K_FORMATS
     if kmix and embed_qtype is not None:
         raise ValueError(f"embed_qtype= is for the 32-block types; {qtype} types token_embd / output by "
                          "llama-quantize's rules (gguf_mix.py)")
@@ -577,7 +578,7 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
         if getattr(config, "moe_intermediate_size", None):
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     file_types = {"f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1"} | \
-        {k: v[1] for k, v in gguf_mix.K_FORMATS.items()}
+        {k: v[1] for k, v in K_FORMATS.items()}
     writer.add_file_type(int(getattr(gguf.LlamaFileType, file_types[qtype])))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     if source_gguf is not None:
@@ -606,7 +607,7 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
         """The block type of tensor `gname` (lower case) and the report's note on a fallback."""
         if not kmix:
             return target, {}
-        kind, why = gguf_mix.tensor_type(qtype, gname, ncols, config.num_hidden_layers, _tied(model), n_expert)
+        kind, why = tensor_type(qtype, gname, ncols, config.num_hidden_layers, _tied(model), n_expert)
         return kind.lower(), ({"fallback": why} if why else {})
 
     def encode_float(w: Tensor, ggml: str, hf: str | None) -> tuple[np.ndarray, dict]:
@@ -625,7 +626,7 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
 
     def add_float(gname: str, w: Tensor, target: str, path_name: str, hf: str | None = None, **extra) -> None:
         ggml = target.upper()
-        if ggml not in ("F16", "F32") and w.shape[-1] % gguf_mix.BLOCK[ggml]:
+        if ggml not in ("F16", "F32") and w.shape[-1] % MIX_BLOCK[ggml]:
             ggml, extra = "F16", {**extra, "note": f"row of {w.shape[-1]} is not a whole number of blocks: F16"}
         data, how = encode_float(w, ggml, hf)
         raw = None if ggml in ("F16", "F32") else _ggml_type(ggml)
@@ -666,7 +667,7 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
         else:
             floats = [m.qtensor().dequantize(torch.float32) if isinstance(m, QuantLinear) else
                       linear_weight(m).detach().float() for m in layers]
-            ggml = target.upper() if target == "f16" or floats[0].shape[-1] % gguf_mix.BLOCK[target.upper()] == 0 \
+            ggml = target.upper() if target == "f16" or floats[0].shape[-1] % MIX_BLOCK[target.upper()] == 0 \
                 else "F16"
             data = np.stack([_quantize_float(w, ggml) for w in floats])  # no per-expert calibration statistics
             target = ggml.lower()

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import gguf_kquants as kq
+from .gguf_kquants import (BLOCK_WEIGHTS, pack_q4_k, pack_q5_0, pack_q5_1, pack_q5_k, pack_q6_k,
+                           quantize as quantize_kquant, unpack)
 
 DAMPENING = 0.01  # fraction of the mean Hessian diagonal added to it (GPTQ's default)
 BLOCK_COLUMNS = 128  # lazy-update block
@@ -35,24 +36,24 @@ def _grid(w: np.ndarray, kind: str, imatrix: np.ndarray):
             return np.concatenate([raw[:, :2], codes.astype(np.int8).view(np.uint8)], -1)
 
         return s, np.zeros_like(s), -128, 127, c, pack
-    raw = kq.quantize(w, kind, imatrix)
-    f = kq.unpack(raw, kind)
+    raw = quantize_kquant(w, kind, imatrix)
+    f = unpack(raw, kind)
     n = f["q"].shape[0]
     if kind in ("Q4_K", "Q5_K"):
         s = np.repeat(f["d"][:, None] * f["sc"].astype(np.float32), 32, 1)  # [n, 256]
         o = np.repeat(f["dmin"][:, None] * f["m"].astype(np.float32), 32, 1)
-        pk = kq.pack_q4_k if kind == "Q4_K" else kq.pack_q5_k
+        pk = pack_q4_k if kind == "Q4_K" else pack_q5_k
         return s, o, 0, 15 if kind == "Q4_K" else 31, f["q"].astype(np.int32), \
             lambda c: pk(f["d"], f["dmin"], f["sc"], f["m"], c)
     if kind == "Q6_K":
         s = np.repeat(f["d"][:, None] * f["sc"].astype(np.float32), 16, 1)
         return s, np.zeros_like(s), -32, 31, f["q"].astype(np.int32) - 32, \
-            lambda c: kq.pack_q6_k(f["d"], f["sc"], c + 32)
+            lambda c: pack_q6_k(f["d"], f["sc"], c + 32)
     s = np.repeat(f["d"][:, None], 32, 1)
     if kind == "Q5_0":
-        return s, np.zeros_like(s), -16, 15, f["q"].astype(np.int32) - 16, lambda c: kq.pack_q5_0(f["d"], c + 16)
+        return s, np.zeros_like(s), -16, 15, f["q"].astype(np.int32) - 16, lambda c: pack_q5_0(f["d"], c + 16)
     o = np.repeat(-f["m"][:, None], 32, 1)  # Q5_1: w = d * q + m
-    return s, o, 0, 31, f["q"].astype(np.int32), lambda c: kq.pack_q5_1(f["d"], f["m"], c)
+    return s, o, 0, 31, f["q"].astype(np.int32), lambda c: pack_q5_1(f["d"], f["m"], c)
 
 
 def _inverse_factor(h: Tensor) -> Tensor:
@@ -73,7 +74,7 @@ def quantize_gptq_gguf(w: Tensor, hessian: Tensor, kind: str, imatrix: np.ndarra
     if h.shape != (cols, cols):
         raise ValueError(f"hessian of shape {tuple(h.shape)} for weights of {cols} columns")
     imatrix = np.diag(h.numpy()).astype(np.float32) if imatrix is None else imatrix
-    blk = kq.BLOCK_WEIGHTS[kind]
+    blk = BLOCK_WEIGHTS[kind]
     s, o, lo, hi, c0, pack = _grid(w32, kind, imatrix)
     S = torch.from_numpy(s.reshape(rows, cols))  # [R, K] scale of each weight's block
     O = torch.from_numpy(o.reshape(rows, cols))
