@@ -27,6 +27,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench import protocol  # noqa: E402
 
+AUTO_RTN = ("[{stage: auto_precision, %s, n_samples: 4}, "  # recipes/auto_precision_4bit.yaml's menu (the default)
+            "{stage: quantize, method: rtn, scheme: W4A16_ASYM_G64, ignore: [lm_head]}]")
+AUTO_GPTQ = ("[{stage: auto_precision, %s, n_samples: 4}, "  # then gptq_int4.yaml's quantize stage
+             "{stage: quantize, method: gptq, scheme: W4A16_ASYM_G64, ignore: [lm_head]}]")
 AR = ["stages.1.method=autoround", "stages.1.options={iters: 200, batch_size: 2}"]
 RUNS = {  # name: (recipe, extra --set overrides)
     "rtn int4": ("recipes/gptq_int4.yaml", ["stages.0.method=rtn", "calibration=null"]),
@@ -65,6 +69,14 @@ RUNS = {  # name: (recipe, extra --set overrides)
                                                                      "stages.0.bits_per_weight=3.5"]),
     "awq+gptq int3 g32": ("recipes/awq_gptq_int4.yaml", ["stages.1.scheme.dtype=int3",
                                                          "stages.1.scheme.group_size=32"]),
+    # the same choice with round-to-nearest weights (no AWQ, no GPTQ), against uniform RTN
+    "auto rtn @int4 g64 bytes": ("recipes/auto_precision_4bit.yaml", [f"stages={AUTO_RTN % 'bytes_of: W4A16_ASYM_G64'}"]),
+    "auto rtn @3.5 bits": ("recipes/auto_precision_4bit.yaml", [f"stages={AUTO_RTN % 'bits_per_weight: 3.5'}"]),
+    "auto gptq @int4 g64 bytes": ("recipes/gptq_int4.yaml", [f"stages={AUTO_GPTQ % 'bytes_of: W4A16_ASYM_G64'}"]),
+    "auto gptq @3.5 bits": ("recipes/gptq_int4.yaml", [f"stages={AUTO_GPTQ % 'bits_per_weight: 3.5'}"]),
+    "gptq int3 g32": ("recipes/gptq_int4.yaml", ["stages.0.scheme.dtype=int3", "stages.0.scheme.group_size=32"]),
+    "rtn int3 g32": ("recipes/gptq_int4.yaml", ["stages.0.method=rtn", "calibration=null", "stages.0.scheme.dtype=int3",
+                                                "stages.0.scheme.group_size=32"]),
 }
 
 
@@ -72,7 +84,7 @@ def run_dir(out_root: Path, name: str) -> Path:
     return out_root / name.replace(" ", "_").replace("+", "-").replace("(", "").replace(")", "").replace(",", "")
 
 
-def compress_all(out_root: Path, only: list[str], jobs: int = 1, reuse: bool = False) -> dict:
+def compress_all(out_root: Path, only: list[str], jobs: int = 1, reuse: bool = False, extra: tuple = ()) -> dict:
     """Each selected run in its own `compress run` process, `jobs` at a time (each then calibrates on one thread);
     `reuse`: a run whose folder holds a finished report is read, not run again."""
     info, running = {}, []
@@ -86,7 +98,7 @@ def compress_all(out_root: Path, only: list[str], jobs: int = 1, reuse: bool = F
                    "eval.baseline=false", *protocol.SAVE_FLOAT32]
             if jobs > 1:
                 cmd += ["--set", "calibration.threads=1"]
-            for s in sets:
+            for s in [*sets, *extra]:
                 cmd += ["--set", s]
             if len(running) >= jobs:
                 running.pop(0).wait()
@@ -139,12 +151,14 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=[], help="subset of run names")
     ap.add_argument("--jobs", type=int, default=1, help="runs at a time (each calibrates on one thread)")
     ap.add_argument("--reuse", action="store_true", help="read runs whose folder holds a finished report")
+    ap.add_argument("--set", dest="sets", action="append", default=[],
+                    help="a recipe override for every run, after the run's own (e.g. calibration.n_samples=16)")
     args = ap.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    info = compress_all(Path(args.runs_dir), args.only, args.jobs, args.reuse)
+    info = compress_all(Path(args.runs_dir), args.only, args.jobs, args.reuse, tuple(args.sets))
     scores = score_all(info, args.max_windows)
     result = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "windows": args.max_windows,
-              "protocol": protocol.as_dict(), "runs": info,
+              "protocol": protocol.as_dict(), "runs": info, "overrides": args.sets,
               "scores": scores}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
