@@ -8,6 +8,8 @@ transformers' GPT-2 `Conv1D` stores its weight as [in, out]; `linear_weight` ret
 """
 from __future__ import annotations
 
+import functools
+
 import contextlib
 import importlib.util
 
@@ -21,6 +23,22 @@ from .qtensor import QuantizedTensor
 from .scheme import QuantScheme
 
 LINEAR_TYPES = (nn.Linear, Conv1D)
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16 in /proc/cpuinfo); elsewhere torch
+    emulates bf16 matmuls, 7x slower than float32 on an AVX2 EPYC (2048x576x1536: 2.24 s vs 0.33 s, measured)."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def native_bf16(device_type: str) -> bool:
+    """Whether bfloat16 matmuls on this device type are native (CUDA; a CPU with bf16 instructions)."""
+    return device_type == "cuda" or (device_type == "cpu" and cpu_has_bf16())
 
 
 def is_linear(module: nn.Module) -> bool:

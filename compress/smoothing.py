@@ -143,14 +143,19 @@ def fold_scales(pair: Pair, s: Tensor, norm_offset: float, input_divisor: dict[s
 
 # ---------------------------------------------------------------- replaying an inspect module
 
-REPLAY_DTYPE = torch.bfloat16
+def replay_dtype(t: Tensor) -> torch.dtype:
+    """The scale search compares candidates in bfloat16 where the hardware multiplies it natively (AMX / tensor cores:
+    ~4x the float32 matmul rate on an AMX Xeon), else in float32 (an AVX2 CPU emulates bf16 at 7x the float32 time).
+    Candidates and the reference are computed the same way, so the comparison stays fair; the chosen scales are folded
+    into the float32 weights."""
+    from .nn import native_bf16
+    return torch.bfloat16 if native_bf16(t.device.type) else torch.float32
 
 
 def replay_autocast(t: Tensor):
-    """The scale search compares candidates in bfloat16 (AMX / tensor cores: ~4x the float32 matmul rate
-    here). Candidates and the reference are computed the same way, so the comparison stays fair;
-    the chosen scales are folded into the float32 weights."""
-    return torch.autocast(device_type=t.device.type, dtype=REPLAY_DTYPE)
+    """bfloat16 autocast for the replays where replay_dtype says so (off otherwise)."""
+    return torch.autocast(device_type=t.device.type, dtype=torch.bfloat16,
+                          enabled=replay_dtype(t) is torch.bfloat16)
 
 
 @torch.no_grad()

@@ -245,7 +245,8 @@ def test_spilled_activations_live_in_three_files_of_the_expected_size(tmp_path):
 def test_calibration_dtype_auto_is_bfloat16_only_where_it_is_native():
     """auto: bfloat16 on CUDA and on CPUs with bf16 instructions; float32 on the others, where torch emulates bf16
     matmuls (7x slower than float32 on an AVX2 EPYC); an explicit setting is kept."""
-    from compress.runner import calibration_dtype, cpu_has_bf16
+    from compress.nn import cpu_has_bf16
+    from compress.runner import calibration_dtype
 
     assert calibration_dtype("auto", "cuda") == "bfloat16"
     assert calibration_dtype("auto", "cpu") == ("bfloat16" if cpu_has_bf16() else "float32")

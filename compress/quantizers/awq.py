@@ -22,7 +22,7 @@ from transformers.pytorch_utils import Conv1D
 from ..distributed import all_windows, mean_over_ranks, total_over_ranks
 from ..primitives import group_view
 from ..scheme import QuantScheme
-from ..smoothing import (REPLAY_DTYPE, PairResult, fold_scales, in_weight, pooled_stats, replay, replay_autocast,
+from ..smoothing import (replay_dtype, PairResult, fold_scales, in_weight, pooled_stats, replay, replay_autocast,
                          usable_pairs)
 from .rtn import fake_quantize
 
@@ -118,7 +118,7 @@ def _replay_loss(inspect: nn.Module, calls, reference: list[Tensor], balance: li
             w = in_weight(m).float()
             trial = fake_quantize(w * s[None, :], sch) / s[None, :]
             # held in the replay's matmul dtype: the same values autocast would produce, cast once, not per call
-            m.weight.data = (trial.t() if isinstance(m, Conv1D) else trial).to(REPLAY_DTYPE).contiguous()
+            m.weight.data = (trial.t() if isinstance(m, Conv1D) else trial).to(replay_dtype(originals[0])).contiguous()
         with replay_autocast(originals[0]):
             outs = replay(inspect, calls)
         return mean_over_ranks([float((o - r).pow(2).mean()) for o, r in zip(outs, reference)])
