@@ -32,6 +32,7 @@ AUTO_RTN = ("[{stage: auto_precision, %s, n_samples: 4}, "  # recipes/auto_preci
 AUTO_GPTQ = ("[{stage: auto_precision, %s, n_samples: 4}, "  # then gptq_int4.yaml's quantize stage
              "{stage: quantize, method: gptq, scheme: W4A16_ASYM_G64, ignore: [lm_head]}]")
 AR = ["stages.1.method=autoround", "stages.1.options={iters: 200, batch_size: 2}"]
+ONLINE = "stages.0.online_hadamard=true"
 RUNS = {  # name: (recipe, extra --set overrides)
     "rtn int4": ("recipes/gptq_int4.yaml", ["stages.0.method=rtn", "calibration=null"]),
     "awq int4": ("recipes/awq_int4.yaml", []),
@@ -59,6 +60,13 @@ RUNS = {  # name: (recipe, extra --set overrides)
     # rotated activations: int8 weights per channel, int8 activations with one static scale per tensor (calibrated)
     "rtn w8a8 static": ("recipes/gptq_int4.yaml", ["stages.0.method=rtn", "stages.0.scheme=W8A8_STATIC"]),
     "rotate+rtn w8a8 static": ("recipes/rotate_gptq_int3.yaml", ["stages.1.method=rtn", "stages.1.scheme=W8A8_STATIC"]),
+    # the online Hadamard on every down_proj input (rotate.online_hadamard, QuaRot / SpinQuant's R4) on top of R1
+    "rotate+online+gptq int4": ("recipes/rotate_gptq_int3.yaml", [ONLINE, "stages.1.scheme.dtype=int4"]),
+    "rotate+online+gptq int3": ("recipes/rotate_gptq_int3.yaml", [ONLINE]),
+    "rotate+online+rtn w8a8 static": ("recipes/rotate_gptq_int3.yaml", [ONLINE, "stages.1.method=rtn",
+                                                                       "stages.1.scheme=W8A8_STATIC"]),
+    "rotate+online+autoround int2 g32": ("recipes/rotate_gptq_int3.yaml", [ONLINE, *AR, "stages.1.scheme.dtype=int2",
+                                                                          "stages.1.scheme.group_size=32"]),
     "awq+autoround int2 g32": ("recipes/awq_gptq_int4.yaml", [*AR, "stages.1.scheme.dtype=int2",
                                                               "stages.1.scheme.group_size=32"]),
     # mixed precision (issue 19): a scheme per layer by Fisher sensitivity and a knapsack, then AWQ + GPTQ

@@ -219,7 +219,9 @@ def save_compressed(model: nn.Module, tokenizer, out_dir: str | Path, meta: dict
 def write_model_files(model: nn.Module, tokenizer, out_dir: Path, meta: dict, save_dtype: str, kv: dict) -> None:
     """Everything of a compress checkpoint but the tensors: config.json, generation and tokenizer files, and
     compress.json (per-layer schemes, `kv` scales, recipe, provenance). `model` may be a meta skeleton."""
+    from .rotation import online_rotations
     layers = {n: m.scheme.to_dict() for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    rotations = {n: r.n for n, r in online_rotations(model).items()}  # linear -> order of its online Hadamard
     config = copy.deepcopy(model.config)
     config.dtype = save_dtype  # what the float tensors on disk are
     set_architectures(config, model)
@@ -229,7 +231,9 @@ def write_model_files(model: nn.Module, tokenizer, out_dir: Path, meta: dict, sa
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     (out_dir / COMPRESS_META).write_text(json.dumps({**meta, "format": "compress-native-v1", "save_dtype": save_dtype,
-                                                     "layers": layers, "kv_cache": kv}, indent=2))
+                                                     "layers": layers, "kv_cache": kv,
+                                                     **({"online_rotations": rotations} if rotations else {})},
+                                                    indent=2))
 
 
 def quantized_skeleton(config, layers: dict[str, QuantScheme], dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -271,6 +275,9 @@ def compressed_skeleton(folder: str | Path, dtype: torch.dtype, shapes: dict[str
                       fields["v_scale"] * FP8_MAX[fields["dtype"]], fields["dtype"])
     if meta.get("kv_cache"):
         use_kv_attention(model)
+    from .rotation import OnlineHadamard, attach_input_rotation
+    for name, n in meta.get("online_rotations", {}).items():  # its signs come from the file
+        attach_input_rotation(model.get_submodule(name), OnlineHadamard(n))
     keep = {k for k in shapes if any(k.startswith(n + ".") and k[len(n) + 1:] != "bias" for n in meta["layers"])}
     keep |= {f"{n}.{b}" for n in meta.get("kv_cache", {}) for b in ("k_scale", "v_scale")}
     for name in meta["layers"]:  # LLM.int8 static outlier features: their count is only known from the file

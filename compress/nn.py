@@ -179,3 +179,16 @@ def cached_dequantize(module: nn.Module, dtype: torch.dtype = torch.float32):
     finally:
         for m in layers:
             m._weight_cache = None
+
+
+def _rotate_input_hook(module: nn.Module, args: tuple):
+    return (module.input_rotation(args[0]), *args[1:])
+
+
+def attach_input_rotation(linear: nn.Module, rotation: nn.Module) -> None:
+    """Make `linear` rotate its input at run time (a forward pre-hook, run before any other, so that observers and
+    quantizers see the rotated input). arch.set_module carries it over to a module that replaces this one."""
+    if getattr(linear, "input_rotation", None) is not None:
+        raise ValueError(f"{type(linear).__name__} already rotates its input")
+    linear.input_rotation = rotation
+    linear.register_forward_pre_hook(_rotate_input_hook, prepend=True)

@@ -41,7 +41,14 @@ def planned_model(model, plan: Plan) -> torch.nn.Module:
 
 
 def check_formats(model, plan: Plan, formats: tuple[str, ...]) -> None:
-    from .export import check_export
+    from .export import ExportError, check_export, get_exporter
+    online = [s for s in plan.stages if getattr(s, "online_hadamard", False)]
+    if formats and online:
+        raise ExportError(f"cannot export to {', '.join(formats)}: the rotate stage's online_hadamard rotates every "
+                          "MLP down projection's input at run time, which none of these formats' loaders "
+                          f"({'; '.join(get_exporter(f).loaders for f in formats)}) apply. Drop output.formats "
+                          "(the compress checkpoint in OUTPUT/model holds it: `compress eval`, `compress verify`), or "
+                          "set rotate.online_hadamard: false")
     if formats:
         meta = planned_model(model, plan)
         for fmt in formats:

@@ -12,6 +12,12 @@ between a block's output projections and the residual (Gemma 2's post-norms have
 are spread over every input channel: a channel with outliers no longer dominates a group's range, which is what
 low-bit weight quantization gains. Nothing is needed at run time: every checkpoint format holds the result.
 
+The online Hadamard (QuaRot's, SpinQuant's R4; below): the MLP's intermediate channels, the input of down_proj,
+pass through a nonlinearity, so no rotation folds through them; instead down_proj's weight becomes W·Q and x·Q is
+computed at run time before it (OnlineHadamard, a forward pre-hook). Its weight and activations are then quantized
+in the rotated basis. Only a runtime that applies the transform can run it: the compress checkpoint does, the
+export formats refuse it (their loaders do not).
+
 Q is a randomised Hadamard matrix H·diag(±1)/√d (QuaRot's choice: cheap, and maximally incoherent) where one of
 order d can be built here (Sylvester for 2^k, Paley I for q + 1 with q a prime ≡ 3 mod 4, Paley II for 2(q + 1) with
 q a prime ≡ 1 mod 4, and Kronecker products of those: 576 = 36 · 16, 1536 = 12 · 128, 4096 = 2^12); otherwise, or
@@ -23,6 +29,8 @@ from functools import lru_cache
 
 import torch
 from torch import Tensor, nn
+
+from .nn import attach_input_rotation
 
 
 def _is_prime(q: int) -> bool:
@@ -208,3 +216,121 @@ def _check_norm(norm: nn.Module, name: str) -> None:
     if getattr(norm, "bias", None) is not None or not isinstance(getattr(norm, "weight", None), Tensor):
         raise ValueError(f"{name} ({type(norm).__name__}) is not an RMS norm with a gain only; the rotation cannot "
                          "pass through it")
+
+
+# ---------------------------------------------------------------- the online Hadamard on the MLP's down projection
+
+def hadamard_factors(n: int) -> tuple[list[Tensor | None], str]:
+    """Factors F_1..F_k (float64, entries ±1, or None for an identity block) whose Kronecker product is a Hadamard
+    matrix of order n, or block-diagonal Hadamard when none of order n can be built here (I_m ⊗ H_{2^j}, n = m·2^j:
+    orthogonal, incoherent within each block of 2^j channels), and what they are. Applied one axis at a time, x·H
+    costs n·Σ n_i multiply-adds per token instead of n² (QuaRot's fast Hadamard transform does the same with a
+    butterfly)."""
+    def split(order: int) -> list[int]:
+        how = _construction(order)
+        return split(how[1]) + split(how[2]) if how[0] == "kron" else [order]
+
+    if _construction(n) is not None:
+        orders = split(n)
+        return [hadamard(o) for o in orders], " ⊗ ".join(_describe(o) for o in orders)
+    p = n & -n  # the largest power of two dividing n
+    if p < 2:
+        raise ValueError(f"no Hadamard transform of order {n} can be built here (an odd order)")
+    return [None, hadamard(p)], f"block-diagonal: {n // p} blocks of Sylvester {p} (no Hadamard matrix of order {n})"
+
+
+class OnlineHadamard(nn.Module):
+    """x -> x·Q with Q = H·diag(signs)/√n (the randomised Hadamard of random_rotation), computed at run time on the
+    input of one linear whose weight holds W·Q (fold_online_hadamard): the product is unchanged, and the linear's
+    input, its activation outliers spread over all channels, is what its weight and activation quantizers see.
+    `signs` is the state (saved with the checkpoint); the factors are rebuilt from the order, not saved."""
+
+    def __init__(self, n: int, signs: Tensor | None = None, seed: int = 0):
+        super().__init__()
+        if signs is None:
+            g = torch.Generator().manual_seed(seed)
+            signs = torch.randint(0, 2, (n,), generator=g).float() * 2 - 1
+        self.n = n
+        factors, self.what = hadamard_factors(n)
+        self.register_buffer("signs", signs.float().reshape(n))
+        known = 1
+        for f in factors:
+            known *= 1 if f is None else f.shape[0]
+        self.sizes = [n // known if f is None else f.shape[0] for f in factors]
+        self.norm = known ** -0.5  # the Hadamard part's order: n, or a block's order when block-diagonal
+        for i, f in enumerate(factors):
+            self.register_buffer(f"factor{i}", None if f is None else f.float(), persistent=False)
+        self.n_factors = len(factors)
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        y = x.float() if dtype in (torch.bfloat16, torch.float16) else x
+        lead = y.shape[:-1]
+        y = y.reshape(*lead, *self.sizes)
+        axis0 = len(lead)
+        for i in range(self.n_factors):
+            f = getattr(self, f"factor{i}")
+            if f is not None:
+                y = torch.movedim(torch.tensordot(y, f.to(y.dtype), dims=([axis0 + i], [0])), -1, axis0 + i)
+        y = y.reshape(*lead, self.n) * (self.signs.to(y.dtype) * self.norm)
+        return y.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"n={self.n}, {self.what}"
+
+
+def online_rotations(model: nn.Module) -> dict[str, OnlineHadamard]:
+    """Every linear of `model` that rotates its input at run time, by name."""
+    return {n: m.input_rotation for n, m in model.named_modules() if isinstance(getattr(m, "input_rotation", None),
+                                                                                OnlineHadamard)}
+
+
+def online_rotation_problem(model: nn.Module, runtime: str) -> str | None:
+    """Why `runtime` cannot run this model (its online Hadamard), or None."""
+    found = online_rotations(model)
+    if not found:
+        return None
+    return (f"{len(found)} linears ({next(iter(found))}, ...) rotate their input by an online Hadamard at run time "
+            f"(rotate.online_hadamard: true), which {runtime} does not apply; without it their weights compute "
+            "garbage. Use rotate.online_hadamard: false (the residual rotation alone is folded into the weights and "
+            "every format holds it), or keep the compress checkpoint (OUTPUT/model: `compress eval` and `compress "
+            "verify` run it)")
+
+
+@torch.no_grad()
+def fold_online_hadamard(linear: nn.Linear, seed: int) -> OnlineHadamard:
+    """W -> W·Q, and Q applied to the input at run time: y = (xQ)(WQ)ᵀ = xWᵀ. The fold goes through the same fast
+    transform, row by row in float64 (no n × n matrix is built)."""
+    if type(linear) is not nn.Linear:
+        raise ValueError(f"the online Hadamard needs an nn.Linear, got {type(linear).__name__}")
+    rot = OnlineHadamard(linear.in_features, seed=seed).to(linear.weight.device)
+    w = linear.weight
+    folded = rot.double()(w.double())
+    rot.float()
+    w.copy_(folded.to(w.dtype))
+    attach_input_rotation(linear, rot)
+    return rot
+
+
+def mlp_out_name(arch) -> str | None:
+    """The linear that reads the MLP's intermediate activations (where QuaRot and SpinQuant's R4 put the online
+    Hadamard), from the pruning table."""
+    from .arch.tables import PRUNE_TABLE
+    return (PRUNE_TABLE.get(arch.family) or {}).get("mlp_out")
+
+
+@torch.no_grad()
+def rotate_mlp_inputs(model: nn.Module, arch, seed: int = 0) -> dict:
+    """An online Hadamard on every block's down projection input (fold_online_hadamard), one sign pattern per
+    block (seed + block index)."""
+    from .arch import get_module
+
+    name = mlp_out_name(arch)
+    if name is None:
+        raise ValueError(f"no MLP output linear for model_type {arch.family!r} in PRUNE_TABLE "
+                         "(compress/arch/tables.py): the online Hadamard does not know where to go")
+    what = None
+    for i, block in enumerate(arch.block_list(model)):
+        what = fold_online_hadamard(get_module(block, name), seed + 1 + i).what
+    return {"online_hadamard": name, "online_order": get_module(arch.block_list(model)[0], name).in_features,
+            "online_transform": what}

@@ -78,6 +78,10 @@ def pair_skip_reason(block: nn.Module, prev_name: str, balance_names, quantized:
     missing = [n for n in balance_names if n not in quantized]
     if missing:
         return f"{', '.join(missing)} not quantized by the next stage"
+    rotated = [n for n in balance_names if getattr(block.get_submodule(n), "input_rotation", None) is not None]
+    if rotated:
+        return (f"{', '.join(rotated)} rotates its input at run time (rotate.online_hadamard): a per-channel scale "
+                f"folded into {prev_name} does not pass through the Hadamard")
     prev = block.get_submodule(prev_name)
     width = {in_weight(block.get_submodule(n)).shape[1] for n in balance_names}
     if out_channels(prev) is None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..moe import ExpertLinears
-from ..nn import is_linear
+from ..nn import attach_input_rotation, is_linear
 from .tables import ARCH_TABLE
 
 
@@ -39,8 +39,16 @@ def get_module(root: nn.Module, path: str) -> nn.Module:
 
 
 def set_module(root: nn.Module, path: str, new: nn.Module) -> None:
+    """Put `new` at `path`. A linear that rotates its input at run time (rotation.attach_input_rotation: the
+    weights were folded for it) passes its rotation on to the module that replaces it (a QuantLinear, AutoRound's
+    trainable copy), so no replacement can drop it."""
     parent, _, name = path.rpartition(".")
-    setattr(get_module(root, parent) if parent else root, name, new)
+    owner = get_module(root, parent) if parent else root
+    old = getattr(owner, name, None)
+    rotation = getattr(old, "input_rotation", None)
+    if rotation is not None and getattr(new, "input_rotation", None) is None:
+        attach_input_rotation(new, rotation)
+    setattr(owner, name, new)
 
 
 def get_arch(model: nn.Module) -> ArchSpec:

@@ -88,8 +88,12 @@ def get_exporter(name: str) -> Exporter:
 
 def check_export(model: nn.Module, name: str) -> Exporter:
     """The exporter for `name`, after checking that this model can be written in it."""
+    from ..rotation import online_rotation_problem
+
     exporter = get_exporter(name)
     problems = exporter.problems(model)
+    if (why := online_rotation_problem(model, exporter.loaders)) is not None:
+        problems = [why] + problems
     if name != "dense":
         from ..moe import hub_names
         if hub_names(model).fused:

@@ -102,6 +102,11 @@ class PruneStage(StageBase):
         return [line], line.strip()
 
     def run_model(self, ctx: ModelStageContext, index: int) -> dict:
+        from ..rotation import online_rotations
+        if online_rotations(ctx.model):
+            raise ValueError(f"stage {index} (prune): the MLP's down projections rotate their input at run time "
+                             "(rotate.online_hadamard: true); cutting MLP channels would cut through that rotation. "
+                             "Prune first in another run, or use rotate.online_hadamard: false")
         n = max(self.n_samples, self.depth_samples)
         ctx.log(f"stage {index}: prune — scoring importance on {n} × {self.seq_len} calibration tokens ...")
         samples = calibration_windows(ctx.calibration.source(), ctx.tokenizer, ctx.model, n, self.seq_len,
