@@ -65,6 +65,8 @@ RUNS = {  # name: (recipe, extra --set overrides)
     "rotate+online+gptq int3": ("recipes/rotate_gptq_int3.yaml", [ONLINE]),
     "rotate+online+rtn w8a8 static": ("recipes/rotate_gptq_int3.yaml", [ONLINE, "stages.1.method=rtn",
                                                                        "stages.1.scheme=W8A8_STATIC"]),
+    "rotate+online+autoround int4": ("recipes/rotate_gptq_int3.yaml", [ONLINE, *AR, "stages.1.scheme.dtype=int4"]),
+    "rotate+online+autoround int3": ("recipes/rotate_gptq_int3.yaml", [ONLINE, *AR]),
     "rotate+online+autoround int2 g32": ("recipes/rotate_gptq_int3.yaml", [ONLINE, *AR, "stages.1.scheme.dtype=int2",
                                                                           "stages.1.scheme.group_size=32"]),
     "awq+autoround int2 g32": ("recipes/awq_gptq_int4.yaml", [*AR, "stages.1.scheme.dtype=int2",
