@@ -184,7 +184,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="folders written by `compress run`")
     p.add_argument("--output", default="runs/report", help="folder for report.md, report.json and the PNGs "
                                                           "(default runs/report)")
+    from . import plan_cmd, speculate_cmd
+    speculate_cmd.add_parser(sub)
+    plan_cmd.add_parser(sub)
     return parser
+
+
+def cmd_speculate(args) -> int:
+    from . import speculate_cmd
+
+    return speculate_cmd.run(args)
+
+
+def cmd_plan(args) -> int:
+    from . import plan_cmd
+
+    return plan_cmd.run(args)
 
 
 def cmd_report(args) -> int:
@@ -414,7 +429,8 @@ def cmd_inspect(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"run": cmd_run, "eval": cmd_eval, "inspect": cmd_inspect, "export": cmd_export,
-               "verify": cmd_verify, "report": cmd_report}[args.command]
+               "verify": cmd_verify, "report": cmd_report, "speculate": cmd_speculate,
+               "plan": cmd_plan}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt:

@@ -1,0 +1,168 @@
+"""Measure a model as a speculative-decoding draft for a target: acceptance rate, tokens per target step and
+wall-clock speed-up against plain decoding of the target, for each draft length, on real prompts; with the speed-up
+the measured step costs predict and the roofline's prediction for accelerators beside it.
+
+Every round of measurement decodes each prompt once plainly and once per draft length, interleaved (so the ratios
+share the machine's state); greedy outputs are checked token for token against the plain ones."""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from .. import speculative as spec
+from ..arch import set_module
+from ..nn import QuantLinear, is_linear, native_bf16
+from ..scheme import W4A16_ASYM_G64, W8A16, QuantScheme
+
+SELF_DRAFT = "self-int4"
+
+
+def int4_copy(model: nn.Module, scheme: QuantScheme = W4A16_ASYM_G64, head: QuantScheme | None = W8A16,
+              dtype: torch.dtype | None = None) -> tuple[nn.Module, list[str]]:
+    """A round-to-nearest int4 copy of `model` to use as a draft (no calibration: a draft only has to agree often):
+    every linear whose input width the group divides in `scheme`, the output head in `head` (None: kept), in `dtype`
+    (default bfloat16 where the CPU computes it natively, which the int4 kernel needs to be fast, else float32).
+    Returns the copy and the layers kept in float with the reason. The copy is made whole first: for a model that
+    does not fit twice in memory, quantize it with a recipe and pass the folder as the draft."""
+    from ..quantizers.rtn import quantize_rtn
+
+    if dtype is None:
+        dtype = torch.bfloat16 if native_bf16("cpu") else torch.float32
+    draft = copy.deepcopy(model).to(dtype)
+    head_module = draft.get_output_embeddings()
+    kept = []
+    for name, module in list(draft.named_modules()):
+        if not is_linear(module) or isinstance(module, QuantLinear):
+            continue
+        s = head if module is head_module else scheme
+        if s is None:
+            kept.append(f"{name}: the head (head=None)")
+            continue
+        if s.granularity == "group" and module.in_features % s.group_size:
+            kept.append(f"{name}: in_features {module.in_features} is not a multiple of group {s.group_size}")
+            continue
+        set_module(draft, name, QuantLinear.from_module(module, quantize_rtn(module.weight.detach().float(), s)))
+    return draft.eval(), kept
+
+
+def wikitext_prompts(tokenizer, n: int, length: int, split: str = "test") -> list[list[int]]:
+    """`n` prompts of `length` tokens: the starts of evenly spaced stretches of WikiText-2 `split`."""
+    from ..data import tokenize_joined, wikitext2_rows
+
+    ids = tokenize_joined(wikitext2_rows(split), tokenizer)[0]  # [T]
+    if ids.numel() < n * length:
+        raise ValueError(f"WikiText-2 {split} has {ids.numel()} tokens, fewer than {n} prompts of {length}")
+    step = ids.numel() // n
+    return [ids[i * step:i * step + length].tolist() for i in range(n)]
+
+
+def _bytes(model: nn.Module) -> int:
+    from .memory import weight_bytes
+
+    return weight_bytes(model)["total"]
+
+
+def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]], max_new_tokens: int = 64,
+                  ks=(1, 2, 3, 4, 5, 6, 7, 8), adaptive: bool = True, temperature: float = 0.0, seed: int = 0,
+                  rounds: int = 1, progress=None) -> dict:
+    """α, tokens per target step and speed-up over plain decoding of `target`, per draft length K (and the adaptive
+    schedule), over `prompts`. Speed-up: the summed end-to-end time of plain decoding over that of speculative
+    decoding, each from the prompt to the last new token (prefills included: the draft's is part of the cost).
+    Greedy (temperature 0) checks every output against plain decoding."""
+    settings = [(k, False) for k in ks] + ([(ks[0] if ks else 4, True)] if adaptive else [])
+    plain_s, plain_decode_s, plain_steps, plain_tokens, mismatches = 0.0, 0.0, 0, 0, 0
+    rows = {("adaptive" if a else k): {"k": "adaptive" if a else k, "seconds": 0.0, "proposed": 0, "accepted": 0,
+                                       "target_steps": 0, "tokens": 0, "draft_s": 0.0, "verify_s": 0.0, "ks": []}
+            for k, a in settings}
+    t_start = time.perf_counter()
+    for r in range(rounds):
+        for i, prompt in enumerate(prompts):
+            g = torch.Generator().manual_seed(seed + i)
+            base = spec.generate_plain(target, prompt, max_new_tokens, temperature, g)
+            plain_s += base.seconds
+            plain_decode_s += base.seconds - base.prefill_seconds[0]
+            plain_steps += base.target_steps
+            plain_tokens += len(base.tokens)
+            for k, a in settings:
+                g = torch.Generator().manual_seed(seed + i)
+                got = spec.generate_speculative(target, draft, prompt, max_new_tokens, k, temperature, a, g)
+                if temperature == 0 and got.tokens != base.tokens:
+                    mismatches += 1
+                row = rows["adaptive" if a else k]
+                row["seconds"] += got.seconds
+                row["proposed"] += got.proposed
+                row["accepted"] += got.accepted
+                row["target_steps"] += got.target_steps
+                row["tokens"] += len(got.tokens)
+                row["draft_s"] += got.draft_seconds
+                row["verify_s"] += got.target_seconds
+                row["ks"] += got.ks
+            if progress:
+                progress(r * len(prompts) + i + 1, rounds * len(prompts))
+    # one plain step: the plain run's decode time over its steps (its first token comes from the prefill)
+    t_step = plain_decode_s / max(plain_steps, 1)
+    out_rows = []
+    for row in rows.values():
+        alpha = row["accepted"] / row["proposed"] if row["proposed"] else 0.0
+        k_mean = statistics.mean(row["ks"]) if row["ks"] else 0
+        draft_cost = row["draft_s"] / max(row["proposed"], 1) / t_step
+        verify_cost = row["verify_s"] / max(row["target_steps"], 1) / t_step
+        k_eff = k_mean if row["k"] == "adaptive" else row["k"]
+        predicted = spec.expected_tokens(alpha, round(k_eff)) / (verify_cost + k_eff * draft_cost) if k_eff else 0
+        ks_used = row.pop("ks")
+        out_rows.append({**row, "alpha": alpha, "tokens_per_step": row["tokens"] / max(row["target_steps"], 1),
+                         "expected_tokens_per_step": spec.expected_tokens(alpha, round(k_eff)) if k_eff else 1.0,
+                         "mean_k": k_mean, "k_histogram": {k: ks_used.count(k) for k in sorted(set(ks_used))},
+                         "speedup": plain_s / row["seconds"] if row["seconds"] else 0.0,
+                         "tok_s": row["tokens"] / row["seconds"] if row["seconds"] else 0.0,
+                         "draft_cost": draft_cost, "verify_cost": verify_cost, "predicted_speedup": predicted})
+    return {"prompts": len(prompts), "prompt_tokens": len(prompts[0]) if prompts else 0,
+            "max_new_tokens": max_new_tokens, "temperature": temperature, "rounds": rounds,
+            "plain_s": plain_s, "plain_step_s": t_step, "plain_tok_s": plain_tokens / plain_s if plain_s else 0,
+            "greedy_mismatches": mismatches if temperature == 0 else None, "rows": out_rows,
+            "target_bytes": _bytes(target), "draft_bytes": _bytes(draft), "threads": torch.get_num_threads(),
+            "seconds": time.perf_counter() - t_start}
+
+
+def roofline_rows(result: dict, target_config, draft_config, accelerators=("H100-SXM",), context: int = 1024) -> list:
+    """The roofline's speed-up at each measured α and K, on each accelerator (weights at their measured bytes)."""
+    from .roofline import get_accelerator, model_facts
+
+    t = model_facts(target_config, weight_bytes=result["target_bytes"])
+    d = model_facts(draft_config, weight_bytes=result["draft_bytes"])
+    out = []
+    for name in accelerators:
+        acc = get_accelerator(name)
+        for row in result["rows"]:
+            k = round(row["mean_k"]) if row["k"] == "adaptive" else row["k"]
+            if k:
+                out.append({**spec.roofline_speedup(row["alpha"], k, t, d, acc, context), "k": row["k"]})
+    return out
+
+
+def render(result: dict, title: str = "") -> list[str]:
+    lines = [f"### {title}" if title else "", "",
+             f"{result['prompts']} prompts of {result['prompt_tokens']} tokens, {result['max_new_tokens']} new tokens "
+             f"each, temperature {result['temperature']}, {result['threads']} thread(s); plain decoding "
+             f"{result['plain_tok_s']:.1f} tok/s; target {result['target_bytes'] / 1e6:.0f} MB, draft "
+             f"{result['draft_bytes'] / 1e6:.0f} MB of weights", ""]
+    if result["greedy_mismatches"] is not None:
+        lines += [f"greedy outputs equal to plain decoding: "
+                  f"{'all' if not result['greedy_mismatches'] else str(result['greedy_mismatches']) + ' differ'}", ""]
+    lines += ["| K | α (accepted) | tokens / target step | E[tokens] at α | draft step | verify step | speed-up "
+              "| predicted from step costs |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        k = r["k"] if r["k"] != "adaptive" else f"adaptive (mean {r['mean_k']:.1f})"
+        lines.append(f"| {k} | {r['alpha']:.3f} | {r['tokens_per_step']:.2f} | {r['expected_tokens_per_step']:.2f} "
+                     f"| {r['draft_cost']:.2f} | {r['verify_cost']:.2f} | **{r['speedup']:.2f}×** "
+                     f"| {r['predicted_speedup']:.2f}× |")
+    lines += ["", "Step costs are in units of one plain decoding step of the target."]
+    if result.get("roofline"):
+        lines += ["", "| accelerator | K | draft step | verify step | predicted speed-up |", "|---|---|---:|---:|---:|"]
+        lines += [f"| {r['accelerator']} | {r['k']} | {r['draft_cost']:.2f} | {r['verify_cost']:.2f} | "
+                  f"{r['speedup']:.2f}× |" for r in result["roofline"]]
+    return lines

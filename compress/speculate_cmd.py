@@ -1,0 +1,112 @@
+"""`compress speculate TARGET --draft DRAFT`: measure DRAFT as a speculative-decoding draft for TARGET."""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+EPILOG = """examples:
+  compress speculate default --draft self-int4                  # the target's own int4 copy as its draft
+  compress speculate default --draft runs/gptq_int4 --k 4       # a compressed run's model as the draft
+  compress speculate default --draft runs/minitron_prune_distill --draft-int4 --k 1-8 --adaptive
+  compress speculate default --draft self-int4 --temperature 0.8 --output runs/spec.json
+
+DRAFT is anything `compress eval` loads (a run folder, a Hugging Face folder, a .gguf file, `default`) or
+`self-int4`: TARGET's weights rounded to int4 g64 (head int8) in memory, no calibration. The draft must share
+TARGET's tokenizer. Greedy (temperature 0) outputs are checked token for token against plain decoding; with
+sampling, the output follows TARGET's distribution exactly (the min(1, q/p) acceptance rule and the residual).
+Timings are batch 1 on --threads CPU threads; the speed-up is end to end (prefills included) against plain
+greedy decoding of TARGET in the same run. --accelerator adds the roofline's prediction at each measured alpha."""
+
+
+def add_parser(sub) -> None:
+    import argparse
+
+    p = sub.add_parser("speculate", help="measure a model as a speculative-decoding draft for another: acceptance, "
+                                         "speed-up, roofline prediction", epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", help="the model whose outputs are produced (e.g. default)")
+    p.add_argument("--draft", required=True, help="the draft model, or self-int4 (see below)")
+    p.add_argument("--draft-int4", action="store_true", help="round the draft's linears to int4 g64 in memory first "
+                                                             "(e.g. a pruned+distilled draft -> pruned+int4)")
+    p.add_argument("--k", default="1-8", help="draft lengths: one (4), a list (2,4,6) or a range (1-8; default)")
+    p.add_argument("--no-adaptive", action="store_true", help="skip the adaptive draft length")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sampling")
+    p.add_argument("--prompts", type=int, default=4, help="WikiText-2 test prompts (default 4)")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt (default 128)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
+    p.add_argument("--rounds", type=int, default=1, help="repeat the whole measurement (default 1)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: stable timings)")
+    p.add_argument("--accelerator", action="append", default=[], metavar="NAME",
+                   help="also predict the speed-up there by the roofline model (repeatable; e.g. H100-SXM)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", help="write the result as JSON to this file")
+
+
+def parse_ks(text: str) -> tuple[int, ...]:
+    try:
+        if "-" in text:
+            lo, hi = (int(x) for x in text.split("-"))
+            ks = tuple(range(lo, hi + 1))
+        else:
+            ks = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        ks = ()
+    if not ks or min(ks) < 1 or max(ks) > 64:
+        raise ValueError(f"--k {text!r}: give a draft length (4), a list (2,4,6) or a range (1-8), each in 1..64")
+    return ks
+
+
+def run(args) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from .evaluate.roofline import get_accelerator
+    from .evaluate.speculation import SELF_DRAFT, int4_copy, measure_draft, render, roofline_rows, wikitext_prompts
+    from .kernels.dispatch import plan_dispatch, use_dispatch
+    from .models import load_model
+    from .nn import QuantLinear
+
+    ks = parse_ks(args.k)
+    for name in args.accelerator:
+        get_accelerator(name)  # an unknown name fails before any loading
+    if args.temperature < 0:
+        raise ValueError(f"--temperature {args.temperature}: use 0 (greedy) or a positive temperature")
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.target, "auto", "cpu")
+    target = loaded.model
+    notes = []
+    if args.draft == SELF_DRAFT:
+        draft, kept = int4_copy(target)
+        notes.append("draft: the target's linears rounded to int4 g64 (asymmetric), its head to int8 per channel")
+    else:
+        draft = load_model(args.draft, "auto", "cpu").model
+        kept = []
+        if args.draft_int4:
+            draft, kept = int4_copy(draft)
+            notes.append("draft: its linears rounded to int4 g64 in memory (--draft-int4), its head to int8")
+    notes += [f"kept in float: {k}" for k in kept]
+    prompts = wikitext_prompts(loaded.tokenizer, args.prompts, args.prompt_tokens)
+    batches = sorted({1, *(k + 1 for k in ks)})
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        for m in (target, draft):  # the fastest kernel per layer, as `compress eval` measures speed
+            if any(isinstance(x, QuantLinear) for x in m.modules()):
+                stack.enter_context(use_dispatch(m, plan_dispatch(m, batches)))
+        bar = tqdm(total=args.rounds * args.prompts, desc="speculating", unit="prompt")
+        result = measure_draft(target, draft, prompts, args.max_new_tokens, ks, not args.no_adaptive,
+                               args.temperature, args.seed, args.rounds, progress=lambda i, n: bar.update(i - bar.n))
+        bar.close()
+    result["target"], result["draft"], result["notes"] = args.target, args.draft, notes
+    if args.accelerator:
+        result["roofline"] = roofline_rows(result, target.config, draft.config, args.accelerator)
+    print("\n".join(render(result, f"{args.draft} as a draft for {args.target}") + [""] + notes))
+    if result["greedy_mismatches"]:
+        print(f"warning: {result['greedy_mismatches']} greedy outputs differ from plain decoding (numerical ties "
+              "between the one-token and the (K+1)-token forward)")
+    if args.output:
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        tmp.write_text(json.dumps(result, indent=1, default=str))
+        tmp.replace(out)
+    return 0
