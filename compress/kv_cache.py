@@ -69,6 +69,9 @@ def _wrapper(base: str):
         if record is not None:  # calibration: running maxima of |k| and |v|
             record[0] = max(record[0], float(key.detach().abs().amax()))
             record[1] = max(record[1], float(value.detach().abs().amax()))
+        elif getattr(module, "kv_quant", None) is not None:  # int8 / int4 KIVI cache (kv_quant.py)
+            from .kv_quant import kivi_attention
+            return kivi_attention(module, query, key, value, attention_mask, module.kv_quant, **kwargs)
         elif getattr(module, "k_scale", None) is not None:
             key = fake_quantize_kv(key, module.k_scale, module.kv_cache_dtype)
             value = fake_quantize_kv(value, module.v_scale, module.kv_cache_dtype)
@@ -110,6 +113,9 @@ def set_kv_scales(module: nn.Module, k_absmax: float, v_absmax: float, dtype: st
 
 
 def kv_layers(model: nn.Module) -> dict[str, dict]:
-    """Attention modules carrying fp8 KV scales: name -> {dtype, k_scale, v_scale}."""
-    return {n: {"dtype": m.kv_cache_dtype, "k_scale": float(m.k_scale), "v_scale": float(m.v_scale)}
-            for n, m in model.named_modules() if getattr(m, "k_scale", None) is not None and hasattr(m, "kv_cache_dtype")}
+    """Attention modules carrying fp8 KV scales (name -> {dtype, k_scale, v_scale}) or an int KIVI cache format
+    (name -> {dtype, group, residual})."""
+    out = {n: m.kv_quant.to_dict() for n, m in model.named_modules() if getattr(m, "kv_quant", None) is not None}
+    return out | {n: {"dtype": m.kv_cache_dtype, "k_scale": float(m.k_scale), "v_scale": float(m.v_scale)}
+                  for n, m in model.named_modules()
+                  if getattr(m, "k_scale", None) is not None and hasattr(m, "kv_cache_dtype")}

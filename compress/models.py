@@ -271,6 +271,12 @@ def compressed_skeleton(folder: str | Path, dtype: torch.dtype, shapes: dict[str
     model = quantized_skeleton(AutoConfig.from_pretrained(folder),
                                {name: QuantScheme.from_dict(fields) for name, fields in meta["layers"].items()}, dtype)
     for name, fields in meta.get("kv_cache", {}).items():
+        if fields["dtype"].startswith("int"):  # an int KIVI cache: a format, no tensors
+            from .kv_quant import KVQuant
+            module = model.get_submodule(name)
+            module.kv_quant = KVQuant(int(fields["dtype"][3:]), fields["group"], fields["residual"])
+            module.kv_cache_dtype = fields["dtype"]
+            continue
         set_kv_scales(model.get_submodule(name), fields["k_scale"] * FP8_MAX[fields["dtype"]],
                       fields["v_scale"] * FP8_MAX[fields["dtype"]], fields["dtype"])
     if meta.get("kv_cache"):
@@ -279,7 +285,7 @@ def compressed_skeleton(folder: str | Path, dtype: torch.dtype, shapes: dict[str
     for name, n in meta.get("online_rotations", {}).items():  # its signs come from the file
         attach_input_rotation(model.get_submodule(name), OnlineHadamard(n))
     keep = {k for k in shapes if any(k.startswith(n + ".") and k[len(n) + 1:] != "bias" for n in meta["layers"])}
-    keep |= {f"{n}.{b}" for n in meta.get("kv_cache", {}) for b in ("k_scale", "v_scale")}
+    keep |= {f"{n}.{b}" for n, f in meta.get("kv_cache", {}).items() if "k_scale" in f for b in ("k_scale", "v_scale")}
     for name in meta["layers"]:  # LLM.int8 static outlier features: their count is only known from the file
         key = f"{name}.outlier_cols"
         if key in shapes:

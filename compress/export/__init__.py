@@ -94,6 +94,11 @@ def check_export(model: nn.Module, name: str) -> Exporter:
     problems = exporter.problems(model)
     if (why := online_rotation_problem(model, exporter.loaders)) is not None:
         problems = [why] + problems
+    if int_kv := sorted({m.kv_quant.name for m in model.modules() if getattr(m, "kv_quant", None) is not None}):
+        problems = [f"the model attends over a {', '.join(int_kv)} KV cache (the kv_cache stage), which no {name} "
+                    f"loader ({exporter.loaders}) reads from a checkpoint: a serving engine chooses its KV cache at "
+                    "run time; export a run without that stage (or with the fp8 kv_cache, whose scales they load)"] \
+            + problems
     if name != "dense":
         from ..moe import hub_names
         if hub_names(model).fused:

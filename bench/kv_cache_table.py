@@ -1,0 +1,109 @@
+"""int8 / int4 KV cache (KIVI: keys per channel over 32-token chunks, values per token over 32 channels, a float
+residual window) on the embedded model at 2048 tokens of context: WikiText-2 test perplexity and KL to the float
+cache on the README's windows, bytes per cached token, and the roofline's largest batch before and after.
+
+Every window is one forward of 2048 tokens whose attention reads the cache as a KIVI engine would hold it when
+each query is decoded (compress/kv_quant.py: exact, tested against token-by-token decoding), so the perplexity is
+that of generating over the quantized cache. Weights stay float32: the cost measured is the cache's alone.
+
+    python bench/kv_cache_table.py [--max-windows 8] [--out bench/results/kv_cache_table.json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # `compress` from a checkout, installed or not
+
+from compress.data import sequential_windows, tokenize_joined, wikitext2_rows  # noqa: E402
+from compress.evaluate.memory import serving_bytes  # noqa: E402
+from compress.evaluate.ppl import _final_hidden, _logits, score_hidden  # noqa: E402
+from compress.evaluate.roofline import get_accelerator, max_batch, model_facts  # noqa: E402
+from compress.kv_cache import use_kv_attention  # noqa: E402
+from compress.kv_quant import KVQuant, attach_kv_quant  # noqa: E402
+from compress.models import load_model  # noqa: E402
+
+CONFIGS = {"float (bf16 cache)": None,
+           "int8 KIVI g32, residual 128": KVQuant(8, 32, 128),
+           "int8 per-token/channel, no residual": KVQuant(8, 32, 0),
+           "int4 KIVI g32, residual 128": KVQuant(4, 32, 128),
+           "int4 g32, no residual": KVQuant(4, 32, 0)}
+SEQ_LEN = 2048
+ACCELERATORS = ("H100-SXM", "RTX-4090")
+
+
+def effective_bytes(kv: KVQuant | None, context: int) -> float:
+    """Bytes per cached element averaged over a sequence of `context` tokens: the quantized ones with their scales,
+    and the float residual (at most residual + group - 1 tokens at 2 bytes)."""
+    if kv is None:
+        return 2.0
+    window = min(context, kv.residual + kv.group - 1) if kv.residual else 0
+    return ((context - window) * kv.bytes_per_element() + window * 2.0) / context
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--max-windows", type=int, default=8)
+    ap.add_argument("--out", default=str(ROOT / "bench/results/kv_cache_table.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    loaded = load_model("default", "float32", "cpu")
+    model = loaded.model.eval()
+    use_kv_attention(model)
+    windows = sequential_windows(tokenize_joined(wikitext2_rows("test"), loaded.tokenizer), SEQ_LEN, args.max_windows)
+
+    def final(kv):
+        def run(k, ids):
+            for m in model.modules():
+                if hasattr(m, "kv_quant"):
+                    del m.kv_quant
+            if kv is not None:
+                attach_kv_quant(model, kv)
+            return _final_hidden(model, ids)[0, :-1]
+        return run
+
+    t0 = time.perf_counter()
+    scores = score_hidden({n: final(kv) for n, kv in CONFIGS.items()}, {n: lambda h: _logits(model, h) for n in CONFIGS},
+                          windows, baseline="float (bf16 cache)")
+    seconds = time.perf_counter() - t0
+    facts = model_facts(model.config, serving_bytes(model))
+    per_token_elements = facts.kv_bytes_per_token(1)  # elements per token (K and V, all layers)
+    base_ppl = scores["float (bf16 cache)"].ppl
+    rows = {}
+    print(f"WikiText-2 test, {len(windows)} windows of {SEQ_LEN} ({scores['float (bf16 cache)'].tokens} predicted "
+          f"tokens), {seconds:.0f} s\n")
+    print("| KV cache | ppl | Δ ppl | KL | top-1 | bytes / element | KV bytes / token at 2048 | "
+          + " | ".join(f"max batch {a} @2048" for a in ACCELERATORS) + " |")
+    print("|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(ACCELERATORS))
+    for name, kv in CONFIGS.items():
+        s = scores[name]
+        b = effective_bytes(kv, SEQ_LEN)
+        batches = {a: max_batch(facts, get_accelerator(a), SEQ_LEN, b) for a in ACCELERATORS}
+        rows[name] = {"format": kv.name if kv else "bf16", "ppl": s.ppl, "delta_ppl": s.ppl / base_ppl - 1,
+                      "kl": s.kl, "top1": s.top1_agreement, "tokens": s.tokens,
+                      "bytes_per_element": kv.bytes_per_element() if kv else 2.0, "effective_bytes_at_2048": b,
+                      "kv_bytes_per_token": per_token_elements * b, "max_batch_2048": batches}
+        print(f"| {name} | {s.ppl:.3f} | {s.ppl / base_ppl - 1:+.2%} | {s.kl or 0:.4f} | {s.top1_agreement or 1:.2%} "
+              f"| {rows[name]['bytes_per_element']:.3f} | {per_token_elements * b / 1e3:.1f} kB | "
+              + " | ".join(f"{batches[a]:,}" for a in ACCELERATORS) + " |")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"date": datetime.date.today().isoformat(), "commit": commit, "seq_len": SEQ_LEN,
+                               "windows": len(windows), "seconds": seconds, "threads": 1,
+                               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                               "weights_bytes_bf16": facts.weight_bytes, "rows": rows}, indent=1))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
