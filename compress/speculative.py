@@ -73,6 +73,12 @@ def accept_greedy(tokens: Tensor, target_logits: Tensor) -> tuple[Tensor, Tensor
     return n, best.gather(1, n[:, None])[:, 0]
 
 
+def acceptance_rate(accepted: int, rejected: int) -> float:
+    """The maximum-likelihood α of the lecture's model (each drafted token accepted independently with probability α,
+    judged only while all before it were accepted): accepted tokens over judged ones."""
+    return accepted / (accepted + rejected) if accepted + rejected else float("nan")
+
+
 def expected_tokens(alpha: float, k: int) -> float:
     """Tokens one target step emits when each drafted token is accepted with probability α: (1 − α^(K+1)) / (1 − α)."""
     if not 0 <= alpha <= 1:
@@ -129,6 +135,7 @@ class Generation:
     target_steps: int = 0  # target forwards after the prefill
     proposed: int = 0  # drafted tokens offered for verification
     accepted: int = 0
+    rejected: int = 0  # rounds that ended at a rejected draft token (the others accepted all K)
     draft_seconds: float = 0.0  # the rounds' draft steps
     target_seconds: float = 0.0  # the rounds' verify steps
     prefill_seconds: tuple[float, float] = (0.0, 0.0)  # target, draft
@@ -136,7 +143,10 @@ class Generation:
 
     @property
     def alpha(self) -> float:
-        return self.accepted / self.proposed if self.proposed else float("nan")
+        """α as the lecture's formula means it, the chance that a drafted token is accepted given that all before it
+        were: accepted / (accepted + rejected). (accepted / proposed counts the tokens after a rejection, which are
+        never judged, as failures: it falls with K for the same draft.)"""
+        return acceptance_rate(self.accepted, self.rejected)
 
     @property
     def tokens_per_step(self) -> float:
@@ -266,6 +276,7 @@ def generate_speculative(target: nn.Module, draft: nn.Module, prompt: list[int],
         gen.target_steps += 1
         gen.proposed += k_round
         gen.accepted += n
+        gen.rejected += n < k_round
         gen.draft_seconds += t_draft
         gen.target_seconds += t_verify
         gen.ks.append(k_round)
@@ -273,7 +284,7 @@ def generate_speculative(target: nn.Module, draft: nn.Module, prompt: list[int],
             break
         verify_s.setdefault(k_round, []).append(t_verify)
         if adaptive:
-            alpha = (gen.accepted + 1) / (gen.proposed + 2)  # Laplace: never 0 or 1 after one round
+            alpha = (gen.accepted + 1) / (gen.accepted + gen.rejected + 2)  # Laplace: never 0 or 1 after a round
             k = best_k(alpha, gen.draft_seconds / gen.proposed, lambda j: _verify_estimate(verify_s, j))
     gen.tokens = committed[n_prompt:n_prompt + max_new_tokens]
     gen.seconds = time.perf_counter() - t_start

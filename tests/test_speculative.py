@@ -253,3 +253,14 @@ def test_speculate_command_writes_its_measurement(tmp_path, capsys):
     assert "as a draft for" in capsys.readouterr().out
     assert main(["speculate", str(folder), "--draft", "self-int4", "--k", "0"]) == 2
     assert main(["speculate", str(folder), "--draft", "self-int4", "--accelerator", "TPU-v9"]) == 2
+
+
+def test_acceptance_rate_is_the_lecture_alpha_at_any_draft_length():
+    """accepted / (accepted + rejected) recovers Σ min(p, q) from rounds of K = 6; accepted / proposed does not
+    (it counts the never-judged tokens after a rejection)."""
+    tokens, n, nxt = _rounds(k=6)
+    alpha = float(torch.minimum(P, Q).sum())
+    accepted, rejected = int(n.sum()), int((n < 6).sum())
+    assert abs(spec.acceptance_rate(accepted, rejected) - alpha) < 3e-3
+    assert accepted / n.numel() / 6 < alpha - 0.1
+    assert abs(float(n.double().mean() + 1) - spec.expected_tokens(alpha, 6)) < 1e-2  # the lecture's E[tokens]

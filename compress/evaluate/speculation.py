@@ -75,7 +75,7 @@ def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]],
     Greedy (temperature 0) checks every output against plain decoding."""
     settings = [(k, False) for k in ks] + ([(ks[0] if ks else 4, True)] if adaptive else [])
     plain_s, plain_decode_s, plain_steps, plain_tokens, mismatches = 0.0, 0.0, 0, 0, 0
-    rows = {("adaptive" if a else k): {"k": "adaptive" if a else k, "seconds": 0.0, "proposed": 0, "accepted": 0,
+    rows = {("adaptive" if a else k): {"k": "adaptive" if a else k, "seconds": 0.0, "proposed": 0, "accepted": 0, "rejected": 0,
                                        "target_steps": 0, "tokens": 0, "draft_s": 0.0, "verify_s": 0.0, "ks": []}
             for k, a in settings}
     t_start = time.perf_counter()
@@ -96,6 +96,7 @@ def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]],
                 row["seconds"] += got.seconds
                 row["proposed"] += got.proposed
                 row["accepted"] += got.accepted
+                row["rejected"] += got.rejected
                 row["target_steps"] += got.target_steps
                 row["tokens"] += len(got.tokens)
                 row["draft_s"] += got.draft_seconds
@@ -107,7 +108,7 @@ def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]],
     t_step = plain_decode_s / max(plain_steps, 1)
     out_rows = []
     for row in rows.values():
-        alpha = row["accepted"] / row["proposed"] if row["proposed"] else 0.0
+        alpha = spec.acceptance_rate(row["accepted"], row["rejected"]) if row["proposed"] else 0.0
         k_mean = statistics.mean(row["ks"]) if row["ks"] else 0
         draft_cost = row["draft_s"] / max(row["proposed"], 1) / t_step
         verify_cost = row["verify_s"] / max(row["target_steps"], 1) / t_step
@@ -153,11 +154,11 @@ def render(result: dict, title: str = "") -> list[str]:
     if result["greedy_mismatches"] is not None:
         lines += [f"greedy outputs equal to plain decoding: "
                   f"{'all' if not result['greedy_mismatches'] else str(result['greedy_mismatches']) + ' differ'}", ""]
-    lines += ["| K | α (accepted) | tokens / target step | E[tokens] at α | draft step | verify step | speed-up "
-              "| predicted from step costs |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["| K | α | accepted / proposed | tokens / target step | E[tokens] at α | draft step | verify step | speed-up "
+              "| predicted from step costs |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         k = r["k"] if r["k"] != "adaptive" else f"adaptive (mean {r['mean_k']:.1f})"
-        lines.append(f"| {k} | {r['alpha']:.3f} | {r['tokens_per_step']:.2f} | {r['expected_tokens_per_step']:.2f} "
+        lines.append(f"| {k} | {r['alpha']:.3f} | {r['accepted'] / max(r['proposed'], 1):.3f} | {r['tokens_per_step']:.2f} | {r['expected_tokens_per_step']:.2f} "
                      f"| {r['draft_cost']:.2f} | {r['verify_cost']:.2f} | **{r['speedup']:.2f}×** "
                      f"| {r['predicted_speedup']:.2f}× |")
     lines += ["", "Step costs are in units of one plain decoding step of the target."]
