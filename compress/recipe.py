@@ -109,6 +109,12 @@ class EvalSpec:
     task_limit: int | None = None
     num_fewshot: int = 0
     task_batch_size: int = 8
+    # the compressed model as a speculative-decoding draft for the baseline (compress/evaluate/speculation.py):
+    # these draft lengths (empty: off) and the adaptive one, greedy, on WikiText-2 test prompts, batch 1
+    speculative: tuple[int, ...] = ()
+    speculative_prompts: int = 2
+    speculative_prompt_tokens: int = 128
+    speculative_new_tokens: int = 32
     # roofline predictions (compress/evaluate/roofline.py) on these accelerators, at this context and batches
     accelerators: tuple[str, ...] = ("H100-SXM",)
     roofline_context: int = 1024
@@ -128,6 +134,13 @@ class EvalSpec:
         from .evaluate.roofline import get_accelerator
         for name in self.accelerators:
             get_accelerator(name)
+        if any(not 1 <= k <= 64 for k in self.speculative):
+            raise ValueError(f"eval.speculative {list(self.speculative)}: draft lengths in 1..64, e.g. [1, 2, 4]")
+        if self.speculative and not self.baseline:
+            raise ValueError("eval.speculative measures the compressed model as a draft for the original: it needs "
+                             "eval.baseline: true")
+        if min(self.speculative_prompts, self.speculative_prompt_tokens, self.speculative_new_tokens) < 1:
+            raise ValueError("eval.speculative_prompts, _prompt_tokens and _new_tokens must be >= 1")
         if self.roofline_context < 1 or any(b < 1 for b in self.roofline_batches):
             raise ValueError("roofline_context and roofline_batches must be >= 1")
 

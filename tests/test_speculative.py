@@ -264,3 +264,34 @@ def test_acceptance_rate_is_the_lecture_alpha_at_any_draft_length():
     assert abs(spec.acceptance_rate(accepted, rejected) - alpha) < 3e-3
     assert accepted / n.numel() / 6 < alpha - 0.1
     assert abs(float(n.double().mean() + 1) - spec.expected_tokens(alpha, 6)) < 1e-2  # the lecture's E[tokens]
+
+
+@requires_data
+def test_a_run_measures_its_model_as_a_draft_for_the_original(tmp_path):
+    import json
+
+    import yaml
+
+    from compress import load_recipe, run
+    from tests.tiny_tokenizer import make_tiny_tokenizer, word_text
+
+    folder = tmp_path / "tiny"
+    make_tiny_model("llama").save_pretrained(folder)
+    make_tiny_tokenizer().save_pretrained(folder)
+    calib = tmp_path / "calib.txt"
+    calib.write_text(word_text(4096) + "\n")
+    recipe = {"model": {"source": str(folder), "dtype": "float32", "device": "cpu"},
+              "calibration": {"kind": "files", "files": [str(calib)], "n_samples": 4, "seq_len": 64},
+              "stages": [{"stage": "quantize", "method": "rtn", "scheme": {"dtype": "int4", "group_size": 32}}],
+              "eval": {"perplexity": False, "speed": False, "speculative": [1, 3], "speculative_prompts": 2,
+                       "speculative_prompt_tokens": 16, "speculative_new_tokens": 8},
+              "output": {"dir": str(tmp_path / "out")}}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    run(load_recipe(tmp_path / "r.yaml"), progress=False)
+    section = json.loads((tmp_path / "out" / "report.json").read_text())["eval"]["speculative"]
+    assert [r["k"] for r in section["rows"]] == [1, 3, "adaptive"] and section["greedy_mismatches"] == 0
+    assert all(r["tokens"] == 2 * 8 for r in section["rows"]) and section["roofline"]
+    assert "as a speculative-decoding draft for the original" in (tmp_path / "out" / "report.md").read_text()
+    with pytest.raises(ValueError, match="draft lengths"):
+        from compress.recipe import EvalSpec
+        EvalSpec(speculative=(0,))

@@ -83,12 +83,36 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
         with cpu_threads(accuracy_threads):
             result["lm_eval"] = evaluate_tasks(models, tokenizer, spec.tasks, spec.task_limit, spec.num_fewshot,
                                                spec.task_batch_size, baseline=baseline)
+    if getattr(spec, "speculative", ()) and baseline is not None and "compressed" in models:
+        result["speculative"] = speculative_section(models[baseline], models["compressed"], tokenizer, spec)
     for n, m in models.items():
         result["models"][n]["weights"]["serving_bf16"] = serving_bytes(m, meta=bool(offloaded(m)))
         result["models"][n]["roofline"] = model_roofline(m, result["models"][n]["weights"]["serving_bf16"], spec)
     result["peak_rss_bytes"] = peak_rss_bytes()
     result["peak_cuda_bytes"] = peak_cuda_bytes()
     return result
+
+
+def speculative_section(target: nn.Module, draft: nn.Module, tokenizer, spec) -> dict:
+    """The compressed model measured as a greedy speculative-decoding draft for the original (batch 1, on the speed
+    threads, its fastest kernels): α, tokens per target step, speed-up per draft length, the roofline's prediction."""
+    from .speculation import measure_draft, roofline_rows, wikitext_prompts
+
+    prompts = wikitext_prompts(tokenizer, spec.speculative_prompts, spec.speculative_prompt_tokens)
+    quantized = any(isinstance(q, QuantLinear) for q in draft.modules())
+    batches = sorted({1, *(k + 1 for k in spec.speculative)})
+    with torch.no_grad(), (use_dispatch(draft, plan_dispatch(draft, batches)) if quantized else contextlib.nullcontext()):
+        result = measure_draft(target, draft, prompts, spec.speculative_new_tokens, tuple(spec.speculative))
+    result["roofline"] = roofline_rows(result, target.config, draft.config, spec.accelerators)
+    return result
+
+
+def _speculative_lines(report: dict) -> list[str]:
+    section = report.get("eval", {}).get("speculative")
+    if not section:
+        return []
+    from .speculation import render
+    return ["", "## The compressed model as a speculative-decoding draft for the original"] + render(section)[1:]
 
 
 def eval_protocol(spec, windows, dtype: torch.dtype) -> dict:
@@ -434,7 +458,7 @@ def _timing_lines(report: dict) -> list[str]:
 # a saved report.json with the same functions)
 SECTIONS = (_header_lines, _accuracy_lines, _memory_lines, _streamed_lines, _offload_lines, _speed_lines,
             _dispatch_lines, _stage_lines, _block_error_lines, lambda r: _task_lines(r.get("eval", {}).get("lm_eval")),
-            lambda r: _sweep_lines(_models(r)), lambda r: _roofline_lines(_models(r)),
+            _speculative_lines, lambda r: _sweep_lines(_models(r)), lambda r: _roofline_lines(_models(r)),
             lambda r: _export_lines(r.get("exports") or []), _timing_lines)
 
 
