@@ -54,11 +54,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-windows", type=int, default=8)
     ap.add_argument("--out", default=str(ROOT / "bench/results/kv_cache_table.json"))
+    ap.add_argument("--lm-eval-docs", type=int, default=0,
+                    help="instead: lm-eval's `wikitext` task (document-level rolling perplexity over whole articles, "
+                         "2048-token windows) on the first N test documents, float / int8 / int4 KIVI")
     args = ap.parse_args()
     torch.set_num_threads(1)
     loaded = load_model("default", "float32", "cpu")
     model = loaded.model.eval()
     use_kv_attention(model)
+    if args.lm_eval_docs:
+        return lm_eval_wikitext(loaded, args)
     windows = sequential_windows(tokenize_joined(wikitext2_rows("test"), loaded.tokenizer), SEQ_LEN, args.max_windows)
 
     def final(kv):
@@ -103,6 +108,32 @@ def main() -> None:
                                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                                "weights_bytes_bf16": facts.weight_bytes, "rows": rows}, indent=1))
     print(f"\nwrote {out}")
+
+
+def lm_eval_wikitext(loaded, args) -> None:
+    """The offline lm-eval `wikitext` task (whole Wikipedia articles, scored in rolling windows of 2048 tokens: the
+    long-context task the shared data allows) for the float cache and the two KIVI caches."""
+    import copy
+
+    from compress.evaluate.harness import evaluate_tasks
+
+    configs = {"float": None, "int8 KIVI g32 r128": KVQuant(8, 32, 128), "int4 KIVI g32 r128": KVQuant(4, 32, 128)}
+    models = {}
+    for name, kv in configs.items():
+        models[name] = copy.deepcopy(loaded.model) if kv else loaded.model
+        if kv:
+            attach_kv_quant(models[name], kv)
+    t0 = time.perf_counter()
+    result = evaluate_tasks(models, loaded.tokenizer, ("wikitext",), limit=args.lm_eval_docs, batch_size=1,
+                            baseline="float", max_length=SEQ_LEN)
+    result["seconds"] = time.perf_counter() - t0
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    result |= {"date": datetime.date.today().isoformat(), "commit": commit, "max_length": SEQ_LEN}
+    for name, by_task in result["scores"].items():
+        print(name, {k: round(v["value"], 4) for k, v in by_task["wikitext"].items()})
+    out = Path(args.out)
+    out.write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -88,7 +88,8 @@ def _scores(results: dict, name: str) -> dict:
 
 
 def evaluate_tasks(models: dict[str, nn.Module], tokenizer, tasks, limit: int | None = None, num_fewshot: int = 0,
-                   batch_size: int = 8, data_dir: Path | None = None, baseline: str | None = None) -> dict:
+                   batch_size: int = 8, data_dir: Path | None = None, baseline: str | None = None,
+                   max_length: int | None = None) -> dict:
     """Score every model on `tasks` with the same harness settings. Against the baseline: the difference with its
     standard error (`vs_baseline`; reports show this), and the ratio (`recovery`, compressed ÷ baseline, inverted
     for perplexities: kept in the JSON, not shown, since a ratio of two noisy scores hides the noise)."""
@@ -112,7 +113,8 @@ def evaluate_tasks(models: dict[str, nn.Module], tokenizer, tasks, limit: int | 
         stack.enter_context(_offline(data_dir is not None))
         manager = TaskManager(include_path=str(include) if include else None)
         for model_name, model in models.items():
-            lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+            lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
+                      **({"max_length": max_length} if max_length else {}))  # None: the model's context
             if lm.device.type == "meta":  # offloaded to disk on a CPU (compress eval --offload): model.device is
                 lm._device = torch.device("cpu")  # meta, but accelerate's hooks compute on the CPU; no public setter
             try:
