@@ -8,7 +8,7 @@ import torch
 
 from compress.kv_cache import restore_attention, use_kv_attention
 from compress.kv_quant import KVQuant, attach_kv_quant, kivi_attention, quantize_keys, quantize_values
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_model, run_tiny_recipe
 
 
 def _ref_fake_quant(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -122,27 +122,13 @@ def test_on_models_int8_is_closer_than_int4_and_a_forward_equals_decoding(family
 def test_a_recipe_stage_applies_it_and_the_checkpoint_keeps_it(tmp_path):
     import json
 
-    import yaml
-
-    from compress import load_recipe, run
     from compress.export import ExportError, check_export
     from compress.models import load_compressed
     from compress.stages.kv_cache import KVCacheStage
-    from tests.tiny_tokenizer import make_tiny_tokenizer, word_text
 
-    folder = tmp_path / "tiny"
-    make_tiny_model("llama").save_pretrained(folder)
-    make_tiny_tokenizer().save_pretrained(folder)
-    calib = tmp_path / "calib.txt"
-    calib.write_text(word_text(4096) + "\n")
-    recipe = {"model": {"source": str(folder), "dtype": "float32", "device": "cpu"},
-              "calibration": {"kind": "files", "files": [str(calib)], "n_samples": 4, "seq_len": 64},
-              "stages": [{"stage": "kv_cache", "dtype": "int4", "group": 16, "residual": 16}],
-              "eval": {"perplexity": False, "speed": False},
-              "output": {"dir": str(tmp_path / "out")}}
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
-    run(load_recipe(tmp_path / "r.yaml"), progress=False)
-    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    out = run_tiny_recipe(tmp_path, [{"stage": "kv_cache", "dtype": "int4", "group": 16, "residual": 16}],
+                          {"perplexity": False, "speed": False})
+    report = json.loads((out / "report.json").read_text())
     section = next(s for s in report["stages"] if s["stage"] == "kv_cache")
     assert section["format"] == "int4-kivi-g16-r16" and len(section["layers"]) == 2
     model = load_compressed(tmp_path / "out")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from compress import speculative as spec
-from tests.conftest import make_tiny_model, requires_data
+from tests.conftest import make_tiny_model, requires_data, run_tiny_recipe
 
 P = torch.tensor([0.40, 0.30, 0.15, 0.10, 0.05])  # the draft's distribution
 Q = torch.tensor([0.10, 0.20, 0.30, 0.25, 0.15])  # the target's
@@ -270,24 +270,9 @@ def test_acceptance_rate_is_the_lecture_alpha_at_any_draft_length():
 def test_a_run_measures_its_model_as_a_draft_for_the_original(tmp_path):
     import json
 
-    import yaml
-
-    from compress import load_recipe, run
-    from tests.tiny_tokenizer import make_tiny_tokenizer, word_text
-
-    folder = tmp_path / "tiny"
-    make_tiny_model("llama").save_pretrained(folder)
-    make_tiny_tokenizer().save_pretrained(folder)
-    calib = tmp_path / "calib.txt"
-    calib.write_text(word_text(4096) + "\n")
-    recipe = {"model": {"source": str(folder), "dtype": "float32", "device": "cpu"},
-              "calibration": {"kind": "files", "files": [str(calib)], "n_samples": 4, "seq_len": 64},
-              "stages": [{"stage": "quantize", "method": "rtn", "scheme": {"dtype": "int4", "group_size": 32}}],
-              "eval": {"perplexity": False, "speed": False, "speculative": [1, 3], "speculative_prompts": 2,
-                       "speculative_prompt_tokens": 16, "speculative_new_tokens": 8},
-              "output": {"dir": str(tmp_path / "out")}}
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
-    run(load_recipe(tmp_path / "r.yaml"), progress=False)
+    out = run_tiny_recipe(tmp_path, [{"stage": "quantize", "method": "rtn", "scheme": {"dtype": "int4", "group_size": 32}}],
+                          {"perplexity": False, "speed": False, "speculative": [1, 3], "speculative_prompts": 2,
+                           "speculative_prompt_tokens": 16, "speculative_new_tokens": 8})
     section = json.loads((tmp_path / "out" / "report.json").read_text())["eval"]["speculative"]
     assert [r["k"] for r in section["rows"]] == [1, 3, "adaptive"] and section["greedy_mismatches"] == 0
     assert all(r["tokens"] == 2 * 8 for r in section["rows"]) and section["roofline"]
