@@ -28,8 +28,8 @@ from compress.data import sequential_windows, tokenize_joined, wikitext2_rows  #
 from compress.evaluate.memory import serving_bytes  # noqa: E402
 from compress.evaluate.ppl import _final_hidden, _logits, score_hidden  # noqa: E402
 from compress.evaluate.roofline import get_accelerator, max_batch, model_facts  # noqa: E402
-from compress.kv_cache import use_kv_attention  # noqa: E402
-from compress.kv_quant import KVQuant, attach_kv_quant  # noqa: E402
+from compress.kv_cache import attach_kv_quant, use_kv_attention  # noqa: E402
+from compress.kv_quant import KVQuant  # noqa: E402
 from compress.models import load_model  # noqa: E402
 
 CONFIGS = {"float (bf16 cache)": None,

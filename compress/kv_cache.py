@@ -18,6 +18,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .kv_quant import KVQuant, kivi_attention
 from .primitives import cast_fp8
 from .scheme import FP8_MAX
 
@@ -70,7 +71,6 @@ def _wrapper(base: str):
             record[0] = max(record[0], float(key.detach().abs().amax()))
             record[1] = max(record[1], float(value.detach().abs().amax()))
         elif getattr(module, "kv_quant", None) is not None:  # int8 / int4 KIVI cache (kv_quant.py)
-            from .kv_quant import kivi_attention
             return kivi_attention(module, query, key, value, attention_mask, module.kv_quant, **kwargs)
         elif getattr(module, "k_scale", None) is not None:
             key = fake_quantize_kv(key, module.k_scale, module.kv_cache_dtype)
@@ -119,3 +119,14 @@ def kv_layers(model: nn.Module) -> dict[str, dict]:
     return out | {n: {"dtype": m.kv_cache_dtype, "k_scale": float(m.k_scale), "v_scale": float(m.v_scale)}
                   for n, m in model.named_modules()
                   if getattr(m, "k_scale", None) is not None and hasattr(m, "kv_cache_dtype")}
+
+
+def attach_kv_quant(module: nn.Module, kv: KVQuant) -> list[str]:
+    """Mark every attention module under `module` to attend over an int KIVI cache of format `kv` (kv_quant.py; the
+    attention wrapper above reads it); returns their names."""
+    names = attention_modules(module)
+    for name in names:
+        target = module.get_submodule(name)
+        target.kv_quant = kv
+        target.kv_cache_dtype = f"int{kv.bits}"
+    return names

@@ -123,16 +123,3 @@ def kivi_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
     p = torch.softmax(scores, -1)
     out = (p * near) @ v + (p * ~near) @ vq  # [B, Hq, T, D]
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
-
-
-def attach_kv_quant(module: nn.Module, kv: KVQuant) -> list[str]:
-    """Mark every attention module under `module` to attend over a KIVI cache of format `kv` (the kv_cache.py
-    attention wrapper reads it); returns their names."""
-    from .kv_cache import attention_modules
-
-    names = attention_modules(module)
-    for name in names:
-        target = module.get_submodule(name)
-        target.kv_quant = kv
-        target.kv_cache_dtype = f"int{kv.bits}"
-    return names

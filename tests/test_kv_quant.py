@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compress.kv_cache import restore_attention, use_kv_attention
-from compress.kv_quant import KVQuant, attach_kv_quant, kivi_attention, quantize_keys, quantize_values
+from compress.kv_cache import attach_kv_quant, restore_attention, use_kv_attention
+from compress.kv_quant import KVQuant, kivi_attention, quantize_keys, quantize_values
 from tests.conftest import make_tiny_model, run_tiny_recipe
 
 

@@ -13,7 +13,8 @@ import time
 import torch
 from torch import nn
 
-from .. import speculative as spec
+from ..speculative import (acceptance_rate, expected_tokens, generate_plain, generate_speculative,
+                           roofline_speedup)
 from ..arch import set_module
 from ..nn import QuantLinear, is_linear, native_bf16
 from ..scheme import W4A16_ASYM_G64, W8A16, QuantScheme
@@ -82,14 +83,14 @@ def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]],
     for r in range(rounds):
         for i, prompt in enumerate(prompts):
             g = torch.Generator().manual_seed(seed + i)
-            base = spec.generate_plain(target, prompt, max_new_tokens, temperature, g)
+            base = generate_plain(target, prompt, max_new_tokens, temperature, g)
             plain_s += base.seconds
             plain_decode_s += base.seconds - base.prefill_seconds[0]
             plain_steps += base.target_steps
             plain_tokens += len(base.tokens)
             for k, a in settings:
                 g = torch.Generator().manual_seed(seed + i)
-                got = spec.generate_speculative(target, draft, prompt, max_new_tokens, k, temperature, a, g)
+                got = generate_speculative(target, draft, prompt, max_new_tokens, k, temperature, a, g)
                 if temperature == 0 and got.tokens != base.tokens:
                     mismatches += 1
                 row = rows["adaptive" if a else k]
@@ -108,15 +109,15 @@ def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]],
     t_step = plain_decode_s / max(plain_steps, 1)
     out_rows = []
     for row in rows.values():
-        alpha = spec.acceptance_rate(row["accepted"], row["rejected"]) if row["proposed"] else 0.0
+        alpha = acceptance_rate(row["accepted"], row["rejected"]) if row["proposed"] else 0.0
         k_mean = statistics.mean(row["ks"]) if row["ks"] else 0
         draft_cost = row["draft_s"] / max(row["proposed"], 1) / t_step
         verify_cost = row["verify_s"] / max(row["target_steps"], 1) / t_step
         k_eff = k_mean if row["k"] == "adaptive" else row["k"]
-        predicted = spec.expected_tokens(alpha, round(k_eff)) / (verify_cost + k_eff * draft_cost) if k_eff else 0
+        predicted = expected_tokens(alpha, round(k_eff)) / (verify_cost + k_eff * draft_cost) if k_eff else 0
         ks_used = row.pop("ks")
         out_rows.append({**row, "alpha": alpha, "tokens_per_step": row["tokens"] / max(row["target_steps"], 1),
-                         "expected_tokens_per_step": spec.expected_tokens(alpha, round(k_eff)) if k_eff else 1.0,
+                         "expected_tokens_per_step": expected_tokens(alpha, round(k_eff)) if k_eff else 1.0,
                          "mean_k": k_mean, "k_histogram": {k: ks_used.count(k) for k in sorted(set(ks_used))},
                          "speedup": plain_s / row["seconds"] if row["seconds"] else 0.0,
                          "tok_s": row["tokens"] / row["seconds"] if row["seconds"] else 0.0,
@@ -141,7 +142,7 @@ def roofline_rows(result: dict, target_config, draft_config, accelerators=("H100
         for row in result["rows"]:
             k = round(row["mean_k"]) if row["k"] == "adaptive" else row["k"]
             if k:
-                out.append({**spec.roofline_speedup(row["alpha"], k, t, d, acc, context), "k": row["k"]})
+                out.append({**roofline_speedup(row["alpha"], k, t, d, acc, context), "k": row["k"]})
     return out
 
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from ..distributed import max_over_ranks
-from ..kv_cache import attention_modules, kv_layers, recording_kv, set_kv_scales, use_kv_attention
-from ..kv_quant import KVQuant, attach_kv_quant
+from ..kv_cache import attach_kv_quant, attention_modules, kv_layers, recording_kv, set_kv_scales, use_kv_attention
+from ..kv_quant import KVQuant
 from ..scheme import FP8_MAX
 from .base import BlockState, Plan, RunContext, StageBase
 
