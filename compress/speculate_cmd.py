@@ -27,8 +27,9 @@ def add_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", help="the model whose outputs are produced (e.g. default)")
     p.add_argument("--draft", required=True, help="the draft model, or self-int4 (see below)")
-    p.add_argument("--draft-int4", action="store_true", help="round the draft's linears to int4 g64 in memory first "
-                                                             "(e.g. a pruned+distilled draft -> pruned+int4)")
+    p.add_argument("--draft-int4", action="store_true", help="round the draft's float linears to int4 g64 (its head to "
+                                                             "int8) in memory first: a pruned+distilled draft -> "
+                                                             "pruned+int4; a quantized run with a float head -> int8 head")
     p.add_argument("--k", default="1-8", help="draft lengths: one (4), a list (2,4,6) or a range (1-8; default)")
     p.add_argument("--no-adaptive", action="store_true", help="skip the adaptive draft length")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sampling")
@@ -84,7 +85,8 @@ def run(args) -> int:
         kept = []
         if args.draft_int4:
             draft, kept = int4_copy(draft)
-            notes.append("draft: its linears rounded to int4 g64 in memory (--draft-int4), its head to int8")
+            notes.append("draft: its float linears rounded to int4 g64 in memory (--draft-int4; layers it already "
+                         "holds quantized are kept), its head to int8")
     notes += [f"kept in float: {k}" for k in kept]
     prompts = wikitext_prompts(loaded.tokenizer, args.prompts, args.prompt_tokens)
     batches = sorted({1, *(k + 1 for k in ks)})

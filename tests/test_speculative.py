@@ -232,6 +232,14 @@ def test_measure_draft_reports_each_length_and_checks_greedy_outputs():
     k3 = result["rows"][1]
     assert k3["tokens_per_step"] <= 4 and abs(k3["expected_tokens_per_step"] - spec.expected_tokens(k3["alpha"], 3)) < 1e-12
     assert any("| 3 |" in line for line in render(result))
+    # the roofline counts float tensors at bf16 whatever their dtype here (this target is float64)
+    from compress.evaluate.speculation import roofline_rows
+    params = sum(p.numel() for p in target.parameters())
+    assert result["target_serving_bytes"] == 2 * params and result["target_bytes"] == 8 * params
+    rows = roofline_rows(result, target.config, draft.config, ["H100-SXM"])
+    from compress.evaluate.memory import serving_bytes
+    assert result["draft_serving_bytes"] == serving_bytes(draft) < result["target_serving_bytes"]
+    assert [r["k"] for r in rows] == [1, 3, "adaptive"] and all(0 < r["draft_cost"] < 1 for r in rows)
 
 
 @requires_data

@@ -67,6 +67,12 @@ def _bytes(model: nn.Module) -> int:
     return weight_bytes(model)["total"]
 
 
+def _serving(model: nn.Module) -> int:
+    from .memory import serving_bytes
+
+    return serving_bytes(model)
+
+
 def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]], max_new_tokens: int = 64,
                   ks=(1, 2, 3, 4, 5, 6, 7, 8), adaptive: bool = True, temperature: float = 0.0, seed: int = 0,
                   rounds: int = 1, progress=None) -> dict:
@@ -126,16 +132,19 @@ def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]],
             "max_new_tokens": max_new_tokens, "temperature": temperature, "rounds": rounds,
             "plain_s": plain_s, "plain_step_s": t_step, "plain_tok_s": plain_tokens / plain_s if plain_s else 0,
             "greedy_mismatches": mismatches if temperature == 0 else None, "rows": out_rows,
-            "target_bytes": _bytes(target), "draft_bytes": _bytes(draft), "threads": torch.get_num_threads(),
+            "target_bytes": _bytes(target), "draft_bytes": _bytes(draft), "target_serving_bytes": _serving(target),
+            "draft_serving_bytes": _serving(draft), "threads": torch.get_num_threads(),
             "seconds": time.perf_counter() - t_start}
 
 
 def roofline_rows(result: dict, target_config, draft_config, accelerators=("H100-SXM",), context: int = 1024) -> list:
-    """The roofline's speed-up at each measured α and K, on each accelerator (weights at their measured bytes)."""
+    """The roofline's speed-up at each measured α and K, on each accelerator, with the weights as a GPU server holds
+    them (quantized layers as stored, every float tensor in bf16: a float32 target on this CPU would otherwise make
+    any draft look cheap)."""
     from .roofline import get_accelerator, model_facts
 
-    t = model_facts(target_config, weight_bytes=result["target_bytes"])
-    d = model_facts(draft_config, weight_bytes=result["draft_bytes"])
+    t = model_facts(target_config, weight_bytes=result["target_serving_bytes"])
+    d = model_facts(draft_config, weight_bytes=result["draft_serving_bytes"])
     out = []
     for name in accelerators:
         acc = get_accelerator(name)
