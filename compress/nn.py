@@ -71,6 +71,10 @@ def kernel_for(scheme: QuantScheme) -> str:
     """The reference matmul path of a QuantLinear of this scheme (named in the report and `compress inspect`);
     kernels/dispatch.py may route some batch sizes to faster kernels."""
     act = scheme.act
+    if scheme.micro_name is not None or (act is not None and act.granularity == "group"):
+        # no CPU kernel reads these; Blackwell's tensor cores (NVFP4, MX) do, and the layout is theirs
+        what = scheme.micro_name or scheme.name
+        return f"{what}: dequantize+matmul" if act is None else f"{what}: fake-quantized reference (block-scaled)"
     if act is None:
         return "dequantize+matmul"
     if act.outlier_threshold is not None:
@@ -86,15 +90,19 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
         codes = torch.zeros(out_features, in_features, dtype=torch.int32)
-        if scheme.is_float:
+        if scheme.dtype in FP8_DTYPES:
             codes = codes.to(FP8_DTYPES[scheme.dtype])
+        elif scheme.is_float:  # fp4 e2m1 values come as float32
+            codes = codes.float()
         empty = QuantizedTensor.from_codes(
             codes, torch.ones(scale_shape(scheme, out_features, in_features)),
             None if scheme.symmetric else torch.zeros(scale_shape(scheme, out_features, in_features)),
-            scheme)
+            scheme, torch.ones(()) if scheme.has_global_scale else None)
         self.register_buffer("qdata", empty.qdata.to(device))
         self.register_buffer("scale", empty.scale.to(device))
         self.register_buffer("zero_point", None if empty.zero_point is None else empty.zero_point.to(device))
+        # NVFP4's fp32 tensor scale (compressed-tensors' weight_global_scale; ModelOpt stores its reciprocal)
+        self.register_buffer("global_scale", None if empty.global_scale is None else empty.global_scale.to(device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
         act = scheme.act
         # static activation scale (calibrated), and LLM.int8's calibrated outlier input features
@@ -115,13 +123,15 @@ class QuantLinear(nn.Module):
         layer = cls(in_features, out_features, qt.scheme, bias=module.bias is not None, dtype=ref.dtype,
                     device=ref.device)
         layer.qdata, layer.scale, layer.zero_point = qt.qdata, qt.scale, qt.zero_point
+        if qt.global_scale is not None:
+            layer.global_scale = qt.global_scale
         if module.bias is not None:
             layer.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=False)
         return layer
 
     def qtensor(self) -> QuantizedTensor:
         return QuantizedTensor(self.qdata, self.scale, self.zero_point, self.scheme,
-                               (self.out_features, self.in_features))
+                               (self.out_features, self.in_features), self.global_scale)
 
     @property
     def kernel(self) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import microscale as mx
 from .scheme import FP8_MAX, ActScheme, QuantScheme
 
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -60,16 +61,43 @@ def cast_fp8(x: Tensor, dtype: str) -> Tensor:
     return x.float().clamp(-m, m).to(FP8_DTYPES[dtype])
 
 
-def compute_qparams(w: Tensor, scheme: QuantScheme) -> tuple[Tensor, Tensor | None]:
+def cast_float(x: Tensor, dtype: str) -> Tensor:
+    """x on a float element grid: float8 (cast_fp8) or fp4 e2m1 (float32 values on the grid, microscale.py)."""
+    return mx.round_e2m1(x) if dtype == "fp4_e2m1" else cast_fp8(x, dtype)
+
+
+def global_scale(w: Tensor, scheme: QuantScheme) -> Tensor | None:
+    """NVFP4's per-tensor fp32 scale, 448 * 6 / amax(w); None for every other scheme. Methods that quantize a
+    weight in pieces (GPTQ's column groups) take it once from the whole weight and pass it to compute_qparams."""
+    return mx.nvfp4_global_scale(w.detach().abs().amax()) if scheme.has_global_scale else None
+
+
+def _micro_scale(amax: Tensor, element: str, scale_dtype: str, g: Tensor | None) -> Tensor:
+    """Effective float32 block scales of a microscaling format from block absmax. NVFP4: e4m3(amax / 6 * g) / g,
+    the e4m3 value kept at least e4m3's smallest subnormal (2**-9) so no block scale is zero; MX: 2**e (e8m0)."""
+    if scale_dtype == "e8m0":
+        return mx.e8m0_scale(amax, element)
+    return mx.nvfp4_block_scale(amax, g).clamp(min=2.0 ** -9) / g
+
+
+def compute_qparams(w: Tensor, scheme: QuantScheme, global_scale: Tensor | None = None
+                    ) -> tuple[Tensor, Tensor | None]:
     """Scale (and zero point) from the weight's range: absmax if symmetric, min/max otherwise.
 
     The scale is rounded to scheme.scale_dtype *before* it is used, so the stored scale and the
     codes agree exactly. An all-zero group gets scale 1 (its codes are zero whatever the scale).
     Returns float32 scale and, for asymmetric schemes, a float32 integer-valued zero point,
     both of shape scale_shape(scheme, *w.shape).
+    Microscaling schemes return the effective block scale (NVFP4: the e4m3 value divided by the tensor's global
+    scale, `global_scale` or else the one of w itself; MX: the power of two), which QuantizedTensor stores encoded.
     """
     wg = group_view(w.float(), scheme)
     zero_point = None
+    if scheme.is_micro:
+        g = None if not scheme.has_global_scale else \
+            (global_scale.float() if global_scale is not None else mx.nvfp4_global_scale(wg.abs().amax()))
+        scale = _micro_scale(wg.abs().amax(dim=-1), scheme.dtype, scheme.scale_dtype, g)
+        return scale.reshape(scale_shape(scheme, *w.shape)), None
     if scheme.is_float:
         scale = wg.abs().amax(dim=-1) / scheme.fp8_max
     elif scheme.symmetric:
@@ -90,12 +118,13 @@ def quantize_affine(w: Tensor, scale: Tensor, zero_point: Tensor | None, scheme:
     """Integer codes q = clamp(round(w / scale) + zero_point, qmin, qmax), shape of w.
 
     Codes are int8 for symmetric schemes (range [-2**(b-1), 2**(b-1)-1]) and uint8 for
-    asymmetric ones (range [0, 2**b - 1]). For fp8 schemes: the float8 tensor cast_fp8(w / scale).
+    asymmetric ones (range [0, 2**b - 1]). For fp8 schemes: the float8 tensor cast_fp8(w / scale); for fp4 e2m1:
+    float32 values on the e2m1 grid (no torch dtype holds them unpacked).
     """
     wg = group_view(w.float(), scheme)
     s = scale.float().reshape(wg.shape[:-1] + (1,))
     if scheme.is_float:
-        return ungroup(cast_fp8(wg / s, scheme.dtype), tuple(w.shape), scheme)
+        return ungroup(cast_float(wg / s, scheme.dtype), tuple(w.shape), scheme)
     q = torch.round(wg / s)
     if zero_point is not None:
         q = q + zero_point.float().reshape(s.shape)
@@ -116,8 +145,11 @@ def dequantize_affine(q: Tensor, scale: Tensor, zero_point: Tensor | None, schem
 # ---------------------------------------------------------------- activations
 
 def activation_qparams(x: Tensor, act: ActScheme) -> tuple[Tensor, Tensor | None]:
-    """Dynamic scale (and zero point) of x [..., K]: per token -> [..., 1], per tensor -> []."""
+    """Dynamic scale (and zero point) of x [..., K]: per token -> [..., 1], per tensor -> [];
+    per group (microscaling) -> [..., K // G, 1], the effective block scales (fake_quantize_activation)."""
     xf = x.float()
+    if act.granularity == "group":
+        raise ValueError("group (microscaled) activations are quantized by fake_quantize_activation")
     if act.granularity == "token":
         if act.symmetric:
             absmax = xf.abs().amax(dim=-1, keepdim=True)
@@ -137,18 +169,21 @@ def activation_qparams(x: Tensor, act: ActScheme) -> tuple[Tensor, Tensor | None
 
 
 def quantize_activation(x: Tensor, act: ActScheme, scale: Tensor, zero_point: Tensor | None = None) -> Tensor:
-    """Codes of x with the given scale: int8 in [-127, 127] (symmetric, as bitsandbytes and vLLM), uint8
-    in [0, 255] with a zero point, or float8 (saturating)."""
+    """Codes of x with the given scale: int8 in [-127, 127] (symmetric, as bitsandbytes and vLLM; int4 in [-7, 7]),
+    uint8 in [0, 255] with a zero point, float8 (saturating), or fp4 e2m1 values (float32)."""
     xs = x.float() / scale
-    if act.dtype in FP8_MAX:
-        return cast_fp8(xs, act.dtype)
+    if act.dtype in FP8_MAX or act.dtype == "fp4_e2m1":
+        return cast_float(xs, act.dtype)
     if zero_point is None:
-        return torch.clamp(torch.round(xs), -127, 127).to(torch.int8)
+        q = 7 if act.dtype == "int4" else 127
+        return torch.clamp(torch.round(xs), -q, q).to(torch.int8)
     return torch.clamp(torch.round(xs) + zero_point, 0, 255).to(torch.uint8)
 
 
 def fake_quantize_activation(x: Tensor, act: ActScheme, static_scale: Tensor | None = None) -> Tensor:
-    """Quantize-dequantize x (same dtype and shape): the reference for every W?A8 matmul."""
+    """Quantize-dequantize x (same dtype and shape): the reference for every W?A8 matmul (and W4A4)."""
+    if act.granularity == "group":
+        return fake_quantize_micro_activation(x, act, static_scale)
     if act.dynamic:
         scale, zero_point = activation_qparams(x, act)
     else:
@@ -159,3 +194,23 @@ def fake_quantize_activation(x: Tensor, act: ActScheme, static_scale: Tensor | N
     if zero_point is not None:
         q = q - zero_point
     return (q * scale).to(x.dtype)
+
+
+def fake_quantize_micro_activation(x: Tensor, act: ActScheme, static_scale: Tensor | None = None) -> Tensor:
+    """Microscaled activations (NVFP4, MXFP4, MXFP8): block scales per `group_size` features from each input
+    on the fly. NVFP4's tensor scale is 1 / static_scale (calibrated: the layer's input_scale = amax / (448 * 6))
+    or, for dynamic: true, 448 * 6 / amax(x)."""
+    k, gsz = x.shape[-1], act.group_size
+    if k % gsz:
+        raise ValueError(f"{k} input features are not a multiple of the activation block {gsz}")
+    xg = x.float().reshape(*x.shape[:-1], k // gsz, gsz)  # [..., K // G, G]
+    g = None
+    if act.scale_dtype == "float8_e4m3":
+        if act.dynamic:
+            g = mx.nvfp4_global_scale(xg.abs().amax())
+        elif static_scale is None:
+            raise ValueError("NVFP4 activations with a static global scale need a calibrated input_scale")
+        else:
+            g = 1.0 / static_scale.float().clamp(min=torch.finfo(torch.float32).tiny)
+    s = _micro_scale(xg.abs().amax(dim=-1, keepdim=True), act.dtype, act.scale_dtype, g)
+    return (cast_float(xg / s, act.dtype).float() * s).reshape(x.shape).to(x.dtype)

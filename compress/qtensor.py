@@ -4,6 +4,10 @@ Packing: codes are shifted to unsigned u = q - qmin in [0, 2**b - 1] and packed 
 in_features, little end first. A word of lcm(b, 8) bits holds lcm(b, 8) / b codes:
 int8 -> 1 code/byte, int4 -> 2 codes/byte (low nibble first), int2 -> 4 codes/byte,
 int3 -> 8 codes in 3 bytes. Rows are padded with zero codes up to a whole word.
+
+Microscaling formats keep the layout the engines read: fp4 e2m1 codes two per byte, the even element in the low
+nibble (microscale.pack_nibbles), their block scales encoded (NVFP4: float8_e4m3fn, with the fp32 `global_scale`;
+MX: uint8 e8m0 exponents), MXFP8 values as float8_e4m3fn.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import microscale as mx
 from .primitives import FP8_DTYPES, dequantize_affine
 from .scheme import QuantScheme
 
@@ -78,9 +83,14 @@ class QuantizedTensor:
     zero_point: Tensor | None  # scheme.zero_point_dtype (uint8; float16: fractional), shape of scale; None: symmetric
     scheme: QuantScheme
     shape: tuple[int, int]
+    global_scale: Tensor | None = None  # NVFP4: fp32 [] (448 * 6 / amax); the effective scale is scale / global
 
     @classmethod
-    def from_codes(cls, q: Tensor, scale: Tensor, zero_point: Tensor | None, scheme: QuantScheme) -> "QuantizedTensor":
+    def from_codes(cls, q: Tensor, scale: Tensor, zero_point: Tensor | None, scheme: QuantScheme,
+                   global_scale: Tensor | None = None) -> "QuantizedTensor":
+        """q and scale as compute_qparams / quantize_affine give them (the scale effective, in float)."""
+        if scheme.is_micro:
+            return cls._from_micro(q, scale, scheme, global_scale)
         if scheme.is_float:  # real float8 tensors, nothing to pack
             if q.dtype != FP8_DTYPES[scheme.dtype]:
                 raise ValueError(f"{scheme.dtype} values must be {FP8_DTYPES[scheme.dtype]}, got {q.dtype}")
@@ -96,8 +106,39 @@ class QuantizedTensor:
             shape=tuple(q.shape),
         )
 
+    @classmethod
+    def _from_micro(cls, q: Tensor, scale: Tensor, scheme: QuantScheme, g: Tensor | None) -> "QuantizedTensor":
+        if scheme.has_global_scale:
+            if g is None:
+                raise ValueError(f"{scheme.name}: NVFP4 needs the tensor's global scale (primitives.global_scale)")
+            g = g.detach().float().reshape(()).clone()
+            # the effective scale is fl(e4m3 / g); times g it is within an fp32 ulp of the e4m3 value, which the
+            # e4m3 rounding recovers exactly
+            stored = mx.round_e4m3(scale.float() * g).to(torch.float8_e4m3fn)
+        else:
+            stored = mx.encode_e8m0(torch.round(torch.log2(scale.float())))
+        if scheme.dtype == "fp4_e2m1":
+            qdata = mx.pack_nibbles(mx.encode_e2m1(q.float()))
+        elif q.dtype == FP8_DTYPES[scheme.dtype]:
+            qdata = q.contiguous()
+        else:
+            raise ValueError(f"{scheme.dtype} values must be {FP8_DTYPES[scheme.dtype]}, got {q.dtype}")
+        return cls(qdata.contiguous(), stored.contiguous(), None, scheme, tuple(q.shape), g)
+
+    def scale_float(self) -> Tensor:
+        """The effective float32 scale: w = code value x scale_float (block scales decoded, NVFP4's divided by the
+        tensor's global scale)."""
+        if self.scheme.scale_dtype == "e8m0":
+            return mx.decode_e8m0(self.scale)
+        if self.scheme.has_global_scale:
+            return self.scale.float() / self.global_scale.float()
+        return self.scale.float()
+
     def codes(self) -> Tensor:
-        """Signed (symmetric) or unsigned (asymmetric) integer codes, int32 [out, in]; fp8: the float8 values."""
+        """Signed (symmetric) or unsigned (asymmetric) integer codes, int32 [out, in]; fp8: the float8 values;
+        fp4 e2m1: the values as float32."""
+        if self.scheme.dtype == "fp4_e2m1":
+            return mx.decode_e2m1(mx.unpack_nibbles(self.qdata))[:, :self.shape[1]]
         if self.scheme.is_float:
             return self.qdata
         if _plain_int8(self.scheme):
@@ -105,6 +146,8 @@ class QuantizedTensor:
         return unpack_codes(self.qdata, self.scheme.bits, self.shape[1]).to(torch.int32) + self.scheme.qmin
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        if self.scheme.is_micro:
+            return dequantize_affine(self.codes(), self.scale_float(), None, self.scheme, dtype)
         if self.scheme.is_float or _plain_int8(self.scheme):
             return dequantize_affine(self.qdata, self.scale, None, self.scheme, dtype)
         u = unpack_codes(self.qdata, self.scheme.bits, self.shape[1])
@@ -115,5 +158,5 @@ class QuantizedTensor:
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.qdata, self.scale] + ([self.zero_point] if self.zero_point is not None else [])
+        tensors = [self.qdata, self.scale] + [t for t in (self.zero_point, self.global_scale) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)

@@ -10,9 +10,29 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
-BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2, "fp8_e4m3": 8, "fp8_e5m2": 8}
+BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2, "fp8_e4m3": 8, "fp8_e5m2": 8, "fp4_e2m1": 4}
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}  # largest finite value of float8_e4m3fn / float8_e5m2
-SCALE_DTYPES = ("float16", "bfloat16", "float32")
+FLOAT_MAX = {**FP8_MAX, "fp4_e2m1": 6.0}  # every float element grid (fp4 e2m1: microscale.py)
+# Block-scale encodings of the microscaling formats: float8_e4m3 (NVFP4: one e4m3 scale per 16 values and one
+# fp32 scale per tensor) and e8m0 (OCP MX: a power of two per 32 values). microscale.py holds the arithmetic.
+MICRO_SCALE_DTYPES = ("float8_e4m3", "e8m0")
+SCALE_DTYPES = ("float16", "bfloat16", "float32") + MICRO_SCALE_DTYPES
+ACT_DTYPES = ("int8", "int4", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
+
+
+def _micro_problem(dtype: str, granularity: str, scale_dtype: str | None) -> str | None:
+    """Why an element dtype / granularity / scale dtype combination is not a valid format (None: it is)."""
+    if dtype == "fp4_e2m1" and scale_dtype not in MICRO_SCALE_DTYPES:
+        return ("fp4_e2m1 values need block scales: scale_dtype float8_e4m3 (NVFP4, group_size 16) or e8m0 "
+                "(MXFP4, group_size 32)")
+    if scale_dtype in MICRO_SCALE_DTYPES:
+        if granularity != "group":
+            return f"scale_dtype {scale_dtype} is a block (group) scale; set granularity: group"
+        if dtype not in ("fp4_e2m1", "fp8_e4m3"):
+            return f"scale_dtype {scale_dtype} goes with fp4_e2m1 or fp8_e4m3 values (NVFP4, MXFP4, MXFP8)"
+        if scale_dtype == "float8_e4m3" and dtype != "fp4_e2m1":
+            return "e4m3 block scales are NVFP4's (fp4_e2m1 values); MXFP8 uses scale_dtype e8m0"
+    return None
 
 
 @dataclass(frozen=True)
@@ -32,26 +52,48 @@ class ActScheme:
     sub-threshold values of an outlier column still set the row scale, and quantizes from float16.
     """
 
-    dtype: Literal["int8", "fp8_e4m3", "fp8_e5m2"] = "int8"
-    granularity: Literal["token", "tensor"] = "token"
+    dtype: Literal["int8", "int4", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1"] = "int8"
+    granularity: Literal["token", "tensor", "group"] = "token"
     dynamic: bool = True
     symmetric: bool = True
     outlier_threshold: float | None = None
     outliers: Literal["dynamic", "static"] = "dynamic"
     outlier_scaling: Literal["exclude_columns", "exclude_elements"] = "exclude_columns"
+    # granularity group (microscaling activations): block scales computed on the fly per `group_size` input
+    # features, encoded as `scale_dtype`. NVFP4 (float8_e4m3) also has one fp32 scale for the tensor: calibrated
+    # (dynamic: false, the layer's input_scale holds amax / (448 * 6), compressed-tensors' input_global_scale
+    # inverted) or taken from each input (dynamic: true). MX (e8m0) block scales need nothing else.
+    group_size: int | None = None
+    scale_dtype: Literal["float8_e4m3", "e8m0"] | None = None
 
     def __post_init__(self):
-        if self.dtype not in ("int8", "fp8_e4m3", "fp8_e5m2"):
-            raise ValueError(f"activation dtype={self.dtype!r}; use 'int8', 'fp8_e4m3' or 'fp8_e5m2'")
-        if self.granularity not in ("token", "tensor"):
-            raise ValueError(f"activation granularity={self.granularity!r}; use 'token' or 'tensor'")
-        if not self.dynamic and self.granularity != "tensor":
+        if self.dtype not in ACT_DTYPES:
+            raise ValueError(f"activation dtype={self.dtype!r}; use one of {list(ACT_DTYPES)}")
+        if self.granularity not in ("token", "tensor", "group"):
+            raise ValueError(f"activation granularity={self.granularity!r}; use 'token', 'tensor' or 'group'")
+        if self.granularity == "group":
+            if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 2:
+                raise ValueError(f"group activations need an integer group_size >= 2, got {self.group_size!r} "
+                                 "(NVFP4: 16, MX: 32)")
+            if self.scale_dtype not in MICRO_SCALE_DTYPES:
+                raise ValueError("group activations are microscaled: set scale_dtype float8_e4m3 (NVFP4) or e8m0 (MX)")
+            if (why := _micro_problem(self.dtype, "group", self.scale_dtype)) is not None:
+                raise ValueError(f"activations: {why}")
+            if self.scale_dtype == "e8m0" and not self.dynamic:
+                raise ValueError("MX activation scales are computed per block on the fly; set dynamic: true")
+        else:
+            if self.group_size is not None or self.scale_dtype is not None:
+                raise ValueError("group_size / scale_dtype for activations need granularity: group")
+            if self.dtype == "fp4_e2m1":
+                raise ValueError("fp4_e2m1 activations need block scales: granularity: group, group_size 16, "
+                                 "scale_dtype float8_e4m3 (NVFP4) or group_size 32, scale_dtype e8m0 (MXFP4)")
+        if not self.dynamic and self.granularity not in ("tensor", "group"):
             raise ValueError("static activation scales (dynamic: false) are per tensor; set granularity: tensor "
                              "or dynamic: true")
         if not self.dynamic and not self.symmetric:
             raise ValueError("static activation scales are symmetric (absmax); remove symmetric: false")
         if not self.symmetric and self.dtype != "int8":
-            raise ValueError("fp8 activations are symmetric; remove symmetric: false")
+            raise ValueError(f"{self.dtype} activations are symmetric; remove symmetric: false")
         if self.outlier_threshold is not None:
             if self.dtype != "int8" or not self.symmetric or self.granularity != "token" or not self.dynamic:
                 raise ValueError("outlier_threshold (LLM.int8) goes with dynamic symmetric int8 per-token activations")
@@ -65,10 +107,19 @@ class ActScheme:
 
     @property
     def qmax(self) -> float:
-        return FP8_MAX[self.dtype] if self.dtype in FP8_MAX else 127.0
+        """The largest code magnitude: what a per-tensor (static) scale maps the absmax onto. For NVFP4 that is
+        448 * 6 (the global scale takes the tensor's absmax to e4m3's top times e2m1's)."""
+        if self.scale_dtype == "float8_e4m3":
+            return 448.0 * FLOAT_MAX[self.dtype]
+        if self.dtype in FLOAT_MAX:
+            return FLOAT_MAX[self.dtype]
+        return 7.0 if self.dtype == "int4" else 127.0
 
     @property
     def name(self) -> str:
+        if self.granularity == "group":
+            how = "dyn" if self.dynamic else "static-global"
+            return f"a-{self.dtype}-g{self.group_size}-{self.scale_dtype}-{how}"
         if self.outlier_threshold is not None:
             rule = "-bnb" if self.outlier_scaling == "exclude_elements" else ""
             return f"a8-llmint8-{self.outliers}-t{self.outlier_threshold:g}{rule}"
@@ -99,11 +150,11 @@ class QuantScheme:
     format and kernel reads; float16 holds fractional ones (HQQ's), w = (q - z) * s with z not on the grid.
     """
 
-    dtype: Literal["int8", "int4", "int3", "int2", "fp8_e4m3", "fp8_e5m2"] = "int4"
+    dtype: Literal["int8", "int4", "int3", "int2", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1"] = "int4"
     granularity: Literal["tensor", "channel", "group", "block"] = "group"
     group_size: int | None = 128
     symmetric: bool = True
-    scale_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    scale_dtype: Literal["float16", "bfloat16", "float32", "float8_e4m3", "e8m0"] = "float16"
     act: ActScheme | None = None
     zero_point_dtype: Literal["uint8", "float16"] = "uint8"
 
@@ -114,6 +165,8 @@ class QuantScheme:
             raise ValueError(f"granularity={self.granularity!r}; use 'tensor', 'channel', 'group' or 'block'")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale_dtype={self.scale_dtype!r}; use one of {list(SCALE_DTYPES)}")
+        if (why := _micro_problem(self.dtype, self.granularity, self.scale_dtype)) is not None:
+            raise ValueError(why)
         if self.is_float and not self.symmetric:
             raise ValueError(f"{self.dtype} weights are symmetric (absmax scaled); remove symmetric: false")
         if self.zero_point_dtype not in ("uint8", "float16"):
@@ -142,12 +195,32 @@ class QuantScheme:
 
     @property
     def is_float(self) -> bool:
-        """fp8 formats: the stored values are floats, not integer codes."""
-        return self.dtype in FP8_MAX
+        """fp8 and fp4 formats: the stored values are floats, not integer codes."""
+        return self.dtype in FLOAT_MAX
 
     @property
     def fp8_max(self) -> float:
-        return FP8_MAX[self.dtype]
+        """The largest element of a float grid (448 for e4m3, 6 for e2m1)."""
+        return FLOAT_MAX[self.dtype]
+
+    @property
+    def is_micro(self) -> bool:
+        """A microscaling format (NVFP4, MXFP4, MXFP8): block scales in float8_e4m3 or e8m0."""
+        return self.scale_dtype in MICRO_SCALE_DTYPES
+
+    @property
+    def has_global_scale(self) -> bool:
+        """NVFP4: one fp32 scale per tensor above the e4m3 block scales."""
+        return self.scale_dtype == "float8_e4m3"
+
+    @property
+    def micro_name(self) -> str | None:
+        """NVFP4 / MXFP4 / MXFP8 for the standard microscaling layouts, None otherwise."""
+        if self.scale_dtype == "float8_e4m3":
+            return "NVFP4" if self.group_size == 16 else None
+        if self.scale_dtype == "e8m0" and self.group_size == 32:
+            return {"fp4_e2m1": "MXFP4", "fp8_e4m3": "MXFP8"}[self.dtype]
+        return None
 
     @property
     def qmin(self) -> int:
@@ -162,6 +235,7 @@ class QuantScheme:
         gran = {"tensor": "tensor", "channel": "channel", "block": f"b{self.group_size}"}.get(
             self.granularity, f"g{self.group_size}")
         base = f"{self.dtype}-{gran}-{'sym' if self.symmetric else 'asym'}"
+        base += {"float8_e4m3": "-e4m3scale", "e8m0": "-e8m0scale"}.get(self.scale_dtype, "")
         base += "-fz16" if self.zero_point_dtype == "float16" else ""
         return base if self.act is None else f"{base}+{self.act.name}"
 
@@ -209,6 +283,18 @@ FP8_DYNAMIC = replace(FP8_W8A16, act=ActScheme("fp8_e4m3", "token"))
 FP8_BLOCK = QuantScheme("fp8_e4m3", "block", 128, True, "float32", ActScheme("fp8_e4m3", "token"))
 FP8_E5M2_DYNAMIC = QuantScheme("fp8_e5m2", "channel", None, True, "float32", ActScheme("fp8_e5m2", "token"))
 
+# Microscaling formats (compressed-tensors' preset names). NVFP4: e2m1 values, an e4m3 scale per 16 and an fp32
+# scale per tensor, activations the same with block scales on the fly and a calibrated global scale (what
+# compressed-tensors calls dynamic "local"). MX: a power-of-two (e8m0) scale per 32; activations dynamic.
+NVFP4A16 = QuantScheme("fp4_e2m1", "group", 16, True, "float8_e4m3")
+NVFP4 = replace(NVFP4A16, act=ActScheme("fp4_e2m1", "group", dynamic=False, group_size=16, scale_dtype="float8_e4m3"))
+MXFP4A16 = QuantScheme("fp4_e2m1", "group", 32, True, "e8m0")
+MXFP4 = replace(MXFP4A16, act=ActScheme("fp4_e2m1", "group", group_size=32, scale_dtype="e8m0"))
+MXFP8A16 = QuantScheme("fp8_e4m3", "group", 32, True, "e8m0")
+MXFP8 = replace(MXFP8A16, act=ActScheme("fp8_e4m3", "group", group_size=32, scale_dtype="e8m0"))
+# the W4A4 integer baseline the NVFP4 W4A4 row is compared with: int4 g16 weights, int4 per-token activations
+W4A4_INT = QuantScheme("int4", "group", 16, True, "float16", ActScheme("int4", "token"))
+
 PRESETS: dict[str, QuantScheme] = {
     "W4A16": W4A16,
     "W4A16_G64": W4A16_G64,
@@ -227,6 +313,13 @@ PRESETS: dict[str, QuantScheme] = {
     "FP8_DYNAMIC": FP8_DYNAMIC,
     "FP8_BLOCK": FP8_BLOCK,
     "FP8_E5M2_DYNAMIC": FP8_E5M2_DYNAMIC,
+    "NVFP4A16": NVFP4A16,
+    "NVFP4": NVFP4,
+    "MXFP4A16": MXFP4A16,
+    "MXFP4": MXFP4,
+    "MXFP8A16": MXFP8A16,
+    "MXFP8": MXFP8,
+    "W4A4_INT": W4A4_INT,
 }
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..primitives import FP8_DTYPES, cast_fp8, compute_qparams, group_view
+from ..primitives import FP8_DTYPES, cast_float, compute_qparams, global_scale, group_view
 from ..qtensor import QuantizedTensor
 from ..scheme import QuantScheme, replace_granularity
 
@@ -100,8 +100,11 @@ def _permute_rows_(t: Tensor, perm: Tensor) -> None:
         t[j] = saved
 
 
-def _column_qparams(w_cols: Tensor, scheme: QuantScheme) -> tuple[Tensor, Tensor | None]:
-    """Per-row scale/zero point [N] of a slice [N, G] (one group)."""
+def _column_qparams(w_cols: Tensor, scheme: QuantScheme, gscale: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """Per-row scale/zero point [N] of a slice [N, G] (one group); microscaling block scales with the weight's
+    global scale (NVFP4)."""
+    if scheme.is_micro:
+        return compute_qparams(w_cols, scheme, gscale)[0][:, 0], None
     scale, zero = compute_qparams(w_cols, replace_granularity(scheme, "channel"))
     return scale[:, 0], None if zero is None else zero[:, 0]
 
@@ -131,8 +134,9 @@ def quantize_gptq(w: Tensor, hessian: Tensor, scheme: QuantScheme, cfg: GPTQConf
 
     g = scheme.group_size if scheme.granularity == "group" else None
     static = scheme.granularity != "group" or cfg.act_order
+    gscale = global_scale(W, scheme)  # NVFP4: one per tensor, from the original weights
     if static:  # parameters from the original weights, in the original column order
-        scale_full, zero_full = compute_qparams(W, scheme)
+        scale_full, zero_full = compute_qparams(W, scheme, gscale)
         scale_tab = _table(scale_full, scheme, n_rows).to(dtype)  # [N or 1, groups]: one column per group
         zero_tab = None if zero_full is None else _table(zero_full, scheme, n_rows).to(dtype)
         group_of = torch.arange(k) // g if g else torch.zeros(k, dtype=torch.long)  # weight column -> table column
@@ -160,14 +164,14 @@ def quantize_gptq(w: Tensor, hessian: Tensor, scheme: QuantScheme, cfg: GPTQConf
                 s, z = scale_tab[:, t], (zero_tab[:, t] if zero_tab is not None else None)
             else:
                 if j % g == 0:  # first column of a group: parameters from the weights as updated so far
-                    s_new, z_new = _column_qparams(W[:, j:j + g], scheme)
+                    s_new, z_new = _column_qparams(W[:, j:j + g], scheme, gscale)
                     scale_g[:, j // g] = s_new
                     if zero_g is not None:
                         zero_g[:, j // g] = z_new
                 s = scale_g[:, j // g]
                 z = None if zero_g is None else zero_g[:, j // g]
-            if scheme.is_float:  # fp8: the nearest value of the float8 grid (saturating), not an integer
-                q = cast_fp8(col / s, scheme.dtype).to(dtype)
+            if scheme.is_float:  # fp8 / fp4: the nearest value of the float grid (saturating), not an integer
+                q = cast_float(col / s, scheme.dtype).to(dtype)
             else:
                 q = torch.round(col / s) + (z if z is not None else 0)
                 q = torch.clamp(q, scheme.qmin, scheme.qmax)
@@ -186,8 +190,10 @@ def quantize_gptq(w: Tensor, hessian: Tensor, scheme: QuantScheme, cfg: GPTQConf
         scale, zero = scale_full, zero_full
     else:
         scale, zero = scale_g, zero_g
+    if scheme.dtype == "fp4_e2m1":
+        return QuantizedTensor.from_codes(codes.float(), scale.float(), None, scheme, gscale)
     if scheme.is_float:
-        return QuantizedTensor.from_codes(codes.to(FP8_DTYPES[scheme.dtype]), scale.float(), None, scheme)
+        return QuantizedTensor.from_codes(codes.to(FP8_DTYPES[scheme.dtype]), scale.float(), None, scheme, gscale)
     return QuantizedTensor.from_codes(codes, scale.float(), None if zero is None else zero.float(), scheme)
 
 

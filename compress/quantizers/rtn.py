@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from ..primitives import compute_qparams, dequantize_affine, quantize_affine
+from ..primitives import compute_qparams, dequantize_affine, global_scale, quantize_affine
 from ..qtensor import QuantizedTensor
 from ..scheme import QuantScheme
 
@@ -19,9 +19,10 @@ def quantize_rtn(w: Tensor, scheme: QuantScheme, options: RTNOptions | None = No
     """Quantize a [out, in] weight with absmax (symmetric) or min/max (asymmetric) scales."""
     if w.dim() != 2:
         raise ValueError(f"quantize_rtn expects a 2-D [out, in] weight, got shape {tuple(w.shape)}")
-    scale, zero_point = compute_qparams(w, scheme)
+    gscale = global_scale(w, scheme)  # NVFP4's per-tensor scale (None otherwise)
+    scale, zero_point = compute_qparams(w, scheme, gscale)
     q = quantize_affine(w, scale, zero_point, scheme)
-    return QuantizedTensor.from_codes(q, scale, zero_point, scheme)
+    return QuantizedTensor.from_codes(q, scale, zero_point, scheme, gscale)
 
 
 def fake_quantize(w: Tensor, scheme: QuantScheme) -> Tensor:
