@@ -60,7 +60,7 @@ def _gguf(qtype: str) -> Exporter:
 
 
 def _registry() -> dict[str, Exporter]:
-    from . import compressed_tensors, fp8, hf
+    from . import compressed_tensors, fp8, hf, modelopt
 
     table = {
         "dense": Exporter("dense", "transformers, vLLM, SGLang, TensorRT-LLM (plain float checkpoint)",
@@ -71,13 +71,15 @@ def _registry() -> dict[str, Exporter]:
         "gptq": Exporter("gptq", "vLLM, SGLang, transformers (GPTQ v1 layout)", hf.gptq_problems, hf.write_gptq),
         "fp8": Exporter("fp8", "vLLM (quant_method fp8), TensorRT-LLM / ModelOpt (hf_quant_config.json)",
                         fp8.problems, fp8.write),
+        "modelopt-nvfp4": Exporter("modelopt-nvfp4", "TensorRT-LLM, vLLM (ModelOpt NVFP4, Blackwell)",
+                                   modelopt.problems, modelopt.write),
     }
     for qtype in GGUF_TYPES:
         table[f"gguf-{qtype}"] = _gguf(qtype)
     return table
 
 
-FORMAT_NAMES = ("dense", "compressed-tensors", "awq", "gptq", "fp8") + tuple(f"gguf-{t}" for t in GGUF_TYPES)
+FORMAT_NAMES = ("dense", "compressed-tensors", "awq", "gptq", "fp8", "modelopt-nvfp4") + tuple(f"gguf-{t}" for t in GGUF_TYPES)
 
 
 def get_exporter(name: str) -> Exporter:

@@ -7,6 +7,13 @@ Three on-disk formats, one per kind of layer (names from compressed_tensors.conf
   int-quantized    W8A8 int8: `weight` int8 [N, K], `weight_scale` [N, 1] (or [1]), static `input_scale` [1].
   float-quantized  fp8 e4m3: `weight` float8_e4m3fn [N, K], `weight_scale` [N, 1] / [1] / [N/B, K/B], static
                    `input_scale` [1].
+  nvfp4-pack-quantized  NVFP4 (compressed_tensors/compressors/nvfp4/base.py): `weight_packed` uint8 [N, K/2] (e2m1
+                   codes, the even column in the low nibble), `weight_scale` float8_e4m3fn [N, K/16],
+                   `weight_global_scale` float32 [1] (448*6/amax; w = e2m1 * weight_scale / weight_global_scale),
+                   and for W4A4 `input_global_scale` float32 [1] (the activations' tensor scale, same convention).
+  mxfp4-pack-quantized  MXFP4 (compressors/mxfp4/base.py): `weight_packed` as NVFP4, `weight_scale` uint8 e8m0
+                   [N, K/32] (127 + log2 scale), no global scale.
+  mxfp8-quantized  MXFP8 (compressors/mxfp8/base.py): `weight` float8_e4m3fn [N, K], `weight_scale` uint8 e8m0.
 KV-cache scales are `<attention>.k_scale` / `.v_scale` with `kv_cache_scheme` in the config.
 The config and the bit packing come from the compressed-tensors library itself (QuantizationConfig,
 pack_to_int32), so field names and layouts are the ones its loaders expect. Layers sharing a scheme share
@@ -27,7 +34,8 @@ from ..shards import MAX_SHARD_BYTES
 from .hf import (config_dtype, conv1d_problems, float_linears, float_tensors, kv_modules, quant_layers,
                  quantized_head, resident, resident_layers, write_hf)
 
-FORMATS = {"pack": "pack-quantized", "int": "int-quantized", "float": "float-quantized"}
+FORMATS = {"pack": "pack-quantized", "int": "int-quantized", "float": "float-quantized",
+           "NVFP4": "nvfp4-pack-quantized", "MXFP4": "mxfp4-pack-quantized", "MXFP8": "mxfp8-quantized"}
 
 
 def _library():
@@ -39,6 +47,8 @@ def _library():
 
 
 def layer_format(scheme: QuantScheme) -> str:
+    if scheme.is_micro:
+        return FORMATS[scheme.micro_name]
     if scheme.is_float:
         return FORMATS["float"]
     return FORMATS["int"] if scheme.act is not None else FORMATS["pack"]
@@ -49,6 +59,8 @@ def scheme_problem(scheme: QuantScheme) -> str | None:
     act = scheme.act
     if act is not None and act.outlier_threshold is not None:
         return "LLM.int8 outlier decomposition has no compressed-tensors format; export `dense` or use W8A8"
+    if scheme.is_micro or (act is not None and act.granularity == "group"):
+        return _micro_problem(scheme)
     if scheme.is_float:
         if scheme.dtype != "fp8_e4m3":
             return "vLLM serves fp8 e4m3 weights only; use dtype fp8_e4m3"
@@ -75,6 +87,24 @@ def scheme_problem(scheme: QuantScheme) -> str | None:
     return None
 
 
+def _micro_problem(scheme: QuantScheme) -> str | None:
+    """The microscaling layouts compressed-tensors defines: NVFP4 (g16, e4m3 scales), MXFP4 and MXFP8 (g32, e8m0),
+    each weight-only or with activations of the same format (NVFP4: calibrated tensor scale, dynamic blocks)."""
+    name, act = scheme.micro_name, scheme.act
+    if name is None:
+        return (f"{scheme.name}: compressed-tensors' microscaling formats are NVFP4 (group_size 16, float8_e4m3 "
+                "scales) and MXFP4 / MXFP8 (group_size 32, e8m0 scales); use a preset (NVFP4, MXFP4, MXFP8, ...A16)")
+    if act is None:
+        return None
+    if act.granularity != "group" or act.dtype != scheme.dtype or act.group_size != scheme.group_size or \
+            act.scale_dtype != scheme.scale_dtype:
+        return f"{name} weights go with {name} activations (or none) in compressed-tensors; use the {name} preset"
+    if name == "NVFP4" and act.dynamic:
+        return ("NVFP4 activations in compressed-tensors have a calibrated tensor scale (input_global_scale); set "
+                "act.dynamic: false (the NVFP4 preset)")
+    return None
+
+
 def problems(model: nn.Module) -> list[str]:
     try:
         _library()
@@ -93,6 +123,8 @@ def problems(model: nn.Module) -> list[str]:
 
 def quant_args(scheme: QuantScheme) -> dict:
     """The weight and input QuantizationArgs fields of a scheme (compressed-tensors' vocabulary)."""
+    if scheme.is_micro:
+        return _micro_args(scheme)
     w = {"num_bits": scheme.bits, "type": "float" if scheme.is_float else "int", "symmetric": scheme.symmetric,
          "strategy": scheme.granularity, "dynamic": False}
     if scheme.granularity == "group":
@@ -103,6 +135,22 @@ def quant_args(scheme: QuantScheme) -> dict:
     a = None if act is None else {
         "num_bits": 8, "type": "int" if act.dtype == "int8" else "float", "symmetric": act.symmetric,
         "strategy": act.granularity, "dynamic": act.dynamic}
+    return {"weights": w, "input_activations": a}
+
+
+def _micro_args(scheme: QuantScheme) -> dict:
+    """compressed-tensors' NVFP4 / MXFP4 / MXFP8 presets (quantization/quant_scheme.py): NVFP4 is strategy
+    tensor_group (block scales plus a tensor scale) with float8_e4m3fn scales, activations dynamic "local" (blocks
+    on the fly, the tensor scale calibrated); MX is strategy group with uint8 (e8m0) scales, activations dynamic."""
+    nv = scheme.has_global_scale
+    common = {"num_bits": scheme.bits, "type": "float", "symmetric": True, "group_size": scheme.group_size,
+              "strategy": "tensor_group" if nv else "group",
+              "scale_dtype": torch.float8_e4m3fn if nv else torch.uint8,
+              "zp_dtype": torch.float8_e4m3fn if nv else torch.uint8}
+    w = {**common, "dynamic": False}
+    a = None if scheme.act is None else {**common, "dynamic": "local" if nv else True}
+    if a is not None and nv:
+        a["observer"] = "static_minmax"
     return {"weights": w, "input_activations": a}
 
 
@@ -118,6 +166,14 @@ def layer_tensors(m: QuantLinear, model_dtype: torch.dtype = torch.bfloat16) -> 
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     qt, s = m.qtensor(), m.scheme
+    if s.is_micro:  # the stored codes and encoded block scales are already the engines' layout: copied as they are
+        out = {"weight_scale": qt.scale.contiguous()}
+        out["weight_packed" if s.dtype == "fp4_e2m1" else "weight"] = qt.qdata.contiguous()
+        if qt.global_scale is not None:
+            out["weight_global_scale"] = qt.global_scale.float().reshape(1)
+        if m.input_scale is not None:  # ours is amax / (448 * 6); compressed-tensors keeps its inverse
+            out["input_global_scale"] = (1.0 / m.input_scale.detach().float()).reshape(1)
+        return out
     scale = qt.scale.reshape(1) if qt.scale.dim() == 0 else qt.scale
     out: dict[str, torch.Tensor] = {"weight_scale": scale.to(scale_dtype(s, model_dtype)).contiguous()}
     if layer_format(s) == FORMATS["pack"]:

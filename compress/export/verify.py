@@ -21,6 +21,9 @@ from ..moe import unfuse_experts
 from ..shards import read_safetensors, read_tensor, tensor_names
 from . import EXPORT_META
 
+# compressed-tensors' microscaling formats: its compressed-mode CPU forward runs them in bfloat16 whatever the
+# model's dtype; the dequantizing load decompresses them once (the library's own decompress) into the weights
+MICRO_FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized", "mxfp8-quantized")
 READER = "compress reader (the format's layout, dequantized; its serving kernels need a GPU)"
 
 
@@ -36,7 +39,7 @@ def _needs_dequantize(config: dict) -> bool:
     while compressed-tensors writes (and vLLM reads) it packed; the dequantizing load path reads it right."""
     groups = (config.get("quantization_config") or {}).get("config_groups") or {}
     return any(g.get("format") == "pack-quantized" and not (g.get("weights") or {}).get("symmetric", True)
-               for g in groups.values())
+               or g.get("format") in MICRO_FORMATS for g in groups.values())
 
 
 def _dense_from_tensors(folder: Path, dequantize_layer) -> nn.Module:
@@ -116,8 +119,13 @@ def input_scales_match(folder: Path, source: nn.Module) -> bool | None:
     if not static or not any(folder.glob("*.safetensors")):
         return None
     keys = tensor_names(folder)
-    return all(f"{n}.input_scale" in keys and float(read_tensor(folder, f"{n}.input_scale")) == float(s)
-               for n, s in static.items())
+
+    def same(n: str, s: Tensor) -> bool:
+        if f"{n}.input_global_scale" in keys:  # compressed-tensors' NVFP4: the inverse of ours (amax / (448 * 6))
+            return float(read_tensor(folder, f"{n}.input_global_scale")) == float(1.0 / s.float())
+        return f"{n}.input_scale" in keys and float(read_tensor(folder, f"{n}.input_scale")) == float(s)
+
+    return all(same(n, s) for n, s in static.items())
 
 
 def load_export(folder: str | Path):
@@ -165,6 +173,10 @@ def _load(folder: Path, record: dict):
         from .gptq import gptq_dequantize
         return READER, _dense_from_tensors(folder, lambda p, s: gptq_dequantize(
             s[f"{p}.qweight"], s[f"{p}.qzeros"], s[f"{p}.scales"], s[f"{p}.g_idx"], quant["bits"]))
+    if fmt == "modelopt-nvfp4":
+        from .modelopt import dequantize_layer
+        return ("compressed-tensors' ModelOpt NVFP4 converter + NVFP4 decompressor (TensorRT-LLM's and vLLM's "
+                "kernels need a Blackwell GPU)"), _dense_from_tensors(folder, dequantize_layer)
     if fmt == "fp8":
         return READER, _dense_from_tensors(folder, lambda p, s: s[f"{p}.weight"].float() * s[f"{p}.weight_scale"])
     raise ValueError(f"{folder}: no reader for format {fmt!r}")
