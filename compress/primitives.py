@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import microscale as mx
+from .microscale import e8m0_scale, nvfp4_block_scale, nvfp4_global_scale, round_e2m1
 from .scheme import FP8_MAX, ActScheme, QuantScheme
 
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -63,21 +63,21 @@ def cast_fp8(x: Tensor, dtype: str) -> Tensor:
 
 def cast_float(x: Tensor, dtype: str) -> Tensor:
     """x on a float element grid: float8 (cast_fp8) or fp4 e2m1 (float32 values on the grid, microscale.py)."""
-    return mx.round_e2m1(x) if dtype == "fp4_e2m1" else cast_fp8(x, dtype)
+    return round_e2m1(x) if dtype == "fp4_e2m1" else cast_fp8(x, dtype)
 
 
 def global_scale(w: Tensor, scheme: QuantScheme) -> Tensor | None:
     """NVFP4's per-tensor fp32 scale, 448 * 6 / amax(w); None for every other scheme. Methods that quantize a
     weight in pieces (GPTQ's column groups) take it once from the whole weight and pass it to compute_qparams."""
-    return mx.nvfp4_global_scale(w.detach().abs().amax()) if scheme.has_global_scale else None
+    return nvfp4_global_scale(w.detach().abs().amax()) if scheme.has_global_scale else None
 
 
 def _micro_scale(amax: Tensor, element: str, scale_dtype: str, g: Tensor | None) -> Tensor:
     """Effective float32 block scales of a microscaling format from block absmax. NVFP4: e4m3(amax / 6 * g) / g,
     the e4m3 value kept at least e4m3's smallest subnormal (2**-9) so no block scale is zero; MX: 2**e (e8m0)."""
     if scale_dtype == "e8m0":
-        return mx.e8m0_scale(amax, element)
-    return mx.nvfp4_block_scale(amax, g).clamp(min=2.0 ** -9) / g
+        return e8m0_scale(amax, element)
+    return nvfp4_block_scale(amax, g).clamp(min=2.0 ** -9) / g
 
 
 def compute_qparams(w: Tensor, scheme: QuantScheme, global_scale: Tensor | None = None
@@ -95,7 +95,7 @@ def compute_qparams(w: Tensor, scheme: QuantScheme, global_scale: Tensor | None 
     zero_point = None
     if scheme.is_micro:
         g = None if not scheme.has_global_scale else \
-            (global_scale.float() if global_scale is not None else mx.nvfp4_global_scale(wg.abs().amax()))
+            (global_scale.float() if global_scale is not None else nvfp4_global_scale(wg.abs().amax()))
         scale = _micro_scale(wg.abs().amax(dim=-1), scheme.dtype, scheme.scale_dtype, g)
         return scale.reshape(scale_shape(scheme, *w.shape)), None
     if scheme.is_float:
@@ -207,7 +207,7 @@ def fake_quantize_micro_activation(x: Tensor, act: ActScheme, static_scale: Tens
     g = None
     if act.scale_dtype == "float8_e4m3":
         if act.dynamic:
-            g = mx.nvfp4_global_scale(xg.abs().amax())
+            g = nvfp4_global_scale(xg.abs().amax())
         elif static_scale is None:
             raise ValueError("NVFP4 activations with a static global scale need a calibrated input_scale")
         else:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import microscale as mx
+from .microscale import decode_e2m1, decode_e8m0, encode_e2m1, encode_e8m0, pack_nibbles, round_e4m3, unpack_nibbles
 from .primitives import FP8_DTYPES, dequantize_affine
 from .scheme import QuantScheme
 
@@ -114,11 +114,11 @@ class QuantizedTensor:
             g = g.detach().float().reshape(()).clone()
             # the effective scale is fl(e4m3 / g); times g it is within an fp32 ulp of the e4m3 value, which the
             # e4m3 rounding recovers exactly
-            stored = mx.round_e4m3(scale.float() * g).to(torch.float8_e4m3fn)
+            stored = round_e4m3(scale.float() * g).to(torch.float8_e4m3fn)
         else:
-            stored = mx.encode_e8m0(torch.round(torch.log2(scale.float())))
+            stored = encode_e8m0(torch.round(torch.log2(scale.float())))
         if scheme.dtype == "fp4_e2m1":
-            qdata = mx.pack_nibbles(mx.encode_e2m1(q.float()))
+            qdata = pack_nibbles(encode_e2m1(q.float()))
         elif q.dtype == FP8_DTYPES[scheme.dtype]:
             qdata = q.contiguous()
         else:
@@ -129,7 +129,7 @@ class QuantizedTensor:
         """The effective float32 scale: w = code value x scale_float (block scales decoded, NVFP4's divided by the
         tensor's global scale)."""
         if self.scheme.scale_dtype == "e8m0":
-            return mx.decode_e8m0(self.scale)
+            return decode_e8m0(self.scale)
         if self.scheme.has_global_scale:
             return self.scale.float() / self.global_scale.float()
         return self.scale.float()
@@ -138,7 +138,7 @@ class QuantizedTensor:
         """Signed (symmetric) or unsigned (asymmetric) integer codes, int32 [out, in]; fp8: the float8 values;
         fp4 e2m1: the values as float32."""
         if self.scheme.dtype == "fp4_e2m1":
-            return mx.decode_e2m1(mx.unpack_nibbles(self.qdata))[:, :self.shape[1]]
+            return decode_e2m1(unpack_nibbles(self.qdata))[:, :self.shape[1]]
         if self.scheme.is_float:
             return self.qdata
         if _plain_int8(self.scheme):
