@@ -7,6 +7,11 @@ each query is decoded (compress/kv_quant.py: exact, tested against token-by-toke
 that of generating over the quantized cache. Weights stay float32: the cost measured is the cache's alone.
 
     python bench/kv_cache_table.py [--max-windows 8] [--out bench/results/kv_cache_table.json]
+    python bench/kv_cache_table.py --scaled --out bench/results/kv_cache_scaled.json   # fp8 and NVFP4 caches
+
+--scaled: the caches with one calibrated tensor scale per layer for keys and one for values (max |k| and max |v|
+over 16 x 512 tokens of WikiText-2 validation): fp8 e4m3 (what vLLM serves with k_scale / v_scale) and NVFP4
+(e2m1 in blocks of 16 channels with e4m3 block scales under that tensor scale; compress/kv_cache.py).
 """
 from __future__ import annotations
 
@@ -54,6 +59,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-windows", type=int, default=8)
     ap.add_argument("--out", default=str(ROOT / "bench/results/kv_cache_table.json"))
+    ap.add_argument("--scaled", action="store_true", help="instead: float / fp8 e4m3 / NVFP4 caches with calibrated "
+                    "per-layer tensor scales")
     ap.add_argument("--lm-eval-docs", type=int, default=0,
                     help="instead: lm-eval's `wikitext` task (document-level rolling perplexity over whole articles, "
                          "2048-token windows) on the first N test documents, float / int8 / int4 KIVI")
@@ -65,6 +72,8 @@ def main() -> None:
     if args.lm_eval_docs:
         return lm_eval_wikitext(loaded, args)
     windows = sequential_windows(tokenize_joined(wikitext2_rows("test"), loaded.tokenizer), SEQ_LEN, args.max_windows)
+    if args.scaled:
+        return scaled_caches(loaded, windows, args)
 
     def final(kv):
         def run(k, ids):
@@ -108,6 +117,59 @@ def main() -> None:
                                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                                "weights_bytes_bf16": facts.weight_bytes, "rows": rows}, indent=1))
     print(f"\nwrote {out}")
+
+
+SCALED = {"float (bf16 cache)": None, "fp8 e4m3, calibrated per layer": "fp8_e4m3",
+          "NVFP4 (e2m1, e4m3 scales per 16, calibrated tensor scale)": "nvfp4"}
+
+
+def scaled_caches(loaded, windows, args) -> None:
+    import copy
+
+    from compress.kv_cache import KV_BYTES, attention_modules, recording_kv, set_kv_scales
+
+    base = loaded.model
+    calib = sequential_windows(tokenize_joined(wikitext2_rows("validation"), loaded.tokenizer), 512, 16)
+    records: dict = {}
+    with recording_kv(base, records), torch.no_grad():
+        for w in calib:
+            base(w[None])
+    models = {}
+    for name, dtype in SCALED.items():
+        m = base if dtype is None else copy.deepcopy(base)
+        if dtype is not None:
+            for attn in attention_modules(m):
+                set_kv_scales(m.get_submodule(attn), *records[attn], dtype)
+        models[name] = m
+
+    def final(m):
+        return lambda k, ids: _final_hidden(m, ids)[0, :-1]
+
+    t0 = time.perf_counter()
+    scores = score_hidden({n: final(m) for n, m in models.items()},
+                          {n: (lambda h, m=m: _logits(m, h)) for n, m in models.items()}, windows,
+                          baseline="float (bf16 cache)")
+    seconds = time.perf_counter() - t0
+    facts = model_facts(base.config, serving_bytes(base))
+    per_token = facts.kv_bytes_per_token(1)
+    base_ppl = scores["float (bf16 cache)"].ppl
+    rows = {}
+    print("| KV cache | ppl | Δ ppl | KL | top-1 | bytes / element | " +
+          " | ".join(f"max batch {a} @2048" for a in ACCELERATORS) + " |")
+    for name, dtype in SCALED.items():
+        s, b = scores[name], (2.0 if dtype is None else KV_BYTES[dtype])
+        batches = {a: max_batch(facts, get_accelerator(a), SEQ_LEN, b) for a in ACCELERATORS}
+        rows[name] = {"dtype": dtype or "bf16", "ppl": s.ppl, "delta_ppl": s.ppl / base_ppl - 1, "kl": s.kl,
+                      "top1": s.top1_agreement, "tokens": s.tokens, "bytes_per_element": b,
+                      "kv_bytes_per_token": per_token * b, "max_batch_2048": batches}
+        print(f"| {name} | {s.ppl:.3f} | {s.ppl / base_ppl - 1:+.2%} | {s.kl or 0:.4f} | {s.top1_agreement or 1:.2%} "
+              f"| {b:.4f} | " + " | ".join(f"{batches[a]:,}" for a in ACCELERATORS) + " |")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    Path(args.out).write_text(json.dumps({"date": datetime.date.today().isoformat(), "commit": commit,
+                                          "seq_len": SEQ_LEN, "windows": len(windows), "seconds": seconds,
+                                          "threads": 1, "calibration": "16 x 512 WikiText-2 validation",
+                                          "rows": rows}, indent=1))
+    print(f"wrote {args.out}")
 
 
 def lm_eval_wikitext(loaded, args) -> None:

@@ -19,8 +19,15 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .kv_quant import KVQuant, kivi_attention
-from .primitives import cast_fp8
-from .scheme import FP8_MAX
+from .primitives import cast_fp8, fake_quantize_micro_activation
+from .scheme import FP8_MAX, ActScheme
+
+# NVFP4 KV cache: each cached key / value vector in blocks of 16 head-dimension channels, e2m1 values with e4m3
+# block scales, under one fp32 tensor scale per layer and per k / v from calibration (k_scale = max|k| / (448 * 6),
+# the scale convention of our static NVFP4 activations). 0.5625 bytes per element.
+NVFP4_KV = ActScheme("fp4_e2m1", "group", dynamic=False, group_size=16, scale_dtype="float8_e4m3")
+KV_MAX = {**FP8_MAX, "nvfp4": NVFP4_KV.qmax}  # what a layer's absmax maps onto: k_scale = absmax / KV_MAX
+KV_BYTES = {"fp8_e4m3": 1.0, "fp8_e5m2": 1.0, "nvfp4": 0.5 + 1 / 16}  # per cached element, block scales included
 
 WRAPPED = {"sdpa": "compress_kv_sdpa", "eager": "compress_kv_eager"}  # base implementation -> our name
 
@@ -53,7 +60,12 @@ def attention_modules(block: nn.Module) -> list[str]:
 
 
 def fake_quantize_kv(t: Tensor, scale: Tensor, dtype: str) -> Tensor:
-    """t -> fp8(t / scale) * scale, in t's dtype."""
+    """t -> fp8(t / scale) * scale, in t's dtype; nvfp4: blocks of 16 channels of each token's vector under the
+    layer's tensor scale (NVFP4_KV)."""
+    if dtype == "nvfp4":
+        if t.shape[-1] % NVFP4_KV.group_size:
+            raise ValueError(f"an NVFP4 KV cache needs a head dimension divisible by 16, got {t.shape[-1]}")
+        return fake_quantize_micro_activation(t, NVFP4_KV, scale)
     s = scale.to(t.dtype)
     return (cast_fp8(t / s, dtype).to(t.dtype)) * s
 
@@ -107,7 +119,7 @@ def set_kv_scales(module: nn.Module, k_absmax: float, v_absmax: float, dtype: st
     """Register k_scale / v_scale (float32 scalars, vLLM's names) on an attention module."""
     device = next(iter([*module.parameters(), *module.buffers()]), torch.empty(0)).device
     for name, absmax in (("k_scale", k_absmax), ("v_scale", v_absmax)):
-        module.register_buffer(name, torch.tensor(max(absmax, 1e-8) / FP8_MAX[dtype], dtype=torch.float32,
+        module.register_buffer(name, torch.tensor(max(absmax, 1e-8) / KV_MAX[dtype], dtype=torch.float32,
                                                   device=device))
     module.kv_cache_dtype = dtype
 

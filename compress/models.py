@@ -20,8 +20,8 @@ from .default_model import default_model_path
 from .export.hf import set_architectures
 from .moe import unfuse_experts
 from .nn import QuantLinear, linear_shape
-from .kv_cache import kv_layers, set_kv_scales, use_kv_attention
-from .scheme import FP8_MAX, QuantScheme
+from .kv_cache import KV_MAX, kv_layers, set_kv_scales, use_kv_attention
+from .scheme import QuantScheme
 from .shards import MAX_SHARD_BYTES, read_safetensors, write_safetensors
 
 COMPRESS_META = "compress.json"  # per-layer schemes + provenance, beside config.json
@@ -277,8 +277,8 @@ def compressed_skeleton(folder: str | Path, dtype: torch.dtype, shapes: dict[str
             module.kv_quant = KVQuant(int(fields["dtype"][3:]), fields["group"], fields["residual"])
             module.kv_cache_dtype = fields["dtype"]
             continue
-        set_kv_scales(model.get_submodule(name), fields["k_scale"] * FP8_MAX[fields["dtype"]],
-                      fields["v_scale"] * FP8_MAX[fields["dtype"]], fields["dtype"])
+        set_kv_scales(model.get_submodule(name), fields["k_scale"] * KV_MAX[fields["dtype"]],
+                      fields["v_scale"] * KV_MAX[fields["dtype"]], fields["dtype"])
     if meta.get("kv_cache"):
         use_kv_attention(model)
     from .rotation import OnlineHadamard, attach_input_rotation

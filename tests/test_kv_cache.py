@@ -123,3 +123,60 @@ def test_kv_run_saves_scales_and_reloads_them(tmp_path):
     assert float(reloaded.model.layers[1].self_attn.k_scale) == float(model.model.layers[1].self_attn.k_scale)
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, before, rtol=0, atol=1e-5)  # eager vs sdpa attention
+
+
+# ---------------------------------------------------------------- NVFP4 KV cache (issue 21)
+
+def test_nvfp4_kv_is_blockwise_e2m1_under_the_layer_tensor_scale():
+    from compress import microscale as mx
+
+    torch.manual_seed(0)
+    t = torch.randn(2, 4, 16, 32) * torch.logspace(-1, 1, 32)  # [B, H, S, D]
+    scale = torch.tensor(float(t.abs().max()) / (448 * 6))  # k_scale as set_kv_scales sets it
+    q = fake_quantize_kv(t, scale, "nvfp4")
+    blocks = t.reshape(2, 4, 16, 2, 16)  # each token's vector in two blocks of 16 channels
+    g = 1 / scale
+    s = mx.round_e4m3(blocks.abs().amax(-1, keepdim=True) / 6 * g).clamp(min=2.0 ** -9) / g
+    torch.testing.assert_close(q, (mx.round_e2m1(blocks / s) * s).reshape(t.shape), rtol=0, atol=0)
+    torch.testing.assert_close(fake_quantize_kv(q, scale, "nvfp4"), q)  # cached entries re-quantize to themselves
+    with pytest.raises(ValueError, match="divisible by 16"):
+        fake_quantize_kv(torch.randn(1, 1, 4, 24), scale, "nvfp4")
+
+
+def test_nvfp4_kv_run_applies_saves_reloads_and_exports_refuse(tmp_path):
+    from compress.export import ExportError, export_model
+    from compress.models import load_compressed, save_compressed
+    from compress.stages.kv_cache import KVCacheStage
+
+    model = make_tiny_model("llama")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4)
+            layer.self_attn.k_proj.weight.mul_(4)
+    stage = QuantizeStage(scheme=FP8_DYNAMIC)
+    apply_quantize(model, plan_quantize(model, get_arch(model), stage), stage)
+    use_kv_attention(model)
+    ids = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        plain = model(ids).logits
+    recorded = _record(model, ids)
+    for dtype in ("fp8_e4m3", "nvfp4"):
+        for name, (k, v) in recorded.items():
+            set_kv_scales(model.get_submodule(name), k, v, dtype)
+        with torch.no_grad():
+            out = model(ids).logits
+        err = float((out - plain).abs().max())
+        if dtype == "fp8_e4m3":
+            fp8_err = err
+    assert err > fp8_err > 0  # 4-bit values cost more than 8-bit ones, and the wrapper applied both
+    assert float(model.model.layers[0].self_attn.k_scale) == pytest.approx(recorded["model.layers.0.self_attn"][0] / 2688)
+    save_compressed(model, None, tmp_path / "run", {}, save_dtype="float32")
+    reloaded = load_compressed(tmp_path / "run")
+    assert reloaded.model.layers[1].self_attn.kv_cache_dtype == "nvfp4"
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, out, rtol=0, atol=1e-5)
+    with pytest.raises(ExportError, match="KV cache nvfp4"):
+        export_model(model, None, "compressed-tensors", tmp_path / "ct")
+    assert KVCacheStage(dtype="nvfp4").needs_calibration
+    with pytest.raises(ValueError, match="nvfp4"):
+        KVCacheStage(dtype="fp4")

@@ -174,13 +174,16 @@ def _llm_int8_layers(model: nn.Module, named: bool = False):
 
 def model_roofline(model: nn.Module, weight_total: int, spec) -> list[dict]:
     """Predicted serving figures of `model` from its weight bytes as served (float tensors in bf16, quantized
-    layers as stored) and its KV cache (bf16, 1 byte per element with calibrated fp8 scales, or an int KIVI cache's
-    bytes per element)."""
+    layers as stored) and its KV cache (bf16, 1 byte per element with calibrated fp8 scales, 0.5625 for NVFP4, or
+    an int KIVI cache's bytes per element)."""
     from .roofline import get_accelerator, model_facts, roofline
 
     facts = model_facts(model.config, weight_bytes=weight_total)
-    kv_bytes = 1 if any(getattr(m, "kv_cache_dtype", None) and getattr(m, "k_scale", None) is not None
-                        for m in model.modules()) else 2
+    from ..kv_cache import KV_BYTES
+
+    scaled = [m.kv_cache_dtype for m in model.modules()
+              if getattr(m, "kv_cache_dtype", None) and getattr(m, "k_scale", None) is not None]
+    kv_bytes = KV_BYTES[scaled[0]] if scaled else 2
     int_kv = [m.kv_quant for m in model.modules() if getattr(m, "kv_quant", None) is not None]
     if int_kv:  # a KIVI cache: its codes with their scales and zeros (the float residual window is per sequence)
         kv_bytes = int_kv[0].bytes_per_element()

@@ -19,13 +19,14 @@ class KVCacheStage(StageBase):
     int8 / int4 (KIVI: `group` tokens per key chunk and channels per value group, `residual` recent tokens in
     float; dynamic, no calibration)."""
 
-    dtype: Literal["fp8_e4m3", "fp8_e5m2", "int8", "int4"] = "fp8_e4m3"
+    dtype: Literal["fp8_e4m3", "fp8_e5m2", "nvfp4", "int8", "int4"] = "fp8_e4m3"
     group: int = 32  # int only
     residual: int = 128  # int only
 
     def __post_init__(self):
-        if self.dtype not in FP8_MAX and self.dtype not in ("int8", "int4"):
-            raise ValueError(f"kv_cache dtype={self.dtype!r}; use 'fp8_e4m3', 'fp8_e5m2', 'int8' or 'int4'")
+        if self.dtype not in FP8_MAX and self.dtype not in ("nvfp4", "int8", "int4"):
+            raise ValueError(f"kv_cache dtype={self.dtype!r}; use 'fp8_e4m3', 'fp8_e5m2', 'nvfp4' (calibrated tensor "
+                             "scales, e4m3 scales per 16 channels), 'int8' or 'int4' (KIVI)")
         if self.int_format is not None:
             self.int_format  # validates group / residual
         elif (self.group, self.residual) != (32, 128):
