@@ -39,7 +39,8 @@ import os
 from dataclasses import asdict, dataclass, replace
 
 from .evaluate.roofline import GB, Accelerator, get_accelerator, model_facts
-from .scheme import FP8_DYNAMIC, PRESETS, W3A16_G64, W4A16, W4A16_G64, W8A8, W8A16, QuantScheme
+from .scheme import (FP8_DYNAMIC, MXFP4, MXFP8, NVFP4, NVFP4A16, PRESETS, W3A16_G64, W4A16, W4A16_G64, W8A8, W8A16,
+                     QuantScheme)
 
 # Reference architectures as transformers config fields, from each model's published config.json (no download).
 BUILTIN = {
@@ -60,7 +61,7 @@ BUILTIN = {
 # Weight schemes by short name; any scheme.PRESETS name is accepted too. None: bf16.
 WEIGHTS: dict[str, QuantScheme | None] = {
     "bf16": None, "fp8": FP8_DYNAMIC, "int8": W8A16, "w8a8": W8A8, "int4": W4A16, "int4-g64": W4A16_G64,
-    "int3-g64": W3A16_G64}
+    "int3-g64": W3A16_G64, "nvfp4": NVFP4, "nvfp4a16": NVFP4A16, "mxfp4": MXFP4, "mxfp8": MXFP8}
 WEIGHT_RISK = {  # qualitative, with what this repository measured (README, SmolLM2-135M: small models lose more)
     "bf16": "none: the reference",
     "fp8": "low: e4m3 weights and activations; published 7B+ results within ~1% perplexity; measured here +1.9% "
@@ -71,9 +72,18 @@ WEIGHT_RISK = {  # qualitative, with what this repository measured (README, Smol
     "int4": "moderate: AWQ/GPTQ int4 g128 is typically +1-5% perplexity on 7B+ models (published); measured here "
             "+7.8% at best on a 135M model; check your own tasks",
     "int4-g64": "moderate: as int4, slightly lower error for 1/64 more scale bytes",
-    "int3-g64": "high: +40% perplexity here even with AWQ+AutoRound; only with evaluation on your tasks"}
+    "int3-g64": "high: +40% perplexity here even with AWQ+AutoRound; only with evaluation on your tasks",
+    "nvfp4a16": "moderate: as int4 g16 with e4m3 scales (4.5 bits); measured here +11.1% perplexity with GPTQ, +7.6% "
+                "with AWQ+GPTQ on a 135M model (int4 g32 GPTQ at the same bytes: +18.4%)",
+    "nvfp4": "moderate to high: fp4 activations too (Blackwell's fp4 rate); measured here +22.8% perplexity at best "
+             "(AWQ+GPTQ) on a 135M model; published 7B+ results are a few percent; check your own tasks",
+    "mxfp4": "high: power-of-two scales per 32 cost more than NVFP4's e4m3 per 16; measured here +203% perplexity "
+             "(round-to-nearest W4A4) on a 135M model; weight-only MXFP4 with GPTQ +16.3%",
+    "mxfp8": "low: e4m3 weights and activations with power-of-two scales per 32; measured here +4.0% perplexity "
+             "(round-to-nearest) on a 135M model whose weights sit on a 4-bit grid (FP8_DYNAMIC: +3.5%)"}
 # KV cache formats: (bits, scale and zero-point bits, elements sharing them; None: one scale per token and KV head)
-KV_DTYPES = {"bf16": (16, 0, 1), "fp8": (8, 0, 1), "int8": (8, 16, None), "int4": (4, 32, 32)}
+KV_DTYPES = {"bf16": (16, 0, 1), "fp8": (8, 0, 1), "int8": (8, 16, None), "int4": (4, 32, 32),
+             "nvfp4": (4, 8, 16)}  # e2m1, an e4m3 scale per 16 channels (and one calibrated fp32 scale per layer)
 KV_RISK = {
     "bf16": "none: the reference",
     "fp8": "low: e4m3 with per-layer scales; measured here +0.7 points of perplexity on a 135M model",
@@ -81,7 +91,10 @@ KV_RISK = {
             "bench/kv_cache_table.py); published results within ~0.5%",
     "int4": "low to moderate: with per-channel keys, per-token values in groups of 32 and a 128-token float window "
             "(KIVI) measured here +0.28% perplexity at 2048 tokens on a 135M model (+0.57% without the window); "
-            "longer contexts and retrieval tasks are the risk"}
+            "longer contexts and retrieval tasks are the risk",
+    "nvfp4": "moderate to high: e2m1 per token in blocks of 16 channels under e4m3 scales, no float window; measured "
+             "here +10.4% perplexity at 2048 tokens on a 135M model (fp8 +1.2%, int4 KIVI +0.28%: per-channel keys "
+             "and the window matter more than the element format)"}
 ARCH_RISK = {
     "gqa": "architectural: uptraining an MHA checkpoint into grouped KV heads costs ~5% of pre-training compute "
            "(Ainslie et al. 2023) for quality close to MHA; fewer KV heads than the TP size are replicated",
@@ -90,7 +103,8 @@ ARCH_RISK = {
     "hybrid": "architectural: retraining; local layers see only the window, so long-range recall rests on the "
               "global layers (Gemma reports small perplexity costs; long-context retrieval is the risk)"}
 # NVLink per direction (the ring all-reduce's bus bandwidth); PCIe 4.0 x16 for the cards without NVLink
-LINK_GBS = {"H100-SXM": 450, "H200": 450, "A100-80GB": 300, "L40S": 32, "RTX-4090": 32}
+LINK_GBS = {"H100-SXM": 450, "H200": 450, "A100-80GB": 300, "L40S": 32, "RTX-4090": 32,
+            "B200": 900}  # NVLink 5: 1.8 TB/s bidirectional per GPU (DGX B200 datasheet)
 TP_SIZES = (1, 2, 4, 8)
 MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
@@ -157,12 +171,15 @@ class ModelShape:
         return 4 * self.attn_dim * ((self.layers - self.local_layers) * pairs(tokens) + local)
 
 
+SCALE_BITS = {"float16": 16, "bfloat16": 16, "float32": 32, "float8_e4m3": 8, "e8m0": 8}
+
+
 def bits_per_weight(s: QuantScheme | None, in_features: int) -> float:
     """Stored bits per weight of an [out, in_features] linear: codes, scales, zero points (packed at the code width,
     as AWQ/GPTQ/compressed-tensors store them). A width the group does not divide stays at 16 bits."""
     if s is None:
         return 16.0
-    side = (16 if s.scale_dtype in ("float16", "bfloat16") else 32) + (0 if s.symmetric else s.bits)
+    side = SCALE_BITS[s.scale_dtype] + (0 if s.symmetric else s.bits)  # NVFP4's one fp32 per tensor: ~0 per weight
     if s.granularity == "tensor":
         return float(s.bits)
     if s.granularity == "channel":
@@ -197,11 +214,13 @@ def weight_bytes(shape: ModelShape, weights: str) -> float:
 
 
 def compute_peak(acc: Accelerator, weights: str) -> float:
-    """FLOP/s: the 8-bit tensor-core rate (fp8 = int8 on Hopper/Ada) when activations are quantized, else bf16.
-    A100 has int8 but no fp8 entry in the table: its W8A8 runs at the bf16 rate here (conservative)."""
+    """FLOP/s: the fp4 tensor-core rate when activations are fp4 e2m1 (NVFP4, MXFP4: Blackwell), the 8-bit rate
+    (fp8 = int8 on Hopper/Ada) when they are otherwise quantized, else bf16; an accelerator without the rate runs at
+    the next wider one (Accelerator.peak_tflops). A100 has int8 but no fp8 entry in the table: its W8A8 runs at
+    the bf16 rate here (conservative)."""
     s = weight_scheme(weights)
-    eight_bit = s is not None and s.act is not None and acc.fp8_tflops
-    return (acc.fp8_tflops if eight_bit else acc.bf16_tflops) * 1e12
+    compute = "bf16" if s is None or s.act is None else "fp4" if s.act.dtype == "fp4_e2m1" else "fp8"
+    return acc.peak_tflops(compute) * 1e12
 
 
 @dataclass(frozen=True)
@@ -425,7 +444,8 @@ def options(shape: ModelShape, acc: Accelerator, weights: str, kv: str, work: Wo
             (f"this plan: {weights} weights, {kv} KV", weights, kv, shape, "as its rows below")]
     rows += [(f"{w} weights, {k} KV", w, k, shape, f"weights: {WEIGHT_RISK.get(w, 'see its preset')}; KV: "
               f"{KV_RISK[k]}") for w, k in compare]
-    rows += [(f"weights {w}", w, kv, shape, WEIGHT_RISK[w]) for w in ("bf16", "fp8", "int8", "int4") if w != weights]
+    menu = ("bf16", "fp8", "int8", "int4") + (("nvfp4",) if acc.fp4_tflops else ())  # fp4 compute: Blackwell
+    rows += [(f"weights {w}", w, kv, shape, WEIGHT_RISK[w]) for w in menu if w != weights]
     rows += [(f"KV cache {k}", weights, k, shape, KV_RISK[k]) for k in KV_DTYPES if k != kv]
     rows += [(label, weights, kv, s, ARCH_RISK[risk]) for label, risk, s in variants(shape)]
     out = []

@@ -235,4 +235,20 @@ def test_cli_plans_a_builtin_model_and_writes_json(tmp_path, capsys):
     with pytest.raises(ValueError, match="WEIGHTS:KV"):
         plan_cmd.run(_parse(["plan", "--model", "llama-2-13b", "--users", "1", "--context", "8", "--compare", "int4"]))
     with pytest.raises(ValueError, match="unknown accelerator"):
-        plan_cmd.run(_parse(["plan", "llama-2-13b", "--users", "1", "--context", "8", "--accelerator", "B200"]))
+        plan_cmd.run(_parse(["plan", "llama-2-13b", "--users", "1", "--context", "8", "--accelerator", "TPU-v5e"]))
+
+
+def test_nvfp4_on_blackwell_counts_e4m3_scales_and_prefills_at_the_fp4_rate():
+    from compress.evaluate.roofline import ACCELERATORS
+
+    b200 = ACCELERATORS["B200"]
+    assert P.bits_per_weight(P.weight_scheme("nvfp4"), 4096) == 4.5  # e2m1 + an e4m3 scale per 16
+    assert P.bits_per_weight(P.weight_scheme("mxfp4"), 4096) == 4.25  # e2m1 + an e8m0 scale per 32
+    assert P.bits_per_weight(P.weight_scheme("mxfp8"), 4096) == 8.25
+    assert P.kv_element_bytes("nvfp4", P.builtin_shape("llama-2-13b")) == 0.5625
+    assert P.compute_peak(b200, "nvfp4") == 4 * P.compute_peak(b200, "bf16") == 2 * P.compute_peak(b200, "fp8")
+    assert P.compute_peak(b200, "nvfp4a16") == P.compute_peak(b200, "bf16")  # weight-only: bf16 matmuls
+    assert P.compute_peak(H100, "nvfp4") == P.compute_peak(H100, "fp8")  # Hopper has no fp4 tensor cores
+    shape, a = P.builtin_shape("llama-2-13b"), P.Assumptions()
+    ttft = {w: P.ttft_seconds(shape, b200, w, a, 1, 4096) for w in ("bf16", "nvfp4")}
+    assert ttft["nvfp4"] < ttft["bf16"] / 3  # compute-bound prefill, 4x the peak (minus the weight reads)

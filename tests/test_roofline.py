@@ -5,6 +5,7 @@ import pytest
 import transformers
 
 from compress.evaluate.roofline import ACCELERATORS, decode, get_accelerator, max_batch, model_facts, prefill_seconds
+from tests.conftest import make_tiny_model
 
 
 def llama2_13b(kv_heads: int = 40) -> transformers.LlamaConfig:
@@ -59,8 +60,41 @@ def test_prefill_is_compute_bound_and_fp8_halves_it():
     m, h100 = model_facts(llama2_13b()), ACCELERATORS["H100-SXM"]
     t = prefill_seconds(m, h100, 1024)
     assert t == pytest.approx((2 * m.params * 1024 + 2 * 40 * 1024 ** 2 * 5120) / 989.4e12)
-    assert prefill_seconds(m, h100, 1024, fp8=True) == pytest.approx(t / 2, rel=0.01)
-    assert prefill_seconds(m, ACCELERATORS["A100-80GB"], 1024, fp8=True) > t  # no fp8 tensor cores: bf16 rate
+    assert prefill_seconds(m, h100, 1024, "fp8") == pytest.approx(t / 2, rel=0.01)
+    assert prefill_seconds(m, ACCELERATORS["A100-80GB"], 1024, "fp8") > t  # no fp8 tensor cores: bf16 rate
+    assert prefill_seconds(m, h100, 1024, "fp4") == prefill_seconds(m, h100, 1024, "fp8")  # Hopper: no fp4 cores
+
+
+def test_blackwell_runs_fp4_at_twice_its_fp8_rate_and_others_fall_back():
+    b200, h100, a100 = ACCELERATORS["B200"], ACCELERATORS["H100-SXM"], ACCELERATORS["A100-80GB"]
+    assert [b200.peak_tflops(c) for c in ("bf16", "fp8", "fp4")] == [2250, 4500, 9000]  # the datasheet, dense
+    assert [h100.peak_tflops(c) for c in ("bf16", "fp8", "fp4")] == [989.4, 1978.9, 1978.9]
+    assert [a100.peak_tflops(c) for c in ("bf16", "fp8", "fp4")] == [312, 312, 312]
+    m = model_facts(llama2_13b())
+    assert prefill_seconds(m, b200, 1024, "fp4") == pytest.approx(prefill_seconds(m, b200, 1024, "bf16") / 4)
+    # decode at batch 1 is bandwidth-bound: the fp4 rate does not change it, 8 / 3.35 TB/s does
+    assert decode(m, b200, 1, 1024, compute="fp4")["latency_s"] == decode(m, b200, 1, 1024)["latency_s"]
+    assert decode(m, h100, 1, 1024)["latency_s"] / decode(m, b200, 1, 1024)["latency_s"] == pytest.approx(8 / 3.35)
+    with pytest.raises(ValueError, match="bf16, fp8, fp4"):
+        b200.peak_tflops("int2")
+
+
+def test_the_report_roofline_assumes_the_activations_precision():
+    from compress.arch import get_arch
+    from compress.evaluate.report import matmul_compute
+    from dataclasses import replace
+
+    from compress.scheme import NVFP4, get_preset
+    from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
+
+    assert matmul_compute(make_tiny_model("llama")) == "bf16"
+    nvfp4_dynamic = replace(NVFP4, act=replace(NVFP4.act, dynamic=True))  # a static one needs calibration
+    for sch, expected in ((get_preset("NVFP4A16"), "bf16"), (get_preset("FP8_DYNAMIC"), "fp8"),
+                          (nvfp4_dynamic, "fp4"), (get_preset("MXFP4"), "fp4"), (get_preset("W4A4_INT"), "fp8")):
+        model = make_tiny_model("llama")
+        stage = QuantizeStage(scheme=sch)
+        apply_quantize(model, plan_quantize(model, get_arch(model), stage), stage)
+        assert matmul_compute(model) == expected, sch
 
 
 def test_unknown_accelerator_names_the_known_ones():

@@ -188,8 +188,23 @@ def model_roofline(model: nn.Module, weight_total: int, spec) -> list[dict]:
     if int_kv:  # a KIVI cache: its codes with their scales and zeros (the float residual window is per sequence)
         kv_bytes = int_kv[0].bytes_per_element()
     return [roofline(facts, get_accelerator(a), tuple(getattr(spec, "roofline_batches", (1, 16, 64))),
-                     getattr(spec, "roofline_context", 1024), kv_bytes)
+                     getattr(spec, "roofline_context", 1024), kv_bytes, matmul_compute(model))
             for a in getattr(spec, "accelerators", ("H100-SXM",))]
+
+
+def matmul_compute(model: nn.Module) -> str:
+    """The matmul input precision the roofline's compute peak assumes: the widest over the quantized linears'
+    activations (weight-only layers run in bf16; int8, fp8 and int4 activations at the 8-bit rate, as Hopper and
+    Blackwell have no int4 tensor cores; fp4 e2m1 ones, NVFP4 and MXFP4, at the fp4 rate). Float layers (the head,
+    ignored ones) are left out: a ceiling, as the rest."""
+    from ..nn import QuantLinear
+    from .roofline import COMPUTE
+
+    def compute(layer) -> str:
+        act = layer.scheme.act
+        return "bf16" if act is None else "fp4" if act.dtype == "fp4_e2m1" else "fp8"
+    kinds = {compute(m) for m in model.modules() if isinstance(m, QuantLinear)}
+    return min(kinds, key=COMPUTE.index) if kinds else "bf16"
 
 
 def _task_lines(lm: dict | None) -> list[str]:

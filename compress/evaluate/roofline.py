@@ -18,6 +18,7 @@ import math
 from dataclasses import asdict, dataclass
 
 GB = 1e9  # datasheets state memory and bandwidth in decimal units
+COMPUTE = ("bf16", "fp8", "fp4")  # matmul input precisions, widest first
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,16 @@ class Accelerator:
     bandwidth_tbs: float  # TB/s
     memory_gb: float
     source: str
+    fp4_tflops: float | None = None  # None: no fp4 tensor cores (everything before Blackwell)
+
+    def peak_tflops(self, compute: str = "bf16") -> float:
+        """Dense tensor-core peak for matmuls on `compute` inputs: bf16, fp8 (int8 runs at the same rate on these
+        GPUs) or fp4 (NVFP4 / MXFP4 on both operands). A precision without tensor cores here runs at the next
+        wider one that has them: fp4 on Hopper at the fp8 rate, fp8 on the A100 at the bf16 rate."""
+        if compute not in COMPUTE:
+            raise ValueError(f"compute={compute!r}; use one of {', '.join(COMPUTE)}")
+        rates = {"fp4": self.fp4_tflops, "fp8": self.fp8_tflops, "bf16": self.bf16_tflops}
+        return next(rates[c] for c in COMPUTE[COMPUTE.index(compute)::-1] if rates[c])
 
     @property
     def crossover(self) -> float:
@@ -43,6 +54,9 @@ ACCELERATORS = {a.name: a for a in (
                                                   "sparsity)"),
     Accelerator("RTX-4090", 165.2, 330.3, 1.008, 24, "NVIDIA Ada Lovelace architecture whitepaper, GeForce RTX 4090 "
                                                      "(tensor FLOPS with FP32 accumulate, dense)"),
+    Accelerator("B200", 2250.0, 4500.0, 8.0, 180, "NVIDIA DGX B200 datasheet (8 GPUs: 72 PFLOPS FP8 training, 144 "
+                "PFLOPS FP4 inference with sparsity, 1,440 GB HBM3e at 64 TB/s), per GPU and dense (half the sparse "
+                "figures): HGX B200 at 1,000 W", fp4_tflops=9000.0),
 )}
 
 
@@ -80,11 +94,12 @@ def model_facts(config, weight_bytes: int | None = None, params: int | None = No
 
 
 def decode(m: ModelFacts, acc: Accelerator, batch: int = 1, context: int = 1024, kv_bytes: float = 2,
-           fp8: bool = False) -> dict:
-    """One decode step for `batch` sequences at `context` tokens of KV cache."""
+           compute: str = "bf16") -> dict:
+    """One decode step for `batch` sequences at `context` tokens of KV cache; `compute`: the matmuls' input
+    precision (Accelerator.peak_tflops)."""
     moved = m.weight_bytes + batch * context * m.kv_bytes_per_token(kv_bytes)
     flops = batch * (2 * m.params + 4 * m.layers * context * m.attn_dim)  # matmuls + attention (QK^T and PV)
-    peak = (acc.fp8_tflops if fp8 and acc.fp8_tflops else acc.bf16_tflops) * 1e12
+    peak = acc.peak_tflops(compute) * 1e12
     t_memory, t_compute = moved / (acc.bandwidth_tbs * 1e12), flops / peak
     latency = max(t_memory, t_compute)
     return {"bytes_moved": moved, "flops": flops, "latency_s": latency, "tokens_per_s": batch / latency,
@@ -92,10 +107,10 @@ def decode(m: ModelFacts, acc: Accelerator, batch: int = 1, context: int = 1024,
             "crossover": peak / (acc.bandwidth_tbs * 1e12)}
 
 
-def prefill_seconds(m: ModelFacts, acc: Accelerator, tokens: int, fp8: bool = False) -> float:
+def prefill_seconds(m: ModelFacts, acc: Accelerator, tokens: int, compute: str = "bf16") -> float:
     """Compute-bound time to prefill `tokens` tokens of one sequence (causal attention: half the score matrix)."""
     flops = 2 * m.params * tokens + 2 * m.layers * tokens * tokens * m.attn_dim
-    return flops / ((acc.fp8_tflops if fp8 and acc.fp8_tflops else acc.bf16_tflops) * 1e12)
+    return flops / (acc.peak_tflops(compute) * 1e12)
 
 
 def max_batch(m: ModelFacts, acc: Accelerator, context: int = 1024, kv_bytes: float = 2) -> int:
@@ -105,9 +120,9 @@ def max_batch(m: ModelFacts, acc: Accelerator, context: int = 1024, kv_bytes: fl
 
 
 def roofline(m: ModelFacts, acc: Accelerator, batches=(1, 16, 64), context: int = 1024, kv_bytes: float = 2,
-             fp8: bool = False) -> dict:
+             compute: str = "bf16") -> dict:
     """The report's roofline block for one model on one accelerator."""
     return {"accelerator": asdict(acc), "context": context, "kv_bytes_per_token": m.kv_bytes_per_token(kv_bytes),
-            "weight_bytes": m.weight_bytes, "max_batch": max_batch(m, acc, context, kv_bytes),
-            "prefill_s": prefill_seconds(m, acc, context, fp8),
-            "decode": {b: decode(m, acc, b, context, kv_bytes, fp8) for b in batches}}
+            "weight_bytes": m.weight_bytes, "max_batch": max_batch(m, acc, context, kv_bytes), "compute": compute,
+            "peak_tflops": acc.peak_tflops(compute), "prefill_s": prefill_seconds(m, acc, context, compute),
+            "decode": {b: decode(m, acc, b, context, kv_bytes, compute) for b in batches}}
