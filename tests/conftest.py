@@ -114,9 +114,9 @@ def pytest_make_collect_report(collector):  # a module-level importorskip skips 
     _fail_ci_skip(outcome.get_result())
 
 
-def run_tiny_recipe(tmp_path: Path, stages: list[dict], eval_spec: dict) -> Path:
-    """`compress run` of `stages` on a saved tiny llama (word tokenizer, a word-text calibration file); returns the
-    output folder."""
+def run_tiny_recipe(tmp_path: Path, stages: list[dict], eval_spec: dict, formats: tuple[str, ...] = ()) -> Path:
+    """`compress run` of `stages` on a saved tiny llama (word tokenizer, a word-text calibration file), exporting to
+    `formats`; returns the output folder."""
     import yaml
 
     from compress import load_recipe, run
@@ -129,7 +129,7 @@ def run_tiny_recipe(tmp_path: Path, stages: list[dict], eval_spec: dict) -> Path
     calib.write_text(word_text(4096) + "\n")
     recipe = {"model": {"source": str(folder), "dtype": "float32", "device": "cpu"},
               "calibration": {"kind": "files", "files": [str(calib)], "n_samples": 4, "seq_len": 64},
-              "stages": stages, "eval": eval_spec, "output": {"dir": str(tmp_path / "out")}}
+              "stages": stages, "eval": eval_spec, "output": {"dir": str(tmp_path / "out"), "formats": list(formats)}}
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     run(load_recipe(tmp_path / "recipe.yaml"), progress=False)
     return tmp_path / "out"
