@@ -33,6 +33,8 @@ AUTO_GPTQ = ("[{stage: auto_precision, %s, n_samples: 4}, "  # then gptq_int4.ya
              "{stage: quantize, method: gptq, scheme: W4A16_ASYM_G64, ignore: [lm_head]}]")
 AR = ["stages.1.method=autoround", "stages.1.options={iters: 200, batch_size: 2}"]
 ONLINE = "stages.0.online_hadamard=true"
+RTN = ["stages.0.method=rtn", "calibration=null"]
+INT4_G32 = "{dtype: int4, granularity: group, group_size: 32, symmetric: true}"
 RUNS = {  # name: (recipe, extra --set overrides)
     "rtn int4": ("recipes/gptq_int4.yaml", ["stages.0.method=rtn", "calibration=null"]),
     "awq int4": ("recipes/awq_int4.yaml", []),
@@ -87,6 +89,29 @@ RUNS = {  # name: (recipe, extra --set overrides)
     "gptq int3 g32": ("recipes/gptq_int4.yaml", ["stages.0.scheme.dtype=int3", "stages.0.scheme.group_size=32"]),
     "rtn int3 g32": ("recipes/gptq_int4.yaml", ["stages.0.method=rtn", "calibration=null", "stages.0.scheme.dtype=int3",
                                                 "stages.0.scheme.group_size=32"]),
+    # microscaling formats (issue 21), against integer formats of the same bytes: symmetric int4 g32 with float16
+    # scales is 4.5 bits per weight, NVFP4's exactly; the W4A4 integer baseline has int4 g16 weights (NVFP4's
+    # block) and dynamic per-token int4 activations
+    "rtn int4 g32 sym": ("recipes/gptq_int4.yaml", [*RTN, "stages.0.scheme=" + INT4_G32]),
+    "gptq int4 g32 sym": ("recipes/gptq_int4.yaml", ["stages.0.scheme=" + INT4_G32]),
+    "rtn nvfp4a16": ("recipes/gptq_int4.yaml", [*RTN, "stages.0.scheme=NVFP4A16"]),
+    "gptq nvfp4a16": ("recipes/gptq_int4.yaml", ["stages.0.scheme=NVFP4A16"]),
+    "awq+gptq nvfp4a16": ("recipes/awq_gptq_int4.yaml", ["stages.1.scheme=NVFP4A16"]),
+    "rtn mxfp4a16": ("recipes/gptq_int4.yaml", [*RTN, "stages.0.scheme=MXFP4A16"]),
+    "gptq mxfp4a16": ("recipes/gptq_int4.yaml", ["stages.0.scheme=MXFP4A16"]),
+    "rtn nvfp4 w4a4": ("recipes/gptq_int4.yaml", ["stages.0.method=rtn", "stages.0.scheme=NVFP4"]),  # calibrates
+    "gptq nvfp4 w4a4": ("recipes/gptq_int4.yaml", ["stages.0.scheme=NVFP4"]),                        # the global
+    "awq+gptq nvfp4 w4a4": ("recipes/awq_gptq_int4.yaml", ["stages.1.scheme=NVFP4"]),                # input scale
+    "rtn int4 w4a4 per-token": ("recipes/gptq_int4.yaml", [*RTN, "stages.0.scheme=W4A4_INT"]),
+    "gptq int4 w4a4 per-token": ("recipes/gptq_int4.yaml", ["stages.0.scheme=W4A4_INT"]),
+    "rtn mxfp4 w4a4": ("recipes/gptq_int4.yaml", [*RTN, "stages.0.scheme=MXFP4"]),
+    "rtn mxfp8 w8a8": ("recipes/gptq_int4.yaml", [*RTN, "stages.0.scheme=MXFP8"]),
+    "gptq mxfp8 w8a8": ("recipes/gptq_int4.yaml", ["stages.0.scheme=MXFP8"]),
+    "gptq mxfp8 w8a16": ("recipes/gptq_int4.yaml", ["stages.0.scheme=MXFP8A16"]),
+    "gptq mxfp4 w4a4": ("recipes/gptq_int4.yaml", ["stages.0.scheme=MXFP4"]),
+    "awq+gptq mxfp4a16": ("recipes/awq_gptq_int4.yaml", ["stages.1.scheme=MXFP4A16"]),
+    "awq nvfp4a16": ("recipes/awq_gptq_int4.yaml", ["stages.1.method=rtn", "stages.1.scheme=NVFP4A16"]),
+    "awq nvfp4 w4a4": ("recipes/awq_gptq_int4.yaml", ["stages.1.method=rtn", "stages.1.scheme=NVFP4"]),
 }
 
 

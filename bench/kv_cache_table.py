@@ -43,7 +43,7 @@ CONFIGS = {"float (bf16 cache)": None,
            "int4 KIVI g32, residual 128": KVQuant(4, 32, 128),
            "int4 g32, no residual": KVQuant(4, 32, 0)}
 SEQ_LEN = 2048
-ACCELERATORS = ("H100-SXM", "RTX-4090")
+ACCELERATORS = ("H100-SXM", "B200", "RTX-4090")
 
 
 def effective_bytes(kv: KVQuant | None, context: int) -> float:
