@@ -35,6 +35,7 @@ AR = ["stages.1.method=autoround", "stages.1.options={iters: 200, batch_size: 2}
 ONLINE = "stages.0.online_hadamard=true"
 RTN = ["stages.0.method=rtn", "calibration=null"]
 INT4_G32 = "{dtype: int4, granularity: group, group_size: 32, symmetric: true}"
+FP4_G32_E4M3 = "{dtype: fp4_e2m1, granularity: group, group_size: 32, symmetric: true, scale_dtype: float8_e4m3}"
 RUNS = {  # name: (recipe, extra --set overrides)
     "rtn int4": ("recipes/gptq_int4.yaml", ["stages.0.method=rtn", "calibration=null"]),
     "awq int4": ("recipes/awq_int4.yaml", []),
@@ -110,6 +111,10 @@ RUNS = {  # name: (recipe, extra --set overrides)
     "gptq mxfp8 w8a16": ("recipes/gptq_int4.yaml", ["stages.0.scheme=MXFP8A16"]),
     "gptq mxfp4 w4a4": ("recipes/gptq_int4.yaml", ["stages.0.scheme=MXFP4"]),
     "awq+gptq mxfp4a16": ("recipes/awq_gptq_int4.yaml", ["stages.1.scheme=MXFP4A16"]),
+    # MXFP4's bytes (4.25 bits per weight) with NVFP4's scale encoding: e2m1 in blocks of 32, e4m3 block scales under
+    # an fp32 tensor scale, so MXFP4 against NVFP4 at the same bytes isolates the scale encoding (e8m0 vs e4m3)
+    "rtn fp4 g32 e4m3": ("recipes/gptq_int4.yaml", [*RTN, "stages.0.scheme=" + FP4_G32_E4M3]),
+    "gptq fp4 g32 e4m3": ("recipes/gptq_int4.yaml", ["stages.0.scheme=" + FP4_G32_E4M3]),
     "awq nvfp4a16": ("recipes/awq_gptq_int4.yaml", ["stages.1.method=rtn", "stages.1.scheme=NVFP4A16"]),
     "awq nvfp4 w4a4": ("recipes/awq_gptq_int4.yaml", ["stages.1.method=rtn", "stages.1.scheme=NVFP4"]),
 }

@@ -7,6 +7,7 @@ report.json carries the verification. Writes bench/results/export_table.json and
 
     python bench/export_table.py            # about 30 minutes on 2 cores
     python bench/export_table.py --reuse    # tabulate runs/export_* that already exist
+    python bench/export_table.py --select NVFP4,MXFP --out bench/results/export_microscale.json
 """
 from __future__ import annotations
 
@@ -39,6 +40,11 @@ RUNS = {  # name: (stages, formats)
     "fp8 static + fp8 KV cache": ([{**QUANTIZE, "scheme": "FP8"}, {"stage": "kv_cache", "dtype": "fp8_e4m3"}],
                                   ["compressed-tensors", "fp8"]),
     "fp8 dynamic (per channel)": ([{**QUANTIZE, "scheme": "FP8_DYNAMIC"}], ["compressed-tensors"]),
+    # microscaling formats (issue 21): python bench/export_table.py --select NVFP4,MXFP --out bench/results/export_microscale.json
+    "NVFP4 W4A4, RTN": ([{**QUANTIZE, "scheme": "NVFP4"}], ["compressed-tensors", "modelopt-nvfp4"]),
+    "NVFP4A16, GPTQ": ([{**QUANTIZE, "method": "gptq", "scheme": "NVFP4A16"}], ["compressed-tensors", "modelopt-nvfp4"]),
+    "MXFP4A16, GPTQ": ([{**QUANTIZE, "method": "gptq", "scheme": "MXFP4A16"}], ["compressed-tensors"]),
+    "MXFP8 W8A8, RTN": ([{**QUANTIZE, "scheme": "MXFP8"}], ["compressed-tensors"]),
 }
 WINDOWS, SEQ_LEN = protocol.WINDOWS, protocol.SEQ_LEN
 
@@ -72,9 +78,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reuse", action="store_true", help="only tabulate existing runs")
     ap.add_argument("--only", help="run only the schemes whose name contains one of these comma-separated texts; reuse the others")
+    ap.add_argument("--select", help="run and tabulate only the schemes whose name contains one of these comma-separated texts")
+    ap.add_argument("--out", default="bench/results/export_table.json")
     args = ap.parse_args()
     rows = []
     for name, (stages, formats) in RUNS.items():
+        if args.select and not any(t in name for t in args.select.split(",")):
+            continue
         if not args.reuse and (args.only is None or any(t in name for t in args.only.split(","))):
             run(name, stages, formats)
         report = json.loads((folder(name) / "report.json").read_text())
@@ -88,7 +98,7 @@ def main() -> None:
                             text=True).stdout.strip()
     result = {"date": datetime.date.today().isoformat(), "commit": commit, "model": "SmolLM2-135M-Instruct (default)",
               "windows": f"{WINDOWS} × {SEQ_LEN} tokens", "protocol": protocol.as_dict(), "rows": rows}
-    out = ROOT / "bench" / "results" / "export_table.json"
+    out = ROOT / args.out
     out.write_text(json.dumps(result, indent=2))
     print("| scheme | format | size | reloaded with | KL (nats/token) | top-1 agreement | tensors |\n"
           "|---|---|---:|---|---:|---:|---|")
