@@ -136,9 +136,10 @@ def compress_all(out_root: Path, only: list[str], jobs: int = 1, reuse: bool = F
             cmd = [sys.executable, "-m", "compress", "run", recipe, "--output", str(out), "--overwrite",
                    "--no-progress", "--set", "eval.perplexity=false", "--set", "eval.speed=false", "--set",
                    "eval.baseline=false", *protocol.SAVE_FLOAT32]
-            if jobs > 1:
+            no_data = "calibration=null" in sets  # a calibration.* override would bring the pass back: drop it
+            if jobs > 1 and not no_data:
                 cmd += ["--set", "calibration.threads=1"]
-            for s in [*sets, *extra]:
+            for s in [*sets, *(e for e in extra if not (no_data and e.startswith("calibration.")))]:
                 cmd += ["--set", s]
             if len(running) >= jobs:
                 running.pop(0).wait()

@@ -77,10 +77,12 @@ WEIGHT_RISK = {  # qualitative, with what this repository measured (README, Smol
                 "with AWQ+GPTQ on a 135M model (int4 g32 GPTQ at the same bytes: +18.4%)",
     "nvfp4": "moderate to high: fp4 activations too (Blackwell's fp4 rate); measured here +22.8% perplexity at best "
              "(AWQ+GPTQ) on a 135M model; published 7B+ results are a few percent; check your own tasks",
-    "mxfp4": "high: power-of-two scales per 32 cost more than NVFP4's e4m3 per 16; measured here +203% perplexity "
-             "(round-to-nearest W4A4) on a 135M model; weight-only MXFP4 with GPTQ +16.3%",
-    "mxfp8": "low: e4m3 weights and activations with power-of-two scales per 32; measured here +4.0% perplexity "
-             "(round-to-nearest) on a 135M model whose weights sit on a 4-bit grid (FP8_DYNAMIC: +3.5%)"}
+    "mxfp4": "high: power-of-two scales per 32 cost more than NVFP4's e4m3 per 16; measured here on a 135M model "
+             "+115% perplexity W4A4 with GPTQ (+203% round-to-nearest); weight-only MXFP4 +16.3% with GPTQ, +14.0% "
+             "with AWQ+GPTQ (NVFP4A16: +11.1%, +7.6%)",
+    "mxfp8": "low to moderate: e4m3 weights and activations with power-of-two scales per 32; measured here +2.7% "
+             "perplexity with GPTQ (+4.0% round-to-nearest; weights alone +1.2%) on a 135M model whose weights sit "
+             "on a 4-bit grid, in line with per-channel fp8 (FP8_DYNAMIC with GPTQ: +1.9%)"}
 # KV cache formats: (bits, scale and zero-point bits, elements sharing them; None: one scale per token and KV head)
 KV_DTYPES = {"bf16": (16, 0, 1), "fp8": (8, 0, 1), "int8": (8, 16, None), "int4": (4, 32, 32),
              "nvfp4": (4, 8, 16)}  # e2m1, an e4m3 scale per 16 channels (and one calibrated fp32 scale per layer)
