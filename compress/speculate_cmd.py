@@ -30,6 +30,12 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-int4", action="store_true", help="round the draft's float linears to int4 g64 (its head to "
                                                              "int8) in memory first: a pruned+distilled draft -> "
                                                              "pruned+int4; a quantized run with a float head -> int8 head")
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="the draft's head keeps only the N tokens most frequent in WikiText-2 validation (int8 rows); "
+                        "decoding stays exact (default 0: the whole vocabulary)")
+    p.add_argument("--draft-head", default="int8", choices=["int8", "int4"],
+                   help="the draft's head when the draft is rounded here (self-int4, --draft-int4, --draft-vocab): "
+                        "int8 per channel (default) or int4 g64")
     p.add_argument("--k", default="1-8", help="draft lengths: one (4), a list (2,4,6) or a range (1-8; default)")
     p.add_argument("--no-adaptive", action="store_true", help="skip the adaptive draft length")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sampling")
@@ -37,6 +43,13 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt (default 128)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
     p.add_argument("--rounds", type=int, default=1, help="repeat the whole measurement (default 1)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the target's dtype (default float32; bfloat16 verifies K+1 tokens more cheaply on a CPU with "
+                        "bf16 instructions, but its 1-token and (K+1)-token forwards round differently, so greedy "
+                        "outputs can differ from plain decoding at near-ties: counted in the result)")
+    p.add_argument("--runtime", default="auto", choices=["auto", "lean", "transformers"],
+                   help="decode loop for target and draft alike (auto: the lean path for Llama/Mistral/Qwen2, "
+                        "transformers' forward otherwise)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: stable timings)")
     p.add_argument("--accelerator", action="append", default=[], metavar="NAME",
                    help="also predict the speed-up there by the roofline model (repeatable; e.g. H100-SXM)")
@@ -63,7 +76,9 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from .evaluate.roofline import get_accelerator
-    from .evaluate.speculation import SELF_DRAFT, int4_copy, measure_draft, render, roofline_rows, wikitext_prompts
+    from .evaluate.speculation import (SELF_DRAFT, frequent_tokens, int4_copy, measure_draft, render, roofline_rows,
+                                       subset_head, wikitext_prompts)
+    from .scheme import W4A16_ASYM_G64, W8A16
     from .kernels.dispatch import plan_dispatch, use_dispatch
     from .models import load_model
     from .nn import QuantLinear
@@ -74,19 +89,27 @@ def run(args) -> int:
     if args.temperature < 0:
         raise ValueError(f"--temperature {args.temperature}: use 0 (greedy) or a positive temperature")
     torch.set_num_threads(args.threads)
-    loaded = load_model(args.target, "auto", "cpu")
+    dtype = args.dtype
+    loaded = load_model(args.target, dtype, "cpu")
     target = loaded.model
     notes = []
+    head = W8A16 if args.draft_head == "int8" else W4A16_ASYM_G64
+    ids = frequent_tokens(loaded.tokenizer, args.draft_vocab) if args.draft_vocab else None
+    if ids is not None:
+        notes.append(f"draft head: the {len(ids)} tokens most frequent in WikiText-2 validation (--draft-vocab)")
     if args.draft == SELF_DRAFT:
-        draft, kept = int4_copy(target)
-        notes.append("draft: the target's linears rounded to int4 g64 (asymmetric), its head to int8 per channel")
+        draft, kept = int4_copy(target, head=head, vocab_ids=ids)
+        notes.append(f"draft: the target's linears rounded to int4 g64 (asymmetric), its head to {args.draft_head}")
     else:
-        draft = load_model(args.draft, "auto", "cpu").model
+        draft = load_model(args.draft, dtype, "cpu").model
         kept = []
         if args.draft_int4:
-            draft, kept = int4_copy(draft)
-            notes.append("draft: its float linears rounded to int4 g64 in memory (--draft-int4; layers it already "
-                         "holds quantized are kept), its head to int8")
+            draft, kept = int4_copy(draft, head=head, vocab_ids=ids)
+            notes.append(f"draft: its float linears rounded to int4 g64 in memory (--draft-int4; layers it already "
+                         f"holds quantized are kept), its head to {args.draft_head}")
+        elif ids is not None:
+            draft.config.tie_word_embeddings = False
+            subset_head(draft, ids, head)
     notes += [f"kept in float: {k}" for k in kept]
     prompts = wikitext_prompts(loaded.tokenizer, args.prompts, args.prompt_tokens)
     batches = sorted({1, *(k + 1 for k in ks)})
@@ -96,7 +119,8 @@ def run(args) -> int:
                 stack.enter_context(use_dispatch(m, plan_dispatch(m, batches)))
         bar = tqdm(total=args.rounds * args.prompts, desc="speculating", unit="prompt")
         result = measure_draft(target, draft, prompts, args.max_new_tokens, ks, not args.no_adaptive,
-                               args.temperature, args.seed, args.rounds, progress=lambda i, n: bar.update(i - bar.n))
+                               args.temperature, args.seed, args.rounds, progress=lambda i, n: bar.update(i - bar.n),
+                               runtime=args.runtime)
         bar.close()
     result["target"], result["draft"], result["notes"] = args.target, args.draft, notes
     if args.accelerator:

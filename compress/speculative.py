@@ -12,8 +12,11 @@ With α the probability that a drafted token is accepted (taken as independent o
 and costs one target forward over K + 1 tokens plus K draft forwards. `predicted_speedup` turns that into a speed-up
 from the cost of each; `roofline_speedup` takes the costs from the roofline model of an accelerator.
 
-Caches: each model keeps a transformers KV cache of every committed token but the last; after a round the caches are
-cropped back to the accepted prefix (`DynamicCache.crop`), so nothing is recomputed. Batch 1.
+Caches: each model keeps a KV cache of every committed token but the last; after a round the caches are cropped back
+to the accepted prefix, so nothing is recomputed. Batch 1. Runtime: `lean` runs Llama-style models through
+lean_decode.LeanStream (their own modules over a preallocated cache, without transformers' per-call overhead),
+`transformers` through the model's forward with a DynamicCache; `auto` (the default) takes lean where it applies.
+Plain and speculative decoding of one comparison use the same runtime.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 K_MAX = 8  # the adaptive schedule's largest draft length
+RUNTIMES = ("auto", "lean", "transformers")
 
 
 def residual(q: Tensor, p: Tensor) -> Tensor:
@@ -140,6 +144,7 @@ class Generation:
     target_seconds: float = 0.0  # the rounds' verify steps
     prefill_seconds: tuple[float, float] = (0.0, 0.0)  # target, draft
     ks: list[int] = field(default_factory=list)  # the draft length of every round
+    runtime: str = "transformers"  # the decode loop the target ran on (lean or transformers)
 
     @property
     def alpha(self) -> float:
@@ -165,24 +170,48 @@ class _Stream:
     def __init__(self, model: nn.Module):
         from transformers import DynamicCache
 
+        import inspect
+
         self.model, self.kw = model, _cache_kw(model)
+        self.keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.cache = DynamicCache(config=model.config)
         self.length = 0
         self.device = next(model.parameters()).device
 
-    def forward(self, tokens: list[int]) -> Tensor:
+    def forward(self, tokens: list[int], logits: str = "all") -> Tensor | None:
         if not tokens or not all(isinstance(t, int) for t in tokens):
             raise TypeError("a stream takes a flat, non-empty list of token ids (ints)")
         ids = torch.tensor([tokens], device=self.device)
         pos = torch.arange(self.length, self.length + len(tokens), device=self.device)[None]
-        out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **{self.kw: self.cache})
+        kw = {self.kw: self.cache}
+        if self.keeps and logits != "all":  # transformers' logits_to_keep: the head on the last position only
+            kw["logits_to_keep"] = 1
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **kw)
         self.length += len(tokens)
-        return out.logits[0].float()  # [len(tokens), V]
+        if logits == "none":
+            return None
+        return out.logits[0, -1:].float() if logits == "last" else out.logits[0].float()  # [1 or len(tokens), V]
 
     def crop(self, length: int) -> None:
         if length < self.length:
             self.cache.crop(length - self.length)  # transformers 5: a negative count of tokens to remove
             self.length = length
+
+
+def make_stream(model: nn.Module, max_len: int, runtime: str = "auto"):
+    """A decoding stream for `model`: the lean path (lean_decode.LeanStream) where it applies and `runtime` allows,
+    else transformers' forward with its cache. runtime 'lean' insists (an error names why it cannot)."""
+    from .lean_decode import LeanStream, lean_problem
+
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime {runtime!r}: use one of {RUNTIMES}")
+    if runtime == "lean" or (runtime == "auto" and lean_problem(model, max_len) is None):
+        return LeanStream(model, max_len)
+    return _Stream(model)
+
+
+def _runtime_name(stream) -> str:
+    return "transformers" if isinstance(stream, _Stream) else "lean"
 
 
 def _probs(logits: Tensor, temperature: float) -> Tensor:
@@ -198,11 +227,12 @@ def _check_models(target: nn.Module, draft: nn.Module) -> None:
 
 @torch.no_grad()
 def generate_plain(model: nn.Module, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
-                   generator: torch.Generator | None = None, eos_token_id: int | None = None) -> Generation:
+                   generator: torch.Generator | None = None, eos_token_id: int | None = None,
+                   runtime: str = "auto") -> Generation:
     """Plain autoregressive decoding with the KV cache (the baseline): argmax at temperature 0, else a draw."""
     t0 = time.perf_counter()
-    stream = _Stream(model)
-    logits = stream.forward(prompt)[-1]
+    stream = make_stream(model, len(prompt) + max_new_tokens, runtime)
+    logits = stream.forward(prompt, logits="last")[-1]
     t_prefill = time.perf_counter() - t0
     out, steps = [], 0
     while True:
@@ -212,13 +242,15 @@ def generate_plain(model: nn.Module, prompt: list[int], max_new_tokens: int, tem
             break
         logits = stream.forward([token])[-1]
         steps += 1
-    return Generation(out, time.perf_counter() - t0, target_steps=steps, prefill_seconds=(t_prefill, 0.0))
+    return Generation(out, time.perf_counter() - t0, target_steps=steps, prefill_seconds=(t_prefill, 0.0),
+                      runtime=_runtime_name(stream))
 
 
 @torch.no_grad()
 def generate_speculative(target: nn.Module, draft: nn.Module, prompt: list[int], max_new_tokens: int, k: int = 4,
                          temperature: float = 0.0, adaptive: bool = False,
-                         generator: torch.Generator | None = None, eos_token_id: int | None = None) -> Generation:
+                         generator: torch.Generator | None = None, eos_token_id: int | None = None,
+                         runtime: str = "auto") -> Generation:
     """Speculative decoding of `max_new_tokens` after `prompt` (token ids), batch 1. k: the draft length (the first
     one when `adaptive`: then each round picks the K in 1..8 of the largest predicted speed-up from the acceptance
     rate so far, the measured draft step and the verify step measured at each length)."""
@@ -230,14 +262,15 @@ def generate_speculative(target: nn.Module, draft: nn.Module, prompt: list[int],
         raise ValueError(f"temperature {temperature} < 0; use 0 for greedy")
     _check_models(target, draft)
     t_start = time.perf_counter()
-    tgt, drf = _Stream(target), _Stream(draft)
+    max_len = len(prompt) + max_new_tokens + K_MAX + max(k, K_MAX)  # a round may draft past the end: cropped
+    tgt, drf = make_stream(target, max_len, runtime), make_stream(draft, max_len, runtime)
     committed = list(prompt)
-    gen = Generation([], 0.0)
+    gen = Generation([], 0.0, runtime=_runtime_name(tgt))
     if len(committed) > 1:  # prefill both caches with all but the last token (timed apart from the rounds)
         t0 = time.perf_counter()
-        tgt.forward(committed[:-1])
+        tgt.forward(committed[:-1], logits="none")
         t1 = time.perf_counter()
-        drf.forward(committed[:-1])
+        drf.forward(committed[:-1], logits="none")
         gen.prefill_seconds = (t1 - t0, time.perf_counter() - t1)
     n_prompt = len(prompt)
     verify_s: dict[int, list[float]] = {}  # draft length -> the measured verify times
@@ -248,7 +281,7 @@ def generate_speculative(target: nn.Module, draft: nn.Module, prompt: list[int],
         drafted, p_rows = [], []
         feed = committed[drf.length:]
         for _ in range(k_round):
-            logits = drf.forward(feed)[-1]
+            logits = drf.forward(feed, logits="last")[-1]
             if temperature == 0:
                 token = int(logits.argmax())
             else:

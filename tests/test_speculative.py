@@ -205,11 +205,15 @@ def test_int4_copy_quantizes_a_copy_and_reports_what_it_kept():
 
     model = make_tiny_model("llama")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    draft, kept = int4_copy(model, dtype=torch.float32)
+    draft, kept = int4_copy(model, dtype=torch.float32, fuse=False)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the target is untouched
     quantized = {n for n, m in draft.named_modules() if isinstance(m, QuantLinear)}
     assert len(quantized) == 2 * 7 + 1 and "lm_head" in quantized and not kept  # 7 linears per block + the head
     assert draft.lm_head.scheme.dtype == "int8"
+    fused, kept = int4_copy(model, dtype=torch.float32)  # q/k/v and gate/up fused: 4 layers a block, same bytes
+    layers = {m for m in fused.modules() if isinstance(m, QuantLinear)}
+    assert len(layers) == 2 * 4 + 1 and not kept
+    assert sum(m.qdata.numel() for m in layers) == sum(draft.get_submodule(n).qdata.numel() for n in quantized)
     # a group the input width does not divide: that layer stays in float, with the reason
     from dataclasses import replace
     draft, kept = int4_copy(model, replace(W4A16_ASYM_G64, group_size=128), dtype=torch.float32)
@@ -288,3 +292,32 @@ def test_a_run_measures_its_model_as_a_draft_for_the_original(tmp_path):
     with pytest.raises(ValueError, match="draft lengths"):
         from compress.recipe import EvalSpec
         EvalSpec(speculative=(0,))
+
+
+@torch.no_grad()
+def test_a_vocabulary_subset_draft_keeps_decoding_exact():
+    """A draft whose head covers only some tokens proposes only those, and both verifications stay exact: greedy
+    equals plain decoding; the sampled first token follows the target's distribution (χ² over many seeds would be
+    slow here, so: every token the subset excludes still appears through the residual)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from compress.evaluate.speculation import VocabSubsetHead, int4_copy
+
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, initializer_range=0.2)).eval()
+    ids = torch.arange(0, 64, 2)  # the even tokens only
+    draft, _ = int4_copy(target, dtype=torch.float32, vocab_ids=ids)
+    head = draft.get_output_embeddings()
+    assert isinstance(head, VocabSubsetHead) and head.out_features == 64
+    logits = draft(torch.tensor([[1, 2, 3]])).logits[0]
+    assert torch.isinf(logits[:, 1::2]).all() and torch.isfinite(logits[:, ::2]).all()
+    prompt = [1, 5, 9, 13]
+    plain = spec.generate_plain(target, prompt, 20).tokens
+    assert any(t % 2 for t in plain)  # the target emits tokens the draft can never propose ...
+    for k in (1, 4):
+        assert spec.generate_speculative(target, draft, prompt, 20, k=k).tokens == plain  # ... and greedy stays exact
+    seen = {spec.generate_speculative(target, draft, prompt, 1, k=2, temperature=1.0,
+                                 generator=torch.Generator().manual_seed(s)).tokens[0] for s in range(200)}
+    assert any(t % 2 for t in seen)  # sampling reaches the excluded tokens through the residual

@@ -16,6 +16,7 @@ from torch import nn
 from ..speculative import (acceptance_rate, expected_tokens, generate_plain, generate_speculative,
                            roofline_speedup)
 from ..arch import set_module
+from ..lean_decode import fuse_projections, lean_problem
 from ..nn import QuantLinear, is_linear, native_bf16
 from ..scheme import W4A16_ASYM_G64, W8A16, QuantScheme
 
@@ -23,18 +24,25 @@ SELF_DRAFT = "self-int4"
 
 
 def int4_copy(model: nn.Module, scheme: QuantScheme = W4A16_ASYM_G64, head: QuantScheme | None = W8A16,
-              dtype: torch.dtype | None = None) -> tuple[nn.Module, list[str]]:
+              dtype: torch.dtype | None = None, vocab_ids: torch.Tensor | None = None,
+              fuse: bool = True) -> tuple[nn.Module, list[str]]:
     """A round-to-nearest int4 copy of `model` to use as a draft (no calibration: a draft only has to agree often):
     every linear whose input width the group divides in `scheme`, the output head in `head` (None: kept), in `dtype`
     (default bfloat16 where the CPU computes it natively, which the int4 kernel needs to be fast, else float32).
     Returns the copy and the layers kept in float with the reason. The copy is made whole first: for a model that
-    does not fit twice in memory, quantize it with a recipe and pass the folder as the draft."""
+    does not fit twice in memory, quantize it with a recipe and pass the folder as the draft. `vocab_ids`: the head
+    keeps only those tokens' rows (VocabSubsetHead), quantized in `head`. `fuse`: q/k/v and gate/up fused into one
+    layer each where the lean decode path runs the model (lean_decode.fuse_projections; the same numbers)."""
     from ..quantizers.rtn import quantize_rtn
 
     if dtype is None:
         dtype = torch.bfloat16 if native_bf16("cpu") else torch.float32
     draft = copy.deepcopy(model).to(dtype)
+    if vocab_ids is not None and not isinstance(draft.get_output_embeddings(), QuantLinear):
+        draft.config.tie_word_embeddings = False
+        subset_head(draft, vocab_ids, head)
     head_module = draft.get_output_embeddings()
+    head_module = getattr(head_module, "inner", head_module)  # a VocabSubsetHead's rows
     kept = []
     for name, module in list(draft.named_modules()):
         if not is_linear(module) or isinstance(module, QuantLinear):
@@ -47,7 +55,57 @@ def int4_copy(model: nn.Module, scheme: QuantScheme = W4A16_ASYM_G64, head: Quan
             kept.append(f"{name}: in_features {module.in_features} is not a multiple of group {s.group_size}")
             continue
         set_module(draft, name, QuantLinear.from_module(module, quantize_rtn(module.weight.detach().float(), s)))
+    if fuse and lean_problem(draft, 1) is None:
+        kept += [f"{x} (not fused)" for x in fuse_projections(draft)]
     return draft.eval(), kept
+
+
+class VocabSubsetHead(nn.Module):
+    """A draft's output head over a subset of the vocabulary (the tokens most frequent in some text): logits for
+    `ids` from `inner` (a linear over those rows of the head), -inf for every other token. A draft may only ever
+    propose those tokens, and speculative decoding stays exact: greedy verification keeps a drafted token only where
+    the target agrees, and sampling draws rejected positions from max(q − p, 0), which covers every token the draft
+    gives no mass. What it saves is the head's bytes (49,152 × 576 on SmolLM2: a fifth of the model)."""
+
+    def __init__(self, inner: nn.Module, ids: torch.Tensor, vocab: int):
+        super().__init__()
+        self.inner, self.vocab = inner, vocab
+        self.register_buffer("ids", ids.to(torch.int64), persistent=False)
+        self.in_features, self.out_features = inner.in_features, vocab
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sub = self.inner(x)
+        out = sub.new_full((*sub.shape[:-1], self.vocab), float("-inf"))
+        return out.index_copy_(-1, self.ids, sub)
+
+
+def frequent_tokens(tokenizer, n: int, split: str = "validation") -> torch.Tensor:
+    """The `n` token ids most frequent in WikiText-2 `split` (validation: the calibration split, never the test
+    text the prompts come from), then the lowest ids (a BPE vocabulary's earliest merges) if fewer occur."""
+    from ..data import tokenize_joined, wikitext2_rows
+
+    ids = tokenize_joined(wikitext2_rows(split), tokenizer)[0]
+    vocab = len(tokenizer)
+    counts = torch.bincount(ids, minlength=vocab).float()
+    counts += torch.linspace(1e-3, 0, vocab)  # ties (unseen tokens): lower ids first
+    return torch.topk(counts, min(n, vocab)).indices.sort().values
+
+
+def subset_head(model: nn.Module, ids: torch.Tensor, scheme: QuantScheme | None = W8A16) -> nn.Module:
+    """Replace `model`'s output head in place by a VocabSubsetHead over `ids`, its rows quantized in `scheme`
+    (None: float). Returns the model."""
+    from ..quantizers.rtn import quantize_rtn
+
+    head = model.get_output_embeddings()
+    if isinstance(head, QuantLinear):
+        raise ValueError("the draft's head is already quantized; take the subset before quantizing it")
+    weight = head.weight.detach()[ids]
+    inner = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
+    inner.weight = nn.Parameter(weight.clone(), requires_grad=False)
+    if scheme is not None:
+        inner = QuantLinear.from_module(inner, quantize_rtn(weight.float(), scheme))
+    model.lm_head = VocabSubsetHead(inner, ids, head.out_features)
+    return model
 
 
 def wikitext_prompts(tokenizer, n: int, length: int, split: str = "test") -> list[list[int]]:
@@ -75,11 +133,12 @@ def _serving(model: nn.Module) -> int:
 
 def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]], max_new_tokens: int = 64,
                   ks=(1, 2, 3, 4, 5, 6, 7, 8), adaptive: bool = True, temperature: float = 0.0, seed: int = 0,
-                  rounds: int = 1, progress=None) -> dict:
+                  rounds: int = 1, progress=None, runtime: str = "auto") -> dict:
     """α, tokens per target step and speed-up over plain decoding of `target`, per draft length K (and the adaptive
     schedule), over `prompts`. Speed-up: the summed end-to-end time of plain decoding over that of speculative
     decoding, each from the prompt to the last new token (prefills included: the draft's is part of the cost).
-    Greedy (temperature 0) checks every output against plain decoding."""
+    Greedy (temperature 0) checks every output against plain decoding. `runtime`: the decode loop of both
+    (speculative.RUNTIMES; auto: the lean path where the model allows it)."""
     settings = [(k, False) for k in ks] + ([(ks[0] if ks else 4, True)] if adaptive else [])
     plain_s, plain_decode_s, plain_steps, plain_tokens, mismatches = 0.0, 0.0, 0, 0, 0
     rows = {("adaptive" if a else k): {"k": "adaptive" if a else k, "seconds": 0.0, "proposed": 0, "accepted": 0, "rejected": 0,
@@ -89,14 +148,15 @@ def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]],
     for r in range(rounds):
         for i, prompt in enumerate(prompts):
             g = torch.Generator().manual_seed(seed + i)
-            base = generate_plain(target, prompt, max_new_tokens, temperature, g)
+            base = generate_plain(target, prompt, max_new_tokens, temperature, g, runtime=runtime)
             plain_s += base.seconds
             plain_decode_s += base.seconds - base.prefill_seconds[0]
             plain_steps += base.target_steps
             plain_tokens += len(base.tokens)
             for k, a in settings:
                 g = torch.Generator().manual_seed(seed + i)
-                got = generate_speculative(target, draft, prompt, max_new_tokens, k, temperature, a, g)
+                got = generate_speculative(target, draft, prompt, max_new_tokens, k, temperature, a, g,
+                                           runtime=runtime)
                 if temperature == 0 and got.tokens != base.tokens:
                     mismatches += 1
                 row = rows["adaptive" if a else k]
@@ -134,6 +194,7 @@ def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]],
             "greedy_mismatches": mismatches if temperature == 0 else None, "rows": out_rows,
             "target_bytes": _bytes(target), "draft_bytes": _bytes(draft), "target_serving_bytes": _serving(target),
             "draft_serving_bytes": _serving(draft), "threads": torch.get_num_threads(),
+            "runtime": base.runtime if prompts else runtime, "target_dtype": str(next(target.parameters()).dtype),
             "seconds": time.perf_counter() - t_start}
 
 
@@ -160,7 +221,8 @@ def render(result: dict, title: str = "") -> list[str]:
              f"{result['prompts']} prompts of {result['prompt_tokens']} tokens, {result['max_new_tokens']} new tokens "
              f"each, temperature {result['temperature']}, {result['threads']} thread(s); plain decoding "
              f"{result['plain_tok_s']:.1f} tok/s; target {result['target_bytes'] / 1e6:.0f} MB, draft "
-             f"{result['draft_bytes'] / 1e6:.0f} MB of weights", ""]
+             f"{result['draft_bytes'] / 1e6:.0f} MB of weights; target in {result.get('target_dtype', '?')}, "
+             f"{result.get('runtime', 'transformers')} decode loop for both", ""]
     if result["greedy_mismatches"] is not None:
         lines += [f"greedy outputs equal to plain decoding: "
                   f"{'all' if not result['greedy_mismatches'] else str(result['greedy_mismatches']) + ' differ'}", ""]
