@@ -10,13 +10,16 @@ EPILOG = """examples:
   compress speculate default --draft runs/gptq_int4 --k 4       # a compressed run's model as the draft
   compress speculate default --draft runs/minitron_prune_distill --draft-int4 --k 1-8 --adaptive
   compress speculate default --draft self-int4 --temperature 0.8 --output runs/spec.json
+  compress speculate default --draft runs/awq_gptq_int4 --draft-int4 --draft-vocab 16384 --k 3-5
 
 DRAFT is anything `compress eval` loads (a run folder, a Hugging Face folder, a .gguf file, `default`) or
 `self-int4`: TARGET's weights rounded to int4 g64 (head int8) in memory, no calibration. The draft must share
 TARGET's tokenizer. Greedy (temperature 0) outputs are checked token for token against plain decoding; with
 sampling, the output follows TARGET's distribution exactly (the min(1, q/p) acceptance rule and the residual).
 Timings are batch 1 on --threads CPU threads; the speed-up is end to end (prefills included) against plain
-greedy decoding of TARGET in the same run. --accelerator adds the roofline's prediction at each measured alpha."""
+greedy decoding of TARGET in the same run. --accelerator adds the roofline's prediction at each measured alpha.
+Llama, Mistral and Qwen2 models decode on a lean loop (their own modules over a preallocated cache; drafts rounded
+here get fused q/k/v and gate/up layers), both plainly and speculatively; other families on transformers' forward."""
 
 
 def add_parser(sub) -> None:
@@ -112,7 +115,7 @@ def run(args) -> int:
             subset_head(draft, ids, head)
     notes += [f"kept in float: {k}" for k in kept]
     prompts = wikitext_prompts(loaded.tokenizer, args.prompts, args.prompt_tokens)
-    batches = sorted({1, *(k + 1 for k in ks)})
+    batches = sorted({1, *(k + 1 for k in range(1, max(*ks, 8) + 1)), args.prompt_tokens - 1})  # decode, verify, prefill
     with torch.no_grad(), contextlib.ExitStack() as stack:
         for m in (target, draft):  # the fastest kernel per layer, as `compress eval` measures speed
             if any(isinstance(x, QuantLinear) for x in m.modules()):
