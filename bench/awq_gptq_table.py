@@ -32,6 +32,7 @@ AUTO_RTN = ("[{stage: auto_precision, %s, n_samples: 4}, "  # recipes/auto_preci
 AUTO_GPTQ = ("[{stage: auto_precision, %s, n_samples: 4}, "  # then gptq_int4.yaml's quantize stage
              "{stage: quantize, method: gptq, scheme: W4A16_ASYM_G64, ignore: [lm_head]}]")
 AR = ["stages.1.method=autoround", "stages.1.options={iters: 200, batch_size: 2}"]
+AR_GPTQ = ["stages.1.method=autoround", "stages.1.options={iters: 200, batch_size: 2, init: gptq}"]
 ONLINE = "stages.0.online_hadamard=true"
 RTN = ["stages.0.method=rtn", "calibration=null"]
 INT4_G32 = "{dtype: int4, granularity: group, group_size: 32, symmetric: true}"
@@ -54,6 +55,9 @@ RUNS = {  # name: (recipe, extra --set overrides)
                                                   "stages.0.options={iters: 200, batch_size: 2}"]),
     "awq+autoround int4": ("recipes/autoround_int4.yaml", []),
     "awq+autoround int3": ("recipes/awq_gptq_int4.yaml", [*AR, "stages.1.scheme.dtype=int3"]),
+    # AutoRound started from GPTQ's solution (options.init: gptq) instead of round-to-nearest
+    "awq+autoround(gptq init) int4": ("recipes/awq_gptq_int4.yaml", [*AR_GPTQ]),
+    "awq+autoround(gptq init) int3": ("recipes/awq_gptq_int4.yaml", [*AR_GPTQ, "stages.1.scheme.dtype=int3"]),
     "rotate+gptq int4": ("recipes/rotate_gptq_int3.yaml", ["stages.1.scheme.dtype=int4"]),
     "rotate+gptq int3": ("recipes/rotate_gptq_int3.yaml", []),
     "rotate+gptq int2 g32": ("recipes/rotate_gptq_int3.yaml", ["stages.1.scheme.dtype=int2",

@@ -51,6 +51,9 @@ class AutoRoundOptions:
     minmax_tuning: bool = True  # learn the per-group clipping α, β (false: only the rounding V)
     best: bool = True  # keep the parameters of the step with the lowest loss (false: those after the last step)
     seed: int = 0  # the order in which windows are drawn
+    # where the rounding starts: "rtn" (the paper: round to nearest of the float weight) or "gptq" (GPTQ's solution
+    # for each layer, from the pass's input Hessians; AutoRound then tunes its rounding and clipping from there)
+    init: str = "rtn"
 
     def __post_init__(self):
         if self.iters < 0:
@@ -61,6 +64,8 @@ class AutoRoundOptions:
                              f"{self.minmax_lr}")
         if self.batch_size < 1:
             raise ValueError(f"autoround batch_size must be >= 1 (the paper uses 8), got {self.batch_size}")
+        if self.init not in ("rtn", "gptq"):
+            raise ValueError(f"autoround init {self.init!r}: use rtn (round to nearest, the paper's) or gptq")
 
     @property
     def step_size(self) -> float:
@@ -141,10 +146,12 @@ def qparams(w: Tensor, scheme: QuantScheme, r: Rounding) -> tuple[Tensor, Tensor
     return scale, torch.clamp(round_ste(-lo / scale), scheme.qmin, scheme.qmax)
 
 
-def fake_quant(w: Tensor, scheme: QuantScheme, r: Rounding) -> Tensor:
-    """Ŵ [out, in] (float32): the weight as the codes with rounding offsets V and clipping α, β dequantize."""
+def fake_quant(w: Tensor, scheme: QuantScheme, r: Rounding, start: Tensor | None = None) -> Tensor:
+    """Ŵ [out, in] (float32): the weight as the codes with rounding offsets V and clipping α, β dequantize. The grid
+    (scale, zero point) comes from `w`; the values rounded onto it are `start` (default `w`): GPTQ's solution on
+    that same grid for `init: gptq`, so that V = 0 gives GPTQ's codes exactly."""
     scale, zero = qparams(w, scheme, r)
-    wg, vg = group_view(w.float(), scheme), group_view(r.v, scheme)
+    wg, vg = group_view((w if start is None else start).float(), scheme), group_view(r.v, scheme)
     s = scale[..., None]
     q = round_ste(wg / s + vg)
     if zero is not None:
@@ -155,10 +162,10 @@ def fake_quant(w: Tensor, scheme: QuantScheme, r: Rounding) -> Tensor:
 
 
 @torch.no_grad()
-def finish(w: Tensor, scheme: QuantScheme, r: Rounding) -> QuantizedTensor:
-    """The codes, scale and zero point that `fake_quant(w, scheme, r)` dequantizes from, packed."""
+def finish(w: Tensor, scheme: QuantScheme, r: Rounding, start: Tensor | None = None) -> QuantizedTensor:
+    """The codes, scale and zero point that `fake_quant(w, scheme, r, start)` dequantizes from, packed."""
     scale, zero = qparams(w, scheme, r)
-    wg, vg = group_view(w.float(), scheme), group_view(r.v, scheme)
+    wg, vg = group_view((w if start is None else start).float(), scheme), group_view(r.v, scheme)
     q = torch.round(wg / scale[..., None] + vg)
     if zero is not None:
         q = q + zero[..., None]
@@ -189,13 +196,14 @@ def sign_step(r: Rounding, lr: float, clip_lr: float, minmax: bool) -> None:
 class _Rounded(nn.Module):
     """A linear layer whose weight is `fake_quant(W, scheme, rounding)` for the duration of the tuning."""
 
-    def __init__(self, original: nn.Module, w: Tensor, scheme: QuantScheme, rounding: Rounding):
+    def __init__(self, original: nn.Module, w: Tensor, scheme: QuantScheme, rounding: Rounding,
+                 start: Tensor | None = None):
         super().__init__()
-        self.original, self.w, self.scheme, self.rounding = original, w, scheme, rounding
+        self.original, self.w, self.scheme, self.rounding, self.start = original, w, scheme, rounding, start
         self.bias = original.bias
 
     def forward(self, x: Tensor) -> Tensor:
-        w_hat = fake_quant(self.w, self.scheme, self.rounding).to(x.dtype)
+        w_hat = fake_quant(self.w, self.scheme, self.rounding, self.start).to(x.dtype)
         return nn.functional.linear(x, w_hat, self.bias)
 
 
@@ -224,16 +232,21 @@ def _swapped(block: nn.Module, layers: dict[str, nn.Module]):
 
 def tune_block(block: nn.Module, weights: dict[str, Tensor], scheme: QuantScheme, options: AutoRoundOptions,
                samples: BlockSamples, compute_dtype: torch.dtype | None = None,
-               schemes: dict[str, QuantScheme] | None = None) -> tuple[dict[str, QuantizedTensor], dict]:
+               schemes: dict[str, QuantScheme] | None = None,
+               starts: dict[str, Tensor] | None = None) -> tuple[dict[str, QuantizedTensor], dict]:
     """Tune the rounding of the linears `weights` (block-relative name -> [out, in] float weight) of `block`
     jointly, against `samples.target`. Returns the quantized layers and a record (loss before and after, the step
     kept, seconds). `compute_dtype` (bfloat16): the block's matmuls run under autocast in it, as the pass's
     forwards do; the parameters, the rounding and the loss stay float32. `schemes` overrides the scheme per layer.
-    The block's own parameters are not changed (the caller replaces the layers with the returned ones)."""
+    `starts` (name -> [out, in]): the values to round instead of the weight itself, on the weight's grid (GPTQ's
+    solution: `init: gptq`). The block's own parameters are not changed (the caller replaces the layers with the
+    returned ones)."""
+    starts = starts or {}
     t0 = time.perf_counter()
     schemes = {name: (schemes or {}).get(name, scheme) for name in weights}
     rounding = {name: Rounding.start(w, schemes[name]) for name, w in weights.items()}
-    wrapped = {name: _Rounded(get_module(block, name), w.detach().float(), schemes[name], rounding[name])
+    wrapped = {name: _Rounded(get_module(block, name), w.detach().float(), schemes[name], rounding[name],
+                              None if starts.get(name) is None else starts[name].detach().float())
                for name, w in weights.items()}
     params = [p for r in rounding.values() for p in r.tensors(options.minmax_tuning)]
     n = len(samples.hidden)
@@ -285,7 +298,7 @@ def tune_block(block: nn.Module, weights: dict[str, Tensor], scheme: QuantScheme
     finally:
         for p in frozen:
             p.requires_grad_(True)
-    out = {name: finish(weights[name], schemes[name], rounding[name]) for name in weights}
+    out = {name: finish(weights[name], schemes[name], rounding[name], starts.get(name)) for name in weights}
     record = {"iters": options.iters, "first_loss": first_loss, "last_loss": last_loss,
               "kept_step": kept, "kept_loss": best_loss if options.best and best is not None else last_loss,
               "seconds": round(time.perf_counter() - t0, 2)}

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import re
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Literal
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from ..evaluate.fmt import num
 from ..arch import ArchSpec, get_module, set_module
@@ -158,7 +159,9 @@ class QuantizeStage(StageBase):
     def needs(self, plan: Plan, index: int) -> Needs:
         experts = plan is not None and any(EXPERT.search(e.name) for e in plan.steps[index].quantized)
         q = get_quantizer(self.method)
-        return Needs(abs_max=any(s.act is not None for s in self.schemes), hessian=q.needs_hessian, tokens=experts,
+        gptq_init = getattr(self.options, "init", None) == "gptq"  # AutoRound started from GPTQ's solution
+        return Needs(abs_max=any(s.act is not None for s in self.schemes), hessian=q.needs_hessian or gptq_init,
+                     tokens=experts,
                      block_tuning=q.tune_block is not None)  # (the memory plan asks without a plan)
 
     def observing(self, block: BlockState, index: int):
@@ -186,9 +189,16 @@ class QuantizeStage(StageBase):
             return {}
         samples, dtype = kept
         weights = {rel: linear_weight(get_module(block.module, rel)).detach() for rel in entries}
+        t_init, kw = None, {}
+        if getattr(self.options, "init", None) == "gptq":  # start from GPTQ's solution of each layer
+            t0 = time.perf_counter()
+            kw["starts"] = {rel: gptq_start(w, entries[rel].scheme, block.inputs(rel)) for rel, w in weights.items()}
+            t_init = round(time.perf_counter() - t0, 2)
         tuned, record = get_quantizer(self.method).tune_block(
             block.module, weights, self.scheme, self.options, samples, dtype,
-            {rel: e.scheme for rel, e in entries.items()})
+            {rel: e.scheme for rel, e in entries.items()}, **kw)
+        if t_init is not None:
+            record.update(init="gptq", init_seconds=t_init)
         ctx.records[index][block.prefix] = {"tuning": record}  # beside the layers' records (saved on resume)
         return tuned
 
@@ -219,6 +229,18 @@ class QuantizeStage(StageBase):
             lines += [f"| `{s['name']}` | {s['reason']} |" for s in section["skipped"]]
         return lines + float_lines(section) + expert_lines(section) + tuning_lines(section) + \
             activation_lines(section, models)
+
+
+def gptq_start(w: Tensor, scheme: QuantScheme, inputs: LayerInputs) -> Tensor:
+    """GPTQ's solution for one layer (its scheme, the default GPTQ settings: act order with static groups, so its
+    grid is the one min/max of `w` gives, AutoRound's own at α = β = 1; the Hessian of the inputs the pass saw),
+    dequantized: what AutoRound's `init: gptq` rounds onto that grid, GPTQ's codes exactly before any step."""
+    from ..quantizers import GPTQConfig
+    from ..quantizers.gptq import quantize_gptq
+
+    qt = quantize_gptq(w.float(), inputs.hessian("AutoRound's GPTQ initialisation"), scheme, GPTQConfig(),
+                       name=inputs.name, overwrite_hessian=True)
+    return qt.dequantize(torch.float32).to(w.dtype)
 
 
 @contextlib.contextmanager
