@@ -158,22 +158,16 @@ class Generation:
         return len(self.tokens) / self.target_steps if self.target_steps else float("nan")
 
 
-def _cache_kw(model: nn.Module) -> str:
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 class _Stream:
     """One model's KV cache over the committed tokens: `forward(tokens)` appends them and returns their logits."""
 
     def __init__(self, model: nn.Module):
         from transformers import DynamicCache
 
-        import inspect
+        from .evaluate.speed import _cache_kwarg, _last_logits_kwarg
 
-        self.model, self.kw = model, _cache_kw(model)
-        self.keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.model, self.kw = model, _cache_kwarg(model)
+        self.last_only = _last_logits_kwarg(model)  # {"logits_to_keep": 1} where the model takes it
         self.cache = DynamicCache(config=model.config)
         self.length = 0
         self.device = next(model.parameters()).device
@@ -183,9 +177,7 @@ class _Stream:
             raise TypeError("a stream takes a flat, non-empty list of token ids (ints)")
         ids = torch.tensor([tokens], device=self.device)
         pos = torch.arange(self.length, self.length + len(tokens), device=self.device)[None]
-        kw = {self.kw: self.cache}
-        if self.keeps and logits != "all":  # transformers' logits_to_keep: the head on the last position only
-            kw["logits_to_keep"] = 1
+        kw = {self.kw: self.cache, **(self.last_only if logits != "all" else {})}
         out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **kw)
         self.length += len(tokens)
         if logits == "none":
