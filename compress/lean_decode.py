@@ -19,10 +19,16 @@ back to transformers.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor, nn
 
+from .kernels.cpu_rows import MAX_ROWS, load as load_rows, rows_linear, rows_reason
+from .nn import QuantLinear
+
 LEAN_FAMILIES = ("llama", "mistral", "qwen2")  # pre-norm, full rotary, full causal attention, GQA, gated MLP
+ROWS_ATTR = "rows_kernel"  # set by use_rows for the duration of its block
 
 
 def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
@@ -31,8 +37,6 @@ def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
     (every format here packs codes along the input, and a group never spans two rows, so the fused layer holds
     exactly the same numbers). None where that does not hold: mixed types or schemes, quantized activations, a
     per-tensor scale (NVFP4's global scale differs per layer), an input rotation."""
-    from .nn import QuantLinear
-
     if any(getattr(m, "input_rotation", None) is not None for m in layers):
         return None
     if all(type(m) is nn.Linear for m in layers):
@@ -125,6 +129,44 @@ def lean_problem(model: nn.Module, max_len: int) -> str | None:
     return None
 
 
+def _linear(module: nn.Module, x: Tensor) -> Tensor:
+    """module(x), on the few-row kernel `use_rows` attached to it when x has at most MAX_ROWS rows."""
+    rows = getattr(module, ROWS_ATTR, None)
+    if rows is not None and x.numel() <= MAX_ROWS * x.shape[-1]:
+        return rows(x)
+    inner = getattr(module, "inner", None)  # a draft's VocabSubsetHead: its rows' linear, scattered
+    if inner is not None and getattr(inner, ROWS_ATTR, None) is not None and x.numel() <= MAX_ROWS * x.shape[-1]:
+        sub = _linear(inner, x)
+        return sub.new_full((*sub.shape[:-1], module.vocab), float("-inf")).index_copy_(-1, module.ids, sub)
+    return module(x)
+
+
+@contextlib.contextmanager
+def use_rows(model: nn.Module):
+    """Attach the few-row CPU kernels (kernels/cpu_rows.py) to every linear of `model` that they run: float32
+    nn.Linear, QuantLinear int4 and int8 weight-only. The lean loop then computes 1..16 rows on them (a decode step, a
+    speculative verify; a prefill stays on the layer's own forward), and one row's result is the same bits whichever
+    rows share the call. Yields the layers left on their own forward with the reason; the packed copies (for float32
+    layers, the weights once more) are dropped on exit. Raises cpu_rows.RowsUnavailable when the kernels cannot be
+    built here."""
+    lib = load_rows()
+    attached, left = [], []
+    try:
+        for name, module in model.named_modules():
+            if not (type(module) is nn.Linear or isinstance(module, QuantLinear)):
+                continue
+            problem = rows_reason(module)
+            if problem:
+                left.append(f"{name}: {problem}")
+                continue
+            setattr(module, ROWS_ATTR, rows_linear(module, lib))
+            attached.append(module)
+        yield left
+    finally:
+        for module in attached:
+            delattr(module, ROWS_ATTR)
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
     """softmax(q k^T · scale + mask) v in float32 for one sequence, grouped-query: q [H, T, D], k and v [KV, L, D]
     (query head j reads KV head j // (H / KV), as transformers' repeat_kv), mask [T, L] bool or None -> [H, T, D].
@@ -169,6 +211,46 @@ class LeanStream:
         self.k = torch.zeros(shape, device=self.device)
         self.v = torch.zeros(shape, device=self.device)
         self.length = 0
+        self.c_blocks, self.c_problem = self._c_blocks()
+
+    def _c_blocks(self):
+        """The blocks as cpu_rows.c's block kernel reads them, when `use_rows` prepared every linear of every block
+        and the block is what that kernel computes; else (None, the reason). The stream holds references to what the
+        pointers point at, so they stay valid for its life."""
+        from .kernels.cpu_rows import CBlock, c_linear
+
+        act = getattr(self.model.config, "hidden_act", None)
+        if act not in ("silu", "swish"):
+            return None, f"activation {act!r} (the block kernel computes SiLU)"
+        if self.dtype != torch.float32 or self.head_dim > 1024:
+            return None, "float32 models with head_dim <= 1024 only"
+        arr, keep, lib = (CBlock * len(self.blocks))(), [], None
+        for i, block in enumerate(self.blocks):
+            attn, mlp = block.self_attn, block.mlp
+            norms = (block.input_layernorm, block.post_attention_layernorm)
+            if not all(type(n).__name__.endswith("RMSNorm") and hasattr(n, "variance_epsilon") and
+                       n.weight.dtype == torch.float32 for n in norms):
+                return None, f"layers.{i}: norms are not float32 RMSNorm"
+            fused_qkv, fused_gu = getattr(attn, "qkv_proj", None), getattr(mlp, "gate_up_proj", None)
+            qkv = [fused_qkv] if fused_qkv is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
+            gu = [fused_gu] if fused_gu is not None else [mlp.gate_proj, mlp.up_proj]
+            layers = [*qkv, attn.o_proj, *gu, mlp.down_proj]
+            rows = [getattr(m, ROWS_ATTR, None) for m in layers]
+            if any(r is None for r in rows):
+                return None, f"layers.{i}: not every linear has a few-row kernel (use_rows)"
+            lib = rows[0].lib
+            keep += rows + [n.weight for n in norms]
+            r = iter(rows)
+            q = next(r)
+            k, v = (None, None) if fused_qkv is not None else (next(r), next(r))
+            o, gate = next(r), next(r)
+            up = None if fused_gu is not None else next(r)
+            down = next(r)
+            arr[i] = CBlock(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), norms[0].variance_epsilon,
+                            norms[1].variance_epsilon, c_linear(q), c_linear(k), c_linear(v), c_linear(o),
+                            c_linear(gate), c_linear(up), c_linear(down), self.k[i].data_ptr(), self.v[i].data_ptr())
+        self._keep, self._lib = keep, lib
+        return arr, None
 
     @torch.no_grad()
     def forward(self, tokens: list[int], logits: str = "all") -> Tensor | None:
@@ -183,6 +265,15 @@ class LeanStream:
         cos, sin = self.base.rotary_emb(h, pos)
         cos, sin = cos[0, None], sin[0, None]  # [1, T, head_dim]
         end = start + t
+        if self.c_blocks is not None and t <= MAX_ROWS:  # the whole stack in one call (cpu_rows.c)
+            h = h[0].contiguous()
+            cos, sin = cos[0].contiguous(), sin[0].contiguous()
+            rc = self._lib.compress_blocks(self.c_blocks, len(self.blocks), h.data_ptr(), t, start, cos.data_ptr(),
+                                           sin.data_ptr(), self.heads, self.kv_heads, self.head_dim, self.max_len,
+                                           self.scaling)
+            if rc:
+                raise RuntimeError("the block kernel refused this step (a shape outside its limits)")
+            return self._finish(h[None], end, logits)
         mask = None
         if t > 1:  # query i (position start + i) sees keys 0..start + i
             mask = torch.arange(end, device=self.device)[None] <= pos[0, :, None]
@@ -191,9 +282,9 @@ class LeanStream:
             x = block.input_layernorm(h)
             qkv = getattr(attn, "qkv_proj", None)
             if qkv is not None:  # fuse_projections
-                q, k, v = qkv(x)[0].split(self.split_qkv, dim=-1)
+                q, k, v = _linear(qkv, x)[0].split(self.split_qkv, dim=-1)
             else:
-                q, k, v = attn.q_proj(x)[0], attn.k_proj(x)[0], attn.v_proj(x)[0]
+                q, k, v = _linear(attn.q_proj, x)[0], _linear(attn.k_proj, x)[0], _linear(attn.v_proj, x)[0]
             q = q.view(t, self.heads, self.head_dim).transpose(0, 1)  # [H, T, D]
             k = k.view(t, self.kv_heads, self.head_dim).transpose(0, 1)
             v = v.view(t, self.kv_heads, self.head_dim).transpose(0, 1)
@@ -201,21 +292,24 @@ class LeanStream:
             self.k[i, :, start:end] = k
             self.v[i, :, start:end] = v
             o = attend(q, self.k[i, :, :end], self.v[i, :, :end], mask, self.scaling)
-            h = h + attn.o_proj(o.transpose(0, 1).reshape(1, t, self.heads * self.head_dim).to(h.dtype))
+            h = h + _linear(attn.o_proj, o.transpose(0, 1).reshape(1, t, self.heads * self.head_dim).to(h.dtype))
             mlp = block.mlp
             x = block.post_attention_layernorm(h)
             gate_up = getattr(mlp, "gate_up_proj", None)
             if gate_up is not None:  # fuse_projections (LlamaMLP: down(act(gate(x)) * up(x)))
-                g, u = gate_up(x).chunk(2, dim=-1)
-                h = h + mlp.down_proj(mlp.act_fn(g) * u)
+                g, u = _linear(gate_up, x).chunk(2, dim=-1)
             else:
-                h = h + mlp(x)
+                g, u = _linear(mlp.gate_proj, x), _linear(mlp.up_proj, x)
+            h = h + _linear(mlp.down_proj, mlp.act_fn(g) * u)
+        return self._finish(h, end, logits)
+
+    def _finish(self, h: Tensor, end: int, logits: str) -> Tensor | None:
         self.length = end
         if logits == "none":
             return None
         if logits == "last":
             h = h[:, -1:]
-        return self.model.lm_head(self.base.norm(h))[0].float()
+        return _linear(self.model.lm_head, self.base.norm(h))[0].float()
 
     def crop(self, length: int) -> None:
         """Forget the tokens from `length` on (their cache rows are overwritten by the next forward); a length at or

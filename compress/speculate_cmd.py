@@ -53,6 +53,11 @@ def add_parser(sub) -> None:
     p.add_argument("--runtime", default="auto", choices=["auto", "lean", "transformers"],
                    help="decode loop for target and draft alike (auto: the lean path for Llama/Mistral/Qwen2, "
                         "transformers' forward otherwise)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "rows", "torch"],
+                   help="the lean loop's matmuls at 1..16 rows: rows = compress's few-row CPU kernels (float32, int4, "
+                        "int8 layers; built with the C compiler on first use; a decode step or a verify is one call "
+                        "through every block), torch = each layer's own forward; auto (default): rows at --threads 1 "
+                        "where they build, else torch. Plain and speculative decoding always use the same")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: stable timings)")
     p.add_argument("--accelerator", action="append", default=[], metavar="NAME",
                    help="also predict the speed-up there by the roofline model (repeatable; e.g. H100-SXM)")
@@ -74,6 +79,30 @@ def parse_ks(text: str) -> tuple[int, ...]:
     return ks
 
 
+def choose_kernels(kernels: str, threads: int, runtime: str, dtype: str) -> str | None:
+    """None when the few-row kernels are to be used, else why not (a note). `rows` insists: an error says why it
+    cannot."""
+    from .kernels.cpu_rows import RowsUnavailable, load
+
+    if kernels == "torch":
+        return "kernels: each layer's own forward (--kernels torch)"
+    why = None
+    if runtime == "transformers":
+        why = "the few-row kernels run in the lean loop, not transformers' forward (--runtime transformers)"
+    elif dtype != "float32":
+        why = f"the few-row kernels are float32 (--dtype {dtype})"
+    elif kernels == "auto" and threads != 1:
+        why = f"the few-row kernels run on one thread (--threads {threads}): torch's matmuls use them all"
+    else:
+        try:
+            load()
+        except RowsUnavailable as e:
+            why = str(e)
+    if why and kernels == "rows":
+        raise ValueError(f"--kernels rows: {why}")
+    return None if why is None else f"kernels: each layer's own forward ({why})"
+
+
 def run(args) -> int:
     import torch
     from tqdm import tqdm
@@ -83,6 +112,7 @@ def run(args) -> int:
                                        subset_head, wikitext_prompts)
     from .scheme import W4A16_ASYM_G64, W8A16
     from .kernels.dispatch import plan_dispatch, use_dispatch
+    from .lean_decode import use_rows
     from .models import load_model
     from .nn import QuantLinear
 
@@ -93,21 +123,25 @@ def run(args) -> int:
         raise ValueError(f"--temperature {args.temperature}: use 0 (greedy) or a positive temperature")
     torch.set_num_threads(args.threads)
     dtype = args.dtype
+    notes = []
+    why_not = choose_kernels(args.kernels, args.threads, args.runtime, dtype)
+    rows = why_not is None
+    notes += [why_not] if why_not else []
+    draft_dtype = torch.float32 if rows else None  # the few-row kernels take float32 activations
     loaded = load_model(args.target, dtype, "cpu")
     target = loaded.model
-    notes = []
     head = W8A16 if args.draft_head == "int8" else W4A16_ASYM_G64
     ids = frequent_tokens(loaded.tokenizer, args.draft_vocab) if args.draft_vocab else None
     if ids is not None:
         notes.append(f"draft head: the {len(ids)} tokens most frequent in WikiText-2 validation (--draft-vocab)")
     if args.draft == SELF_DRAFT:
-        draft, kept = int4_copy(target, head=head, vocab_ids=ids)
+        draft, kept = int4_copy(target, head=head, dtype=draft_dtype, vocab_ids=ids)
         notes.append(f"draft: the target's linears rounded to int4 g64 (asymmetric), its head to {args.draft_head}")
     else:
         draft = load_model(args.draft, dtype, "cpu").model
         kept = []
         if args.draft_int4:
-            draft, kept = int4_copy(draft, head=head, vocab_ids=ids)
+            draft, kept = int4_copy(draft, head=head, dtype=draft_dtype, vocab_ids=ids)
             notes.append(f"draft: its float linears rounded to int4 g64 in memory (--draft-int4; layers it already "
                          f"holds quantized are kept), its head to {args.draft_head}")
         elif ids is not None:
@@ -120,12 +154,17 @@ def run(args) -> int:
         for m in (target, draft):  # the fastest kernel per layer, as `compress eval` measures speed
             if any(isinstance(x, QuantLinear) for x in m.modules()):
                 stack.enter_context(use_dispatch(m, plan_dispatch(m, batches)))
+        if rows:
+            for name, m in (("target", target), ("draft", draft)):
+                left = stack.enter_context(use_rows(m))
+                notes += [f"{name}: on its own forward, not the few-row kernels: {x}" for x in left]
         bar = tqdm(total=args.rounds * args.prompts, desc="speculating", unit="prompt")
         result = measure_draft(target, draft, prompts, args.max_new_tokens, ks, not args.no_adaptive,
                                args.temperature, args.seed, args.rounds, progress=lambda i, n: bar.update(i - bar.n),
                                runtime=args.runtime)
         bar.close()
     result["target"], result["draft"], result["notes"] = args.target, args.draft, notes
+    result["kernels"] = "rows" if rows else "torch"
     if args.accelerator:
         result["roofline"] = roofline_rows(result, target.config, draft.config, args.accelerator)
     print("\n".join(render(result, f"{args.draft} as a draft for {args.target}") + [""] + notes))

@@ -263,6 +263,14 @@ def test_speculate_command_writes_its_measurement(tmp_path, capsys):
     assert [r["k"] for r in result["rows"]] == [1, 2, "adaptive"] and result["greedy_mismatches"] == 0
     assert {r["k"] for r in result["roofline"]} == {1, 2, "adaptive"}
     assert "as a draft for" in capsys.readouterr().out
+    from compress.kernels.cpu_rows import RowsUnavailable, load
+    try:
+        load()
+        assert result["kernels"] == "rows"  # auto at one thread: the few-row kernels, for plain and draft alike
+    except RowsUnavailable:
+        assert result["kernels"] == "torch" and any("kernels:" in n for n in result["notes"])
+    assert main(["speculate", str(folder), "--draft", "self-int4", "--kernels", "rows", "--dtype", "bfloat16"]) == 2
+    assert "--kernels rows: the few-row kernels are float32" in capsys.readouterr().err
     assert main(["speculate", str(folder), "--draft", "self-int4", "--k", "0"]) == 2
     assert main(["speculate", str(folder), "--draft", "self-int4", "--accelerator", "TPU-v9"]) == 2
 
