@@ -12,6 +12,11 @@ than scaled_dot_product_attention's kernel at a few query rows, and exact in bfl
 transformers' to float rounding (tests/test_lean_decode.py, per family); plain and speculative decoding both use
 it when it applies, so every comparison stays like for like.
 
+With `use_rows` (kernels/cpu_rows.c) the stack runs in C: few-row matmuls that stream the weights once for up to 16
+rows (a verify of K drafted tokens costs about one decode step) and the block's other operations, one call per 16
+tokens instead of ~35 torch calls a block. A row's result does not depend on the rows beside it, so a verify equals
+the decode steps it replaces bit for bit.
+
 Families: those whose decoder block is `x + attn(norm(x))` then `x + mlp(norm(x))` with rotary position embeddings
 on the whole head and full causal attention (LEAN_FAMILIES). Anything else (sliding windows, soft-capping, q/k
 norms, post-norms, a compress KV-cache wrapper) is answered by `lean_problem` with the reason, and the caller falls
@@ -142,13 +147,15 @@ def _linear(module: nn.Module, x: Tensor) -> Tensor:
 
 
 @contextlib.contextmanager
-def use_rows(model: nn.Module):
+def use_rows(model: nn.Module, int8_activations: bool = False):
     """Attach the few-row CPU kernels (kernels/cpu_rows.py) to every linear of `model` that they run: float32
     nn.Linear, QuantLinear int4 and int8 weight-only. The lean loop then computes 1..16 rows on them (a decode step, a
-    speculative verify; a prefill stays on the layer's own forward), and one row's result is the same bits whichever
-    rows share the call. Yields the layers left on their own forward with the reason; the packed copies (for float32
+    speculative verify), and one row's result is the same bits whichever rows share the call. Where every layer of
+    every block has one (and the block is what cpu_rows.c computes: RMSNorm, SiLU, float32), a forward runs the whole
+    stack in one C call per 16 tokens, a prefill included. Yields the layers left on their own forward with the reason; the packed copies (for float32
     layers, the weights once more) are dropped on exit. Raises cpu_rows.RowsUnavailable when the kernels cannot be
-    built here."""
+    built here. int8_activations: int4 layers compute W4A8 where the CPU has VNNI (x rounded to int8 per weight group:
+    an approximation, for a speculative draft, whose errors cost only acceptance; never for a target)."""
     lib = load_rows()
     attached, left = [], []
     try:
@@ -159,7 +166,7 @@ def use_rows(model: nn.Module):
             if problem:
                 left.append(f"{name}: {problem}")
                 continue
-            setattr(module, ROWS_ATTR, rows_linear(module, lib))
+            setattr(module, ROWS_ATTR, rows_linear(module, lib, int8_activations))
             attached.append(module)
         yield left
     finally:
@@ -265,14 +272,16 @@ class LeanStream:
         cos, sin = self.base.rotary_emb(h, pos)
         cos, sin = cos[0, None], sin[0, None]  # [1, T, head_dim]
         end = start + t
-        if self.c_blocks is not None and t <= MAX_ROWS:  # the whole stack in one call (cpu_rows.c)
+        if self.c_blocks is not None:  # the whole stack in one call per MAX_ROWS tokens (cpu_rows.c)
             h = h[0].contiguous()
             cos, sin = cos[0].contiguous(), sin[0].contiguous()
-            rc = self._lib.compress_blocks(self.c_blocks, len(self.blocks), h.data_ptr(), t, start, cos.data_ptr(),
-                                           sin.data_ptr(), self.heads, self.kv_heads, self.head_dim, self.max_len,
-                                           self.scaling)
-            if rc:
-                raise RuntimeError("the block kernel refused this step (a shape outside its limits)")
+            for c in range(0, t, MAX_ROWS):
+                n = min(MAX_ROWS, t - c)
+                rc = self._lib.compress_blocks(self.c_blocks, len(self.blocks), h[c].data_ptr(), n, start + c,
+                                               cos[c].data_ptr(), sin[c].data_ptr(), self.heads, self.kv_heads,
+                                               self.head_dim, self.max_len, self.scaling)
+                if rc:
+                    raise RuntimeError("the block kernel refused this step (a shape outside its limits)")
             return self._finish(h[None], end, logits)
         mask = None
         if t > 1:  # query i (position start + i) sees keys 0..start + i

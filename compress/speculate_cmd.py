@@ -1,6 +1,7 @@
 """`compress speculate TARGET --draft DRAFT`: measure DRAFT as a speculative-decoding draft for TARGET."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 from pathlib import Path
@@ -19,7 +20,10 @@ sampling, the output follows TARGET's distribution exactly (the min(1, q/p) acce
 Timings are batch 1 on --threads CPU threads; the speed-up is end to end (prefills included) against plain
 greedy decoding of TARGET in the same run. --accelerator adds the roofline's prediction at each measured alpha.
 Llama, Mistral and Qwen2 models decode on a lean loop (their own modules over a preallocated cache; drafts rounded
-here get fused q/k/v and gate/up layers), both plainly and speculatively; other families on transformers' forward."""
+here get fused q/k/v and gate/up layers), both plainly and speculatively; other families on transformers' forward.
+At one thread the lean loop runs on compress's few-row C kernels (--kernels; built with the C compiler on first
+use): float32 targets, int4/int8 drafts (int4 x int8 activations on AVX512-VNNI CPUs, --draft-act); a verify of K
+tokens then costs about one decode step and equals K one-token steps bit for bit."""
 
 
 def add_parser(sub) -> None:
@@ -58,6 +62,10 @@ def add_parser(sub) -> None:
                         "int8 layers; built with the C compiler on first use; a decode step or a verify is one call "
                         "through every block), torch = each layer's own forward; auto (default): rows at --threads 1 "
                         "where they build, else torch. Plain and speculative decoding always use the same")
+    p.add_argument("--draft-act", default="int8", choices=["int8", "float"],
+                   help="with the few-row kernels, the draft's int4 layers take int8 activations (W4A8 on AVX512-VNNI "
+                        "CPUs: x rounded per weight group; exactness is untouched, the target verifies every token) "
+                        "or float32 ones (default int8)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: stable timings)")
     p.add_argument("--accelerator", action="append", default=[], metavar="NAME",
                    help="also predict the speed-up there by the roofline model (repeatable; e.g. H100-SXM)")
@@ -77,6 +85,10 @@ def parse_ks(text: str) -> tuple[int, ...]:
     if not ks or min(ks) < 1 or max(ks) > 64:
         raise ValueError(f"--k {text!r}: give a draft length (4), a list (2,4,6) or a range (1-8), each in 1..64")
     return ks
+
+
+ROW_KINDS = {"f32": "float32", "int4": "int4 (float32 activations)", "int8": "int8",
+             "w4a8": "int4 x int8 activations (VNNI)"}
 
 
 def choose_kernels(kernels: str, threads: int, runtime: str, dtype: str) -> str | None:
@@ -112,7 +124,7 @@ def run(args) -> int:
                                        subset_head, wikitext_prompts)
     from .scheme import W4A16_ASYM_G64, W8A16
     from .kernels.dispatch import plan_dispatch, use_dispatch
-    from .lean_decode import use_rows
+    from .lean_decode import ROWS_ATTR, use_rows
     from .models import load_model
     from .nn import QuantLinear
 
@@ -125,6 +137,7 @@ def run(args) -> int:
     dtype = args.dtype
     notes = []
     why_not = choose_kernels(args.kernels, args.threads, args.runtime, dtype)
+    row_kernels = {}
     rows = why_not is None
     notes += [why_not] if why_not else []
     draft_dtype = torch.float32 if rows else None  # the few-row kernels take float32 activations
@@ -156,8 +169,12 @@ def run(args) -> int:
                 stack.enter_context(use_dispatch(m, plan_dispatch(m, batches)))
         if rows:
             for name, m in (("target", target), ("draft", draft)):
-                left = stack.enter_context(use_rows(m))
+                left = stack.enter_context(use_rows(m, int8_activations=m is draft and args.draft_act == "int8"))
                 notes += [f"{name}: on its own forward, not the few-row kernels: {x}" for x in left]
+                kinds = collections.Counter(getattr(x, ROWS_ATTR).kind for x in m.modules() if hasattr(x, ROWS_ATTR))
+                row_kernels[name] = dict(kinds)
+                notes.append(f"{name}'s layers on the few-row kernels: " +
+                             ", ".join(f"{v} {ROW_KINDS[k]}" for k, v in sorted(kinds.items())))
         bar = tqdm(total=args.rounds * args.prompts, desc="speculating", unit="prompt")
         result = measure_draft(target, draft, prompts, args.max_new_tokens, ks, not args.no_adaptive,
                                args.temperature, args.seed, args.rounds, progress=lambda i, n: bar.update(i - bar.n),
@@ -165,6 +182,7 @@ def run(args) -> int:
         bar.close()
     result["target"], result["draft"], result["notes"] = args.target, args.draft, notes
     result["kernels"] = "rows" if rows else "torch"
+    result["row_kernels"] = row_kernels
     if args.accelerator:
         result["roofline"] = roofline_rows(result, target.config, draft.config, args.accelerator)
     print("\n".join(render(result, f"{args.draft} as a draft for {args.target}") + [""] + notes))

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from compress.evaluate.speculation import int4_copy
 from compress.kernels import cpu_rows
-from compress.kernels.cpu_rows import RowsUnavailable, load, rows_linear, rows_reason
+from compress.kernels.cpu_rows import RowsUnavailable, has_vnni, load, rows_linear, rows_reason
 from compress.lean_decode import LeanStream, fuse_projections, use_rows
 from compress.nn import QuantLinear
 from compress.quantizers.rtn import quantize_rtn
@@ -70,6 +70,45 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(scheme):
     assert torch.equal(together, alone)
     with pytest.raises(ValueError, match="1..16 rows"):
         r(torch.randn(17, 128))
+
+
+def w4a8_reference(layer: QuantLinear, x: Tensor) -> Tensor:
+    """W4A8 by the definition in cpu_rows.c, in float64: x rounded per row and weight group to int8 on the step
+    max|x| / 127 (half to even), integer dot products with the unsigned codes, minus the zero point times the sum of
+    the rounded x, scaled by the weight's and the activation's steps."""
+    qt = layer.qtensor()
+    s, (n, k) = qt.scheme, qt.shape
+    g = s.group_size if s.granularity == "group" else k
+    scale = qt.scale.double().reshape(n, k // g)
+    if qt.zero_point is None:
+        u, z = qt.codes().double() - s.qmin, torch.full_like(scale, -s.qmin)
+    else:
+        u, z = qt.codes().double(), qt.zero_point.double().reshape(n, k // g)
+    xg = x.reshape(-1, k // g, g)
+    step = xg.abs().amax(-1, keepdim=True) / 127
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    xq = torch.round(xg / step).clamp(-127, 127).double()
+    dots = torch.einsum("mgi,ngi->mng", xq, u.reshape(n, k // g, g))
+    y = (scale[None] * step.squeeze(-1).double()[:, None, :] * (dots - z[None] * xq.sum(-1)[:, None, :])).sum(-1)
+    return y + (layer.bias.double() if layer.bias is not None else 0)
+
+
+@needs_lib
+@pytest.mark.skipif(LIB is None or not has_vnni(LIB), reason="the W4A8 kernel needs AVX512-VNNI")
+@pytest.mark.parametrize("scheme", [W4A16_ASYM_G64, INT4_SYM_G32, INT4_SYM_CHANNEL], ids=lambda s: s.name)
+@pytest.mark.parametrize("n", [96, 40])
+def test_int4_with_int8_activations_equals_its_definition(scheme, n):
+    layer = linear(n, 128)
+    q = QuantLinear.from_module(layer, quantize_rtn(layer.weight.detach(), scheme))
+    r = rows_linear(q, LIB, int8_activations=True)
+    assert r.kind == "w4a8"
+    x = torch.randn(11, 128, generator=torch.Generator().manual_seed(6))
+    got = r(x)
+    torch.testing.assert_close(got.double(), w4a8_reference(q, x), rtol=1e-5, atol=1e-5)
+    rel = (got - q(x)).norm() / q(x).norm()
+    assert 1e-4 < rel < 0.05  # an approximation of the W4A16 layer, and a close one
+    assert torch.equal(r(x[3:4]), got[3:4])  # rows independent here too
+    assert rows_linear(q, LIB).kind == "int4"  # only when asked for
 
 
 def test_refusals_name_the_reason():
@@ -157,6 +196,8 @@ def test_speculative_decoding_on_the_kernels_is_exact_and_int4_drafts_run_on_the
         plain = generate_plain(target, prompt, 24).tokens
         for k in (1, 4, 8):
             assert generate_speculative(target, draft, prompt, 24, k).tokens == plain
+    with use_rows(target), use_rows(draft, int8_activations=True):  # a W4A8 draft where the CPU has VNNI
+        assert generate_speculative(target, draft, prompt, 24, 4).tokens == plain
     assert plain == plain_torch
 
 

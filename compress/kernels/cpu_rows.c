@@ -19,7 +19,9 @@
  *         codes u in 0..15 on the grid w = (u - z) * s; per group of G inputs: s and z*s as [NP / 32][K / G][32]
  *   int8: w [NP / 32][K][32] signed codes, w = q * s[n] (symmetric, one scale per output column)
  */
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef float v16 __attribute__((vector_size(64)));
@@ -184,6 +186,103 @@ static int i8_rows8(const float *x, const int8_t *w, const float *scale, const f
     DISPATCH(I8)
 }
 
+/* int4 weights times int8 activations (W4A8), for drafts, where an approximation only costs acceptance: x is
+ * rounded per row and per weight group to int8 (xq = round(x / sx), sx = max|x| / 127 over the group), and
+ *   y[m, n] = sum_g s[g, n] * sx[m, g] * (sum_k u[k, n] * xq[m, k] - z[g, n] * sum_k xq[m, k]).
+ * On CPUs with AVX512-VNNI, vpdpbusd multiplies 4 code bytes by 4 activation bytes and adds them into each of 16
+ * int32 lanes: 64 multiply-adds an instruction, so the weights stream at memory speed where the float int4 kernel
+ * above spends 7 instructions on 32 weights. Layout: strips of 16 columns, w [NP / 16][K / 8][16][4] bytes: byte b
+ * of column n's word holds u[k0 + b] (low nibble) and u[k0 + 4 + b] (high nibble); s and z*s as [NP / 16][K / G][16].
+ */
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+int compress_has_vnni(void) { return 1; }
+
+INLINE void w4a8_rows_m(const int8_t *xq, const float *sx, const int32_t *xqsum, const uint8_t *w, const float *scale,
+                        const float *zs, const float *bias, float *y, int64_t N, int64_t K, int64_t G, int M) {
+    int64_t strips = (N + 15) / 16, groups = K / G;
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    for (int64_t s = 0; s < strips; ++s) {
+        const uint8_t *ws = w + s * (K / 8) * 64;
+        __m512 acc[8];
+        for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; ++g) {
+            __m512i part[8];
+            for (int m = 0; m < M; ++m) part[m] = _mm512_setzero_si512();
+            for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
+                __m512i v = _mm512_loadu_si512((const void *)(ws + (k / 8) * 64));
+                __builtin_prefetch(ws + (k / 8 + 8) * 64);
+                __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                for (int m = 0; m < M; ++m) {
+                    int32_t a, b;
+                    memcpy(&a, xq + m * K + k, 4);
+                    memcpy(&b, xq + m * K + k + 4, 4);
+                    part[m] = _mm512_dpbusd_epi32(part[m], lo, _mm512_set1_epi32(a));
+                    part[m] = _mm512_dpbusd_epi32(part[m], hi, _mm512_set1_epi32(b));
+                }
+            }
+            __m512 sg = _mm512_loadu_ps(scale + (s * groups + g) * 16), zg = _mm512_loadu_ps(zs + (s * groups + g) * 16);
+            for (int m = 0; m < M; ++m) {
+                float f = sx[m * groups + g];
+                __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(part[m]), sg,
+                                           _mm512_mul_ps(zg, _mm512_set1_ps((float)xqsum[m * groups + g])));
+                acc[m] = _mm512_fmadd_ps(t, _mm512_set1_ps(f), acc[m]);
+            }
+        }
+        int64_t cols = N - s * 16 < 16 ? N - s * 16 : 16;
+        for (int m = 0; m < M; ++m) {
+            float tmp[16];
+            _mm512_storeu_ps(tmp, acc[m]);
+            for (int64_t c = 0; c < cols; ++c) y[m * N + s * 16 + c] = tmp[c] + (bias ? bias[s * 16 + c] : 0.0f);
+        }
+    }
+}
+
+static int w4a8_rows8(const int8_t *xq, const float *sx, const int32_t *xqsum, const uint8_t *w, const float *scale,
+                      const float *zs, const float *bias, float *y, int64_t M, int64_t N, int64_t K, int64_t G) {
+#define W4A8(m) w4a8_rows_m(xq, sx, xqsum, w, scale, zs, bias, y, N, K, G, m)
+    DISPATCH(W4A8)
+}
+
+/* x [M, K] float -> xq int8, sx [M, K / G] and the int sums of xq per group; then the matmul. */
+int compress_w4a8_rows(const float *x, const uint8_t *w, const float *scale, const float *zs, const float *bias,
+                       float *y, int64_t M, int64_t N, int64_t K, int64_t G) {
+    if (M < 1 || M > 16 || K % 8 || G % 8 || K % G) return -1;
+    int64_t groups = K / G;
+    int8_t *xq = malloc(M * K);
+    float *sx = malloc(sizeof(float) * M * groups);
+    int32_t *xs = malloc(sizeof(int32_t) * M * groups);
+    int rc = (xq && sx && xs) ? 0 : -1;
+    for (int64_t m = 0; m < M && !rc; ++m)
+        for (int64_t g = 0; g < groups; ++g) {
+            const float *xg = x + m * K + g * G;
+            float amax = 0.0f;
+            for (int64_t i = 0; i < G; ++i) amax = fabsf(xg[i]) > amax ? fabsf(xg[i]) : amax;
+            float step = amax > 0.0f ? amax / 127.0f : 1.0f;
+            int32_t sum = 0;
+            for (int64_t i = 0; i < G; ++i) {
+                float r = nearbyintf(xg[i] / step); /* round half to even, as torch.round */
+                int8_t qv = (int8_t)(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
+                xq[m * K + g * G + i] = qv;
+                sum += qv;
+            }
+            sx[m * groups + g] = step;
+            xs[m * groups + g] = sum;
+        }
+    for (int64_t m = 0; m < M && !rc; m += 8)
+        rc = w4a8_rows8(xq + m * K, sx + m * groups, xs + m * groups, w, scale, zs, bias, y + m * N,
+                        M - m < 8 ? M - m : 8, N, K, G);
+    free(xq); free(sx); free(xs);
+    return rc;
+}
+#else
+int compress_has_vnni(void) { return 0; }
+int compress_w4a8_rows(const float *x, const uint8_t *w, const float *scale, const float *zs, const float *bias,
+                       float *y, int64_t M, int64_t N, int64_t K, int64_t G) {
+    (void)x; (void)w; (void)scale; (void)zs; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)G;
+    return -1;
+}
+#endif
+
 /* The entry points: 1..16 rows, in chunks of at most 8 (a row's sum is the same whichever chunk holds it). */
 #define MAX_ROWS 16
 int compress_f32_rows(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
@@ -216,11 +315,8 @@ int compress_i8_rows(const float *x, const int8_t *w, const float *scale, const 
  * model's cos/sin for these positions, rotate_half convention), KV cache append, causal grouped-query attention,
  * o, residual; RMSNorm, gate/up, SiLU(gate) * up, down, residual. Each row is computed on its own, so a row's output
  * is the same bits whatever rows share the call. */
-#include <math.h>
-#include <stdlib.h>
-
 typedef struct {
-    int64_t kind; /* 0 float32, 1 int4, 2 int8 */
+    int64_t kind; /* 0 float32, 1 int4, 2 int8, 3 int4 with int8 activations (W4A8) */
     const void *w;
     const float *scale, *zs, *bias;
     int64_t n, k, g;
@@ -239,7 +335,46 @@ static int linear(const Lin *L, const float *x, float *y, int64_t M) {
     if (L->kind == 0) return compress_f32_rows(x, (const float *)L->w, L->bias, y, M, L->n, L->k);
     if (L->kind == 1) return compress_i4_rows(x, (const uint8_t *)L->w, L->scale, L->zs, L->bias, y, M, L->n, L->k, L->g);
     if (L->kind == 2) return compress_i8_rows(x, (const int8_t *)L->w, L->scale, L->bias, y, M, L->n, L->k);
+    if (L->kind == 3) return compress_w4a8_rows(x, (const uint8_t *)L->w, L->scale, L->zs, L->bias, y, M, L->n, L->k, L->g);
     return -1;
+}
+
+/* exp on 16 lanes: 2^n * 2^f with f in [0, 1) by a degree-6 polynomial (relative error ~2e-7; libm's expf is
+ * scalar without -ffast-math). Inputs below -87 give 0-ish, above 88 are clamped. */
+INLINE v16 exp16(v16 x) {
+    typedef int32_t mask16 __attribute__((vector_size(64)));
+    v16 lo = x * 0.0f - 87.0f, hi = x * 0.0f + 88.0f;
+    mask16 below = x < lo, above = x > hi;
+    x = (v16)((below & (mask16)lo) | (~below & (mask16)x));
+    x = (v16)((above & (mask16)hi) | (~above & (mask16)x));
+    v16 t = x * 1.44269504088896341f;
+    i32x16 n = __builtin_convertvector(t, i32x16); /* toward zero */
+    n -= (i32x16)(t < __builtin_convertvector(n, v16)) & 1; /* floor */
+    v16 f = t - __builtin_convertvector(n, v16);
+    v16 p = f * 1.5403530e-4f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    return p * (v16)((n + 127) << 23);
+}
+
+/* sum_d a[d] * b[d] in 16 lanes then across them (the same order for every row) */
+INLINE float dot(const float *a, const float *b, int64_t D) {
+    v16 acc = {0};
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) acc += load16(a + d) * load16(b + d);
+    float s = 0.0f;
+    for (int i = 0; i < 16; ++i) s += acc[i];
+    for (; d < D; ++d) s += a[d] * b[d];
+    return s;
+}
+
+static void expf_inplace(float *x, int64_t n) { /* x = exp(x) */
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) store16(x + i, exp16(load16(x + i)));
+    for (; i < n; ++i) x[i] = expf(x[i]);
 }
 
 static void rmsnorm(const float *x, const float *w, float eps, float *y, int64_t M, int64_t H) {
@@ -304,12 +439,12 @@ int compress_blocks(const Block *blocks, int64_t n_blocks, float *h, int64_t M, 
                 const float *kc = B->kcache + (hd / groups) * max_len * D, *vc = B->vcache + (hd / groups) * max_len * D;
                 float mx = -INFINITY, sum = 0.0f;
                 for (int64_t j = 0; j < len; ++j) {
-                    float s = 0.0f;
-                    for (int64_t d = 0; d < D; ++d) s += q[d] * kc[j * D + d];
-                    p[j] = s * scaling;
+                    p[j] = dot(q, kc + j * D, D) * scaling;
                     mx = p[j] > mx ? p[j] : mx;
                 }
-                for (int64_t j = 0; j < len; ++j) { p[j] = expf(p[j] - mx); sum += p[j]; }
+                for (int64_t j = 0; j < len; ++j) p[j] -= mx;
+                expf_inplace(p, len);
+                for (int64_t j = 0; j < len; ++j) sum += p[j];
                 float *out = att + m * QD + hd * D;
                 for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
                 for (int64_t j = 0; j < len; ++j) {
@@ -332,11 +467,13 @@ int compress_blocks(const Block *blocks, int64_t n_blocks, float *h, int64_t M, 
             }
             free(tg); free(tu);
         }
-        for (int64_t m = 0; m < M; ++m)
-            for (int64_t i = 0; i < ffn; ++i) {
-                float g = gu[m * 2 * ffn + i];
-                act[m * ffn + i] = g / (1.0f + expf(-g)) * gu[m * 2 * ffn + ffn + i];
-            }
+        for (int64_t m = 0; m < M; ++m) { /* SiLU(gate) * up */
+            float *e = act + m * ffn;
+            const float *g = gu + m * 2 * ffn, *u = g + ffn;
+            for (int64_t i = 0; i < ffn; ++i) e[i] = -g[i];
+            expf_inplace(e, ffn);
+            for (int64_t i = 0; i < ffn; ++i) e[i] = g[i] / (1.0f + e[i]) * u[i];
+        }
         rc |= linear(&B->down, act, o, M);
         for (int64_t i = 0; i < M * H; ++i) h[i] += o[i];
     }

@@ -7,7 +7,9 @@ RowsUnavailable with the reason (no compiler, a failed build). `rows_linear(modu
 float32 nn.Linear weights, or QuantLinear int4 (any group that divides in_features, symmetric or zero-point) and
 int8 per-channel symmetric weight-only, repacked into the kernels' strips of 32 output columns; it returns a
 RowsLinear, or the reason it cannot (`rows_reason`). A RowsLinear computes x @ W^T + b for 1..16 rows of float32
-x; more rows are the caller's to send elsewhere (torch's GEMM is the better choice there).
+x; more rows are the caller's to send elsewhere. With `int8_activations` an int4 layer computes W4A8 on CPUs with
+AVX512-VNNI (x rounded to int8 per weight group; for speculative drafts only). `CBlock`/`c_linear` describe a
+decoder block to cpu_rows.c's `compress_blocks`, which the lean decode loop calls for a whole step.
 
 The packed copy is extra memory: a float32 layer's weights twice while both exist (the lean decode loop keeps the
 packed copies only as long as its stream lives). The int4 and int8 copies are as small as the codes.
@@ -68,8 +70,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.compress_f32_rows.argtypes = [p, p, p, p, i64, i64, i64]
     lib.compress_i4_rows.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64]
     lib.compress_i8_rows.argtypes = [p, p, p, p, p, i64, i64, i64]
+    lib.compress_w4a8_rows.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64]
+    lib.compress_has_vnni.argtypes = []
     lib.compress_blocks.argtypes = [p, i64, p, i64, i64, p, p, i64, i64, i64, i64, ctypes.c_float]
-    for f in (lib.compress_f32_rows, lib.compress_i4_rows, lib.compress_i8_rows, lib.compress_blocks):
+    for f in (lib.compress_f32_rows, lib.compress_i4_rows, lib.compress_i8_rows, lib.compress_w4a8_rows,
+              lib.compress_has_vnni, lib.compress_blocks):
         f.restype = ctypes.c_int
     return lib
 
@@ -108,7 +113,7 @@ def _strips(t: Tensor, n: int) -> Tensor:
 @dataclass
 class RowsLinear:
     """A layer prepared for the few-row kernels: call it on float32 x [..., K] with 1..16 rows."""
-    kind: str  # "f32" | "int4" | "int8"
+    kind: str  # "f32" | "int4" | "int8" | "w4a8"
     lib: ctypes.CDLL
     weight: Tensor
     in_features: int
@@ -128,6 +133,9 @@ class RowsLinear:
         b = self.bias.data_ptr() if self.bias is not None else None
         if self.kind == "f32":
             rc = self.lib.compress_f32_rows(x2.data_ptr(), self.weight.data_ptr(), b, y.data_ptr(), m, n, k)
+        elif self.kind == "w4a8":
+            rc = self.lib.compress_w4a8_rows(x2.data_ptr(), self.weight.data_ptr(), self.scale.data_ptr(),
+                                             self.zero_scale.data_ptr(), b, y.data_ptr(), m, n, k, self.group)
         elif self.kind == "int4":
             rc = self.lib.compress_i4_rows(x2.data_ptr(), self.weight.data_ptr(), self.scale.data_ptr(),
                                            self.zero_scale.data_ptr(), b, y.data_ptr(), m, n, k, self.group)
@@ -152,7 +160,7 @@ class CBlock(ctypes.Structure):
                 ("down", CLinear), ("kcache", ctypes.c_void_p), ("vcache", ctypes.c_void_p)]
 
 
-KINDS = {"f32": 0, "int4": 1, "int8": 2}
+KINDS = {"f32": 0, "int4": 1, "int8": 2, "w4a8": 3}
 
 
 def c_linear(r: RowsLinear | None) -> CLinear:
@@ -196,8 +204,37 @@ def rows_reason(module: nn.Module) -> str | None:
     return f"{s.dtype} weights (int4 and int8 only)"
 
 
-def rows_linear(module: nn.Module, lib: ctypes.CDLL) -> RowsLinear:
-    """`module` repacked for the few-row kernels (check rows_reason first)."""
+def has_vnni(lib: ctypes.CDLL) -> bool:
+    """Whether the library was built with AVX512-VNNI (the int4 x int8 kernel)."""
+    return bool(lib.compress_has_vnni())
+
+
+def _w4a8(u: Tensor, scale: Tensor, zero_scale: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Codes u [N, K] (0..15) and per-group s, z*s [N, K / G] in the W4A8 kernel's layout (cpu_rows.c)."""
+    pad = -n % 16
+    if pad:
+        u, scale, zero_scale = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (u, scale, zero_scale))
+    s, k = u.shape[0] // 16, u.shape[1]
+    v = u.reshape(s, 16, k // 8, 2, 4).permute(0, 2, 1, 4, 3)  # [S, K/8, 16 columns, 4 bytes, low/high]
+    packed = (v[..., 0] | (v[..., 1] << 4)).contiguous()
+    strip = lambda t: t.reshape(s, 16, -1).transpose(1, 2).contiguous()  # noqa: E731  [S, groups, 16]
+    return packed, strip(scale), strip(zero_scale)
+
+
+def w4a8_reason(module: nn.Module, lib: ctypes.CDLL) -> str | None:
+    """Why an int4 layer cannot take the W4A8 kernel (None: it can)."""
+    if not has_vnni(lib):
+        return "this CPU (or the build) has no AVX512-VNNI"
+    s = module.scheme
+    group = s.group_size if s.granularity == "group" else module.in_features
+    if module.in_features % 8 or group % 8:
+        return f"in_features {module.in_features} and group {group} must be multiples of 8"
+    return None
+
+
+def rows_linear(module: nn.Module, lib: ctypes.CDLL, int8_activations: bool = False) -> RowsLinear:
+    """`module` repacked for the few-row kernels (check rows_reason first). int8_activations: an int4 layer computes
+    W4A8 where the CPU has VNNI (an approximation of its forward, for drafts), else as always."""
     problem = rows_reason(module)
     if problem:
         raise ValueError(f"the few-row kernels cannot run this layer: {problem}")
@@ -217,7 +254,11 @@ def rows_linear(module: nn.Module, lib: ctypes.CDLL) -> RowsLinear:
         u, zero = codes - s.qmin, torch.full_like(scale, float(-s.qmin))
     else:
         u, zero = codes, qt.zero_point.float().reshape(n, k // group)
-    u = _strips(u.to(torch.uint8), n)  # [S, K, 32]
+    u = u.to(torch.uint8)
+    if int8_activations and w4a8_reason(module, lib) is None:
+        packed, sc, zsc = _w4a8(u, scale, zero * scale, n)
+        return RowsLinear("w4a8", lib, packed, k, n, bias, scale=sc, zero_scale=zsc, group=group)
+    u = _strips(u, n)  # [S, K, 32]
     packed = (u[..., :16] | (u[..., 16:] << 4)).contiguous()  # [S, K, 16]
     return RowsLinear("int4", lib, packed, k, n, bias, scale=_strips(scale, n), zero_scale=_strips(zero * scale, n),
                       group=group)
