@@ -141,6 +141,7 @@ def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]],
     (speculative.RUNTIMES; auto: the lean path where the model allows it)."""
     settings = [(k, False) for k in ks] + ([(ks[0] if ks else 4, True)] if adaptive else [])
     plain_s, plain_decode_s, plain_steps, plain_tokens, mismatches = 0.0, 0.0, 0, 0, 0
+    distinct = []  # per prompt: distinct 4-grams / 4-grams of the plain output (repetition raises α)
     rows = {("adaptive" if a else k): {"k": "adaptive" if a else k, "seconds": 0.0, "proposed": 0, "accepted": 0, "rejected": 0,
                                        "target_steps": 0, "tokens": 0, "draft_s": 0.0, "verify_s": 0.0, "ks": []}
             for k, a in settings}
@@ -153,6 +154,9 @@ def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]],
             plain_decode_s += base.seconds - base.prefill_seconds[0]
             plain_steps += base.target_steps
             plain_tokens += len(base.tokens)
+            grams = [tuple(base.tokens[j:j + 4]) for j in range(len(base.tokens) - 3)]
+            if r == 0 and grams:
+                distinct.append(len(set(grams)) / len(grams))
             for k, a in settings:
                 g = torch.Generator().manual_seed(seed + i)
                 got = generate_speculative(target, draft, prompt, max_new_tokens, k, temperature, a, g,
@@ -192,6 +196,7 @@ def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]],
             "max_new_tokens": max_new_tokens, "temperature": temperature, "rounds": rounds,
             "plain_s": plain_s, "plain_step_s": t_step, "plain_tok_s": plain_tokens / plain_s if plain_s else 0,
             "greedy_mismatches": mismatches if temperature == 0 else None, "rows": out_rows,
+            "plain_distinct_4grams": distinct,
             "target_bytes": _bytes(target), "draft_bytes": _bytes(draft), "target_serving_bytes": _serving(target),
             "draft_serving_bytes": _serving(draft), "threads": torch.get_num_threads(),
             "runtime": base.runtime if prompts else runtime, "target_dtype": str(next(target.parameters()).dtype),
