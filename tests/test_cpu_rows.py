@@ -129,6 +129,12 @@ def test_a_failed_build_says_why(tmp_path, monkeypatch):
     with pytest.raises(RowsUnavailable, match="failed"):
         load()
     assert not list(tmp_path.rglob("*.so"))  # nothing half-written left in the cache
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("COMPRESS_CACHE", str(blocked))  # the cache cannot be a folder
+    monkeypatch.delenv("CC")
+    with pytest.raises(RowsUnavailable, match="COMPRESS_CACHE"):
+        load()
     monkeypatch.setattr(cpu_rows, "_compiler", lambda: None)
     with pytest.raises(RowsUnavailable, match="no C compiler"):
         load()

@@ -89,13 +89,17 @@ def load() -> ctypes.CDLL:
         if cc is None:
             raise RowsUnavailable("no C compiler (cc, gcc or clang on PATH, or $CC) to build the few-row kernels; "
                                   "install one (Debian: apt install gcc) or decode with torch's matmuls")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, renamed into place
-            out = Path(tmp) / path.name
-            run = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), *LIBS], capture_output=True, text=True)
-            if run.returncode:
-                raise RowsUnavailable(f"building {SOURCE.name} with {cc} failed: {run.stderr.strip()[-800:]}")
-            os.replace(out, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, renamed into place
+                out = Path(tmp) / path.name
+                run = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), *LIBS], capture_output=True, text=True)
+                if run.returncode:
+                    raise RowsUnavailable(f"building {SOURCE.name} with {cc} failed: {run.stderr.strip()[-800:]}")
+                os.replace(out, path)
+        except OSError as e:
+            raise RowsUnavailable(f"cannot write the few-row kernels into {path.parent} ({e}); point COMPRESS_CACHE "
+                                  "at a writable folder") from e
     try:
         return _declare(ctypes.CDLL(str(path)))
     except OSError as e:
