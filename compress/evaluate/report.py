@@ -98,11 +98,26 @@ def speculative_section(target: nn.Module, draft: nn.Module, tokenizer, spec) ->
     threads, its fastest kernels): α, tokens per target step, speed-up per draft length, the roofline's prediction."""
     from .speculation import measure_draft, roofline_rows, wikitext_prompts
 
+    from ..kernels.cpu_rows import RowsUnavailable
+    from ..lean_decode import use_rows
+
     prompts = wikitext_prompts(tokenizer, spec.speculative_prompts, spec.speculative_prompt_tokens)
     quantized = any(isinstance(q, QuantLinear) for q in draft.modules())
     batches = sorted({1, *(k + 1 for k in spec.speculative)})
-    with torch.no_grad(), (use_dispatch(draft, plan_dispatch(draft, batches)) if quantized else contextlib.nullcontext()):
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        if quantized:
+            stack.enter_context(use_dispatch(draft, plan_dispatch(draft, batches)))
+        # the few-row kernels at one thread, as `compress speculate --kernels auto`; the draft as it is (no W4A8)
+        kernels = "torch (more than one thread: torch's matmuls use them)"
+        if torch.get_num_threads() == 1 and next(target.parameters()).device.type == "cpu":
+            try:
+                stack.enter_context(use_rows(target))
+                stack.enter_context(use_rows(draft))
+                kernels = "rows"
+            except RowsUnavailable as e:
+                kernels = f"torch ({e})"
         result = measure_draft(target, draft, prompts, spec.speculative_new_tokens, tuple(spec.speculative))
+    result["kernels"] = kernels
     result["roofline"] = roofline_rows(result, target.config, draft.config, spec.accelerators)
     return result
 
