@@ -152,10 +152,11 @@ def use_rows(model: nn.Module, int8_activations: bool = False):
     nn.Linear, QuantLinear int4 and int8 weight-only. The lean loop then computes 1..16 rows on them (a decode step, a
     speculative verify), and one row's result is the same bits whichever rows share the call. Where every layer of
     every block has one (and the block is what cpu_rows.c computes: RMSNorm, SiLU, float32), a forward runs the whole
-    stack in one C call per 16 tokens, a prefill included. Yields the layers left on their own forward with the reason; the packed copies (for float32
-    layers, the weights once more) are dropped on exit. Raises cpu_rows.RowsUnavailable when the kernels cannot be
-    built here. int8_activations: int4 layers compute W4A8 where the CPU has VNNI (x rounded to int8 per weight group:
-    an approximation, for a speculative draft, whose errors cost only acceptance; never for a target)."""
+    stack in one C call per 16 tokens, a prefill included. Yields the layers left on their own forward with the
+    reason; the packed copies (for float32 layers, the weights once more) are dropped on exit. Raises
+    cpu_rows.RowsUnavailable when the kernels cannot be built here. int8_activations: int4 layers compute W4A8 where
+    the CPU has VNNI (x rounded to int8 per weight group: an approximation, for a speculative draft, whose errors cost
+    only acceptance; never for a target)."""
     lib = load_rows()
     attached, left = [], []
     try:
@@ -238,24 +239,21 @@ class LeanStream:
             if not all(type(n).__name__.endswith("RMSNorm") and hasattr(n, "variance_epsilon") and
                        n.weight.dtype == torch.float32 for n in norms):
                 return None, f"layers.{i}: norms are not float32 RMSNorm"
-            fused_qkv, fused_gu = getattr(attn, "qkv_proj", None), getattr(mlp, "gate_up_proj", None)
-            qkv = [fused_qkv] if fused_qkv is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
-            gu = [fused_gu] if fused_gu is not None else [mlp.gate_proj, mlp.up_proj]
-            layers = [*qkv, attn.o_proj, *gu, mlp.down_proj]
-            rows = [getattr(m, ROWS_ATTR, None) for m in layers]
-            if any(r is None for r in rows):
+            qkv, gate_up = getattr(attn, "qkv_proj", None), getattr(mlp, "gate_up_proj", None)
+            # fused: q holds q|k|v and gate holds gate|up, the absent k, v, up are n = 0 for the kernel
+            layers = {"q": attn.q_proj if qkv is None else qkv, "k": attn.k_proj if qkv is None else None,
+                      "v": attn.v_proj if qkv is None else None, "o": attn.o_proj,
+                      "gate": mlp.gate_proj if gate_up is None else gate_up,
+                      "up": mlp.up_proj if gate_up is None else None,
+                      "down": mlp.down_proj}
+            rows = {name: getattr(m, ROWS_ATTR, None) for name, m in layers.items() if m is not None}
+            if any(r is None for r in rows.values()):
                 return None, f"layers.{i}: not every linear has a few-row kernel (use_rows)"
-            lib = rows[0].lib
-            keep += rows + [n.weight for n in norms]
-            r = iter(rows)
-            q = next(r)
-            k, v = (None, None) if fused_qkv is not None else (next(r), next(r))
-            o, gate = next(r), next(r)
-            up = None if fused_gu is not None else next(r)
-            down = next(r)
+            lib = rows["q"].lib
+            keep += [*rows.values(), *(n.weight for n in norms)]
             arr[i] = CBlock(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), norms[0].variance_epsilon,
-                            norms[1].variance_epsilon, c_linear(q), c_linear(k), c_linear(v), c_linear(o),
-                            c_linear(gate), c_linear(up), c_linear(down), self.k[i].data_ptr(), self.v[i].data_ptr())
+                            norms[1].variance_epsilon, **{name: c_linear(rows.get(name)) for name in layers},
+                            kcache=self.k[i].data_ptr(), vcache=self.v[i].data_ptr())
         self._keep, self._lib = keep, lib
         return arr, None
 

@@ -87,41 +87,13 @@ def parse_ks(text: str) -> tuple[int, ...]:
     return ks
 
 
-ROW_KINDS = {"f32": "float32", "int4": "int4 (float32 activations)", "int8": "int8",
-             "w4a8": "int4 x int8 activations (VNNI)"}
-
-
-def choose_kernels(kernels: str, threads: int, runtime: str, dtype: str) -> str | None:
-    """None when the few-row kernels are to be used, else why not (a note). `rows` insists: an error says why it
-    cannot."""
-    from .kernels.cpu_rows import RowsUnavailable, load
-
-    if kernels == "torch":
-        return "kernels: each layer's own forward (--kernels torch)"
-    why = None
-    if runtime == "transformers":
-        why = "the few-row kernels run in the lean loop, not transformers' forward (--runtime transformers)"
-    elif dtype != "float32":
-        why = f"the few-row kernels are float32 (--dtype {dtype})"
-    elif kernels == "auto" and threads != 1:
-        why = f"the few-row kernels run on one thread (--threads {threads}): torch's matmuls use them all"
-    else:
-        try:
-            load()
-        except RowsUnavailable as e:
-            why = str(e)
-    if why and kernels == "rows":
-        raise ValueError(f"--kernels rows: {why}")
-    return None if why is None else f"kernels: each layer's own forward ({why})"
-
-
 def run(args) -> int:
     import torch
     from tqdm import tqdm
 
     from .evaluate.roofline import get_accelerator
-    from .evaluate.speculation import (SELF_DRAFT, frequent_tokens, int4_copy, measure_draft, render, roofline_rows,
-                                       subset_head, wikitext_prompts)
+    from .evaluate.speculation import (ROW_KINDS, SELF_DRAFT, choose_kernels, frequent_tokens, int4_copy,
+                                       measure_draft, render, roofline_rows, subset_head, wikitext_prompts)
     from .scheme import W4A16_ASYM_G64, W8A16
     from .kernels.dispatch import plan_dispatch, use_dispatch
     from .lean_decode import ROWS_ATTR, use_rows

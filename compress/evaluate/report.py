@@ -96,10 +96,8 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
 def speculative_section(target: nn.Module, draft: nn.Module, tokenizer, spec) -> dict:
     """The compressed model measured as a greedy speculative-decoding draft for the original (batch 1, on the speed
     threads, its fastest kernels): α, tokens per target step, speed-up per draft length, the roofline's prediction."""
-    from .speculation import measure_draft, roofline_rows, wikitext_prompts
-
-    from ..kernels.cpu_rows import RowsUnavailable
     from ..lean_decode import use_rows
+    from .speculation import choose_kernels, measure_draft, roofline_rows, wikitext_prompts
 
     prompts = wikitext_prompts(tokenizer, spec.speculative_prompts, spec.speculative_prompt_tokens)
     quantized = any(isinstance(q, QuantLinear) for q in draft.modules())
@@ -107,17 +105,15 @@ def speculative_section(target: nn.Module, draft: nn.Module, tokenizer, spec) ->
     with torch.no_grad(), contextlib.ExitStack() as stack:
         if quantized:
             stack.enter_context(use_dispatch(draft, plan_dispatch(draft, batches)))
-        # the few-row kernels at one thread, as `compress speculate --kernels auto`; the draft as it is (no W4A8)
-        kernels = "torch (more than one thread: torch's matmuls use them)"
-        if torch.get_num_threads() == 1 and next(target.parameters()).device.type == "cpu":
-            try:
-                stack.enter_context(use_rows(target))
-                stack.enter_context(use_rows(draft))
-                kernels = "rows"
-            except RowsUnavailable as e:
-                kernels = f"torch ({e})"
+        # the few-row kernels as `compress speculate --kernels auto` decides; the draft as it is (no W4A8)
+        params = next(target.parameters())
+        why_not = (choose_kernels("auto", torch.get_num_threads(), "auto", str(params.dtype).replace("torch.", ""))
+                   if params.device.type == "cpu" else f"kernels: each layer's own forward (on {params.device.type})")
+        if why_not is None:
+            stack.enter_context(use_rows(target))
+            stack.enter_context(use_rows(draft))
         result = measure_draft(target, draft, prompts, spec.speculative_new_tokens, tuple(spec.speculative))
-    result["kernels"] = kernels
+    result["kernels"] = "rows" if why_not is None else why_not
     result["roofline"] = roofline_rows(result, target.config, draft.config, spec.accelerators)
     return result
 

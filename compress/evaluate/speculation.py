@@ -131,6 +131,35 @@ def _serving(model: nn.Module) -> int:
     return serving_bytes(model)
 
 
+ROW_KINDS = {"f32": "float32", "int4": "int4 (float32 activations)", "int8": "int8",
+             "w4a8": "int4 x int8 activations (VNNI)"}
+
+
+def choose_kernels(kernels: str, threads: int, runtime: str, dtype: str) -> str | None:
+    """None when the few-row kernels (kernels/cpu_rows.c) are to be used for a draft measurement, else why not (a
+    note). kernels: auto (one thread, the lean loop, float32, and they build here), rows (insists: an error says why
+    it cannot) or torch. `compress speculate` and a recipe's eval.speculative decide by it."""
+    from ..kernels.cpu_rows import RowsUnavailable, load
+
+    if kernels == "torch":
+        return "kernels: each layer's own forward (--kernels torch)"
+    why = None
+    if runtime == "transformers":
+        why = "the few-row kernels run in the lean loop, not transformers' forward (--runtime transformers)"
+    elif dtype != "float32":
+        why = f"the few-row kernels are float32 (--dtype {dtype})"
+    elif kernels == "auto" and threads != 1:
+        why = f"the few-row kernels run on one thread (--threads {threads}): torch's matmuls use them all"
+    else:
+        try:
+            load()
+        except RowsUnavailable as e:
+            why = str(e)
+    if why and kernels == "rows":
+        raise ValueError(f"--kernels rows: {why}")
+    return None if why is None else f"kernels: each layer's own forward ({why})"
+
+
 def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]], max_new_tokens: int = 64,
                   ks=(1, 2, 3, 4, 5, 6, 7, 8), adaptive: bool = True, temperature: float = 0.0, seed: int = 0,
                   rounds: int = 1, progress=None, runtime: str = "auto") -> dict:

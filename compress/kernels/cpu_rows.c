@@ -220,7 +220,8 @@ INLINE void w4a8_rows_m(const int8_t *xq, const float *sx, const int32_t *xqsum,
                     part[m] = _mm512_dpbusd_epi32(part[m], hi, _mm512_set1_epi32(b));
                 }
             }
-            __m512 sg = _mm512_loadu_ps(scale + (s * groups + g) * 16), zg = _mm512_loadu_ps(zs + (s * groups + g) * 16);
+            __m512 sg = _mm512_loadu_ps(scale + (s * groups + g) * 16);
+            __m512 zg = _mm512_loadu_ps(zs + (s * groups + g) * 16);
             for (int m = 0; m < M; ++m) {
                 float f = sx[m * groups + g];
                 __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(part[m]), sg,
@@ -332,11 +333,19 @@ typedef struct {
 } Block;
 
 static int linear(const Lin *L, const float *x, float *y, int64_t M) {
-    if (L->kind == 0) return compress_f32_rows(x, (const float *)L->w, L->bias, y, M, L->n, L->k);
-    if (L->kind == 1) return compress_i4_rows(x, (const uint8_t *)L->w, L->scale, L->zs, L->bias, y, M, L->n, L->k, L->g);
-    if (L->kind == 2) return compress_i8_rows(x, (const int8_t *)L->w, L->scale, L->bias, y, M, L->n, L->k);
-    if (L->kind == 3) return compress_w4a8_rows(x, (const uint8_t *)L->w, L->scale, L->zs, L->bias, y, M, L->n, L->k, L->g);
+    const void *w = L->w;
+    if (L->kind == 0) return compress_f32_rows(x, w, L->bias, y, M, L->n, L->k);
+    if (L->kind == 1) return compress_i4_rows(x, w, L->scale, L->zs, L->bias, y, M, L->n, L->k, L->g);
+    if (L->kind == 2) return compress_i8_rows(x, w, L->scale, L->bias, y, M, L->n, L->k);
+    if (L->kind == 3) return compress_w4a8_rows(x, w, L->scale, L->zs, L->bias, y, M, L->n, L->k, L->g);
     return -1;
+}
+
+/* L's output into columns off .. off + L->n of dst's rows of width W (an unfused q/k/v or gate/up), through tmp */
+static int linear_cols(const Lin *L, const float *x, float *tmp, float *dst, int64_t W, int64_t off, int64_t M) {
+    if (linear(L, x, tmp, M)) return -1;
+    for (int64_t m = 0; m < M; ++m) memcpy(dst + m * W + off, tmp + m * L->n, sizeof(float) * L->n);
+    return 0;
 }
 
 /* exp on 16 lanes: 2^n * 2^f with f in [0, 1) by a degree-6 polynomial (relative error ~2e-7; libm's expf is
@@ -404,25 +413,17 @@ int compress_blocks(const Block *blocks, int64_t n_blocks, float *h, int64_t M, 
     float *x = malloc(sizeof(float) * M * H), *qkv = malloc(sizeof(float) * M * (QD + 2 * KD));
     float *att = malloc(sizeof(float) * M * QD), *o = malloc(sizeof(float) * M * H);
     float *gu = malloc(sizeof(float) * M * 2 * ffn), *act = malloc(sizeof(float) * M * ffn);
-    float *p = malloc(sizeof(float) * end);
-    int rc = (x && qkv && att && o && gu && act && p) ? 0 : -1;
+    float *p = malloc(sizeof(float) * end), *tmp = malloc(sizeof(float) * M * (QD > ffn ? QD : ffn));
+    int rc = (x && qkv && att && o && gu && act && p && tmp) ? 0 : -1;
     int64_t W = QD + 2 * KD;
     for (int64_t b = 0; b < n_blocks && !rc; ++b) {
         const Block *B = &blocks[b];
         rmsnorm(h, B->ln1, B->eps1, x, M, H);
-        if (B->k.n == 0) {
-            rc |= linear(&B->q, x, qkv, M); /* rows of [q | k | v] */
-        } else {
-            float *tq = malloc(sizeof(float) * M * QD), *tk = malloc(sizeof(float) * M * KD),
-                  *tv = malloc(sizeof(float) * M * KD);
-            rc |= linear(&B->q, x, tq, M) | linear(&B->k, x, tk, M) | linear(&B->v, x, tv, M);
-            for (int64_t m = 0; m < M; ++m) {
-                memcpy(qkv + m * W, tq + m * QD, sizeof(float) * QD);
-                memcpy(qkv + m * W + QD, tk + m * KD, sizeof(float) * KD);
-                memcpy(qkv + m * W + QD + KD, tv + m * KD, sizeof(float) * KD);
-            }
-            free(tq); free(tk); free(tv);
-        }
+        if (B->k.n == 0) /* rows of [q | k | v] */
+            rc |= linear(&B->q, x, qkv, M);
+        else
+            rc |= linear_cols(&B->q, x, tmp, qkv, W, 0, M) | linear_cols(&B->k, x, tmp, qkv, W, QD, M) |
+                  linear_cols(&B->v, x, tmp, qkv, W, QD + KD, M);
         for (int64_t m = 0; m < M; ++m) {
             float *row = qkv + m * W;
             for (int64_t hd = 0; hd < heads; ++hd) rope(row + hd * D, cos + m * D, sin + m * D, D);
@@ -436,7 +437,8 @@ int compress_blocks(const Block *blocks, int64_t n_blocks, float *h, int64_t M, 
             int64_t len = start + m + 1; /* causal: keys 0 .. start + m */
             for (int64_t hd = 0; hd < heads; ++hd) {
                 const float *q = qkv + m * W + hd * D;
-                const float *kc = B->kcache + (hd / groups) * max_len * D, *vc = B->vcache + (hd / groups) * max_len * D;
+                const float *kc = B->kcache + (hd / groups) * max_len * D;
+                const float *vc = B->vcache + (hd / groups) * max_len * D;
                 float mx = -INFINITY, sum = 0.0f;
                 for (int64_t j = 0; j < len; ++j) {
                     p[j] = dot(q, kc + j * D, D) * scaling;
@@ -456,17 +458,10 @@ int compress_blocks(const Block *blocks, int64_t n_blocks, float *h, int64_t M, 
         rc |= linear(&B->o, att, o, M);
         for (int64_t i = 0; i < M * H; ++i) h[i] += o[i];
         rmsnorm(h, B->ln2, B->eps2, x, M, H);
-        if (B->up.n == 0) {
-            rc |= linear(&B->gate, x, gu, M); /* rows of [gate | up] */
-        } else {
-            float *tg = malloc(sizeof(float) * M * ffn), *tu = malloc(sizeof(float) * M * ffn);
-            rc |= linear(&B->gate, x, tg, M) | linear(&B->up, x, tu, M);
-            for (int64_t m = 0; m < M; ++m) {
-                memcpy(gu + m * 2 * ffn, tg + m * ffn, sizeof(float) * ffn);
-                memcpy(gu + m * 2 * ffn + ffn, tu + m * ffn, sizeof(float) * ffn);
-            }
-            free(tg); free(tu);
-        }
+        if (B->up.n == 0) /* rows of [gate | up] */
+            rc |= linear(&B->gate, x, gu, M);
+        else
+            rc |= linear_cols(&B->gate, x, tmp, gu, 2 * ffn, 0, M) | linear_cols(&B->up, x, tmp, gu, 2 * ffn, ffn, M);
         for (int64_t m = 0; m < M; ++m) { /* SiLU(gate) * up */
             float *e = act + m * ffn;
             const float *g = gu + m * 2 * ffn, *u = g + ffn;
@@ -477,6 +472,6 @@ int compress_blocks(const Block *blocks, int64_t n_blocks, float *h, int64_t M, 
         rc |= linear(&B->down, act, o, M);
         for (int64_t i = 0; i < M * H; ++i) h[i] += o[i];
     }
-    free(x); free(qkv); free(att); free(o); free(gu); free(act); free(p);
+    free(x); free(qkv); free(att); free(o); free(gu); free(act); free(p); free(tmp);
     return rc ? -1 : 0;
 }
