@@ -153,12 +153,16 @@ def use_rows(model: nn.Module, int8_activations: bool = False):
     speculative verify), and one row's result is the same bits whichever rows share the call. Where every layer of
     every block has one (and the block is what cpu_rows.c computes: RMSNorm, SiLU, float32), a forward runs the whole
     stack in one C call per 16 tokens, a prefill included. Yields the layers left on their own forward with the
-    reason; the packed copies (for float32 layers, the weights once more) are dropped on exit. Raises
+    reason; the packed copies (for float32 layers, the weights once more; at most half the free memory, the layers
+    beyond it stay on their own forward and are listed) are dropped on exit. Raises
     cpu_rows.RowsUnavailable when the kernels cannot be built here. int8_activations: int4 layers compute W4A8 where
     the CPU has VNNI (x rounded to int8 per weight group: an approximation, for a speculative draft, whose errors cost
     only acceptance; never for a target)."""
+    import psutil
+
     lib = load_rows()
     attached, left = [], []
+    budget = psutil.virtual_memory().available // 2  # the packed copies never take more than half of what is free
     try:
         for name, module in model.named_modules():
             if not (type(module) is nn.Linear or isinstance(module, QuantLinear)):
@@ -167,7 +171,15 @@ def use_rows(model: nn.Module, int8_activations: bool = False):
             if problem:
                 left.append(f"{name}: {problem}")
                 continue
-            setattr(module, ROWS_ATTR, rows_linear(module, lib, int8_activations))
+            rows = rows_linear(module, lib, int8_activations) if budget > 0 else None
+            size = 0 if rows is None else sum(t.numel() * t.element_size() for t in
+                                              (rows.weight, rows.scale, rows.zero_scale, rows.bias) if t is not None)
+            if rows is None or size > budget:
+                budget = 0
+                left.append(f"{name}: its packed copy would not fit in half the free memory")
+                continue
+            budget -= size
+            setattr(module, ROWS_ATTR, rows)
             attached.append(module)
         yield left
     finally:

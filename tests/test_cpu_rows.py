@@ -208,6 +208,23 @@ def test_speculative_decoding_on_the_kernels_is_exact_and_int4_drafts_run_on_the
 
 
 @needs_lib
+def test_packed_copies_stay_within_half_the_free_memory(monkeypatch):
+    import psutil
+
+    model = tiny("llama")
+    first = model.model.layers[0].self_attn.q_proj.weight.numel() * 4  # float32 bytes of the first linear
+    free = type("Free", (), {"available": 2 * first + 8})  # room for the first packed copy only
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: free)
+    with use_rows(model) as left:
+        s = LeanStream(model, 32)
+        assert "use_rows" in s.c_problem  # not every layer packed: the block kernel stays off
+        torch.testing.assert_close(s.forward([1, 2, 3]), model(torch.tensor([[1, 2, 3]])).logits[0], rtol=1e-4,
+                                   atol=1e-4)
+    n_linears = sum(type(m) is nn.Linear for m in model.modules())
+    assert len(left) == n_linears - 1 and all("free memory" in x for x in left)
+
+
+@needs_lib
 def test_blocks_the_kernel_does_not_compute_stay_on_torch():
     model = tiny("llama")
     model.config.hidden_act = "gelu"
