@@ -27,7 +27,7 @@ from torch import Tensor
 BN = 128          # output columns per CTA
 BK = 128          # K bytes per pipeline stage (one 128-byte swizzle row)
 SMEM_ALIGN = 1024  # a 128B-swizzle atom: 8 rows x 128 bytes
-STAGES = {90: 4, 89: 3}
+STAGES = {90: 6, 89: 3}
 WGMMA_K = 32      # k of wgmma.m64nNk32 for e4m3: 32 one-byte elements per row
 SWIZZLE_NONE, SWIZZLE_128B, SWIZZLE_64B, SWIZZLE_32B = 0, 1, 2, 3  # descriptor bits 62-63 (PTX ISA)
 E4M3_MAX = 448.0  # largest finite float8 e4m3fn (OCP 8-bit floating point specification)
