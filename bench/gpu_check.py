@@ -31,14 +31,17 @@ The run is made so that a wrong kernel cannot pass and a crash cannot lose the r
    M in MS; other formats (fp16, zero points, group 64 / 32 / per channel) on 4096x4096; every group size x zero
    point x dtype the kernel accepts on 576x1536; edge shapes: N not a multiple of 64 (96, 192, 4128: one-strip
    blocks), K not a multiple of the 128 k-tile (576, 200, 64: zero-padded by gpu.pack_w4a16, the path SmolLM2's
-   layers take), at M in EDGE_MS (partial m16 / m32 / m64 tiles, not powers of two); shapes the kernel must refuse
-   (N % 32, group 16, K % group), where the refusal itself is checked. fp8: per-row x per-channel and per-tensor
-   scales on the model shapes, the two mixed scale forms, partial N and K tiles (136x144, 4104x4112), the smallest
+   layers take), at M in EDGE_MS (partial m16 / m32 / m64 tiles, not powers of two); split-K forced to uneven
+   ranges, one k-tile a split and an empty last split (the timed rows take the automatic count, and also time the
+   kernel unsplit); shapes the kernel must refuse (N % 32, group 16, K % group), where the refusal itself is
+   checked. fp8: per-row x per-channel and per-tensor scales on the model shapes, the two mixed scale forms, partial N and K tiles (136x144, 4104x4112), the smallest
    shape (8x16), SmolLM2's layers and K = 200 (padded to 208) through gpu.linear_fp8 (our quantize + our GEMM, as a
-   W8A8 layer runs), and N % 8 (refused). The per-token quantize kernel: bf16 / fp16, K from 16 to 14336, rows
-   spanning 6 orders of magnitude and an all-zero row, bit for bit against its reference.
+   W8A8 layer runs), and N % 8 (refused). The per-token quantize kernel: bf16 / fp16, K from 16 to 20000 (the scalar
+   kernel at K = 100, the vector kernel's register and loop paths), rows spanning 6 orders of magnitude and an
+   all-zero row, bit for bit against its reference, timed at M = 4096.
 4. Timing (cases that passed, model shapes only) with CUDA events, median of --repeats calls after warm-up, each
-   replayed from a CUDA graph (no Python overhead) with L2 flushed (a 256 MiB write) before it, against bf16
+   replayed from a CUDA graph (no Python overhead) with L2 flushed before it (--flush: a 256 MiB read, default, or
+   write; see Timer), against bf16
    `F.linear` (cuBLAS), the dequantize-then-matmul path, and for fp8 `torch._scaled_mm` (cuBLASLt), all in the
    same process. fp8 is timed as the GEMM alone and as the W8A8 layer (per-token quantize kernel + GEMM).
 5. compute-sanitizer, when installed: memcheck and racecheck over a few small cases of every family in a separate
@@ -228,12 +231,25 @@ class Timer:
 
     On CUDA the call is captured once in a CUDA graph and replayed, so the events time the GPU work, not the Python
     around a custom op (input checks, allocation: tens of µs, more than a decode-sized GEMM). Calls that cannot be
-    captured are timed directly; `graphed` counts which were."""
+    captured are timed directly; `graphed` counts which were.
 
-    def __init__(self, device: torch.device, repeats: int):
-        self.device, self.repeats = device, repeats
-        self.flush = torch.empty(256 * 2 ** 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+    flush "read" (default) evicts the L2 by reading 256 MiB, which leaves it full of clean lines, as a decode step
+    finds it after the previous layer's weights; "write" (the first GPU runs) writes 256 MiB, which leaves up to
+    the L2's size of dirty lines whose write-back then competes with the timed call's reads - a cost real inference
+    does not pay, and a larger share of a small (int4) call than of a large (bf16) one."""
+
+    def __init__(self, device: torch.device, repeats: int, flush: str = "read"):
+        if flush not in ("read", "write"):
+            raise ValueError(f"flush={flush!r}: use 'read' or 'write'")
+        self.device, self.repeats, self.mode = device, repeats, flush
+        self.flush = torch.ones(32 * 2 ** 20, dtype=torch.int64, device=device) if device.type == "cuda" else None
         self.graphed = {"yes": 0, "no": 0}
+
+    def _flush(self) -> None:
+        if self.mode == "read":
+            self.sink = self.flush.sum()  # reads every byte; the result stays on the GPU
+        else:
+            self.flush.zero_()
 
     def _graph(self, fn):
         side = torch.cuda.Stream()
@@ -260,7 +276,7 @@ class Timer:
         times = []
         for _ in range(self.repeats):
             if self.flush is not None:
-                self.flush.zero_()
+                self._flush()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 fn()
@@ -293,9 +309,9 @@ def run_twice(fn, device: torch.device):
 # ----------------------------------------------------------------------------------------------------------------
 # Cases: the same list in the parent and in every child (a child is told where to start).
 # ----------------------------------------------------------------------------------------------------------------
-def _w4(n, k, dtype, group, zeros, ms, timed=False, refuse=False) -> dict:
+def _w4(n, k, dtype, group, zeros, ms, timed=False, refuse=False, splits=0) -> dict:
     return {"kernel": "w4a16", "N": n, "K": k, "dtype": dtype, "group": group, "zeros": zeros, "ms": ms,
-            "timed": timed, "refuse": refuse}
+            "timed": timed, "refuse": refuse, "splits": splits}
 
 
 def _f8(n, k, scales, path, ms, timed=False, refuse=False) -> dict:
@@ -322,8 +338,17 @@ def w4a16_specs(dry: bool, quick: bool) -> list[dict]:
         _w4(64, 576, "bfloat16", 128, False, (1,), refuse=True),   # group 128 does not divide K
         _w4(64, 256, "bfloat16", 16, False, (1,), refuse=True),    # a group size the kernel lacks
     ]
+    # split-K forced (0 = the automatic choice, which the timed rows take): uneven ranges, one k-tile a split, an
+    # empty last split (10 k-tiles in 6 splits of 2), and the M > 16 tilings with splits
+    specs += [
+        _w4(96, 384, "bfloat16", 32, True, (1, 17, 33, 65), splits=2),
+        _w4(64, 1280, "bfloat16", 64, True, (1, 3, 17), splits=6),
+    ]
     if not dry:
         specs.append(_w4(4128, 4096, "float16", 128, False, (1, 17, 65, 300)))  # a large N % 64 != 0
+        specs += [_w4(8192, 8192, "bfloat16", 128, False, (1, 16), splits=7),
+                  _w4(4096, 4096, "float16", 32, True, (1, 5, 16), splits=32),
+                  _w4(4128, 4096, "float16", 128, False, (1, 17, 65), splits=5)]
     specs += [_w4(n, k, "bfloat16", 128, False, ms, timed=True) for n, k in shapes]  # the bars' rows
     variants = [("float16", 128, False), ("bfloat16", 128, True), ("bfloat16", 64, False), ("bfloat16", 32, True),
                 ("bfloat16", -1, False), ("float16", -1, True)]
@@ -351,7 +376,9 @@ def fp8_specs(dry: bool, quick: bool) -> list[dict]:
 
 
 def quantize_specs(dry: bool) -> list[dict]:
-    ks, ms = ((16, 200, 576), (1, 3, 65)) if dry else ((16, 200, 576, 4096, 14336), (1, 3, 65, 4096))
+    # K = 100: the scalar kernel (K % 8 != 0); 20000: rows longer than the vector kernel keeps in registers
+    ks, ms = ((16, 100, 200, 576), (1, 3, 65)) if dry else ((16, 100, 200, 576, 4096, 8192, 14336, 20000),
+                                                           (1, 3, 65, 4096))
     return [{"kernel": "fp8_quantize", "K": k, "dtype": dt, "ms": ms, "refuse": False}
             for k in ks for dt in ("bfloat16", "float16")]
 
@@ -374,9 +401,11 @@ def family_cases(family: str, dry: bool, quick: bool) -> list[dict]:
         return _flatten(family, quantize_specs(dry))
     if family.startswith("sanitizer:"):  # a few small cases of every family, under compute-sanitizer
         specs = [_w4(96, 384, "bfloat16", 32, True, (17,)), _w4(192, 576, "float16", 32, True, (33,)),
+                 _w4(64, 1280, "bfloat16", 64, True, (3,), splits=6),
                  _w4(64, 256, "float16", -1, False, (65,)), _f8(136, 144, "row x channel", "op", (65, 129)),
                  _f8(64, 200, "row x channel", "layer", (3,)),
-                 {"kernel": "fp8_quantize", "K": 200, "dtype": "bfloat16", "ms": (3,), "refuse": False}]
+                 {"kernel": "fp8_quantize", "K": 200, "dtype": "bfloat16", "ms": (3,), "refuse": False},
+                 {"kernel": "fp8_quantize", "K": 100, "dtype": "float16", "ms": (3,), "refuse": False}]
         return [dict(c, timed=False) for c in _flatten(family, specs)]
     raise ValueError(f"unknown family {family!r}; use one of {FAMILIES} or sanitizer:<tool>")
 
@@ -386,6 +415,7 @@ def label(spec: dict, m: int) -> str:
     if k == "w4a16":
         g = "channel" if spec["group"] == -1 else f"g{spec['group']}"
         what = f"w4a16 {spec['N']}x{spec['K']} {SHORT[spec['dtype']]} {g}{' +z' if spec['zeros'] else ''}"
+        what += f" split {spec['splits']}" if spec.get("splits") else ""
     elif k == "fp8_gemm":
         what = f"fp8 {spec['N']}x{spec['K']} {spec['scales']}{' layer' if spec['path'] == 'layer' else ''}"
     else:
@@ -446,7 +476,8 @@ def run_w4a16(case: dict, ctx: Ctx) -> dict:
     w = ctx.weight(case, _w4a16_weight)
     p = w["p"]
     x = (torch.randn(m, k, generator=ctx.gen(case["family"], case["id"]), device=ctx.device) * 0.5).to(dtype)
-    y, y2 = run_twice(lambda: gpu.linear_w4a16(p, x, None), ctx.device)
+    splits = case.get("splits", 0)
+    y, y2 = run_twice(lambda: gpu.linear_w4a16(p, x, None, splits), ctx.device)
     ref = w4a16_reference(x.to(ctx.ref_device), w["u"], w["s"], w["z"], g)
     row = {"k_padded": p.k_padded, **judge(y.to(ctx.ref_device), y2.to(ctx.ref_device), ref, TOL[case["dtype"]],
                                             EPS[case["dtype"]])}
@@ -461,6 +492,10 @@ def run_w4a16(case: dict, ctx: Ctx) -> dict:
         best = min(ours, deq)
         row.update(us=ours, dense_us=dense, dequant_matmul_us=deq, vs_dense=dense / ours,
                    dispatch_vs_dense=dense / best, dispatch_choice="w4a16" if ours <= deq else "dequant+matmul")
+        if ctx.device.type == "cuda":  # the automatic split-K count, and the kernel without it, in the same run
+            auto = ops._auto_splits(m, n, p.k_padded, ctx.device.index or 0)
+            row.update(splits=auto, us_no_split=ctx.timer(lambda: gpu.linear_w4a16(p, x, None, 1)) if auto > 1
+                       else ours)
     return row
 
 
@@ -547,7 +582,11 @@ def run_quantize(case: dict, ctx: Ctx) -> dict:
         why.append(f"scales differ from the reference by up to {float(((s - s_ref) / s_ref).abs().max()):.1e}")
     if diff:
         why.append(f"nondeterministic (race?): the two runs differ in {diff} element(s)")
-    return {"wrong_codes": wrong_codes, "scales_ok": scale_ok, "deterministic": diff == 0, "ok": not why, "why": why}
+    row = {"wrong_codes": wrong_codes, "scales_ok": scale_ok, "deterministic": diff == 0, "ok": not why, "why": why}
+    if not why and m >= 4096 and ctx.timer is not None:  # bytes: x read once, codes written, scales
+        row["quantize_us"] = ctx.timer(lambda: ops.fp8_quantize_rows(x))
+        row["quantize_tbps"] = m * k * (x.element_size() + 1) / row["quantize_us"] / 1e6
+    return row
 
 
 def run_refusal(case: dict, ctx: Ctx) -> dict:
@@ -633,14 +672,14 @@ def cuda_healthy() -> bool:
 
 
 def child(family: str, start: int, results: Path, seed: int, dry: bool, quick: bool, repeats: int,
-          plant: str | None) -> int:
+          plant: str | None, flush: str = "read") -> int:
     if dry:
         torch.set_num_threads(1)
     device = torch.device("cpu" if dry else "cuda")
     under_sanitizer = family.startswith("sanitizer:")
     # under compute-sanitizer the references run on the CPU: cuBLAS would be instrumented too, for minutes
     ctx = Ctx(device, torch.device("cpu") if under_sanitizer else device,
-              None if under_sanitizer else Timer(device, 2 if dry else repeats), seed)
+              None if under_sanitizer else Timer(device, 2 if dry else repeats, flush), seed)
     cases = family_cases(family, dry, quick)
     # harness self-test (tests/test_gpu_check.py): FAMILY:ID:abort|hang, comma-separated; a crash or a hang inside a
     # case must cost that case's row only
@@ -758,7 +797,8 @@ class Run:
 
     def child_cmd(self, family: str, start: int = 0) -> list[str]:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", family, "--start", str(start),
-               "--results", str(self.results), "--seed", str(self.seed), "--repeats", str(self.args.repeats)]
+               "--results", str(self.results), "--seed", str(self.seed), "--repeats", str(self.args.repeats),
+               "--flush", self.args.flush]
         cmd += ["--dry-run"] * self.args.dry_run + ["--quick"] * self.args.quick
         return cmd + (["--plant", self.args.plant] if self.args.plant else [])
 
@@ -941,7 +981,8 @@ def _fmt(v, spec=".1f") -> str:
 def markdown(result: dict) -> str:
     env, rows, v = result["env"], result["rows"], result["verdicts"]
     lines = [f"# GPU kernel check — {env['date']}, {env['gpu']}, torch {env['torch']} (CUDA {env['cuda']}), "
-             f"commit {env['commit']}, seed {env['seed']}", "",
+             f"commit {env['commit']}, seed {env['seed']}, L2 flushed by a {env.get('l2_flush', 'write')} of 256 MiB "
+             "before each timed call", "",
              f"Build: {result['build']}. Wall time {result['seconds']} s of a {result['budget_s']} s budget.", "",
              "## Bars", ""] + [f"- {k}: {val}" for k, val in v.items()] + ["", "## Failures", ""]
     bad = [r for r in rows if r.get("ok") is False]
@@ -960,6 +1001,8 @@ def markdown(result: dict) -> str:
         other = r.get("verdict") or r.get("refused") or r.get("not_run") or r.get("skipped") or ""
         if r.get("kernel") == "w4a16" and r.get("us") is not None:
             other = f"dequant+matmul {r['dequant_matmul_us']:.1f} µs; dispatch → {r['dispatch_choice']}"
+            if r.get("splits", 1) > 1:
+                other += f"; split-K {r['splits']} (unsplit {r['us_no_split']:.1f} µs)"
         elif r.get("kernel") == "fp8_gemm" and r.get("us") is not None:
             other = f"_scaled_mm {_fmt(r.get('scaled_mm_us'))} µs"
             if r.get("layer_us") is not None:
@@ -967,6 +1010,8 @@ def markdown(result: dict) -> str:
                           f"torch layer {_fmt(r.get('scaled_mm_layer_us'))} µs")
         elif r.get("kernel") == "fp8_quantize" and "wrong_codes" in r:
             other = f"{r['wrong_codes']} wrong codes"
+            if r.get("quantize_us") is not None:
+                other += f"; {r['quantize_us']:.1f} µs ({r['quantize_tbps']:.2f} TB/s)"
         tile = f"{r['worst_tile'][0]},{r['worst_tile'][1]} ({r['tile_err']:.1e})" if "tile_err" in r else "—"
         ok = {True: "yes", False: "NO", None: "—"}[r.get("ok")]
         same = {True: "yes", False: "NO", None: "—"}[r.get("deterministic")]
@@ -991,6 +1036,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU, small shapes, reference paths, meaningless times")
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--flush", choices=("read", "write"), default="read",
+                    help="how the L2 is emptied before each timed call (Timer): read 256 MiB (default) or write it")
     ap.add_argument("--quick", action="store_true", help="fewer M values on the model shapes")
     ap.add_argument("--out", help="output folder (default $OUT, else bench/results/gpu_check)")
     ap.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 360; dry run 600)")
@@ -1017,7 +1064,7 @@ def main(argv=None) -> int:
         return child_build(Path(args.results))
     if args.child:
         return child(args.child, args.start, Path(args.results), args.seed, args.dry_run, args.quick, args.repeats,
-                     args.plant)
+                     args.plant, args.flush)
 
     families = [f for f in args.families.split(",") if f]
     out = Path(args.out or os.environ.get("OUT") or ROOT / "bench" / "results" / "gpu_check")
@@ -1026,7 +1073,8 @@ def main(argv=None) -> int:
     run.results.write_text("")
     run.log.write_text("")
     env = {"date": date.today().isoformat(), "commit": commit(), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "python": sys.version.split()[0], "seed": run.seed, "gpu": "cpu (dry run)", "sm": None,
+           "python": sys.version.split()[0], "seed": run.seed, "l2_flush": args.flush, "gpu": "cpu (dry run)",
+           "sm": None,
            "build": "dry run on CPU: ops' reference paths, nothing built"}
     if not args.dry_run:
         if not torch.cuda.is_available():

@@ -249,6 +249,12 @@ def test_ops_pass_opcheck_and_check_inputs():
         ops.w4a16_gemm(x, pk["wq"], pk["scales"].t().contiguous(), None, n, g)
     with pytest.raises(ValueError, match="K=96 is not a positive multiple of 128"):
         ops.w4a16_gemm(torch.randn(1, 96).half(), pk["wq"], pk["scales"], None, n, g)
+    # split-K: a count the CUDA kernel would take is accepted everywhere (the reference ignores it), others named
+    torch.library.opcheck(ops.w4a16_gemm, (x, pk["wq"], pk["scales"], None, n, g, 2))
+    torch.testing.assert_close(ops.w4a16_gemm(x, pk["wq"], pk["scales"], None, n, g, 2),
+                               ops.w4a16_gemm(x, pk["wq"], pk["scales"], None, n, g))
+    with pytest.raises(ValueError, match=r"splits=3 must be 0 \(automatic\) or 1..K/128 = 2"):
+        ops.w4a16_gemm(x, pk["wq"], pk["scales"], None, n, g, 3)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         ops.fp8_gemm(a.float(), b, torch.ones(1), torch.ones(1))
 

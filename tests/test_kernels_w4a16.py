@@ -3,14 +3,16 @@ guard, the float64 reference, and compile-time facts of compress/kernels/cuda/w4
 mma, async copies, ldmatrix) for sm_80 and sm_90a. Running the kernel itself needs a GPU (a separate script)."""
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 import torch
 
 from compress.kernels import build
-from compress.kernels.prepack import (emulate_w4a16_codes, emulate_w4a16_gemm, pad_k_w4a16, padded_k, prepack_w4a16,
-                                      w4a16_config, w4a16_layer_supported, w4a16_reference, w4a16_supported)
+from compress.kernels.prepack import (MIN_SPLIT_TILES, SPLIT_NS, SPLIT_STAGES, STAGES, emulate_w4a16_codes,
+                                      emulate_w4a16_gemm, pad_k_w4a16, padded_k, prepack_w4a16, w4a16_config, w4a16_layer_supported,
+                                      w4a16_reference, w4a16_smem, w4a16_splits, w4a16_supported)
 
 SOURCE = build.CUDA_DIR / "w4a16.cu"
 
@@ -169,7 +171,10 @@ def test_tile_choice_matches_the_launcher():
     """w4a16_config (used by the emulation) and the C dispatch pick the same (MT, NS)."""
     text = SOURCE.read_text()
     body = re.search(r"int dispatch\(.*?\n}\n", text, re.S).group(0)
-    assert "if (M <= 16) return launch<1, 1," in body and "if (M <= 32)" in body
+    assert "if (M <= 16) {" in body and "if (M <= 32)" in body
+    assert "if (splits == 1)\n      return launch<1, 1, stages(1)," in body
+    assert "return launch<1, 1, kSplitStages," in body and "launch<1, 2, kSplitStages," in body
+    assert [w4a16_config(1, n, split=True) for n in (96, 64, 128)] == [(1, 1), (1, min(SPLIT_NS, 2)), (1, SPLIT_NS)]
     assert "N % (2 * kStrip) == 0" in body
     assert "wide ? launch<2, 2," in body and ": launch<2, 1," in body
     assert "wide ? launch<4, 2," in body and ": launch<4, 1," in body
@@ -223,6 +228,71 @@ def test_emulated_kernel_matches_reference(M, N, K, group_size, asym, dtype):
     assert rel < (1e-3 if dtype == torch.float16 else 5e-3), rel
 
 
+@pytest.mark.parametrize("M,splits", [(3, 2), (3, 4), (3, 5), (20, 3)])
+def test_emulated_split_k_matches_reference(M, splits):
+    """Split-K: block z takes k-tiles [z T, (z + 1) T), T = ceil(5 / splits); splits = 4 leaves the last split
+    empty (it adds zeros). A range that skipped or repeated one of the 5 k-tiles would move the result by about a
+    fifth of its norm; the ordered fp32 sum differs from the unsplit kernel only by reassociation."""
+    N, K, G = 64, 640, 64
+    u, scales, zeros = _inputs(N, K, G, asym=True, seed=splits)
+    packed = prepack_w4a16(u, scales, zeros, G, torch.bfloat16)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).bfloat16()
+    want = w4a16_reference(x, u, packed["scales"].t(), packed["zeros"].t(), G)
+    got = emulate_w4a16_gemm(x, packed, splits=splits)
+    assert not got.isnan().any()
+    assert ((got.double() - want).norm() / want.norm()).item() < 5e-3
+    whole = emulate_w4a16_gemm(x, packed)
+    assert ((got.double() - whole.double()).abs() <= 2 ** -7 * whole.double().abs() + 1e-6).all()
+    with pytest.raises(ValueError, match="splits=6 must be in 1..5"):
+        emulate_w4a16_gemm(x, packed, splits=6)
+
+
+SWEEP = build.CUDA_DIR.parent.parent.parent / "bench" / "results" / "gpu_check" / "w4a16_splits.json"
+
+
+def test_split_k_choice_is_near_the_measured_best():
+    """w4a16_splits, given the GPU of the committed sweep (bench/w4a16_splits.py on an H200: 132 SMs, 228 KB each,
+    every split count timed on the model shapes), picks a count within 10% of the fastest one measured there."""
+    run = json.loads(SWEEP.read_text())
+    assert "H200" in run["env"]["gpu"] and run["env"]["l2_flush"] == "read"
+    checked = 0
+    for r in run["rows"]:
+        s = w4a16_splits(r["M"], r["N"], r["K"], 132, 228 * 1024)
+        assert r["us"][str(s)] <= 1.10 * r["best_us"], (r["N"], r["K"], r["M"], s, r["best"], r["us"])
+        checked += 1
+    assert checked >= 20
+
+
+def test_split_k_choice_stays_within_its_bounds():
+    """On an H200's numbers: >= MIN_SPLIT_TILES k-tiles a split, no empty split, fp32 partials <= the weight bytes,
+    and a grid that fills the GPU, or a K too short, is not split."""
+    sms, smem = 132, 228 * 1024
+    assert w4a16_splits(1, 65536, 4096, sms, smem) == 1     # 1024 blocks already
+    assert w4a16_splits(4096, 4096, 4096, sms, smem) == 1
+    assert w4a16_splits(1, 576, 640, sms, smem) == 1        # 5 k-tiles: too short to split
+    for m in (1, 2, 5, 16, 17, 32, 33, 64, 65, 200):
+        for n, k in ((4096, 4096), (8192, 8192), (14336, 4096), (4096, 14336), (1536, 640), (96, 384)):
+            s = w4a16_splits(m, n, k, sms, smem)
+            tiles = k // 128
+            per = -(-tiles // s)
+            assert 1 <= s <= tiles and (s - 1) * per < tiles, (m, n, k, s)   # every split has k-tiles
+            if s > 1:
+                assert per >= MIN_SPLIT_TILES - 1 and 8 * s * m * n <= n * k // 2, (m, n, k, s)
+
+
+def test_split_k_rules_match_the_cu():
+    """The Python mirror's pipeline depths and shared-memory formula are the .cu's."""
+    text = SOURCE.read_text()
+    assert f"#define COMPRESS_W4A16_SPLIT_STAGES {SPLIT_STAGES}\n" in text
+    assert f"#define COMPRESS_W4A16_SPLIT_NS {SPLIT_NS}\n" in text
+    assert (f"constexpr int stages(int mt) {{ return mt == 1 ? {STAGES[1]} : mt == 2 ? {STAGES[2]} : {STAGES[4]}; }}"
+            in text)
+    assert "splits < 1 || splits > K / kBK || splits > kMaxSplits" in text
+    # stage_bytes: x tile 16 MT x 128 halves, NS strips of 2 KiB, scale and zero rows (4 x 32 NS halves each)
+    assert w4a16_smem(1, 1, 1) == 16 * 128 * 2 + 2048 + 2 * 4 * 32 * 2
+    assert w4a16_smem(4, 2, STAGES[4]) <= 101376 and w4a16_smem(1, 1, STAGES[1]) <= 101376
+
+
 def test_emulated_kernel_sees_wrong_scales():
     """Guard against a vacuous comparison: scales of the wrong group give a large error."""
     M, N, K, G = 4, 64, 256, 32
@@ -242,7 +312,9 @@ needs_cuobjdump = pytest.mark.skipif(
     build.find_tool("cuobjdump") is None,
     reason="cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
 ARCHS = ["sm_80", "sm_90a"]
-N_KERNELS = 20  # 5 (MT, NS) tilings x 2 dtypes x (symmetric, with zeros)
+# 7 (MT, NS, stages) tilings: M <= 16 unsplit (1, 1, 12) and split-K (1, 1 or SPLIT_NS = 2, 6 stages); (2, 1 | 2, 6),
+# (4, 1 | 2, 4); x 2 dtypes x (symmetric, zeros)
+N_KERNELS = 28
 
 
 @pytest.fixture(scope="module")
@@ -258,9 +330,10 @@ def compiled(tmp_path_factory):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_compiles_without_spills(compiled, arch):
     _, resources = compiled[arch]
-    assert len(resources) == N_KERNELS
+    gemms = [r for r in resources if "w4a16_kernel" in r.name]
+    assert len(gemms) == N_KERNELS
+    assert len([r for r in resources if "w4a16_reduce" in r.name]) == 2  # the split-K reduction, fp16 and bf16
     for r in resources:
-        assert "w4a16_kernel" in r.name
         assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0), r
         assert 0 < r.registers <= 255, r
 
@@ -278,7 +351,7 @@ def test_sass_uses_tensor_cores_async_copies_and_ldmatrix(compiled, arch):
         for op in ("HMMA", "LDGSTS", "LDSM", "LOP3"):
             assert counts[op] > 0, (arch, name, op, counts)
         assert counts["LDL"] == 0 and counts["STL"] == 0, (arch, name, counts)
-        mt, ns, dt, _ = map(int, re.search(r"w4a16_kernelILi(\d)ELi(\d)ELi(\d)ELb(\d)E", name).groups())
+        mt, ns, _, dt, _ = map(int, re.search(r"w4a16_kernelILi(\d)ELi(\d)ELi(\d+)ELi(\d)ELb(\d)E", name).groups())
         assert ("HMMA.16816.F32.BF16" in text) == (dt == 1), (arch, name)
         # per stage and warp (the k loop is not unrolled): k32 = 2 k16 halves x 4 NS n8 tiles x MT m16 tiles mma,
         # and 2 MT ldmatrix.x4 for the x fragments

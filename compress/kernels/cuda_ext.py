@@ -1,7 +1,8 @@
 """Build and load the CUDA extension (cuda/*.cu + cuda/binding.cpp) with torch's JIT `load()`, on first use, on the
 machine that runs it (an extension is tied to its torch, Python and CUDA versions; nothing compiled elsewhere is
 carried). Architectures come from the visible GPU: sm_90 is built as sm_90a, because the fp8 kernel's wgmma needs
-the arch-specific target (KERNELS.md). `COMPRESS_CUDA_BUILD_DIR` moves the build cache.
+the arch-specific target (KERNELS.md). `COMPRESS_CUDA_BUILD_DIR` moves the build cache; `COMPRESS_CUDA_FLAGS` adds
+nvcc flags (tuning builds, e.g. bench/w4a16_splits.py's variants: give each its own build directory).
 
 An optional install-time build is the same call: `python -m compress.kernels.cuda_ext` builds and reports.
 """
@@ -51,7 +52,8 @@ def _build() -> Extension:
             Path(kwargs["build_directory"]).mkdir(parents=True, exist_ok=True)
         cpp_extension.load(name="compress_cuda", sources=[str(CUDA_DIR / s) for s in SOURCES],
                            extra_include_paths=[str(CUDA_DIR)], extra_cflags=["-O3"],  # torch's own -std (c++20 for its headers)
-                           extra_cuda_cflags=["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"],
+                           extra_cuda_cflags=["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo",
+                                              *os.environ.get("COMPRESS_CUDA_FLAGS", "").split()],
                            is_python_module=False, verbose=False, **kwargs)
     except Exception as e:  # a failed build leaves the reference path, and says why
         return Extension(False, f"building the CUDA extension failed: {str(e)[-2000:]}", time.perf_counter() - t0)

@@ -143,12 +143,13 @@ def prepare_w4a16(layer, dtype: torch.dtype) -> W4A16:
     return pack_w4a16(u, qt.scale.float().reshape(n, groups), zeros, g, dtype, qt.qdata.device)
 
 
-def linear_w4a16(p: W4A16, x: Tensor, bias: Tensor | None) -> Tensor:
+def linear_w4a16(p: W4A16, x: Tensor, bias: Tensor | None, splits: int = 0) -> Tensor:
+    """The layer on the W4A16 kernel; `splits`: split-K count (0: chosen for the device, ops.w4a16_gemm)."""
     from . import ops
     x2 = x.reshape(-1, p.k)
     if p.k_padded != p.k:  # zero columns meet the zero weight columns pack_w4a16 appended
         x2 = F.pad(x2, (0, p.k_padded - p.k))
-    y = ops.w4a16_gemm(x2.contiguous(), p.wq, p.scales, p.zeros, p.n, p.group_size)
+    y = ops.w4a16_gemm(x2.contiguous(), p.wq, p.scales, p.zeros, p.n, p.group_size, splits)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], p.n)

@@ -9,13 +9,14 @@ tests it on CPU. The reference of w4a16_gemm reads the packed weight the way the
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from . import cuda_ext
-from .prepack import emulate_w4a16_codes, w4a16_supported
+from .prepack import BK, emulate_w4a16_codes, w4a16_splits, w4a16_supported
 from .fp8_layout import fp8_supported
 
 FP8 = torch.float8_e4m3fn
@@ -28,9 +29,12 @@ def _need(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def check_w4a16(x: Tensor, wq: Tensor, scales: Tensor, zeros: Optional[Tensor], n: int, group_size: int) -> None:
+def check_w4a16(x: Tensor, wq: Tensor, scales: Tensor, zeros: Optional[Tensor], n: int, group_size: int,
+                splits: int = 0) -> None:
     _need(x.dim() == 2, f"w4a16_gemm: x must be [M, K], got shape {tuple(x.shape)}")
     m, k = x.shape
+    _need(0 <= splits <= max(k // BK, 1),
+          f"w4a16_gemm: splits={splits} must be 0 (automatic) or 1..K/{BK} = {k // BK} (split-K ranges)")
     _need(x.dtype in HALF, f"w4a16_gemm: x must be float16 or bfloat16, got {x.dtype}")
     why = w4a16_supported(max(m, 1), n, k, group_size)
     _need(why is None, f"w4a16_gemm: {why}")
@@ -49,10 +53,12 @@ def check_w4a16(x: Tensor, wq: Tensor, scales: Tensor, zeros: Optional[Tensor], 
 
 
 @torch.library.custom_op("compress::w4a16_gemm", mutates_args=())
-def w4a16_gemm(x: Tensor, wq: Tensor, scales: Tensor, zeros: Optional[Tensor], n: int, group_size: int) -> Tensor:
-    """out[M, N] = x[M, K] @ W^T, W[n, k] = (u - z) * s per group; wq from prepack.prepack_w4a16. Reference path
-    (non-CUDA devices): decode the codes as the kernel reads them, dequantize, matmul in float32."""
-    check_w4a16(x, wq, scales, zeros, n, group_size)
+def w4a16_gemm(x: Tensor, wq: Tensor, scales: Tensor, zeros: Optional[Tensor], n: int, group_size: int,
+               splits: int = 0) -> Tensor:
+    """out[M, N] = x[M, K] @ W^T, W[n, k] = (u - z) * s per group; wq from prepack.prepack_w4a16. `splits`: split-K
+    count on CUDA (0: prepack.w4a16_splits picks it for the device; 1: none). Reference path (non-CUDA devices):
+    decode the codes as the kernel reads them, dequantize, matmul in float32 (splits only checked)."""
+    check_w4a16(x, wq, scales, zeros, n, group_size, splits)
     k = x.shape[1]
     g = k if group_size == -1 else group_size
     u = emulate_w4a16_codes(wq.cpu(), n, k).to(x.device).float()  # [N, K]
@@ -62,25 +68,37 @@ def w4a16_gemm(x: Tensor, wq: Tensor, scales: Tensor, zeros: Optional[Tensor], n
 
 
 @w4a16_gemm.register_fake
-def _(x, wq, scales, zeros, n, group_size):
-    check_w4a16(x, wq, scales, zeros, n, group_size)
+def _(x, wq, scales, zeros, n, group_size, splits=0):
+    check_w4a16(x, wq, scales, zeros, n, group_size, splits)
     return x.new_empty(x.shape[0], n)
 
 
 @w4a16_gemm.register_kernel("cuda")
-def _(x, wq, scales, zeros, n, group_size):
-    check_w4a16(x, wq, scales, zeros, n, group_size)
+def _(x, wq, scales, zeros, n, group_size, splits=0):
+    check_w4a16(x, wq, scales, zeros, n, group_size, splits)
     ext = cuda_ext.load()
     if not ext.ok:
         raise RuntimeError(f"compress::w4a16_gemm: {ext.reason}")
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
         return out
+    m, k = x.shape
+    if splits == 0:
+        splits = _auto_splits(m, n, k, x.device.index if x.device.index is not None else torch.cuda.current_device())
+    workspace = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else None
     with torch.cuda.device(x.device):
-        status = torch.ops.compress_cuda.w4a16_gemm(x, wq, scales, zeros, out, group_size,
+        status = torch.ops.compress_cuda.w4a16_gemm(x, wq, scales, zeros, out, workspace, group_size, splits,
                                                    torch.cuda.current_stream().cuda_stream)
     _status("w4a16_gemm", status, x.shape[0], n, x.shape[1])
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _auto_splits(m: int, n: int, k: int, device: int) -> int:
+    """prepack.w4a16_splits for this CUDA device (memoised: a decode step asks for the same shapes every token)."""
+    props = torch.cuda.get_device_properties(device)
+    smem = getattr(props, "shared_memory_per_multiprocessor", 0) or 100 * 1024  # the smallest sm_8x figure
+    return w4a16_splits(m, n, k, props.multi_processor_count, smem)
 
 
 def _status(op: str, status: int, m: int, n: int, k: int) -> None:

@@ -93,12 +93,49 @@ def pad_k_w4a16(u: Tensor, scales: Tensor, zeros: Tensor | None,
     return u, scales, zeros
 
 
-def w4a16_config(M: int, N: int) -> tuple[int, int]:
-    """(MT, NS): m16 tiles and 32-column strips per block, as the launcher (dispatch in w4a16.cu) picks them."""
+def w4a16_config(M: int, N: int, split: bool = False) -> tuple[int, int]:
+    """(MT, NS): m16 tiles and 32-column strips per block, as the launcher (dispatch in w4a16.cu) picks them;
+    `split`: split-K (splits > 1), whose M <= 16 blocks take up to SPLIT_NS strips."""
     if M <= 16:
+        if split:
+            return 1, next(ns for ns in (4, 2, 1) if ns <= SPLIT_NS and N % (ns * STRIP) == 0)
         return 1, 1
     ns = 2 if N % (2 * STRIP) == 0 else 1
     return (2 if M <= 32 else 4), ns
+
+
+# Pipeline depth per m16-tile count, and the split-K blocks' (stages(mt) and kSplitStages in w4a16.cu).
+STAGES = {1: 12, 2: 6, 4: 4}
+SPLIT_STAGES = 6
+SPLIT_NS = 2  # kSplitNS: strips of an M <= 16 split-K block
+MIN_SPLIT_TILES = 4  # k-tiles a split gets at least: a shorter split spends more on its pipeline fill than it saves
+
+
+def w4a16_smem(mt: int, ns: int, stages: int) -> int:
+    """Dynamic shared memory of one block, in bytes (smem_bytes in w4a16.cu): per stage the x tile, the weight
+    strips and the scale and zero rows."""
+    return stages * (16 * mt * BK * 2 + ns * BK * STRIP // 2 + 2 * (BK // 32) * STRIP * ns * 2)
+
+
+def w4a16_splits(M: int, N: int, K: int, sms: int, smem_per_sm: int) -> int:
+    """Split-K count for out[M, N] = x[M, K] @ W^T on a GPU with `sms` multiprocessors of `smem_per_sm` bytes of
+    shared memory: the (N / BN) x (M / BM) tiles are split along K into as many copies as one wave of resident
+    blocks holds (rounded down: a second, partial wave cost more than it saved on an H200), and into 2 when the
+    grid fills at most 3/4 of a wave. Bounded so that each split keeps MIN_SPLIT_TILES k-tiles and the fp32
+    partial sums (written and read back: 8 * splits * M * N bytes) stay within the weight bytes (N * K / 2):
+    split-K is for decode-sized M, where the kernel streams weights with too few warps. Returns 1 (no split) when
+    the grid already fills the GPU. K is the padded K (a multiple of 128). Measured: bench/w4a16_splits.py."""
+    mt, ns = w4a16_config(M, N, split=True)
+    blocks = (N // (STRIP * ns)) * -(-M // (16 * mt))
+    k_tiles = K // BK
+    stages = SPLIT_STAGES if mt == 1 else STAGES[mt]
+    wave = max(1, smem_per_sm // (w4a16_smem(mt, ns, stages) + 1024)) * sms  # 1 KB reserved per block
+    splits = wave // blocks if wave // blocks >= 2 else (2 if 4 * blocks <= 3 * wave else 1)
+    splits = min(splits, k_tiles // MIN_SPLIT_TILES, K // (16 * M))
+    if splits < 2:
+        return 1
+    per_split = -(-k_tiles // splits)
+    return -(-k_tiles // per_split)  # no split left without k-tiles
 
 
 def _nibble_position(N: int, K: int) -> tuple[Tensor, Tensor]:
@@ -227,12 +264,13 @@ def _mma_m16n8k16(acc: Tensor, a: list[Tensor], b0: Tensor, b1: Tensor) -> None:
         acc[..., i, :] += D[..., g + 8 * (i // 2), 2 * t + (i % 2)]
 
 
-def emulate_w4a16_gemm(x: Tensor, packed: dict) -> Tensor:
+def emulate_w4a16_gemm(x: Tensor, packed: dict, splits: int = 1) -> Tensor:
     """Replay the whole w4a16_kernel on the CPU, with the .cu's index formulas and the launcher's (MT, NS): the
     swizzled cp.async copy of x and its ldmatrix reads, the weight and scale / zero copies, the dequantization
     (exact (bias + q) - (bias + z), then one rounding in the multiply by the scale), the mma fragment layouts, the
-    cross-warp reduction and the C-fragment stores. Returns out [M, N] in the packed dtype (NaN where the kernel
-    would write nothing). Slow (Python loops over stages and warps): for small test shapes."""
+    cross-warp reduction, split-K (`splits` k-ranges of ceil(K / 128 / splits) tiles, fp32 partial sums added in
+    split order, as w4a16_reduce does) and the C-fragment stores. Returns out [M, N] in the packed dtype (NaN where
+    the kernel would write nothing). Slow (Python loops over stages and warps): for small test shapes."""
     N, K, group_size = packed["N"], packed["K"], packed["group_size"]
     scales, zeros = packed["scales"], packed["zeros"]
     dtype = scales.dtype
@@ -240,8 +278,11 @@ def emulate_w4a16_gemm(x: Tensor, packed: dict) -> Tensor:
     if x.shape[1] != K:
         raise ValueError(f"x has K={x.shape[1]}, the packed weight K={K}")
     G = K if group_size == -1 else group_size
-    MT, NS = w4a16_config(M, N)
+    MT, NS = w4a16_config(M, N, splits > 1)
     BM, BN, NT = 16 * MT, STRIP * NS, 4 * NS
+    if not 1 <= splits <= K // BK:
+        raise ValueError(f"splits={splits} must be in 1..{K // BK} (K / {BK})")
+    per_split = -(-(K // BK) // splits)
     group_rows = 1 if G >= BK else BK // G
     NB = N // BN
     x16 = x.to(dtype)
@@ -252,56 +293,60 @@ def emulate_w4a16_gemm(x: Tensor, packed: dict) -> Tensor:
     out = torch.full((M, N), float("nan"), dtype=dtype)
     for by in range((M + BM - 1) // BM):                 # blockIdx.y (blockIdx.x = bx, vectorised)
         m0 = by * BM
-        acc = torch.zeros(NB, WARPS, MT, NT, 4, 32)      # [block, warp, mt, nt, c-register, lane]
-        for kt in range(K // BK):
-            k0 = kt * BK
-            # x: chunk c -> row r = c // 16, chunk ch = c % 16, stored at chunk ch ^ (r & 7); rows >= M zero-filled.
-            s_a = torch.zeros(BM * BK, dtype=dtype)
-            c = torch.arange(BM * 16)
-            r, ch = c // 16, c % 16
-            valid = (m0 + r) < M
-            for e in range(8):
-                src = x16[torch.where(valid, m0 + r, 0), k0 + ch * 8 + e]
-                s_a[r * BK + (ch ^ (r & 7)) * 8 + e] = torch.where(valid, src, torch.zeros((), dtype=dtype))
-            # weights: chunk c (< 128 NS) of strip bx * NS + c // 128,
-            # from int4 offset (strip * K/32 + kt * 4) * 32 + c % 128.
-            c = torch.arange(128 * NS)
-            s_b = chunks[((bx * NS + c // 128) * (K // 32) + kt * (BK // 32)) * 32 + c % 128]   # [NB, 128 NS, 4]
-            # scales / zeros: rows k0 / G + r (r < group_rows), columns n0 + 0 .. BN - 1.
-            rows = (k0 // G + torch.arange(group_rows)).view(1, -1, 1)
-            cols = (bx * BN).view(-1, 1, 1) + torch.arange(BN).view(1, 1, -1)
-            s_s = scales[rows, cols].reshape(NB, -1)     # [NB, group_rows * BN]
-            s_z = None if zeros is None else zeros[rows, cols].reshape(NB, -1)
-            for warp in range(WARPS):
-                srow = (32 * warp * group_rows) // BK
-                a = [[None] * MT for _ in range(2)]
-                for kh in range(2):                      # ldmatrix.x4: lane l -> row l % 16, chunk 2(2w + kh) + l / 16
-                    for mt in range(MT):
-                        r = mt * 16 + (lane & 15)
-                        chk = 2 * (2 * warp + kh) + (lane >> 4)
-                        rows8 = s_a[(r * BK + (chk ^ (r & 7)) * 8).view(-1, 1) + torch.arange(8)]   # [32, 8]
-                        # register jm of lane l: row l / 4 of matrix jm (addressed by lane 8 jm + l / 4),
-                        # columns 2(l % 4), 2(l % 4) + 1
-                        a[kh][mt] = [torch.stack([rows8[8 * jm + g, 2 * t], rows8[8 * jm + g, 2 * t + 1]], -1)
-                                     for jm in range(4)]
-                for st in range(NS):
-                    bq = s_b[:, (st * (BK // 32) + warp) * 32 + lane]   # [NB, 32, 4]
-                    for jj in range(2):
-                        c_lo = st * STRIP + 16 * jj + g
-                        for kh in range(2):
-                            word = bq[..., 2 * kh + jj]
-                            regs = []
-                            for i in range(4):
-                                col = srow * BN + c_lo + 8 * (i // 2)      # s_lo for r0, r1; s_hi for r2, r3
-                                s = s_s[:, col].float()
-                                z = torch.full_like(s, 8.0) if s_z is None else s_z[:, col].float()
-                                v = (word >> (4 * i)) & 0x000F000F
-                                halves = [((v >> sh) & 0xF).float() - z for sh in (0, 16)]  # exact (bias+q)-(bias+z)
-                                regs.append(torch.stack([(hv * s).to(dtype) for hv in halves], -1))  # one rounding
-                            for mt in range(MT):
-                                _mma_m16n8k16(acc[:, warp, mt, st * 4 + 2 * jj], a[kh][mt], regs[0], regs[1])
-                                _mma_m16n8k16(acc[:, warp, mt, st * 4 + 2 * jj + 1], a[kh][mt], regs[2], regs[3])
-        total = acc.sum(1)                               # the cross-warp reduction through shared memory
+        total = None
+        for bz in range(splits):                         # blockIdx.z: split-K ranges
+            acc = torch.zeros(NB, WARPS, MT, NT, 4, 32)      # [block, warp, mt, nt, c-register, lane]
+            for kt in range(bz * per_split, min(K // BK, (bz + 1) * per_split)):  # this split's k-tiles
+                k0 = kt * BK
+                # x: chunk c -> row r = c // 16, chunk ch = c % 16, stored at chunk ch ^ (r & 7); rows >= M zero-filled.
+                s_a = torch.zeros(BM * BK, dtype=dtype)
+                c = torch.arange(BM * 16)
+                r, ch = c // 16, c % 16
+                valid = (m0 + r) < M
+                for e in range(8):
+                    src = x16[torch.where(valid, m0 + r, 0), k0 + ch * 8 + e]
+                    s_a[r * BK + (ch ^ (r & 7)) * 8 + e] = torch.where(valid, src, torch.zeros((), dtype=dtype))
+                # weights: chunk c (< 128 NS) of strip bx * NS + c // 128,
+                # from int4 offset (strip * K/32 + kt * 4) * 32 + c % 128.
+                c = torch.arange(128 * NS)
+                s_b = chunks[((bx * NS + c // 128) * (K // 32) + kt * (BK // 32)) * 32 + c % 128]   # [NB, 128 NS, 4]
+                # scales / zeros: rows k0 / G + r (r < group_rows), columns n0 + 0 .. BN - 1.
+                rows = (k0 // G + torch.arange(group_rows)).view(1, -1, 1)
+                cols = (bx * BN).view(-1, 1, 1) + torch.arange(BN).view(1, 1, -1)
+                s_s = scales[rows, cols].reshape(NB, -1)     # [NB, group_rows * BN]
+                s_z = None if zeros is None else zeros[rows, cols].reshape(NB, -1)
+                for warp in range(WARPS):
+                    srow = (32 * warp * group_rows) // BK
+                    a = [[None] * MT for _ in range(2)]
+                    for kh in range(2):  # ldmatrix.x4: lane l -> row l % 16, chunk 2(2w + kh) + l / 16
+                        for mt in range(MT):
+                            r = mt * 16 + (lane & 15)
+                            chk = 2 * (2 * warp + kh) + (lane >> 4)
+                            rows8 = s_a[(r * BK + (chk ^ (r & 7)) * 8).view(-1, 1) + torch.arange(8)]   # [32, 8]
+                            # register jm of lane l: row l / 4 of matrix jm (addressed by lane 8 jm + l / 4),
+                            # columns 2(l % 4), 2(l % 4) + 1
+                            a[kh][mt] = [torch.stack([rows8[8 * jm + g, 2 * t], rows8[8 * jm + g, 2 * t + 1]], -1)
+                                         for jm in range(4)]
+                    for st in range(NS):
+                        bq = s_b[:, (st * (BK // 32) + warp) * 32 + lane]   # [NB, 32, 4]
+                        for jj in range(2):
+                            c_lo = st * STRIP + 16 * jj + g
+                            for kh in range(2):
+                                word = bq[..., 2 * kh + jj]
+                                regs = []
+                                for i in range(4):
+                                    col = srow * BN + c_lo + 8 * (i // 2)      # s_lo for r0, r1; s_hi for r2, r3
+                                    s = s_s[:, col].float()
+                                    z = torch.full_like(s, 8.0) if s_z is None else s_z[:, col].float()
+                                    v = (word >> (4 * i)) & 0x000F000F
+                                    # exact (bias + q) - (bias + z)
+                                    halves = [((v >> sh) & 0xF).float() - z for sh in (0, 16)]
+                                    regs.append(torch.stack([(hv * s).to(dtype) for hv in halves], -1))  # one rounding
+                                for mt in range(MT):
+                                    _mma_m16n8k16(acc[:, warp, mt, st * 4 + 2 * jj], a[kh][mt], regs[0], regs[1])
+                                    _mma_m16n8k16(acc[:, warp, mt, st * 4 + 2 * jj + 1], a[kh][mt], regs[2], regs[3])
+            part = acc.sum(1)                            # the cross-warp reduction through shared memory
+            total = part if total is None else total + part  # w4a16_reduce: fp32, splits in order
         for warp in range(WARPS):
             for q in range(warp, MT * NT, 4):
                 mt, nt = q // NT, q % NT

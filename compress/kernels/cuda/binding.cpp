@@ -24,7 +24,8 @@ void check_cuda(const at::Tensor& t, const char* name) {
 }
 
 int64_t w4a16_gemm(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
-                   const std::optional<at::Tensor>& zeros, at::Tensor& out, int64_t group_size, int64_t stream) {
+                   const std::optional<at::Tensor>& zeros, at::Tensor& out, const std::optional<at::Tensor>& workspace,
+                   int64_t group_size, int64_t splits, int64_t stream) {
   check_cuda(x, "x"); check_cuda(wq, "wq"); check_cuda(scales, "scales"); check_cuda(out, "out");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2, "compress: x and out must be 2-D, got ", x.sizes(), " and ", out.sizes());
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
@@ -40,8 +41,18 @@ int64_t w4a16_gemm(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& 
                 "compress: zeros must match scales (", scales.sizes(), ", ", x.scalar_type(), ")");
     zp = zeros->data_ptr();
   }
+  void* ws = nullptr;
+  if (splits > 1) {
+    TORCH_CHECK(workspace.has_value(), "compress: splits = ", splits, " needs a workspace");
+    check_cuda(*workspace, "workspace");
+    TORCH_CHECK(workspace->scalar_type() == at::kFloat && workspace->numel() >= splits * M * N,
+                "compress: the workspace must be float32 with at least splits * M * N = ", splits * M * N,
+                " elements, got ", workspace->scalar_type(), " with ", workspace->numel());
+    ws = workspace->data_ptr();
+  }
   return compress_w4a16_gemm(x.data_ptr(), wq.data_ptr(), scales.data_ptr(), zp, out.data_ptr(), (int)M, (int)N,
-                             (int)K, (int)group_size, dtype_code(x), nullptr, reinterpret_cast<cudaStream_t>(stream));
+                             (int)K, (int)group_size, dtype_code(x), ws, (int)splits,
+                             reinterpret_cast<cudaStream_t>(stream));
 }
 
 int64_t fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale, const at::Tensor& b_scale,
@@ -87,7 +98,8 @@ int64_t fp8_supported(int64_t M, int64_t N, int64_t K, int64_t sm) {
 }  // namespace
 
 TORCH_LIBRARY(compress_cuda, m) {
-  m.def("w4a16_gemm(Tensor x, Tensor wq, Tensor scales, Tensor? zeros, Tensor(a!) out, int group_size, int stream) -> int",
+  m.def("w4a16_gemm(Tensor x, Tensor wq, Tensor scales, Tensor? zeros, Tensor(a!) out, Tensor(b!)? workspace, "
+        "int group_size, int splits, int stream) -> int",
         &w4a16_gemm);
   m.def("fp8_gemm(Tensor a, Tensor b, Tensor a_scale, Tensor b_scale, Tensor(a!) out, int stream) -> int", &fp8_gemm);
   m.def("fp8_quantize_rows(Tensor x, Tensor(a!) q, Tensor(b!) scale, int stream) -> int", &fp8_quantize_rows);

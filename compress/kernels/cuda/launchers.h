@@ -19,10 +19,12 @@ extern "C" {
 //   x, out: row-major, dtype (fp16 or bf16). wq: int4 codes u in the kernel layout written by
 //   compress/kernels/prepack.py (prepack_w4a16). scales: [K / G, N] in dtype. zeros: NULL (symmetric,
 //   z = 8) or [K / G, N] in dtype holding integers 0..15. group_size: 32, 64, 128, or -1 for one group
-//   per output channel (G = K). workspace: unused today, may be NULL.
+//   per output channel (G = K). splits: k-ranges computed by separate blocks (split-K), 1 <= splits <= K / 128;
+//   when splits > 1, workspace holds splits * M * N floats (16-byte aligned), else it may be NULL.
 int compress_w4a16_supported(int M, int N, int K, int group_size, int dtype, int sm);
 int compress_w4a16_gemm(const void* x, const void* wq, const void* scales, const void* zeros, void* out,
-                        int M, int N, int K, int group_size, int dtype, void* workspace, cudaStream_t stream);
+                        int M, int N, int K, int group_size, int dtype, void* workspace, int splits,
+                        cudaStream_t stream);
 
 // fp8 W8A8: out[M, N] (bf16) = (a[M, K] * sa) @ (b[N, K] * sb)^T, a and b float8 e4m3, fp32 accumulation.
 //   a_scale: fp32 [M] when a_per_row, else [1]; b_scale: fp32 [N] when b_per_col, else [1].

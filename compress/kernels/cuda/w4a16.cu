@@ -17,10 +17,19 @@
 // (2, 2); M > 32 -> (4, 2), wider blocks so that each x tile read from L2 serves 64 columns (NS = 1 when
 // N % 64 != 0). M > 64 takes more blocks along y.
 //
+// Split-K (gridDim.z = splits > 1): when the (N / BN) x (M / BM) grid cannot fill the GPU - decode-sized M on one
+// layer: 128 blocks for N = 4096, fewer than an H200's 132 SMs, each looping over all of K with 4 warps - block z
+// takes k-tiles [z T, min((z + 1) T, K / 128)), T = ceil((K / 128) / splits), and writes its fp32 partial sums to
+// workspace[z, M, N]; a second kernel (w4a16_reduce) adds the splits in the fixed order z = 0, 1, ... and rounds
+// once to the output dtype, so the result is the same on every run (no atomics). With splits, the M <= 16 blocks
+// use a shallower pipeline (kSplitStages) so that more of them, hence more warps, share an SM. The caller picks
+// splits (compress/kernels/prepack.py: w4a16_splits) and allocates the workspace (4 * splits * M * N bytes).
+//
 // Supported shapes (compress_w4a16_supported; mirrored by prepack.py's w4a16_supported):
 //   sm >= 80, dtype fp16 / bf16, 1 <= M <= 65535 * 64 (grid.y limit), N % 32 == 0, K % 128 == 0,
-//   group_size in {32, 64, 128, -1 (= K)}. The launcher also needs x / wq / scales / zeros 16-byte aligned and
-//   out 4-byte aligned (torch allocations are), else it answers COMPRESS_UNSUPPORTED.
+//   group_size in {32, 64, 128, -1 (= K)}, 1 <= splits <= min(K / 128, 65535). The launcher also needs x / wq /
+//   scales / zeros (and the workspace, when splits > 1) 16-byte aligned and out 4-byte aligned (torch allocations
+//   are), else it answers COMPRESS_UNSUPPORTED.
 //
 // ---------------------------------------------------------------------------------------------------------------
 // Fragment layouts (PTX ISA, section "Matrix Fragments for mma.m16n8k16 with floating point type").
@@ -53,6 +62,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include <algorithm>
+
 #include "launchers.h"
 
 namespace {
@@ -71,9 +82,26 @@ constexpr int stage_bytes(int mt, int ns) { return a_stage_bytes(mt) + b_stage_b
 // cp.async pipeline depth: deeper for small M, where the kernel is a weight stream and the bytes in flight per
 // SM set the bandwidth (Little's law); each choice keeps a block near 80 KB of shared memory.
 constexpr int stages(int mt) { return mt == 1 ? 12 : mt == 2 ? 6 : 4; }
-constexpr int smem_bytes(int mt, int ns) { return stages(mt) * stage_bytes(mt, ns); }
+// Split-K blocks of M <= 16: a shallower pipeline than the unsplit 12 stages lets more blocks (warps) share an SM,
+// and kSplitNS strips a block (where N allows) give each warp more independent mma per barrier. The macros exist
+// for tuning builds (bench/w4a16_splits.py --variants); the defaults are the measured best.
+#ifndef COMPRESS_W4A16_SPLIT_STAGES
+#define COMPRESS_W4A16_SPLIT_STAGES 6
+#endif
+#ifndef COMPRESS_W4A16_SPLIT_NS
+#define COMPRESS_W4A16_SPLIT_NS 2
+#endif
+constexpr int kSplitStages = COMPRESS_W4A16_SPLIT_STAGES;
+constexpr int kSplitNS = COMPRESS_W4A16_SPLIT_NS;
+static_assert(kSplitNS == 1 || kSplitNS == 2 || kSplitNS == 4, "COMPRESS_W4A16_SPLIT_NS: 1, 2 or 4");
+constexpr int kMaxSplits = 65535;  // gridDim.z
+constexpr int smem_bytes(int mt, int ns, int st) { return st * stage_bytes(mt, ns); }
+constexpr int smem_bytes(int mt, int ns) { return smem_bytes(mt, ns, stages(mt)); }
 // The final cross-warp reduction reuses the pipeline buffers: 4 warps x (MT * 4 NS n8 tiles * 4 floats) x 32 lanes.
 constexpr int reduce_bytes(int mt, int ns) { return 4 * mt * 4 * ns * 4 * 32 * 4; }
+static_assert(reduce_bytes(1, kSplitNS) <= smem_bytes(1, kSplitNS, kSplitStages) &&
+                  smem_bytes(1, kSplitNS, kSplitStages) <= 101376,
+              "split-K blocks: reduction buffer or shared memory too large");
 static_assert(reduce_bytes(1, 1) <= smem_bytes(1, 1) && reduce_bytes(2, 1) <= smem_bytes(2, 1) &&
               reduce_bytes(2, 2) <= smem_bytes(2, 2) && reduce_bytes(4, 1) <= smem_bytes(4, 1) &&
               reduce_bytes(4, 2) <= smem_bytes(4, 2), "reduction buffer must fit in the pipeline's shared memory");
@@ -204,17 +232,19 @@ __device__ __forceinline__ uint32_t pack_out(float lo, float hi) {
 
 // ---- the kernel -----------------------------------------------------------------------------------------------
 // MT: m16 tiles per block (BM = 16 MT). NS: 32-column strips per block (BN = 32 NS). DT: COMPRESS_DTYPE_*.
-// HAS_ZEROS: zeros tensor given (else z = 8).
-template <int MT, int NS, int DT, bool HAS_ZEROS>
+// HAS_ZEROS: zeros tensor given (else z = 8). STAGES: cp.async pipeline depth. partial: NULL (write out) or the
+// split-K workspace [gridDim.z, M, N] fp32 (write this split's sums there); tiles_per_split: k-tiles per split.
+template <int MT, int NS, int STAGES, int DT, bool HAS_ZEROS>
 __global__ void __launch_bounds__(kThreads)
 w4a16_kernel(const uint16_t* __restrict__ x, const int4* __restrict__ wq, const uint16_t* __restrict__ scales,
-             const uint16_t* __restrict__ zeros, uint16_t* __restrict__ out, int M, int N, int K, int G) {
+             const uint16_t* __restrict__ zeros, uint16_t* __restrict__ out, float* __restrict__ partial, int M,
+             int N, int K, int G, int tiles_per_split) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   extern __shared__ int4 smem[];  // int4 for 16-byte alignment
   constexpr int BM = 16 * MT;
   constexpr int BN = kStrip * NS;
   constexpr int NT = 4 * NS;      // n8 tiles per block
-  constexpr int kStages = stages(MT);
+  constexpr int kStages = STAGES;
   constexpr int kAHalfs = BM * kBK;  // x tile of one stage, in 16-bit elements
   constexpr int kStageHalfs = stage_bytes(MT, NS) / 2;
   uint16_t* const sbase = reinterpret_cast<uint16_t*>(smem);
@@ -226,6 +256,9 @@ w4a16_kernel(const uint16_t* __restrict__ x, const int4* __restrict__ wq, const 
   const int n0 = blockIdx.x * BN;
   const int m0 = blockIdx.y * BM;
   const int num_k_tiles = K / kBK;
+  // This block's k-tiles: [kt_begin, kt_begin + n_tiles). A split past the end has none and writes zeros.
+  const int kt_begin = blockIdx.z * tiles_per_split;
+  const int n_tiles = max(0, min(num_k_tiles, kt_begin + tiles_per_split) - kt_begin);
   const int ks_total = K / 32;
   // Scale rows a stage touches: 128 / G for G = 32, 64; 1 when G >= 128 (G = 128 or G = K, both divide k0).
   const int group_rows = G >= kBK ? 1 : kBK / G;
@@ -281,7 +314,7 @@ w4a16_kernel(const uint16_t* __restrict__ x, const int4* __restrict__ wq, const 
   // "wait until at most kStages - 2 groups are pending" always means "k-tile kt has landed".
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < num_k_tiles) load_stage(s, s);
+    if (s < n_tiles) load_stage(kt_begin + s, s);
     cp_async_commit();
   }
 
@@ -289,13 +322,13 @@ w4a16_kernel(const uint16_t* __restrict__ x, const int4* __restrict__ wq, const 
   // Scale row of this warp's k32 slice inside a stage: (32 warp) / G when G < 128, else 0. A k32 slice never
   // straddles a group (G >= 32 and slices start at multiples of 32).
   const int srow = (32 * warp * group_rows) / kBK;
-  for (int kt = 0; kt < num_k_tiles; ++kt) {
+  for (int it = 0; it < n_tiles; ++it) {  // it: this block's it-th k-tile, kt_begin + it
     cp_async_wait<kStages - 2>();
-    __syncthreads();  // k-tile kt visible to all threads; every warp is done with slot (kt - 1) % kStages
-    if (kt + kStages - 1 < num_k_tiles) load_stage(kt + kStages - 1, (kt + kStages - 1) % kStages);
+    __syncthreads();  // k-tile it visible to all threads; every warp is done with slot (it - 1) % kStages
+    if (it + kStages - 1 < n_tiles) load_stage(kt_begin + it + kStages - 1, (it + kStages - 1) % kStages);
     cp_async_commit();
 
-    const uint16_t* s_a = sbase + (kt % kStages) * kStageHalfs;
+    const uint16_t* s_a = sbase + (it % kStages) * kStageHalfs;
     const int4* s_b = reinterpret_cast<const int4*>(s_a + kAHalfs);
     const uint16_t* s_s = s_a + kAHalfs + b_stage_bytes(NS) / 2;
     const uint16_t* s_z = s_s + s_stage_bytes(NS) / 2;
@@ -383,6 +416,13 @@ w4a16_kernel(const uint16_t* __restrict__ x, const int4* __restrict__ wq, const 
     }
     const int col = n0 + nt * 8 + 2 * t;
     const int row0 = m0 + mt * 16 + g;
+    if (partial != nullptr) {  // split-K: fp32 sums of this split; w4a16_reduce adds the splits and rounds
+      float* p = partial + static_cast<size_t>(blockIdx.z) * M * N;
+      if (row0 < M) *reinterpret_cast<float2*>(p + static_cast<size_t>(row0) * N + col) = make_float2(v[0], v[1]);
+      if (row0 + 8 < M)
+        *reinterpret_cast<float2*>(p + static_cast<size_t>(row0 + 8) * N + col) = make_float2(v[2], v[3]);
+      continue;
+    }
     if (row0 < M) *reinterpret_cast<uint32_t*>(out + static_cast<size_t>(row0) * N + col) = pack_out<DT>(v[0], v[1]);
     if (row0 + 8 < M)
       *reinterpret_cast<uint32_t*>(out + static_cast<size_t>(row0 + 8) * N + col) = pack_out<DT>(v[2], v[3]);
@@ -390,36 +430,80 @@ w4a16_kernel(const uint16_t* __restrict__ x, const int4* __restrict__ wq, const 
 #endif
 }
 
+// out[m, n] = round(sum over z = 0, 1, ..., splits - 1 of partial[z, m, n]), in that order; two columns a thread
+// (N is even, so a pair never straddles a row; out is 4-byte aligned).
+template <int DT>
+__global__ void __launch_bounds__(256)
+w4a16_reduce(const float* __restrict__ partial, uint16_t* __restrict__ out, int M, int N, int splits) {
+  const size_t pairs = static_cast<size_t>(M) * N / 2;
+  const size_t stride = static_cast<size_t>(M) * N / 2;  // one split's plane, in float2
+  const float2* p = reinterpret_cast<const float2*>(partial);
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < pairs;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    float2 acc = p[i];
+    for (int z = 1; z < splits; ++z) {
+      const float2 v = p[z * stride + i];
+      acc.x += v.x;
+      acc.y += v.y;
+    }
+    reinterpret_cast<uint32_t*>(out)[i] = pack_out<DT>(acc.x, acc.y);
+  }
+}
+
 bool aligned(const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
 
-template <int MT, int NS, int DT, bool HAS_ZEROS>
-int launch(const void* x, const void* wq, const void* scales, const void* zeros, void* out, int M, int N, int K,
-           int G, cudaStream_t stream) {
-  auto kernel = w4a16_kernel<MT, NS, DT, HAS_ZEROS>;
-  constexpr int smem = smem_bytes(MT, NS);
+// One GEMM: the tile kernel over a (N / BN, M / BM, splits) grid, then, when splits > 1, the ordered reduction of
+// the workspace into out.
+template <int MT, int NS, int STAGES, int DT, bool HAS_ZEROS>
+int launch(const void* x, const void* wq, const void* scales, const void* zeros, void* out, float* workspace, int M,
+           int N, int K, int G, int splits, cudaStream_t stream) {
+  auto kernel = w4a16_kernel<MT, NS, STAGES, DT, HAS_ZEROS>;
+  constexpr int smem = smem_bytes(MT, NS, STAGES);
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
     cudaGetLastError();  // clear it: torch's next launch check would otherwise report it against its own kernel
     return COMPRESS_LAUNCH_ERROR;
   }
-  dim3 grid(N / (kStrip * NS), (M + 16 * MT - 1) / (16 * MT));
+  const int k_tiles = K / kBK;
+  const int tiles_per_split = (k_tiles + splits - 1) / splits;
+  dim3 grid(N / (kStrip * NS), (M + 16 * MT - 1) / (16 * MT), splits);
   kernel<<<grid, kThreads, smem, stream>>>(static_cast<const uint16_t*>(x), static_cast<const int4*>(wq),
                                            static_cast<const uint16_t*>(scales), static_cast<const uint16_t*>(zeros),
-                                           static_cast<uint16_t*>(out), M, N, K, G);
-  return cudaGetLastError() == cudaSuccess ? COMPRESS_OK : COMPRESS_LAUNCH_ERROR;
+                                           static_cast<uint16_t*>(out), splits > 1 ? workspace : nullptr, M, N, K, G,
+                                           tiles_per_split);
+  if (cudaGetLastError() != cudaSuccess) return COMPRESS_LAUNCH_ERROR;
+  if (splits > 1) {
+    const size_t pairs = static_cast<size_t>(M) * N / 2;
+    const int blocks = static_cast<int>(std::min<size_t>((pairs + 255) / 256, 65535));
+    w4a16_reduce<DT><<<blocks, 256, 0, stream>>>(workspace, static_cast<uint16_t*>(out), M, N, splits);
+    if (cudaGetLastError() != cudaSuccess) return COMPRESS_LAUNCH_ERROR;
+  }
+  return COMPRESS_OK;
 }
 
 template <int DT, bool HAS_ZEROS>
-int dispatch(const void* x, const void* wq, const void* scales, const void* zeros, void* out, int M, int N, int K,
-             int G, cudaStream_t stream) {
+int dispatch(const void* x, const void* wq, const void* scales, const void* zeros, void* out, float* ws, int M, int N,
+             int K, int G, int splits, cudaStream_t stream) {
   // (MT, NS) from M, as described at the top; mirrored by prepack.py's w4a16_config.
-  if (M <= 16) return launch<1, 1, DT, HAS_ZEROS>(x, wq, scales, zeros, out, M, N, K, G, stream);
+  if (M <= 16) {
+    if (splits == 1)
+      return launch<1, 1, stages(1), DT, HAS_ZEROS>(x, wq, scales, zeros, out, ws, M, N, K, G, 1, stream);
+    if constexpr (kSplitNS == 4) {
+      if (N % (4 * kStrip) == 0)
+        return launch<1, 4, kSplitStages, DT, HAS_ZEROS>(x, wq, scales, zeros, out, ws, M, N, K, G, splits, stream);
+    }
+    if constexpr (kSplitNS >= 2) {
+      if (N % (2 * kStrip) == 0)
+        return launch<1, 2, kSplitStages, DT, HAS_ZEROS>(x, wq, scales, zeros, out, ws, M, N, K, G, splits, stream);
+    }
+    return launch<1, 1, kSplitStages, DT, HAS_ZEROS>(x, wq, scales, zeros, out, ws, M, N, K, G, splits, stream);
+  }
   const bool wide = N % (2 * kStrip) == 0;
   if (M <= 32) {
-    return wide ? launch<2, 2, DT, HAS_ZEROS>(x, wq, scales, zeros, out, M, N, K, G, stream)
-                : launch<2, 1, DT, HAS_ZEROS>(x, wq, scales, zeros, out, M, N, K, G, stream);
+    return wide ? launch<2, 2, stages(2), DT, HAS_ZEROS>(x, wq, scales, zeros, out, ws, M, N, K, G, splits, stream)
+                : launch<2, 1, stages(2), DT, HAS_ZEROS>(x, wq, scales, zeros, out, ws, M, N, K, G, splits, stream);
   }
-  return wide ? launch<4, 2, DT, HAS_ZEROS>(x, wq, scales, zeros, out, M, N, K, G, stream)
-              : launch<4, 1, DT, HAS_ZEROS>(x, wq, scales, zeros, out, M, N, K, G, stream);
+  return wide ? launch<4, 2, stages(4), DT, HAS_ZEROS>(x, wq, scales, zeros, out, ws, M, N, K, G, splits, stream)
+              : launch<4, 1, stages(4), DT, HAS_ZEROS>(x, wq, scales, zeros, out, ws, M, N, K, G, splits, stream);
 }
 
 }  // namespace
@@ -434,9 +518,8 @@ extern "C" int compress_w4a16_supported(int M, int N, int K, int group_size, int
 }
 
 extern "C" int compress_w4a16_gemm(const void* x, const void* wq, const void* scales, const void* zeros, void* out,
-                                   int M, int N, int K, int group_size, int dtype, void* workspace,
+                                   int M, int N, int K, int group_size, int dtype, void* workspace, int splits,
                                    cudaStream_t stream) {
-  (void)workspace;
   int dev = 0, major = 0, minor = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
@@ -447,11 +530,14 @@ extern "C" int compress_w4a16_gemm(const void* x, const void* wq, const void* sc
   if (!aligned(x, 16) || !aligned(wq, 16) || !aligned(scales, 16) || (zeros && !aligned(zeros, 16)) ||
       !aligned(out, 4))
     return COMPRESS_UNSUPPORTED;
+  if (splits < 1 || splits > K / kBK || splits > kMaxSplits || (splits > 1 && (!workspace || !aligned(workspace, 16))))
+    return COMPRESS_UNSUPPORTED;
   const int G = group_size == -1 ? K : group_size;
+  float* ws = static_cast<float*>(workspace);
   if (dtype == COMPRESS_DTYPE_FP16) {
-    return zeros ? dispatch<COMPRESS_DTYPE_FP16, true>(x, wq, scales, zeros, out, M, N, K, G, stream)
-                 : dispatch<COMPRESS_DTYPE_FP16, false>(x, wq, scales, zeros, out, M, N, K, G, stream);
+    return zeros ? dispatch<COMPRESS_DTYPE_FP16, true>(x, wq, scales, zeros, out, ws, M, N, K, G, splits, stream)
+                 : dispatch<COMPRESS_DTYPE_FP16, false>(x, wq, scales, zeros, out, ws, M, N, K, G, splits, stream);
   }
-  return zeros ? dispatch<COMPRESS_DTYPE_BF16, true>(x, wq, scales, zeros, out, M, N, K, G, stream)
-               : dispatch<COMPRESS_DTYPE_BF16, false>(x, wq, scales, zeros, out, M, N, K, G, stream);
+  return zeros ? dispatch<COMPRESS_DTYPE_BF16, true>(x, wq, scales, zeros, out, ws, M, N, K, G, splits, stream)
+               : dispatch<COMPRESS_DTYPE_BF16, false>(x, wq, scales, zeros, out, ws, M, N, K, G, splits, stream);
 }
