@@ -253,3 +253,20 @@ def test_split_k_sweep_dry_run(tmp_path):
     assert sweep.main(["--dry-run", "--out", str(tmp_path), "--ms", "1", "--splits", "1,2", "--tag", "t"]) == 0
     rows = json.loads((tmp_path / "w4a16_splits_t.json").read_text())["rows"]
     assert [(r["M"], sorted(r["us"])) for r in rows] == [(1, ["1", "2"])] and not rows[0]["mismatch"]
+
+
+def test_in_model_check_dry_run(tmp_path):
+    """bench/gpu_e2e.py's dry run: quantized tiny Llama and Qwen2, the dispatch planned and installed on the CPU
+    kernels, every layer compared with its reference path on the model's own inputs (the hooks must see every
+    QuantLinear, and the CPU int4 kernel must stay within the W4A16 bound)."""
+    spec = importlib.util.spec_from_file_location("gpu_e2e", SCRIPT.parent / "gpu_e2e.py")
+    e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e)
+    assert e2e.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "gpu_e2e.json").read_text())["results"]
+    assert [(r["family"], r["scheme"]) for r in results] == [(f, s) for f in e2e.CONFIGS for s in e2e.SCHEMES]
+    for r in results:
+        assert len(r["layer_rel_err"]) == 14  # 2 blocks x (q, k, v, o, gate, up, down)
+        assert r["ok"] and r["worst_layer_rel_err"] < e2e.BOUND[r["scheme"]]
+    w4 = [r for r in results if r["scheme"].startswith("W4A16")]
+    assert all(r["worst_layer_rel_err"] > 0 for r in w4)  # the CPU int4 kernel ran, not the reference path again
