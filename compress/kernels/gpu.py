@@ -143,13 +143,23 @@ def prepare_w4a16(layer, dtype: torch.dtype) -> W4A16:
     return pack_w4a16(u, qt.scale.float().reshape(n, groups), zeros, g, dtype, qt.qdata.device)
 
 
+def _direct(x: Tensor, operand: Tensor) -> bool:
+    """Call the CUDA launcher itself (ops.launch_*), skipping the custom op's dispatch and input checks, when the
+    checks cannot fail: eager mode (torch.compile traces the op), x on the operands' device in their dtype, and the
+    operands built and checked by this module's pack_* functions."""
+    return x.is_cuda and x.device == operand.device and not torch.compiler.is_compiling()
+
+
 def linear_w4a16(p: W4A16, x: Tensor, bias: Tensor | None, splits: int = 0) -> Tensor:
     """The layer on the W4A16 kernel; `splits`: split-K count (0: chosen for the device, ops.w4a16_gemm)."""
     from . import ops
     x2 = x.reshape(-1, p.k)
     if p.k_padded != p.k:  # zero columns meet the zero weight columns pack_w4a16 appended
         x2 = F.pad(x2, (0, p.k_padded - p.k))
-    y = ops.w4a16_gemm(x2.contiguous(), p.wq, p.scales, p.zeros, p.n, p.group_size, splits)
+    x2 = x2.contiguous()
+    gemm = ops.launch_w4a16 if _direct(x2, p.wq) and x2.dtype == p.scales.dtype and x2.dim() == 2 and \
+        0 <= splits <= p.k_padded // 128 else ops.w4a16_gemm
+    y = gemm(x2, p.wq, p.scales, p.zeros, p.n, p.group_size, splits)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], p.n)
@@ -205,11 +215,12 @@ def linear_fp8(p: FP8, x: Tensor, bias: Tensor | None) -> Tensor:
     if p.weight.shape[1] != p.k:  # zero columns: they change neither the row absmax nor the sum
         x2 = F.pad(x2, (0, p.weight.shape[1] - p.k))
     x2 = x2.contiguous()
+    direct = _direct(x2, p.weight) and x2.dtype in (torch.float16, torch.bfloat16)
     if p.input_scale is not None:
         xq, sa = (x2.float() / p.input_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), p.input_scale
     else:
-        xq, sa = ops.fp8_quantize_rows(x2)
-    y = ops.fp8_gemm(xq, p.weight, sa, p.scale).to(p.out_dtype)
+        xq, sa = (ops.launch_fp8_quantize_rows if direct else ops.fp8_quantize_rows)(x2)
+    y = (ops.launch_fp8_gemm if direct else ops.fp8_gemm)(xq, p.weight, sa, p.scale).to(p.out_dtype)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], p.weight.shape[0])

@@ -76,6 +76,15 @@ def _(x, wq, scales, zeros, n, group_size, splits=0):
 @w4a16_gemm.register_kernel("cuda")
 def _(x, wq, scales, zeros, n, group_size, splits=0):
     check_w4a16(x, wq, scales, zeros, n, group_size, splits)
+    return launch_w4a16(x, wq, scales, zeros, n, group_size, splits)
+
+
+# The launch_* functions are the CUDA implementations of the ops above minus the op's dispatch and input checks (about
+# 25 us of Python a call on this project's CPU VM, more than a decode-sized kernel takes on an H200). The registered
+# CUDA implementations check, then call them; gpu.py's layers call them directly in eager mode, on operands their
+# prepare step built and checked once (torch.compile traces the ops instead).
+def launch_w4a16(x: Tensor, wq: Tensor, scales: Tensor, zeros: Optional[Tensor], n: int, group_size: int,
+                 splits: int = 0) -> Tensor:
     ext = cuda_ext.load()
     if not ext.ok:
         raise RuntimeError(f"compress::w4a16_gemm: {ext.reason}")
@@ -141,6 +150,10 @@ def _(a, b, a_scale, b_scale):
 @fp8_gemm.register_kernel("cuda")
 def _(a, b, a_scale, b_scale):
     check_fp8(a, b, a_scale, b_scale)
+    return launch_fp8_gemm(a, b, a_scale, b_scale)
+
+
+def launch_fp8_gemm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor) -> Tensor:
     ext = cuda_ext.load()
     if not ext.ok:
         raise RuntimeError(f"compress::fp8_gemm: {ext.reason}")
@@ -177,6 +190,10 @@ def _(x):
 @fp8_quantize_rows.register_kernel("cuda")
 def _(x):
     _check_rows(x)
+    return launch_fp8_quantize_rows(x)
+
+
+def launch_fp8_quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     ext = cuda_ext.load()
     if not ext.ok:
         raise RuntimeError(f"compress::fp8_quantize_rows: {ext.reason}")
