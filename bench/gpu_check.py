@@ -1,6 +1,6 @@
 """One GPU run that builds the CUDA extension, checks every kernel against its float64 reference, and times it.
 
-    python bench/gpu_check.py                 # on an H100 / H200: about 4-6 minutes (--budget), nothing to install
+    python bench/gpu_check.py                 # on an H200: about 90 s (2026-12-04; --budget caps it), nothing to install
     python bench/gpu_check.py --dry-run       # on CPU: the same code paths on small shapes (the ops' reference
                                               # paths; its times mean nothing) - run by tests/test_gpu_check.py
 
