@@ -84,6 +84,12 @@ RUNS = {  # name: (recipe, extra --set overrides)
                                                     ["stages.0.sensitivity=output_error"]),
     "auto awq+gptq @3.5 bits": ("recipes/auto_precision_4bit.yaml", ["stages.0.bytes_of=null",
                                                                      "stages.0.bits_per_weight=3.5"]),
+    # sensitivities to GPTQ's weight errors (solved on 32 other calibration windows) instead of round-to-nearest's
+    "auto awq+gptq @int4 g64 bytes, gptq errors": ("recipes/auto_precision_4bit.yaml",
+                                                   ["stages.0.error_method=gptq"]),
+    "auto awq+gptq @3.5 bits, gptq errors": ("recipes/auto_precision_4bit.yaml",
+                                             ["stages.0.bytes_of=null", "stages.0.bits_per_weight=3.5",
+                                              "stages.0.error_method=gptq"]),
     "awq+gptq int3 g32": ("recipes/awq_gptq_int4.yaml", ["stages.1.scheme.dtype=int3",
                                                          "stages.1.scheme.group_size=32"]),
     # the same choice with round-to-nearest weights (no AWQ, no GPTQ), against uniform RTN

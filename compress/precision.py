@@ -2,7 +2,12 @@
 and the choice of one scheme per layer that minimises the summed sensitivity within the bytes (a multiple-choice
 knapsack, solved exactly by dynamic programming over the bytes).
 
-Sensitivities (`measure_sensitivity`), each the cost of quantizing one layer alone, by round-to-nearest:
+Sensitivities (`measure_sensitivity`), each the cost of quantizing one layer alone, by round-to-nearest or, with
+`error_method="gptq"`, by GPTQ: each layer's weight error Q(W) − W is then GPTQ's on the float model's inputs to that
+layer (their Hessian accumulated over the same windows, a memory-bounded group of layers per pass), so a layer that
+GPTQ repairs well looks cheap where round-to-nearest made it look expensive. (AWQ+GPTQ and AutoRound runs repair
+layers unevenly; a knapsack on round-to-nearest costs then mis-ranks them. The sequential effect, each layer seeing
+the already quantized layers' outputs, is left out.)
 
 - `fisher` (default): the second-order KL the layer's output error causes at the model's output,
   ½ Σ_t (g_t · δy_t)² / T, with δy_t = (Q(W) − W) x_t the layer's output error at position t and g_t the gradient,
@@ -31,12 +36,15 @@ import torch
 from torch import Tensor, nn
 
 from .nn import linear_weight
+from .qtensor import QuantizedTensor
 from .quantizers.rtn import quantize_rtn
 from .scheme import QuantScheme
 
 FLOAT = "float"  # the menu option of keeping a layer's weight in float (bfloat16 bytes)
 FLOAT_BYTES = 2
 SENSITIVITIES = ("fisher", "output_error", "kl")
+ERROR_METHODS = ("rtn", "gptq")  # whose weight error Q(W) - W a sensitivity measures
+HESSIAN_BUDGET = 2 * 2 ** 30  # bytes of input Hessians (float32 [in, in] per layer) one pass accumulates
 
 
 @dataclass
@@ -77,17 +85,70 @@ def weight_error(w: Tensor, option: QuantScheme | None) -> tuple[Tensor | None, 
     return qt.dequantize(torch.float32) - w, qt.nbytes
 
 
+@torch.no_grad()
+def gptq_solutions(model: nn.Module, windows: Tensor, modules: dict[str, nn.Module], menu, nbytes: np.ndarray,
+                   hessian_budget: int = HESSIAN_BUDGET, progress=None) -> dict[tuple[int, int], QuantizedTensor]:
+    """GPTQ's quantized weight of every (layer, option) the menu allows, each solved with the Hessian of that layer's
+    inputs in the float model over `windows` (H = Σ x xᵀ; GPTQ's solution does not depend on its scale). Layers are
+    taken in groups whose Hessians fit `hessian_budget` bytes, one forward of every window per group, so memory
+    stays bounded for large models; the solutions are kept quantized (their codes and scales)."""
+    from .quantizers.gptq import quantize_gptq
+    names = list(modules)
+    sizes = [linear_weight(modules[n]).shape[1] ** 2 * 4 for n in names]
+    groups, cur, used = [], [], 0
+    for i, size in enumerate(sizes):
+        if cur and used + size > hessian_budget:
+            groups.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += size
+    groups.append(cur)
+    out, done = {}, 0
+    for group in groups:
+        hess = {i: None for i in group}
+
+        def attach(i: int):
+            def hook(_m, args, _output):
+                x = args[0].detach().float().reshape(-1, args[0].shape[-1])
+                hess[i] = x.t() @ x if hess[i] is None else hess[i].addmm_(x.t(), x)
+            return modules[names[i]].register_forward_hook(hook)
+
+        handles = [attach(i) for i in group]
+        try:
+            for k in range(windows.shape[0]):
+                model(input_ids=windows[k:k + 1], use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        for i in group:
+            w = linear_weight(modules[names[i]]).detach().float()
+            for j, option in enumerate(menu):
+                if option is not None and nbytes[i, j] >= 0:
+                    out[i, j] = quantize_gptq(w, hess[i], option, name=names[i])
+            hess[i] = None
+            done += 1
+            if progress is not None:
+                progress(done, len(names))
+    return out
+
+
 def _layers(model: nn.Module, names: list[str]) -> dict[str, nn.Module]:
     return {n: model.get_submodule(n) for n in names}
 
 
 def measure_sensitivity(model: nn.Module, windows: Tensor, names: list[str], menu: list[QuantScheme | None],
-                        kind: str = "fisher", seed: int = 0, progress=None) -> Sensitivity:
+                        kind: str = "fisher", seed: int = 0, progress=None, error_method: str = "rtn",
+                        hessian_budget: int = HESSIAN_BUDGET, hessian_windows: Tensor | None = None) -> Sensitivity:
     """The sensitivity table of layers `names` (full module names of linear layers of `model`) to every option of
     `menu` (None = float), on token windows [N, T]. `fisher` and `output_error` come from the same pass and are both
-    returned; `kl` measures every (layer, option) with a forward of all windows. The model is left as it was."""
+    returned; `kl` measures every (layer, option) with a forward of all windows. `error_method`: the weight error is
+    round-to-nearest's (rtn) or GPTQ's (gptq: gptq_solutions first, on `hessian_windows`, default `windows`: GPTQ
+    fitted on the very windows its error is then measured on looks better than it will on other text, the more so
+    the wider the layer). The model is left as it was."""
     if kind not in SENSITIVITIES:
         raise ValueError(f"sensitivity {kind!r}; choose one of {list(SENSITIVITIES)}")
+    if error_method not in ERROR_METHODS:
+        raise ValueError(f"error_method {error_method!r}; choose one of {list(ERROR_METHODS)}")
     modules = _layers(model, names)
     shapes = {n: tuple(linear_weight(m).shape) for n, m in modules.items()}
     options = [option_name(o) for o in menu]
@@ -102,10 +163,19 @@ def measure_sensitivity(model: nn.Module, windows: Tensor, names: list[str], men
     was_training = model.training
     model.eval()
     try:
-        if kind == "kl":
-            out.costs["kl"] = _measured_kl(model, windows, modules, menu, nbytes, progress)
+        if error_method == "gptq":
+            solved = gptq_solutions(model, windows if hessian_windows is None else hessian_windows, modules, menu,
+                                    nbytes, hessian_budget)
+
+            def error(i: int, j: int, w: Tensor) -> Tensor:
+                return solved[i, j].dequantize(torch.float32) - w
         else:
-            out.costs.update(_fisher_pass(model, windows, modules, menu, nbytes, seed, progress))
+            def error(i: int, j: int, w: Tensor) -> Tensor:
+                return weight_error(w, menu[j])[0]
+        if kind == "kl":
+            out.costs["kl"] = _measured_kl(model, windows, modules, menu, nbytes, progress, error)
+        else:
+            out.costs.update(_fisher_pass(model, windows, modules, menu, nbytes, seed, progress, error))
     finally:
         model.train(was_training)
     return out
@@ -117,7 +187,7 @@ def scheme_bytes(shape: tuple[int, int], scheme: QuantScheme) -> int:
 
 
 def _fisher_pass(model: nn.Module, windows: Tensor, modules: dict[str, nn.Module], menu, nbytes: np.ndarray,
-                 seed: int, progress) -> dict[str, np.ndarray]:
+                 seed: int, progress, error) -> dict[str, np.ndarray]:
     """One forward and backward per window with labels sampled from the model's prediction; at every planned
     linear, per option: ½ Σ_t (g_t · δy_t)² (fisher) and Σ ‖δy_t‖² (output error, divided by Σ ‖y_t‖² at the end)."""
     names = list(modules)
@@ -138,7 +208,7 @@ def _fisher_pass(model: nn.Module, windows: Tensor, modules: dict[str, nn.Module
                 if option is None or nbytes[i, j] < 0:
                     deltas.append(None)
                     continue
-                d = x @ weight_error(w, option)[0].t()  # [T, out]
+                d = x @ error(i, j, w).t()  # [T, out]
                 err[i, j] += float(d.pow(2).sum())
                 deltas.append(d)
 
@@ -188,7 +258,7 @@ def _fisher_pass(model: nn.Module, windows: Tensor, modules: dict[str, nn.Module
 
 @torch.no_grad()
 def _measured_kl(model: nn.Module, windows: Tensor, modules: dict[str, nn.Module], menu, nbytes: np.ndarray,
-                 progress) -> np.ndarray:
+                 progress, error) -> np.ndarray:
     """KL(float ‖ model with one layer quantized), mean over the windows' tokens, for every layer and option. The
     layer's output gets its error x (Q(W) − W)ᵀ added by a hook: no weight is changed, so a head that shares its
     matrix with the embedding is quantized as a head only."""
@@ -204,7 +274,7 @@ def _measured_kl(model: nn.Module, windows: Tensor, modules: dict[str, nn.Module
             if nbytes[i, j] < 0:
                 out[i, j] = math.inf
                 continue
-            delta = weight_error(w, option)[0]
+            delta = error(i, j, w)
 
             def add_error(_m, args, output, delta=delta):
                 return output + (args[0].float() @ delta.t()).to(output.dtype)

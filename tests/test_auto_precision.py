@@ -13,6 +13,7 @@ import yaml
 
 from compress.arch import get_arch
 from compress.precision import choose, measure_sensitivity, scheme_bytes, weight_error
+from compress.quantizers.gptq import quantize_gptq
 from compress.recipe import RecipeError, from_dict, to_plain
 from compress.scheme import W4A16_ASYM_G64, W8A16, scheme
 from compress.stages.quantize import LayerScheme, QuantizeStage, apply_quantize, plan_quantize
@@ -85,6 +86,49 @@ def test_fisher_equals_the_token_by_token_reference(llama):
         for j, option in enumerate(MENU):
             ref = fisher_token_by_token(llama, ids, name, w + weight_error(w, option)[0], seed=5)
             assert sens.costs["fisher"][i, j] == pytest.approx(ref, rel=1e-4)
+
+
+def _plain_hessian(model, ids, name):
+    """Σ x xᵀ of the layer's inputs over the windows, from a plain capture of every input row."""
+    rows = []
+    h = model.get_submodule(name).register_forward_hook(
+        lambda _m, args, _o: rows.append(args[0].detach().float().reshape(-1, args[0].shape[-1])))
+    with torch.no_grad():
+        for k in range(ids.shape[0]):
+            model(input_ids=ids[k:k + 1], use_cache=False)
+    h.remove()
+    x = torch.cat(rows).double()
+    return (x.t() @ x).float()
+
+
+def test_fisher_of_gptq_errors_equals_the_token_by_token_reference(llama):
+    """error_method="gptq": the sensitivity of each layer is that of GPTQ's solution, solved with the Hessian of the
+    layer's float inputs over the same windows (a one-layer Hessian budget, one group per pass, changes nothing)."""
+    names = ["model.layers.0.self_attn.v_proj", "model.layers.1.mlp.down_proj"]
+    ids = _windows()
+    sens = measure_sensitivity(llama, ids, names, MENU, "fisher", seed=5, error_method="gptq")
+    small = measure_sensitivity(llama, ids, names, MENU, "fisher", seed=5, error_method="gptq", hessian_budget=1)
+    np.testing.assert_array_equal(sens.costs["fisher"], small.costs["fisher"])
+    for i, name in enumerate(names):
+        w = llama.get_submodule(name).weight.detach().float()
+        hess = _plain_hessian(llama, ids, name)
+        for j, option in enumerate(MENU):
+            q = quantize_gptq(w, hess, option).dequantize(torch.float32)
+            ref = fisher_token_by_token(llama, ids, name, q, seed=5)
+            assert sens.costs["fisher"][i, j] == pytest.approx(ref, rel=1e-3)
+    with pytest.raises(ValueError, match="error_method 'awq'"):
+        measure_sensitivity(llama, ids, names, MENU, "fisher", error_method="awq")
+
+
+def test_gptq_errors_cost_less_output_error_than_round_to_nearest(llama):
+    """GPTQ minimises each layer's output error on these inputs, so its output-error sensitivity, summed over a
+    block's layers, is below round-to-nearest's at every bit width (at 2 bits by a wide margin)."""
+    names = [n for n, m in llama.named_modules() if n.startswith("model.layers.1.") and isinstance(m, torch.nn.Linear)]
+    ids = _windows(4, 24)
+    rtn = measure_sensitivity(llama, ids, names, MENU, "fisher").costs["output_error"].sum(0)
+    gptq = measure_sensitivity(llama, ids, names, MENU, "fisher", error_method="gptq").costs["output_error"].sum(0)
+    assert (gptq < rtn).all(), (gptq, rtn)
+    assert gptq[2] < 0.8 * rtn[2]
 
 
 def test_measured_kl_equals_replacing_the_weight(llama):
@@ -214,10 +258,10 @@ def test_stage_needs_one_budget_and_weight_only_menus():
             {"stage": "quantize", "method": "gptq"}]})
 
 
-@pytest.fixture(scope="module")
-def run_auto(tmp_path_factory):
-    """`compress run` of auto_precision (fisher, 4.5 bits per weight, menu int8 / int4 g16 / int2 g16) then GPTQ on
-    the tiny llama; returns (output folder, report)."""
+@pytest.fixture(scope="module", params=["rtn", "gptq"])
+def run_auto(tmp_path_factory, request):
+    """`compress run` of auto_precision (fisher, 4.5 bits per weight, menu int8 / int4 g16 / int2 g16; sensitivity to
+    round-to-nearest's or GPTQ's weight errors) then GPTQ on the tiny llama; returns (output folder, report)."""
     from compress.cli import main
     from tests.test_cli import N_SAMPLES, SEQ_LEN, _recipe, make_tiny_tokenizer, word_text
 
@@ -229,7 +273,8 @@ def run_auto(tmp_path_factory):
     calib.write_text(word_text(4 * N_SAMPLES * SEQ_LEN) + "\n")
     recipe = _recipe(model_dir, calib, root / "out", method="gptq")
     recipe["stages"].insert(0, {"stage": "auto_precision", "menu": [to_plain(s) for s in MENU],
-                                "bits_per_weight": 4.5, "n_samples": 2})
+                                "bits_per_weight": 4.5, "n_samples": 2, "error_method": request.param,
+                                "gptq_samples": 2})
     recipe["eval"] = {"perplexity": True, "max_windows": 1, "seq_len": 16, "speed": False, "split": "test"}
     path = root / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
@@ -238,9 +283,10 @@ def run_auto(tmp_path_factory):
 
 
 def test_run_quantizes_each_layer_in_the_scheme_chosen_within_the_budget(run_auto):
-    out, report, _, _ = run_auto
+    out, report, recipe, _ = run_auto
     section, quantize = report["stages"][0], report["stages"][1]
     assert section["stage"] == "auto_precision" and section["layers"] == 14
+    assert section["error_method"] == recipe["stages"][0]["error_method"]
     assert section["bytes"] <= section["budget_bytes"] == int(4.5 * section["weights"] / 8)
     assert section["bits_per_weight"] > 4.4  # the budget is used, not left idle
     assert len({v for v in section["assignment"].values()}) >= 2  # mixed

@@ -15,7 +15,8 @@ from torch import nn
 from ..arch import ArchSpec
 from ..data import calibration_windows
 from ..nn import linear_shape
-from ..precision import FLOAT, SENSITIVITIES, choose, fits, measure_sensitivity, option_name, scheme_bytes
+from ..precision import (ERROR_METHODS, FLOAT, SENSITIVITIES, choose, fits, measure_sensitivity, option_name,
+                         scheme_bytes)
 from ..quantizers import get_quantizer
 from ..scheme import W4A16_ASYM_G64, W8A16, QuantScheme
 from .base import ModelStageContext, Plan, StageBase, next_target
@@ -35,8 +36,12 @@ class AutoPrecisionStage(StageBase):
     included), bytes (their stored bytes), bytes_of (the bytes uniform quantization with this scheme would take).
     sensitivity: fisher (predicted KL from one forward and backward per window; default), output_error (relative
     output error, no backward) or kl (measured KL with each layer quantized alone: one forward per layer and scheme,
-    slow). The targeted layers are those the quantize stage's targets / ignore select; n_samples windows of the
-    recipe's calibration text (seq_len tokens, the calibration's by default) are measured.
+    slow). error_method: whose weight error the sensitivity measures: rtn (round-to-nearest, default) or gptq (GPTQ
+    solved per layer and scheme on the float model's inputs: for recipes that quantize with GPTQ or AutoRound, which
+    repair layers unevenly; solved on gptq_samples windows of the calibration text, not the n_samples measured, so
+    that its error is not the optimistic one on the text it was fitted to). The targeted layers are those the
+    quantize stage's targets / ignore select; n_samples windows of the recipe's calibration text (seq_len tokens,
+    the calibration's by default) are measured.
     """
 
     menu: tuple[QuantScheme, ...] = DEFAULT_MENU
@@ -45,6 +50,8 @@ class AutoPrecisionStage(StageBase):
     bytes: int | None = None
     bytes_of: QuantScheme | None = None
     sensitivity: Literal["fisher", "output_error", "kl"] = "fisher"
+    error_method: Literal["rtn", "gptq"] = "rtn"
+    gptq_samples: int = 32
     n_samples: int = 8
     seq_len: int | None = None
     seed: int = 0
@@ -68,8 +75,11 @@ class AutoPrecisionStage(StageBase):
                                  "(the sensitivity is measured on the weights alone): use weight-only schemes")
         if self.sensitivity not in SENSITIVITIES:
             raise ValueError(f"sensitivity {self.sensitivity!r}; choose one of {list(SENSITIVITIES)}")
-        if self.n_samples < 1 or (self.seq_len is not None and self.seq_len < 2):
-            raise ValueError("n_samples must be >= 1 and seq_len >= 2")
+        if self.error_method not in ERROR_METHODS:
+            raise ValueError(f"error_method {self.error_method!r}; choose one of {list(ERROR_METHODS)} (the quantizer "
+                             "whose weight error the sensitivity measures)")
+        if self.n_samples < 1 or self.gptq_samples < 1 or (self.seq_len is not None and self.seq_len < 2):
+            raise ValueError("n_samples and gptq_samples must be >= 1 and seq_len >= 2")
 
     name: ClassVar[str] = "auto_precision"
     whole_model: ClassVar[bool] = True
@@ -104,7 +114,8 @@ class AutoPrecisionStage(StageBase):
                   f"{self.bytes} bytes" if self.bytes is not None else f"the bytes of uniform {self.bytes_of.name}")
         return (f"\nstage {index}: auto_precision, one scheme per layer of the next quantize stage from "
                 f"[{', '.join(option_name(o) for o in self.options)}] within {budget}, by {self.sensitivity} "
-                f"sensitivity on {self.n_samples} calibration windows (chosen at run time, before calibration; until then "
+                f"sensitivity to {self.error_method} weight errors on {self.n_samples} calibration windows "
+                "(chosen at run time, before calibration; until then "
                 "the quantize stage below lists its own scheme for every layer)")
 
     def describe(self, plan: Plan, index: int) -> tuple[list[str], str]:
@@ -119,11 +130,18 @@ class AutoPrecisionStage(StageBase):
             raise ValueError(f"stage {index} (auto_precision): the quantize stage after it selects no layer")
         seq_len = self.seq_len or ctx.calibration.seq_len
         ctx.log(f"stage {index}: auto_precision — {self.sensitivity} sensitivity of {len(names)} layers to "
-                f"{len(self.options)} options on {self.n_samples} × {seq_len} calibration tokens ...")
+                f"{len(self.options)} options ({self.error_method} weight errors) on {self.n_samples} × {seq_len} "
+                "calibration tokens ...")
         windows = calibration_windows(ctx.calibration.source(), ctx.tokenizer, ctx.model, self.n_samples, seq_len,
                                       ctx.calibration.seed)
+        hessian_windows = None
+        if self.error_method == "gptq":  # GPTQ's fit on other windows than those its error is measured on
+            more = calibration_windows(ctx.calibration.source(), ctx.tokenizer, ctx.model,
+                                       self.n_samples + self.gptq_samples, seq_len, ctx.calibration.seed)
+            hessian_windows = more[self.n_samples:]
         t0 = time.perf_counter()
-        sens = measure_sensitivity(ctx.model, windows, names, self.options, self.sensitivity, self.seed)
+        sens = measure_sensitivity(ctx.model, windows, names, self.options, self.sensitivity, self.seed,
+                                   error_method=self.error_method, hessian_windows=hessian_windows)
         seconds = time.perf_counter() - t0
         numel = np.array([int(ctx.model.get_submodule(n).weight.numel()) for n in names], dtype=np.int64)
         budget = self._budget(ctx.model, names, numel)
@@ -141,6 +159,7 @@ class AutoPrecisionStage(StageBase):
         assignment = {n: sens.options[p] for n, p in zip(names, picked)}
         options = {option_name(o): o for o in self.options}
         return {"index": index, "stage": "auto_precision", "sensitivity": self.sensitivity,
+                "error_method": self.error_method,
                 "menu": list(sens.options), "layers": len(names), "weights": int(numel.sum()),
                 "budget_bytes": int(budget), "budget_bits_per_weight": float(budget * 8 / numel.sum()),
                 "bytes": chosen_bytes, "bits_per_weight": float(chosen_bytes * 8 / numel.sum()),
@@ -178,7 +197,8 @@ class AutoPrecisionStage(StageBase):
         lines = ["", f"## Stage {section['index']}: auto_precision", "",
                  f"One scheme per layer for {section['layers']} layers ({section['weights']:,} weights) within "
                  f"{section['budget_bits_per_weight']:.3f} bits per weight ({section['budget_bytes']:,} bytes), by "
-                 f"{kind} sensitivity measured on {section['tokens']:,} calibration tokens in "
+                 f"{kind} sensitivity to {section.get('error_method', 'rtn')} weight errors measured on "
+                 f"{section['tokens']:,} calibration tokens in "
                  f"{section['seconds']:.0f} s: **{section['bits_per_weight']:.3f} bits per weight** "
                  f"({section['bytes']:,} bytes).", "",
                  f"Predicted cost (sum over layers of the {kind} sensitivity of the chosen schemes): "
