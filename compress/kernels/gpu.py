@@ -145,8 +145,9 @@ def prepare_w4a16(layer, dtype: torch.dtype) -> W4A16:
 
 def _direct(x: Tensor, operand: Tensor) -> bool:
     """Call the CUDA launcher itself (ops.launch_*), skipping the custom op's dispatch and input checks, when the
-    checks cannot fail: eager mode (torch.compile traces the op), x on the operands' device in their dtype, and the
-    operands built and checked by this module's pack_* functions."""
+    checks cannot fail: eager mode (torch.compile traces the op), x on the operands' device (the callers check its
+    dtype), and the operands built and checked by this module's pack_* functions. The launchers' own C checks still
+    refuse a shape they cannot run (ValueError, as the op would)."""
     return x.is_cuda and x.device == operand.device and not torch.compiler.is_compiling()
 
 
