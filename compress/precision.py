@@ -91,7 +91,8 @@ def gptq_solutions(model: nn.Module, windows: Tensor, modules: dict[str, nn.Modu
     """GPTQ's quantized weight of every (layer, option) the menu allows, each solved with the Hessian of that layer's
     inputs in the float model over `windows` (H = Σ x xᵀ; GPTQ's solution does not depend on its scale). Layers are
     taken in groups whose Hessians fit `hessian_budget` bytes, one forward of every window per group, so memory
-    stays bounded for large models; the solutions are kept quantized (their codes and scales)."""
+    stays bounded for large models; the solutions are kept quantized (their codes and scales: the menu's stored
+    bytes summed, about 2.5 bytes per weight for auto_precision's default menu)."""
     from .quantizers.gptq import quantize_gptq
     names = list(modules)
     sizes = [linear_weight(modules[n]).shape[1] ** 2 * 4 for n in names]
