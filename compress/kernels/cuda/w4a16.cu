@@ -22,7 +22,7 @@
 // takes k-tiles [z T, min((z + 1) T, K / 128)), T = ceil((K / 128) / splits), and writes its fp32 partial sums to
 // workspace[z, M, N]; a second kernel (w4a16_reduce) adds the splits in the fixed order z = 0, 1, ... and rounds
 // once to the output dtype, so the result is the same on every run (no atomics). With splits, the M <= 16 blocks
-// use a shallower pipeline (kSplitStages) so that more of them, hence more warps, share an SM. The caller picks
+// take kSplitNS strips and a shallower pipeline (kSplitStages) so that more warps share an SM. The caller picks
 // splits (compress/kernels/prepack.py: w4a16_splits) and allocates the workspace (4 * splits * M * N bytes).
 //
 // Supported shapes (compress_w4a16_supported; mirrored by prepack.py's w4a16_supported):
@@ -84,7 +84,8 @@ constexpr int stage_bytes(int mt, int ns) { return a_stage_bytes(mt) + b_stage_b
 constexpr int stages(int mt) { return mt == 1 ? 12 : mt == 2 ? 6 : 4; }
 // Split-K blocks of M <= 16: a shallower pipeline than the unsplit 12 stages lets more blocks (warps) share an SM,
 // and kSplitNS strips a block (where N allows) give each warp more independent mma per barrier. The macros exist
-// for tuning builds (bench/w4a16_splits.py --variants); the defaults are the measured best.
+// for tuning builds (bench/gpu_run.sh with W4A16_VARIANTS); the defaults are the best of those measured on an H200
+// (bench/results/gpu_check/w4a16_splits_variants.json: 1, 2 or 4 strips at 4 or 6 stages).
 #ifndef COMPRESS_W4A16_SPLIT_STAGES
 #define COMPRESS_W4A16_SPLIT_STAGES 6
 #endif
