@@ -158,7 +158,8 @@ def linear_w4a16(p: W4A16, x: Tensor, bias: Tensor | None, splits: int = 0) -> T
     if p.k_padded != p.k:  # zero columns meet the zero weight columns pack_w4a16 appended
         x2 = F.pad(x2, (0, p.k_padded - p.k))
     x2 = x2.contiguous()
-    gemm = ops.launch_w4a16 if _direct(x2, p.wq) and x2.dtype == p.scales.dtype and x2.dim() == 2 and \
+    # a bad splits value takes the checked op, whose message names it
+    gemm = ops.launch_w4a16 if _direct(x2, p.wq) and x2.dtype == p.scales.dtype and \
         0 <= splits <= p.k_padded // 128 else ops.w4a16_gemm
     y = gemm(x2, p.wq, p.scales, p.zeros, p.n, p.group_size, splits)
     if bias is not None:

@@ -386,15 +386,10 @@ inline constexpr int kQuantThreads = 256;
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 
-template <typename T>
-__global__ void __launch_bounds__(kQuantThreads) fp8_quantize_rows(const T* __restrict__ x,
-                                                                   __nv_fp8_storage_t* __restrict__ q,
-                                                                   float* __restrict__ scale, int K) {
+// The row's scale from each thread's partial absmax: max over the block (fmaxf: NaNs ignored), then
+// max(absmax / 448, 1e-12); thread 0 stores it. Every thread of the block must call it (a barrier inside).
+__device__ __forceinline__ float row_scale(float amax, float* scale_out) {
   __shared__ float warp_max[kQuantThreads / 32];
-  const size_t row = blockIdx.x;
-  const T* xr = x + row * K;
-  float amax = 0.f;
-  for (int k = threadIdx.x; k < K; k += kQuantThreads) amax = fmaxf(amax, fabsf(to_float(xr[k])));
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = amax;
@@ -403,7 +398,19 @@ __global__ void __launch_bounds__(kQuantThreads) fp8_quantize_rows(const T* __re
 #pragma unroll
   for (int w = 1; w < kQuantThreads / 32; ++w) amax = fmaxf(amax, warp_max[w]);
   const float s = fmaxf(amax / 448.f, 1e-12f);  // 448 = largest finite e4m3 (OCP FP8 spec)
-  if (threadIdx.x == 0) scale[row] = s;
+  if (threadIdx.x == 0) *scale_out = s;
+  return s;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kQuantThreads) fp8_quantize_rows(const T* __restrict__ x,
+                                                                   __nv_fp8_storage_t* __restrict__ q,
+                                                                   float* __restrict__ scale, int K) {
+  const size_t row = blockIdx.x;
+  const T* xr = x + row * K;
+  float amax = 0.f;
+  for (int k = threadIdx.x; k < K; k += kQuantThreads) amax = fmaxf(amax, fabsf(to_float(xr[k])));
+  const float s = row_scale(amax, scale + row);
   for (int k = threadIdx.x; k < K; k += kQuantThreads)  // IEEE division, round-to-nearest-even, saturate
     q[row * K + k] = __nv_cvt_float_to_fp8(to_float(xr[k]) / s, __NV_SATFINITE, __NV_E4M3);
 }
@@ -447,7 +454,6 @@ __global__ void __launch_bounds__(kQuantThreads) fp8_quantize_rows_vec(const T* 
                                                                        __nv_fp8_storage_t* __restrict__ q,
                                                                        float* __restrict__ scale, int K) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890  // fp8 layers run on sm 89+; below, the scalar kernel serves
-  __shared__ float warp_max[kQuantThreads / 32];
   const size_t row = blockIdx.x;
   const int chunks = K / 8;
   const int4* xr = reinterpret_cast<const int4*>(x + row * K);
@@ -463,15 +469,7 @@ __global__ void __launch_bounds__(kQuantThreads) fp8_quantize_rows_vec(const T* 
   for (int i = 0; i < CH; ++i) amax = chunk_absmax<T>(v[i], amax);  // zeros past the row: no change
   for (int c = threadIdx.x + CH * kQuantThreads; c < chunks; c += kQuantThreads)
     amax = chunk_absmax<T>(xr[c], amax);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = amax;
-  __syncthreads();
-  amax = warp_max[0];
-#pragma unroll
-  for (int w = 1; w < kQuantThreads / 32; ++w) amax = fmaxf(amax, warp_max[w]);
-  const float s = fmaxf(amax / 448.f, 1e-12f);  // 448 = largest finite e4m3 (OCP FP8 spec)
-  if (threadIdx.x == 0) scale[row] = s;
+  const float s = row_scale(amax, scale + row);
 #pragma unroll
   for (int i = 0; i < CH; ++i) {
     const int c = threadIdx.x + i * kQuantThreads;
