@@ -90,6 +90,12 @@ RUNS = {  # name: (recipe, extra --set overrides)
     "auto awq+gptq @3.5 bits, gptq errors": ("recipes/auto_precision_4bit.yaml",
                                              ["stages.0.bytes_of=null", "stages.0.bits_per_weight=3.5",
                                               "stages.0.error_method=gptq"]),
+    # sensitivities to AWQ-then-GPTQ's weight errors (the recipe's awq stage imitated on each layer alone)
+    "auto awq+gptq @int4 g64 bytes, awq+gptq errors": ("recipes/auto_precision_4bit.yaml",
+                                                       ["stages.0.error_method=awq_gptq"]),
+    "auto awq+gptq @3.5 bits, awq+gptq errors": ("recipes/auto_precision_4bit.yaml",
+                                                 ["stages.0.bytes_of=null", "stages.0.bits_per_weight=3.5",
+                                                  "stages.0.error_method=awq_gptq"]),
     "awq+gptq int3 g32": ("recipes/awq_gptq_int4.yaml", ["stages.1.scheme.dtype=int3",
                                                          "stages.1.scheme.group_size=32"]),
     # the same choice with round-to-nearest weights (no AWQ, no GPTQ), against uniform RTN

@@ -5,7 +5,9 @@ knapsack, solved exactly by dynamic programming over the bytes).
 Sensitivities (`measure_sensitivity`), each the cost of quantizing one layer alone, by round-to-nearest or, with
 `error_method="gptq"`, by GPTQ: each layer's weight error Q(W) − W is then GPTQ's on the float model's inputs to that
 layer (their Hessian accumulated over the same windows, a memory-bounded group of layers per pass), so a layer that
-GPTQ repairs well looks cheap where round-to-nearest made it look expensive. (AWQ+GPTQ and AutoRound runs repair
+GPTQ repairs well looks cheap where round-to-nearest made it look expensive; with `awq_rtn` / `awq_gptq`, AWQ's
+activation-aware scale and clipping search runs on each layer first (imitating the recipe's awq stage), so the
+costs are those of the recipe's own quantizer chain. (AWQ+GPTQ and AutoRound runs repair
 layers unevenly; a knapsack on round-to-nearest costs then mis-ranks them. The sequential effect, each layer seeing
 the already quantized layers' outputs, is left out.)
 
@@ -43,7 +45,7 @@ from .scheme import QuantScheme
 FLOAT = "float"  # the menu option of keeping a layer's weight in float (bfloat16 bytes)
 FLOAT_BYTES = 2
 SENSITIVITIES = ("fisher", "output_error", "kl")
-ERROR_METHODS = ("rtn", "gptq")  # whose weight error Q(W) - W a sensitivity measures
+ERROR_METHODS = ("rtn", "gptq", "awq_rtn", "awq_gptq")  # whose weight error Q(W) - W a sensitivity measures
 HESSIAN_BUDGET = 2 * 2 ** 30  # bytes of input Hessians (float32 [in, in] per layer) one pass accumulates
 
 
@@ -85,15 +87,72 @@ def weight_error(w: Tensor, option: QuantScheme | None) -> tuple[Tensor | None, 
     return qt.dequantize(torch.float32) - w, qt.nbytes
 
 
+@dataclass(frozen=True)
+class AWQModel:
+    """How error_methods awq_rtn and awq_gptq imitate the recipe's `awq` stage one layer at a time: which layers a
+    scaling pair scales the input of (`scaled`: full names; a pair AWQ skips, e.g. under grouped-query attention,
+    scales none), which it leaves unclipped (`no_clip`), and the stage's search settings."""
+
+    scaled: frozenset = frozenset()
+    no_clip: frozenset = frozenset()
+    n_grid: int = 20
+    clip: bool = True
+    clip_grid: int = 20
+    max_shrink: float = 0.5
+    clip_tokens: int = 512
+
+
+@dataclass
+class _Inputs:
+    """What one pass gathers of a layer's float inputs: H = Σ x xᵀ, Σ |x| per channel, rows kept for clipping."""
+
+    hessian: Tensor | None = None
+    abs_sum: Tensor | None = None
+    count: int = 0
+    rows: list = field(default_factory=list)
+
+
+def awq_weight(w: Tensor, inputs: _Inputs, option: QuantScheme, scaled: bool, clip: bool,
+               awq: AWQModel) -> tuple[Tensor, Tensor | None]:
+    """AWQ on one layer alone, for the sensitivities: (the clipped weight in the scaled basis W·diag(s), s or None).
+    s = mean|x|^r over r in a grid of awq.n_grid (quantizers/awq.py's candidates), the r whose round-to-nearest
+    error has the least output error tr(E H Eᵀ) on these inputs (r = 0, no scaling, is a candidate); then AWQ's
+    clipping search on the kept input rows. The stage searches a pair's layers together, on the output of the
+    module that reads them; this searches each layer for itself (a layer measured alone, as every sensitivity is)."""
+    from .quantizers.awq import candidate_scales, clipped, search_clip
+    from .quantizers.rtn import fake_quantize
+    s = None
+    if scaled:
+        x_mean = inputs.abs_sum / max(inputs.count, 1)
+        best = math.inf
+        for ratio in torch.linspace(0, 1, awq.n_grid).tolist():
+            cand = candidate_scales(x_mean, None, ratio)
+            e = fake_quantize(w * cand, option) / cand - w
+            loss = float(((e @ inputs.hessian) * e).sum())
+            if loss < best:
+                best, s = loss, cand
+    ws = w if s is None else w * s
+    if clip and option.granularity != "tensor":
+        x = torch.cat(inputs.rows)
+        x = x[:: max(1, x.shape[0] // awq.clip_tokens)][: awq.clip_tokens]
+        lo, hi = search_clip(ws, x if s is None else x / s, option, awq.clip_grid, awq.max_shrink)
+        ws = clipped(ws, lo, hi, option)
+    return ws, s
+
+
 @torch.no_grad()
-def gptq_solutions(model: nn.Module, windows: Tensor, modules: dict[str, nn.Module], menu, nbytes: np.ndarray,
-                   hessian_budget: int = HESSIAN_BUDGET, progress=None) -> dict[tuple[int, int], QuantizedTensor]:
-    """GPTQ's quantized weight of every (layer, option) the menu allows, each solved with the Hessian of that layer's
-    inputs in the float model over `windows` (H = Σ x xᵀ; GPTQ's solution does not depend on its scale). Layers are
+def solve_layers(model: nn.Module, windows: Tensor, modules: dict[str, nn.Module], menu, nbytes: np.ndarray,
+                 method: str = "gptq", awq: AWQModel | None = None, hessian_budget: int = HESSIAN_BUDGET,
+                 progress=None) -> dict[tuple[int, int], tuple[QuantizedTensor, Tensor | None]]:
+    """Every (layer, option)'s quantized weight as `method` leaves it, from that layer's inputs in the float model
+    over `windows`: gptq (GPTQ with H = Σ x xᵀ; its solution does not depend on H's scale), awq_rtn (awq_weight then
+    round-to-nearest) or awq_gptq (awq_weight then GPTQ with the scaled inputs' Hessian diag(s)⁻¹ H diag(s)⁻¹).
+    Each value is (the quantized weight in the scaled basis, s or None): the layer computes x (Q/s)ᵀ. Layers are
     taken in groups whose Hessians fit `hessian_budget` bytes, one forward of every window per group, so memory
     stays bounded for large models; the solutions are kept quantized (their codes and scales: the menu's stored
-    bytes summed, about 2.5 bytes per weight for auto_precision's default menu)."""
+    bytes summed, about 2.5 bytes per weight for auto_precision's default menu, plus s)."""
     from .quantizers.gptq import quantize_gptq
+    awq = awq or AWQModel()
     names = list(modules)
     sizes = [linear_weight(modules[n]).shape[1] ** 2 * 4 for n in names]
     groups, cur, used = [], [], 0
@@ -104,14 +163,22 @@ def gptq_solutions(model: nn.Module, windows: Tensor, modules: dict[str, nn.Modu
         cur.append(i)
         used += size
     groups.append(cur)
+    smooth = method.startswith("awq")
+    stride = max(1, windows.numel() // awq.clip_tokens)  # rows kept per window for the clipping search
     out, done = {}, 0
     for group in groups:
-        hess = {i: None for i in group}
+        seen = {i: _Inputs() for i in group}
 
         def attach(i: int):
             def hook(_m, args, _output):
                 x = args[0].detach().float().reshape(-1, args[0].shape[-1])
-                hess[i] = x.t() @ x if hess[i] is None else hess[i].addmm_(x.t(), x)
+                acc = seen[i]
+                acc.hessian = x.t() @ x if acc.hessian is None else acc.hessian.addmm_(x.t(), x)
+                if smooth:
+                    a = x.abs().sum(0)
+                    acc.abs_sum = a if acc.abs_sum is None else acc.abs_sum + a
+                    acc.count += x.shape[0]
+                    acc.rows.append(x[::stride].clone())
             return modules[names[i]].register_forward_hook(hook)
 
         handles = [attach(i) for i in group]
@@ -124,9 +191,19 @@ def gptq_solutions(model: nn.Module, windows: Tensor, modules: dict[str, nn.Modu
         for i in group:
             w = linear_weight(modules[names[i]]).detach().float()
             for j, option in enumerate(menu):
-                if option is not None and nbytes[i, j] >= 0:
-                    out[i, j] = quantize_gptq(w, hess[i], option, name=names[i])
-            hess[i] = None
+                if option is None or nbytes[i, j] < 0:
+                    continue
+                if not smooth:
+                    out[i, j] = quantize_gptq(w, seen[i].hessian, option, name=names[i]), None
+                    continue
+                ws, s = awq_weight(w, seen[i], option, names[i] in awq.scaled,
+                                   awq.clip and names[i] not in awq.no_clip, awq)
+                if method == "awq_rtn":
+                    out[i, j] = quantize_rtn(ws, option), s
+                else:
+                    h = seen[i].hessian if s is None else seen[i].hessian / (s[:, None] * s[None, :])
+                    out[i, j] = quantize_gptq(ws, h, option, name=names[i]), s
+            seen[i] = None
             done += 1
             if progress is not None:
                 progress(done, len(names))
@@ -139,11 +216,13 @@ def _layers(model: nn.Module, names: list[str]) -> dict[str, nn.Module]:
 
 def measure_sensitivity(model: nn.Module, windows: Tensor, names: list[str], menu: list[QuantScheme | None],
                         kind: str = "fisher", seed: int = 0, progress=None, error_method: str = "rtn",
-                        hessian_budget: int = HESSIAN_BUDGET, hessian_windows: Tensor | None = None) -> Sensitivity:
+                        hessian_budget: int = HESSIAN_BUDGET, hessian_windows: Tensor | None = None,
+                        awq: AWQModel | None = None) -> Sensitivity:
     """The sensitivity table of layers `names` (full module names of linear layers of `model`) to every option of
     `menu` (None = float), on token windows [N, T]. `fisher` and `output_error` come from the same pass and are both
     returned; `kl` measures every (layer, option) with a forward of all windows. `error_method`: the weight error is
-    round-to-nearest's (rtn) or GPTQ's (gptq: gptq_solutions first, on `hessian_windows`, default `windows`: GPTQ
+    round-to-nearest's (rtn), GPTQ's (gptq), or that of AWQ (as `awq` describes the recipe's stage) then
+    round-to-nearest or GPTQ (awq_rtn, awq_gptq); all but rtn are solved first (solve_layers), on `hessian_windows`, default `windows` (GPTQ
     fitted on the very windows its error is then measured on looks better than it will on other text, the more so
     the wider the layer). The model is left as it was."""
     if kind not in SENSITIVITIES:
@@ -164,12 +243,14 @@ def measure_sensitivity(model: nn.Module, windows: Tensor, names: list[str], men
     was_training = model.training
     model.eval()
     try:
-        if error_method == "gptq":
-            solved = gptq_solutions(model, windows if hessian_windows is None else hessian_windows, modules, menu,
-                                    nbytes, hessian_budget)
+        if error_method != "rtn":
+            solved = solve_layers(model, windows if hessian_windows is None else hessian_windows, modules, menu,
+                                  nbytes, error_method, awq, hessian_budget)
 
             def error(i: int, j: int, w: Tensor) -> Tensor:
-                return solved[i, j].dequantize(torch.float32) - w
+                q, s = solved[i, j]
+                q = q.dequantize(torch.float32)
+                return (q if s is None else q / s) - w
         else:
             def error(i: int, j: int, w: Tensor) -> Tensor:
                 return weight_error(w, menu[j])[0]

@@ -12,13 +12,15 @@ import torch
 import yaml
 
 from compress.arch import get_arch
-from compress.precision import choose, measure_sensitivity, scheme_bytes, weight_error
+from compress.precision import AWQModel, choose, measure_sensitivity, scheme_bytes, weight_error
+from compress.quantizers.rtn import fake_quantize
 from compress.quantizers.gptq import quantize_gptq
 from compress.recipe import RecipeError, from_dict, to_plain
 from compress.scheme import W4A16_ASYM_G64, W8A16, scheme
 from compress.stages.quantize import LayerScheme, QuantizeStage, apply_quantize, plan_quantize
 from tests.conftest import make_tiny_model
-from tests.reference.naive_precision import brute_force_choice, fisher_token_by_token, kl_with_weight_replaced
+from tests.reference.naive_precision import (awq_layer_reference, brute_force_choice, fisher_token_by_token,
+                                             kl_with_weight_replaced)
 
 INT4 = scheme("int4", "group", 16, symmetric=False)
 INT2 = scheme("int2", "group", 16, symmetric=False)
@@ -118,6 +120,56 @@ def test_fisher_of_gptq_errors_equals_the_token_by_token_reference(llama):
             assert sens.costs["fisher"][i, j] == pytest.approx(ref, rel=1e-3)
     with pytest.raises(ValueError, match="error_method 'awq'"):
         measure_sensitivity(llama, ids, names, MENU, "fisher", error_method="awq")
+
+
+def _rows(model, ids, name):
+    rows = []
+    h = model.get_submodule(name).register_forward_hook(
+        lambda _m, args, _o: rows.append(args[0].detach().float().reshape(-1, args[0].shape[-1])))
+    with torch.no_grad():
+        for k in range(ids.shape[0]):
+            model(input_ids=ids[k:k + 1], use_cache=False)
+    h.remove()
+    return torch.cat(rows)
+
+
+def test_fisher_of_awq_errors_equals_the_plain_reference(llama):
+    """error_method awq_rtn / awq_gptq: each layer's weight error is that of AWQ's scale search and clipping done on
+    the layer alone (a plain float64 reference over every input row), then round-to-nearest or GPTQ in the scaled
+    basis; a layer outside every scaling pair (here q_proj, as if its pair were skipped) is only clipped, one in
+    no_clip only scaled."""
+    names = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj", "model.layers.1.mlp.down_proj"]
+    awq = AWQModel(scaled=frozenset(names[1:]), no_clip=frozenset(names[1:2]), n_grid=5, clip_grid=10)
+    ids = _windows()
+    for method in ("awq_rtn", "awq_gptq"):
+        sens = measure_sensitivity(llama, ids, names, MENU, "fisher", seed=5, error_method=method, awq=awq)
+        for i, name in enumerate(names):
+            w = llama.get_submodule(name).weight.detach().float()
+            x = _rows(llama, ids, name)
+            for j, option in enumerate(MENU):
+                ws, s = awq_layer_reference(x, w, option, name in awq.scaled, name not in awq.no_clip, n_grid=5,
+                                            clip_grid=10)
+                s = torch.ones(w.shape[1], dtype=torch.float64) if s is None else s
+                if method == "awq_rtn":
+                    q = fake_quantize(ws.float(), option).double()
+                else:
+                    xs = (x.double() / s).float()
+                    q = quantize_gptq(ws.float(), xs.t() @ xs, option).dequantize(torch.float64)
+                ref = fisher_token_by_token(llama, ids, name, (q / s).float(), seed=5)
+                assert sens.costs["fisher"][i, j] == pytest.approx(ref, rel=1e-3), (method, name, option.name)
+
+
+def test_awq_errors_never_cost_more_output_error_than_round_to_nearest(llama):
+    """AWQ's searches keep r = 0 (no scaling) and the unclipped range as candidates, on the very inputs measured
+    here, so awq_rtn's output error is at most round-to-nearest's for every layer and option, and lower in sum."""
+    names = [n for n, m in llama.named_modules() if n.startswith("model.layers.1.") and isinstance(m, torch.nn.Linear)]
+    ids = _windows(4, 24)
+    awq = AWQModel(scaled=frozenset(names))
+    rtn = measure_sensitivity(llama, ids, names, MENU, "fisher").costs["output_error"]
+    smoothed = measure_sensitivity(llama, ids, names, MENU, "fisher", error_method="awq_rtn",
+                                   awq=awq).costs["output_error"]
+    assert (smoothed <= rtn * (1 + 1e-5)).all(), (smoothed, rtn)
+    assert smoothed.sum() < 0.9 * rtn.sum()
 
 
 def test_gptq_errors_cost_less_output_error_than_round_to_nearest(llama):
@@ -256,12 +308,16 @@ def test_stage_needs_one_budget_and_weight_only_menus():
         from_dict({**base, "stages": [{"stage": "auto_precision", "bits_per_weight": 4, "menu": [
             {"dtype": "int4", "group_size": 16, "symmetric": False, "zero_point_dtype": "float16"}]},
             {"stage": "quantize", "method": "gptq"}]})
+    with pytest.raises(RecipeError, match="imitates the recipe's awq stage, and there is none.*use error_method gptq"):
+        from_dict({**base, "stages": [{"stage": "auto_precision", "bits_per_weight": 4, "error_method": "awq_gptq"},
+                                      {"stage": "quantize", "method": "gptq"}]})
 
 
-@pytest.fixture(scope="module", params=["rtn", "gptq"])
+@pytest.fixture(scope="module", params=["rtn", "gptq", "awq_gptq"])
 def run_auto(tmp_path_factory, request):
     """`compress run` of auto_precision (fisher, 4.5 bits per weight, menu int8 / int4 g16 / int2 g16; sensitivity to
-    round-to-nearest's or GPTQ's weight errors) then GPTQ on the tiny llama; returns (output folder, report)."""
+    round-to-nearest's, GPTQ's, or AWQ then GPTQ's weight errors) then GPTQ on the tiny llama (after an awq stage
+    for awq_gptq); returns (output folder, report)."""
     from compress.cli import main
     from tests.test_cli import N_SAMPLES, SEQ_LEN, _recipe, make_tiny_tokenizer, word_text
 
@@ -275,6 +331,8 @@ def run_auto(tmp_path_factory, request):
     recipe["stages"].insert(0, {"stage": "auto_precision", "menu": [to_plain(s) for s in MENU],
                                 "bits_per_weight": 4.5, "n_samples": 2, "error_method": request.param,
                                 "gptq_samples": 2})
+    if request.param.startswith("awq"):
+        recipe["stages"].insert(1, {"stage": "awq", "n_grid": 4, "search_samples": 1})
     recipe["eval"] = {"perplexity": True, "max_windows": 1, "seq_len": 16, "speed": False, "split": "test"}
     path = root / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
@@ -284,7 +342,7 @@ def run_auto(tmp_path_factory, request):
 
 def test_run_quantizes_each_layer_in_the_scheme_chosen_within_the_budget(run_auto):
     out, report, recipe, _ = run_auto
-    section, quantize = report["stages"][0], report["stages"][1]
+    section, quantize = report["stages"][0], report["stages"][-1]
     assert section["stage"] == "auto_precision" and section["layers"] == 14
     assert section["error_method"] == recipe["stages"][0]["error_method"]
     assert section["bytes"] <= section["budget_bytes"] == int(4.5 * section["weights"] / 8)
@@ -299,7 +357,7 @@ def test_run_quantizes_each_layer_in_the_scheme_chosen_within_the_budget(run_aut
     md = (out / "report.md").read_text()
     assert "## Stage 0: auto_precision" in md and "measured KL of the quantized model" in md
     resolved = yaml.safe_load((out / "recipe.resolved.yaml").read_text())
-    assert len(resolved["stages"][1]["layer_schemes"]) == 14
+    assert len(resolved["stages"][-1]["layer_schemes"]) == 14
 
 
 def test_the_resolved_recipe_reproduces_the_choice_without_measuring(run_auto):
@@ -317,7 +375,7 @@ def test_the_resolved_recipe_reproduces_the_choice_without_measuring(run_auto):
     path.write_text(yaml.safe_dump(resolved, sort_keys=False))
     assert main(["run", str(path), "--no-progress"]) == 0
     again = json.loads((root / "again" / "report.json").read_text())
-    assert again["stages"][0]["layers"] == report["stages"][0]["assignment"]
+    assert again["stages"][-1]["layers"] == report["stages"][0]["assignment"]
     from safetensors.torch import load_file
     a, b = load_file(out / "model.safetensors"), load_file(root / "again" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

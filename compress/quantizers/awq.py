@@ -98,12 +98,16 @@ def search_clip(w: Tensor, x: Tensor, scheme: QuantScheme, grid: int = 20, max_s
     return torch.cat(lo_all), torch.cat(hi_all)
 
 
+def clipped(w: Tensor, lo: Tensor, hi: Tensor, scheme: QuantScheme) -> Tensor:
+    """The float32 weight [N, K] with each (row, group) clamped to its range from search_clip."""
+    wg = group_view(w.float(), scheme)
+    return torch.minimum(torch.maximum(wg, lo[..., None]), hi[..., None]).reshape(w.shape)
+
+
 @torch.no_grad()
 def apply_clip(m: nn.Module, lo: Tensor, hi: Tensor, scheme: QuantScheme) -> None:
     w = in_weight(m)
-    wg = group_view(w.float(), scheme)
-    clipped = torch.minimum(torch.maximum(wg, lo[..., None]), hi[..., None])
-    w.copy_(clipped.reshape(w.shape).to(w.dtype))
+    w.copy_(clipped(w, lo, hi, scheme).to(w.dtype))
 
 
 # ---------------------------------------------------------------- one decoder block

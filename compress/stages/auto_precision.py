@@ -12,13 +12,14 @@ from typing import ClassVar, Literal
 import numpy as np
 from torch import nn
 
-from ..arch import ArchSpec
+from ..arch import ArchSpec, block_pairs
 from ..data import calibration_windows
 from ..nn import linear_shape
-from ..precision import (ERROR_METHODS, FLOAT, SENSITIVITIES, choose, fits, measure_sensitivity, option_name,
+from ..precision import (ERROR_METHODS, AWQModel, FLOAT, SENSITIVITIES, choose, fits, measure_sensitivity, option_name,
                          scheme_bytes)
 from ..quantizers import get_quantizer
 from ..scheme import W4A16_ASYM_G64, W8A16, QuantScheme
+from ..smoothing import pair_skip_reason
 from .base import ModelStageContext, Plan, StageBase, next_target
 from .quantize import LayerScheme, plan_quantize
 
@@ -36,10 +37,12 @@ class AutoPrecisionStage(StageBase):
     included), bytes (their stored bytes), bytes_of (the bytes uniform quantization with this scheme would take).
     sensitivity: fisher (predicted KL from one forward and backward per window; default), output_error (relative
     output error, no backward) or kl (measured KL with each layer quantized alone: one forward per layer and scheme,
-    slow). error_method: whose weight error the sensitivity measures: rtn (round-to-nearest, default) or gptq (GPTQ
+    slow). error_method: whose weight error the sensitivity measures: rtn (round-to-nearest, default), gptq (GPTQ
     solved per layer and scheme on the float model's inputs: for recipes that quantize with GPTQ or AutoRound, which
-    repair layers unevenly; solved on gptq_samples windows of the calibration text, not the n_samples measured, so
-    that its error is not the optimistic one on the text it was fitted to). The targeted layers are those the
+    repair layers unevenly), or awq_rtn / awq_gptq (the recipe's `awq` stage imitated on each layer alone, with its
+    settings, then round-to-nearest or GPTQ: for recipes with an awq stage, whose scales repair layers unevenly too).
+    All but rtn are solved on gptq_samples windows of the calibration text, not the n_samples measured, so that the
+    error is not the optimistic one on the text it was fitted to. The targeted layers are those the
     quantize stage's targets / ignore select; n_samples windows of the recipe's calibration text (seq_len tokens,
     the calibration's by default) are measured.
     """
@@ -50,7 +53,7 @@ class AutoPrecisionStage(StageBase):
     bytes: int | None = None
     bytes_of: QuantScheme | None = None
     sensitivity: Literal["fisher", "output_error", "kl"] = "fisher"
-    error_method: Literal["rtn", "gptq"] = "rtn"
+    error_method: Literal["rtn", "gptq", "awq_rtn", "awq_gptq"] = "rtn"
     gptq_samples: int = 32
     n_samples: int = 8
     seq_len: int | None = None
@@ -102,6 +105,10 @@ class AutoPrecisionStage(StageBase):
         if q.layer_schemes:
             raise ValueError(f"`stages.{j}` already has layer_schemes, which `stages.{index}` (auto_precision) would "
                              "replace; remove one of them")
+        if self.error_method.startswith("awq") and self._awq_stage(stages, index) is None:
+            raise ValueError(f"`stages.{index}.error_method` {self.error_method} imitates the recipe's awq stage, and "
+                             f"there is none before `stages.{j}`; add `- stage: awq` there or use error_method "
+                             f"{self.error_method[4:]}")
         method = get_quantizer(q.method)
         for s in self.menu:
             if (why := method.problem(s)) is not None:
@@ -135,13 +142,14 @@ class AutoPrecisionStage(StageBase):
         windows = calibration_windows(ctx.calibration.source(), ctx.tokenizer, ctx.model, self.n_samples, seq_len,
                                       ctx.calibration.seed)
         hessian_windows = None
-        if self.error_method == "gptq":  # GPTQ's fit on other windows than those its error is measured on
+        if self.error_method != "rtn":  # fitted on other windows than those its error is measured on
             more = calibration_windows(ctx.calibration.source(), ctx.tokenizer, ctx.model,
                                        self.n_samples + self.gptq_samples, seq_len, ctx.calibration.seed)
             hessian_windows = more[self.n_samples:]
         t0 = time.perf_counter()
         sens = measure_sensitivity(ctx.model, windows, names, self.options, self.sensitivity, self.seed,
-                                   error_method=self.error_method, hessian_windows=hessian_windows)
+                                   error_method=self.error_method, hessian_windows=hessian_windows,
+                                   awq=self._awq_model(ctx, names, index))
         seconds = time.perf_counter() - t0
         numel = np.array([int(ctx.model.get_submodule(n).weight.numel()) for n in names], dtype=np.int64)
         budget = self._budget(ctx.model, names, numel)
@@ -168,6 +176,28 @@ class AutoPrecisionStage(StageBase):
                 "assignment": assignment, "table": sens.to_dict(),
                 "layer_schemes": [{"layer": n, "scheme": None if options[o] is None else options[o].to_dict()}
                                   for n, o in assignment.items()]}
+
+    @staticmethod
+    def _awq_stage(stages: tuple, index: int):
+        from .awq import AWQStage
+        return next((s for s in stages[index + 1:next_target(stages, index)] if isinstance(s, AWQStage)), None)
+
+    def _awq_model(self, ctx: ModelStageContext, names: list[str], index: int) -> AWQModel | None:
+        """The recipe's awq stage as error_method awq_* imitates it: the layers its usable scaling pairs scale,
+        those its clipping leaves alone, its search settings."""
+        if not self.error_method.startswith("awq"):
+            return None
+        stage, arch, wanted = self._awq_stage(ctx.stages, index), ctx.arch, set(names)
+        scaled, no_clip = set(), set()
+        for b, block in enumerate(arch.block_list(ctx.model)):
+            prefix = f"{arch.blocks}.{b}."
+            mine = {n[len(prefix):] for n in wanted if n.startswith(prefix)}
+            for prev, balance, _inspect, _followers in block_pairs(block, arch.awq):
+                if pair_skip_reason(block, prev, balance, mine) is None:
+                    scaled.update(prefix + n for n in balance)
+            no_clip.update(prefix + n for n in arch.no_clip)
+        return AWQModel(frozenset(scaled), frozenset(no_clip), stage.n_grid, stage.clip, stage.clip_grid,
+                        stage.max_shrink, stage.clip_tokens)
 
     def _budget(self, model: nn.Module, names: list[str], numel: np.ndarray) -> int:
         if self.bits_per_weight is not None:

@@ -76,3 +76,51 @@ def kl_with_weight_replaced(model, ids, name, quantized_weight):
         q = torch.log_softmax(other(input_ids=ids[k:k + 1], use_cache=False).logits.double(), -1)
         total += float((p.exp() * (p - q)).sum())
     return total / ids.numel()
+
+
+def awq_layer_reference(x, w, scheme, scaled, clip, n_grid=20, clip_grid=20, max_shrink=0.5):
+    """AWQ on one layer alone, plainly, from every input row x [T, K] in float64: s = mean|x|^r / sqrt(max·min) for
+    r = 0, 1/(n_grid−1), ..., 1, keeping the first r with the least Σ_t ‖(Q(W·s)/s − W) x_t‖² (Q round-to-nearest);
+    then for every (row, group) the first shrink factor f = 1 − step/clip_grid of its range [min, max] (both
+    shrunk towards 0) with the least Σ_t (q·x_t − w·x_t)² over that group's inputs. Returns (clipped W·s, s or
+    None)."""
+    from compress.quantizers.rtn import fake_quantize
+
+    x, w = x.double(), w.double()
+    s = None
+    if scaled:
+        mean = x.abs().mean(0)
+        best = math.inf
+        for k in range(n_grid):
+            cand = mean ** (k / (n_grid - 1))
+            cand = cand.clamp(min=1e-4)
+            cand = cand / math.sqrt(float(cand.max()) * float(cand.min()))
+            err = fake_quantize((w * cand).float(), scheme).double() / cand - w
+            loss = float(((x @ err.t()) ** 2).sum())
+            if loss < best:
+                best, s = loss, cand
+    ws = w if s is None else w * s
+    xs = x if s is None else x / s
+    if clip:
+        g = scheme.group_size if scheme.granularity == "group" else w.shape[1]
+        out = ws.clone()
+        for r in range(ws.shape[0]):
+            for c0 in range(0, ws.shape[1], g):
+                row, xg = ws[r, c0:c0 + g], xs[:, c0:c0 + g]
+                hi0, lo0 = max(float(row.max()), 0.0), min(float(row.min()), 0.0)
+                if scheme.symmetric:
+                    hi0 = float(row.abs().max())
+                    lo0 = -hi0
+                best = (math.inf, None)
+                for step in range(int(max_shrink * clip_grid)):
+                    f = 1 - step / clip_grid
+                    cl = row.clamp(lo0 * f, hi0 * f)
+                    full = ws[r].clone()
+                    full[c0:c0 + g] = cl
+                    q = fake_quantize(full[None].float(), scheme).double()[0, c0:c0 + g]
+                    err = float(((xg @ q - xg @ row) ** 2).sum())
+                    if err < best[0]:
+                        best = (err, cl)
+                out[r, c0:c0 + g] = best[1]
+        ws = out
+    return ws, s
