@@ -206,7 +206,7 @@ def solve_layers(model: nn.Module, windows: Tensor, modules: dict[str, nn.Module
             seen[i] = None
             done += 1
             if progress is not None:
-                progress(done, len(names))
+                progress(f"{method} solutions", done, len(names))
     return out
 
 
@@ -224,7 +224,8 @@ def measure_sensitivity(model: nn.Module, windows: Tensor, names: list[str], men
     round-to-nearest's (rtn), GPTQ's (gptq), or that of AWQ (as `awq` describes the recipe's stage) then
     round-to-nearest or GPTQ (awq_rtn, awq_gptq); all but rtn are solved first (solve_layers), on `hessian_windows`, default `windows` (GPTQ
     fitted on the very windows its error is then measured on looks better than it will on other text, the more so
-    the wider the layer). The model is left as it was."""
+    the wider the layer). `progress(what, done, total)` is called as each phase advances. The model is left as it
+    was."""
     if kind not in SENSITIVITIES:
         raise ValueError(f"sensitivity {kind!r}; choose one of {list(SENSITIVITIES)}")
     if error_method not in ERROR_METHODS:
@@ -245,7 +246,7 @@ def measure_sensitivity(model: nn.Module, windows: Tensor, names: list[str], men
     try:
         if error_method != "rtn":
             solved = solve_layers(model, windows if hessian_windows is None else hessian_windows, modules, menu,
-                                  nbytes, error_method, awq, hessian_budget)
+                                  nbytes, error_method, awq, hessian_budget, progress)
 
             def error(i: int, j: int, w: Tensor) -> Tensor:
                 q, s = solved[i, j]
@@ -321,7 +322,7 @@ def _fisher_pass(model: nn.Module, windows: Tensor, modules: dict[str, nn.Module
             loss = nn.functional.cross_entropy(logits[0], labels, reduction="sum")
             loss.backward()
             if progress is not None:
-                progress(k + 1, windows.shape[0])
+                progress("fisher windows", k + 1, windows.shape[0])
     finally:
         for h in handles:
             h.remove()
@@ -372,7 +373,7 @@ def _measured_kl(model: nn.Module, windows: Tensor, modules: dict[str, nn.Module
             out[i, j] = total / windows.numel()
             done += 1
             if progress is not None:
-                progress(done, steps)
+                progress("kl layer × option", done, steps)
     return out
 
 

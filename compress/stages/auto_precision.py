@@ -11,6 +11,7 @@ from typing import ClassVar, Literal
 
 import numpy as np
 from torch import nn
+from tqdm.auto import tqdm
 
 from ..arch import ArchSpec, block_pairs
 from ..data import calibration_windows
@@ -147,9 +148,20 @@ class AutoPrecisionStage(StageBase):
                                        self.n_samples + self.gptq_samples, seq_len, ctx.calibration.seed)
             hessian_windows = more[self.n_samples:]
         t0 = time.perf_counter()
-        sens = measure_sensitivity(ctx.model, windows, names, self.options, self.sensitivity, self.seed,
-                                   error_method=self.error_method, hessian_windows=hessian_windows,
-                                   awq=self._awq_model(ctx, names, index))
+        bars: dict = {}
+
+        def progress(what: str, done: int, total: int) -> None:
+            if what not in bars:
+                bars[what] = tqdm(total=total, desc=what, unit="step", disable=not ctx.progress, leave=False)
+            bars[what].update(done - bars[what].n)
+
+        try:
+            sens = measure_sensitivity(ctx.model, windows, names, self.options, self.sensitivity, self.seed,
+                                       progress, error_method=self.error_method, hessian_windows=hessian_windows,
+                                       awq=self._awq_model(ctx, names, index))
+        finally:
+            for bar in bars.values():
+                bar.close()
         seconds = time.perf_counter() - t0
         numel = np.array([int(ctx.model.get_submodule(n).weight.numel()) for n in names], dtype=np.int64)
         budget = self._budget(ctx.model, names, numel)
