@@ -77,6 +77,13 @@ RUNS = {  # name: (recipe, extra --set overrides)
     "rotate+online+gptq int3": ("recipes/rotate_gptq_int3.yaml", [ONLINE]),
     "rotate+online+awq+gptq int4": ("recipes/rotate_gptq_int3.yaml", [ROT_AWQ_GPTQ % "int4"]),
     "rotate+online+awq+gptq int3": ("recipes/rotate_gptq_int3.yaml", [ROT_AWQ_GPTQ % "int3"]),
+    # AWQ's clipping as GPTQ's grid (clip_to: grid) instead of clamped weights
+    "rotate+online+awq(grid clip)+gptq int4": ("recipes/rotate_gptq_int3.yaml", [ROT_AWQ_GPTQ % "int4",
+                                                                                "stages.1.clip_to=grid"]),
+    "rotate+online+awq(grid clip)+gptq int3": ("recipes/rotate_gptq_int3.yaml", [ROT_AWQ_GPTQ % "int3",
+                                                                                "stages.1.clip_to=grid"]),
+    "awq(grid clip)+gptq int4": ("recipes/awq_gptq_int4.yaml", ["stages.0.clip_to=grid"]),
+    "awq(grid clip)+gptq int3": ("recipes/awq_gptq_int4.yaml", ["stages.0.clip_to=grid", "stages.1.scheme.dtype=int3"]),
     "rotate+online+rtn w8a8 static": ("recipes/rotate_gptq_int3.yaml", [ONLINE, "stages.1.method=rtn",
                                                                        "stages.1.scheme=W8A8_STATIC"]),
     "rotate+online+autoround int4": ("recipes/rotate_gptq_int3.yaml", [ONLINE, *AR, "stages.1.scheme.dtype=int4"]),

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from .nn import linear_weight
+from .primitives import shrink_range
 from .qtensor import QuantizedTensor
 from .quantizers.rtn import quantize_rtn
 from .scheme import QuantScheme
@@ -100,6 +101,7 @@ class AWQModel:
     clip_grid: int = 20
     max_shrink: float = 0.5
     clip_tokens: int = 512
+    clip_to: str = "weights"  # the stage's: clamp the weights, or (grid, with GPTQ) only GPTQ's grid
 
 
 @dataclass
@@ -113,13 +115,14 @@ class _Inputs:
 
 
 def awq_weight(w: Tensor, inputs: _Inputs, option: QuantScheme, scaled: bool, clip: bool,
-               awq: AWQModel) -> tuple[Tensor, Tensor | None]:
-    """AWQ on one layer alone, for the sensitivities: (the clipped weight in the scaled basis W·diag(s), s or None).
+               awq: AWQModel) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """AWQ on one layer alone, for the sensitivities: (the weight in the scaled basis W·diag(s), s or None, the
+    clipping's range factors [rows, groups] or None).
     s = mean|x|^r over r in a grid of awq.n_grid (quantizers/awq.py's candidates), the r whose round-to-nearest
     error has the least output error tr(E H Eᵀ) on these inputs (r = 0, no scaling, is a candidate); then AWQ's
     clipping search on the kept input rows. The stage searches a pair's layers together, on the output of the
     module that reads them; this searches each layer for itself (a layer measured alone, as every sensitivity is)."""
-    from .quantizers.awq import candidate_scales, clipped, search_clip
+    from .quantizers.awq import candidate_scales, clip_factor, search_clip
     from .quantizers.rtn import fake_quantize
     s = None
     if scaled:
@@ -132,12 +135,13 @@ def awq_weight(w: Tensor, inputs: _Inputs, option: QuantScheme, scaled: bool, cl
             if loss < best:
                 best, s = loss, cand
     ws = w if s is None else w * s
+    factor = None
     if clip and option.granularity != "tensor":
         x = torch.cat(inputs.rows)
         x = x[:: max(1, x.shape[0] // awq.clip_tokens)][: awq.clip_tokens]
         lo, hi = search_clip(ws, x if s is None else x / s, option, awq.clip_grid, awq.max_shrink)
-        ws = clipped(ws, lo, hi, option)
-    return ws, s
+        factor = clip_factor(ws, lo, hi, option)
+    return ws, s, factor
 
 
 @torch.no_grad()
@@ -196,13 +200,16 @@ def solve_layers(model: nn.Module, windows: Tensor, modules: dict[str, nn.Module
                 if not smooth:
                     out[i, j] = quantize_gptq(w, seen[i].hessian, option, name=names[i]), None
                     continue
-                ws, s = awq_weight(w, seen[i], option, names[i] in awq.scaled,
-                                   awq.clip and names[i] not in awq.no_clip, awq)
+                ws, s, factor = awq_weight(w, seen[i], option, names[i] in awq.scaled,
+                                           awq.clip and names[i] not in awq.no_clip, awq)
+                grid = method == "awq_gptq" and awq.clip_to == "grid"
+                if factor is not None and not grid:
+                    ws = shrink_range(ws, factor, option)
                 if method == "awq_rtn":
                     out[i, j] = quantize_rtn(ws, option), s
                 else:
                     h = seen[i].hessian if s is None else seen[i].hessian / (s[:, None] * s[None, :])
-                    out[i, j] = quantize_gptq(ws, h, option, name=names[i]), s
+                    out[i, j] = quantize_gptq(ws, h, option, name=names[i], clip=factor if grid else None), s
             seen[i] = None
             done += 1
             if progress is not None:

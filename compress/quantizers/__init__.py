@@ -27,11 +27,14 @@ from .rtn import RTNOptions, quantize_rtn
 class LayerInputs:
     """What the calibration pass saw of one layer's inputs, as the layer sees them now: where an earlier stage
     (AWQ, SmoothQuant) divided them by s per channel (`divisor`), the statistics are corrected for it here, once.
-    `stats` is None for a layer the pass did not observe (calibration-free methods need nothing)."""
+    `stats` is None for a layer the pass did not observe (calibration-free methods need nothing). `clip`: AWQ's
+    clipping as factors [rows, groups] of each group's range, for a method that takes its grid from them (GPTQ,
+    with the awq stage's clip_to: grid)."""
 
     name: str
     stats: InputStats | None = None
     divisor: Tensor | None = None
+    clip: Tensor | None = None
 
     def _need(self, why: str) -> InputStats:
         if self.stats is None:

@@ -98,6 +98,17 @@ def search_clip(w: Tensor, x: Tensor, scheme: QuantScheme, grid: int = 20, max_s
     return torch.cat(lo_all), torch.cat(hi_all)
 
 
+def clip_factor(w: Tensor, lo: Tensor, hi: Tensor, scheme: QuantScheme) -> Tensor:
+    """search_clip's ranges as the factor [N, groups] by which each (row, group)'s range was shrunk (1: unclipped),
+    for primitives.shrink_range."""
+    wg = group_view(w.float(), scheme)
+    if scheme.symmetric:
+        width0 = 2 * wg.abs().amax(dim=-1)
+    else:
+        width0 = wg.amax(dim=-1).clamp(min=0) - wg.amin(dim=-1).clamp(max=0)
+    return torch.where(width0 > 0, (hi - lo) / width0.clamp(min=1e-30), torch.ones_like(width0))
+
+
 def clipped(w: Tensor, lo: Tensor, hi: Tensor, scheme: QuantScheme) -> Tensor:
     """The float32 weight [N, K] with each (row, group) clamped to its range from search_clip."""
     wg = group_view(w.float(), scheme)
@@ -133,12 +144,14 @@ def _replay_loss(inspect: nn.Module, calls, reference: list[Tensor], balance: li
 
 def awq_block(block: nn.Module, pairs, observer, stage, scheme: QuantScheme, quantized: set[str],
               no_clip: tuple[str, ...], norm_offset: float, input_divisor: dict[str, Tensor],
-              schemes: dict[str, QuantScheme] | None = None) -> list[PairResult]:
+              schemes: dict[str, QuantScheme] | None = None,
+              clip_into: dict[str, Tensor] | None = None) -> list[PairResult]:
     """Search and fold the scales of every pair of one block, then clip. `quantized` holds the block-relative
     names the next quantize stage will quantize; `input_divisor` collects what each linear's inputs were
     divided by (GPTQ and clipping read their recorded inputs through it). `schemes` (block-relative name -> scheme):
     layers the quantize stage stores in another scheme than `scheme` (mixed precision); each is searched and clipped
-    for its own."""
+    for its own. `clip_into` (the stage's clip_to: grid): each clipped layer's range factors go there, for GPTQ's
+    grid, instead of clamping its weight."""
     schemes = {name: (schemes or {}).get(name, scheme) for name in quantized}
     results = []
     for pair in usable_pairs(block, pairs, quantized, results, observer):
@@ -173,5 +186,8 @@ def awq_block(block: nn.Module, pairs, observer, stage, scheme: QuantScheme, qua
                 x = x / input_divisor[name][None, :]
             m = block.get_submodule(name)
             lo, hi = search_clip(in_weight(m), x, schemes[name], stage.clip_grid, stage.max_shrink)
-            apply_clip(m, lo, hi, schemes[name])
+            if clip_into is not None:
+                clip_into[name] = clip_factor(in_weight(m), lo, hi, schemes[name])
+            else:
+                apply_clip(m, lo, hi, schemes[name])
     return results

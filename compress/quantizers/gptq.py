@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..primitives import FP8_DTYPES, cast_float, compute_qparams, global_scale, group_view
+from ..primitives import FP8_DTYPES, cast_float, compute_qparams, global_scale, group_view, shrink_range
 from ..qtensor import QuantizedTensor
 from ..scheme import QuantScheme, replace_granularity
 
@@ -55,7 +55,8 @@ def gptq_problem(scheme: QuantScheme) -> str | None:
 def quantize_gptq_layer(w: Tensor, scheme: QuantScheme, options: GPTQConfig, inputs) -> QuantizedTensor:
     """The registry's signature: the Hessian comes from the layer's calibration inputs (a fresh tensor each call,
     so the solve may overwrite it)."""
-    return quantize_gptq(w, inputs.hessian("GPTQ"), scheme, options, name=inputs.name, overwrite_hessian=True)
+    return quantize_gptq(w, inputs.hessian("GPTQ"), scheme, options, name=inputs.name, overwrite_hessian=True,
+                         clip=inputs.clip)
 
 
 def _inverse_hessian_factor(h: Tensor, dampening: float, name: str) -> Tensor:
@@ -110,8 +111,13 @@ def _column_qparams(w_cols: Tensor, scheme: QuantScheme, gscale: Tensor | None =
 
 
 def quantize_gptq(w: Tensor, hessian: Tensor, scheme: QuantScheme, cfg: GPTQConfig = GPTQConfig(),
-                  name: str = "layer", overwrite_hessian: bool = False) -> QuantizedTensor:
+                  name: str = "layer", overwrite_hessian: bool = False, clip: Tensor | None = None) -> QuantizedTensor:
     """GPTQ-quantize a [out, in] weight given the Hessian [in, in] of its inputs.
+
+    `clip` [rows, groups] (AWQ's clipping search, handed over with clip_to: grid): each group's grid is that of its
+    range shrunk by the factor (primitives.shrink_range), while the weights stay unclamped: a weight beyond the grid
+    rounds to its end, and GPTQ carries that error, like any rounding error, to the columns not yet quantized
+    (clamping the weights first would make the clipped values GPTQ's target, an error it can never repair).
 
     Computes in float64 when `w` is float64 (tests), float32 otherwise. Memory beyond the inputs: one [K, K] matrix
     (none with `overwrite_hessian`, which lets the solve work in the caller's Hessian) and one [N, K] matrix, which
@@ -136,7 +142,7 @@ def quantize_gptq(w: Tensor, hessian: Tensor, scheme: QuantScheme, cfg: GPTQConf
     static = scheme.granularity != "group" or cfg.act_order
     gscale = global_scale(W, scheme)  # NVFP4: one per tensor, from the original weights
     if static:  # parameters from the original weights, in the original column order
-        scale_full, zero_full = compute_qparams(W, scheme, gscale)
+        scale_full, zero_full = compute_qparams(W if clip is None else shrink_range(W, clip, scheme), scheme, gscale)
         scale_tab = _table(scale_full, scheme, n_rows).to(dtype)  # [N or 1, groups]: one column per group
         zero_tab = None if zero_full is None else _table(zero_full, scheme, n_rows).to(dtype)
         group_of = torch.arange(k) // g if g else torch.zeros(k, dtype=torch.long)  # weight column -> table column
@@ -164,7 +170,10 @@ def quantize_gptq(w: Tensor, hessian: Tensor, scheme: QuantScheme, cfg: GPTQConf
                 s, z = scale_tab[:, t], (zero_tab[:, t] if zero_tab is not None else None)
             else:
                 if j % g == 0:  # first column of a group: parameters from the weights as updated so far
-                    s_new, z_new = _column_qparams(W[:, j:j + g], scheme, gscale)
+                    cols = W[:, j:j + g]
+                    if clip is not None:
+                        cols = shrink_range(cols, clip[:, j // g], replace_granularity(scheme, "channel")).to(dtype)
+                    s_new, z_new = _column_qparams(cols, scheme, gscale)
                     scale_g[:, j // g] = s_new
                     if zero_g is not None:
                         zero_g[:, j // g] = z_new

@@ -209,7 +209,7 @@ class AutoPrecisionStage(StageBase):
                     scaled.update(prefix + n for n in balance)
             no_clip.update(prefix + n for n in arch.no_clip)
         return AWQModel(frozenset(scaled), frozenset(no_clip), stage.n_grid, stage.clip, stage.clip_grid,
-                        stage.max_shrink, stage.clip_tokens)
+                        stage.max_shrink, stage.clip_tokens, stage.clip_to)
 
     def _budget(self, model: nn.Module, names: list[str], numel: np.ndarray) -> int:
         if self.bits_per_weight is not None:

@@ -27,10 +27,16 @@ class AWQStage(StageBase):
     max_shrink: float = 0.5  # ... down to (1 - max_shrink) of the original range
     clip_tokens: int = 512  # input tokens the clipping search uses per layer
     duo_scaling: bool = False  # AutoAWQ's s = x^r / w^(1-r); off = the paper's s = x^r
+    # weights: the clipped ranges clamp the float weights (AutoAWQ's way); grid: they become GPTQ's grid and the
+    # weights stay whole, so GPTQ can carry a clipped weight's error to the columns after it
+    clip_to: str = "weights"
 
     def __post_init__(self):
         if self.n_grid < 2 or self.clip_grid < 1 or self.search_samples < 1 or self.clip_tokens < 1:
             raise ValueError("n_grid >= 2, clip_grid >= 1, search_samples >= 1 and clip_tokens >= 1 are required")
+        if self.clip_to not in ("weights", "grid"):
+            raise ValueError(f"clip_to is {self.clip_to!r}; use weights (clamp the float weights) or grid (GPTQ's "
+                             "grid from the clipped ranges)")
         if not 0 < self.max_shrink < 1:
             raise ValueError(f"max_shrink must be in (0, 1), got {self.max_shrink}")
 
@@ -51,6 +57,9 @@ class AWQStage(StageBase):
             raise ValueError(f"`stages.{index}.scheme` ({self.scheme.name}) differs from `stages.{j}.scheme` "
                              f"({stages[j].scheme.name}); AWQ must search for the format that is stored. "
                              "Remove the awq scheme to inherit it.")
+        if self.clip and self.clip_to == "grid" and stages[j].method != "gptq":
+            raise ValueError(f"`stages.{index}.clip_to: grid` hands the clipped ranges to GPTQ as its grid, and "
+                             f"`stages.{j}` quantizes with {stages[j].method}; use clip_to: weights there")
         return self
 
     def describe(self, plan: Plan, index: int) -> tuple[list[str], list[dict]]:
@@ -71,7 +80,8 @@ class AWQStage(StageBase):
         mine = [e for e in step.quantized if e.name.startswith(block.prefix + ".")]
         results = awq_block(block.module, arch.awq, block.observer, self, target.scheme,
                             block.under(e.name for e in mine), arch.no_clip, arch.norm_offset, block.divisor,
-                            {e.name[len(block.prefix) + 1:]: e.scheme for e in mine})
+                            {e.name[len(block.prefix) + 1:]: e.scheme for e in mine},
+                            block.clip if self.clip_to == "grid" else None)
         ctx.records[index].append({"block": block.index, "pairs": [asdict(r) for r in results]})
 
     def report(self, ctx: RunContext, index: int) -> dict:

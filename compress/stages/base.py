@@ -127,12 +127,14 @@ class BlockState:
     # block-relative linear name -> what its inputs are divided by since the pass observed them (a smoothing stage
     # folded 1/s into the op before it): every reader of the statistics goes through `inputs()`, which corrects them
     divisor: dict[str, Tensor] = field(default_factory=dict)
+    # block-relative linear name -> AWQ's clipping as range factors, for the quantize stage's grid (clip_to: grid)
+    clip: dict[str, Tensor] = field(default_factory=dict)
     observed: dict[int, Any] = field(default_factory=dict)  # stage index -> what its own `observing` recorded
 
     def inputs(self, name: str) -> LayerInputs:
         """The calibration inputs of linear `name` (relative to the block), corrected for folded scales."""
         stats = None if self.observer is None else self.observer.stats.get(name)
-        return LayerInputs(f"{self.prefix}.{name}", stats, self.divisor.get(name))
+        return LayerInputs(f"{self.prefix}.{name}", stats, self.divisor.get(name), self.clip.get(name))
 
     def under(self, names) -> set[str]:
         """Block-relative names of the full names in `names` that lie in this block."""

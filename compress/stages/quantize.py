@@ -177,7 +177,7 @@ class QuantizeStage(StageBase):
     def on_block(self, ctx: RunContext, block: BlockState, index: int) -> None:
         tuned = self._tune(ctx, block, index) if get_quantizer(self.method).tune_block is not None else None
         apply_quantize(ctx.model, ctx.plan.steps[index], self, block.prefix, block.observer, block.divisor,
-                       ctx.records[index], tuned=tuned)
+                       ctx.records[index], tuned=tuned, clip=block.clip)
 
     def _tune(self, ctx: RunContext, block: BlockState, index: int) -> dict:
         """The block's planned linears tuned jointly by the block-level method; recorded per block."""
@@ -480,7 +480,8 @@ def untie_lm_head(model: nn.Module, head_name: str) -> None:
 @torch.no_grad()
 def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, prefix: str | None = None,
                    observer: BlockObserver | None = None, input_divisor: dict | None = None,
-                   info: dict | None = None, outside: str | None = None, tuned: dict | None = None) -> int:
+                   info: dict | None = None, outside: str | None = None, tuned: dict | None = None,
+                   clip: dict | None = None) -> int:
     """Replace the planned layers (only those under `prefix`, when given; only those not under `outside`, when given:
     the decoder blocks the calibration pass has quantized already) by QuantLinear. Returns the count.
 
@@ -489,6 +490,7 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
     divided the inputs by (`input_divisor`). Static activation scales and LLM.int8 outlier features come from the
     corrected input maxima; what was found per layer goes into `info[name]`. `tuned` (block-relative name ->
     QuantizedTensor): what a block-level method (AutoRound) made of the block's layers; used instead of `quantize`.
+    `clip` (relative name -> range factors): AWQ's clipping for the quantizer's grid (the awq stage's clip_to: grid).
     """
     quantizer = get_quantizer(stage.method)
     count = 0
@@ -505,7 +507,7 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
         rel = entry.name[len(prefix) + 1:] if prefix else entry.name
         stats = None if observer is None else observer.stats.get(rel)
         divisor = (input_divisor or {}).get(rel)
-        inputs = LayerInputs(entry.name, stats, divisor)
+        inputs = LayerInputs(entry.name, stats, divisor, (clip or {}).get(rel))
         method, options, expert_info = quantizer, stage.options, {}
         if observer is not None and EXPERT.search(rel):  # a MoE expert: calibrated on the tokens routed to it
             tokens = 0 if stats is None else stats.tokens
@@ -516,7 +518,7 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
                 if weights_need:
                     method, options = get_quantizer("rtn"), build_options("rtn", None)
                 if needs_input_stats(entry.scheme):
-                    inputs = LayerInputs(entry.name, sibling_stats(observer, rel), divisor)
+                    inputs = LayerInputs(entry.name, sibling_stats(observer, rel), divisor, (clip or {}).get(rel))
                 expert_info["fallback"] = (f"{tokens} calibration tokens < min_expert_tokens "
                                            f"{stage.min_expert_tokens}: " +
                                            ("round-to-nearest weights" if weights_need else "") +
