@@ -141,22 +141,28 @@ def test_fisher_of_awq_errors_equals_the_plain_reference(llama):
     names = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj", "model.layers.1.mlp.down_proj"]
     awq = AWQModel(scaled=frozenset(names[1:]), no_clip=frozenset(names[1:2]), n_grid=5, clip_grid=10)
     ids = _windows()
-    for method in ("awq_rtn", "awq_gptq"):
+    for method, clip_to in (("awq_rtn", "weights"), ("awq_gptq", "weights"), ("awq_gptq", "grid")):
+        awq = replace(awq, clip_to=clip_to)
         sens = measure_sensitivity(llama, ids, names, MENU, "fisher", seed=5, error_method=method, awq=awq)
         for i, name in enumerate(names):
             w = llama.get_submodule(name).weight.detach().float()
             x = _rows(llama, ids, name)
             for j, option in enumerate(MENU):
-                ws, s = awq_layer_reference(x, w, option, name in awq.scaled, name not in awq.no_clip, n_grid=5,
-                                            clip_grid=10)
+                ws, s, whole, factors = awq_layer_reference(x, w, option, name in awq.scaled,
+                                                            name not in awq.no_clip, n_grid=5, clip_grid=10)
                 s = torch.ones(w.shape[1], dtype=torch.float64) if s is None else s
                 if method == "awq_rtn":
                     q = fake_quantize(ws.float(), option).double()
                 else:
                     xs = (x.double() / s).float()
-                    q = quantize_gptq(ws.float(), xs.t() @ xs, option).dequantize(torch.float64)
+                    if clip_to == "grid":  # GPTQ of the whole weights on the clipped ranges' grid
+                        q = quantize_gptq(whole.float(), xs.t() @ xs, option,
+                                          clip=None if factors is None else factors.float()).dequantize(torch.float64)
+                    else:
+                        q = quantize_gptq(ws.float(), xs.t() @ xs, option).dequantize(torch.float64)
                 ref = fisher_token_by_token(llama, ids, name, (q / s).float(), seed=5)
-                assert sens.costs["fisher"][i, j] == pytest.approx(ref, rel=1e-3), (method, name, option.name)
+                assert sens.costs["fisher"][i, j] == pytest.approx(ref, rel=1e-3), (method, clip_to, name,
+                                                                                     option.name)
 
 
 def test_awq_errors_never_cost_more_output_error_than_round_to_nearest(llama):

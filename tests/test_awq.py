@@ -12,7 +12,8 @@ from compress.nn import QuantLinear
 from compress.runner import StagePass, start_stages
 from compress.stages import make_plan
 from compress.quantizers import quantize_rtn
-from compress.quantizers.awq import search_clip, search_scales
+from compress.primitives import shrink_range
+from compress.quantizers.awq import clip_factor, search_clip, search_scales
 from compress.quantizers.rtn import fake_quantize
 from compress.smoothing import apply_smoothing, in_weight, out_channels
 from compress.recipe import from_dict
@@ -91,6 +92,10 @@ def test_clip_search_never_increases_the_error():
     assert torch.all(group_err(clipped) <= group_err(w) * (1 + 1e-5))
     assert group_err(clipped).sum() < group_err(w).sum()
     assert (hi < wg.amax(-1)).any()  # some group was actually clipped
+    # the same ranges as factors of each group's range (clip_to: grid hands these to GPTQ)
+    f = clip_factor(w, lo, hi, sch)
+    assert ((f > 0.45) & (f <= 1 + 1e-6)).all() and (f < 1).any()
+    torch.testing.assert_close(shrink_range(w, f, sch), clipped, rtol=0, atol=1e-6)
 
 
 def _recipe(stages):
@@ -105,7 +110,9 @@ def _recipe(stages):
     [{"stage": "quantize", "method": "gptq", "scheme": {"dtype": "int4", "group_size": 16, "symmetric": False}}],
     [{"stage": "awq", "n_grid": 5, "search_samples": 2},
      {"stage": "quantize", "method": "gptq", "scheme": {"dtype": "int3", "group_size": 16}}],
-], ids=["awq", "gptq", "awq+gptq"])
+    [{"stage": "awq", "n_grid": 5, "search_samples": 2, "clip_to": "grid"},
+     {"stage": "quantize", "method": "gptq", "scheme": {"dtype": "int3", "group_size": 16}}],
+], ids=["awq", "gptq", "awq+gptq", "awq(grid clip)+gptq"])
 def test_every_architecture_runs_awq_and_gptq(family, stages):
     model = make_tiny_model(family)
     arch = get_arch(model)
@@ -146,6 +153,9 @@ def test_awq_gqa_v_to_o_is_skipped_with_reason():
 @pytest.mark.parametrize("stages, match", [
     ([{"stage": "awq"}], "a later `stage: quantize`"),
     ([{"stage": "awq", "scheme": "W4A16"}, {"stage": "quantize", "scheme": "W4A16_G64"}], "differs from"),
+    ([{"stage": "awq", "clip_to": "grid"}, {"stage": "quantize", "method": "rtn"}],
+     "hands the clipped ranges to GPTQ.*quantizes with rtn; use clip_to: weights"),
+    ([{"stage": "awq", "clip_to": "codes"}, {"stage": "quantize", "method": "gptq"}], "clip_to is 'codes'"),
 ])
 def test_awq_recipe_rules(stages, match):
     with pytest.raises(ValueError, match=match):

@@ -7,6 +7,7 @@ import torch
 from compress.quantizers import quantize_rtn
 from compress.quantizers.gptq import GPTQConfig, SingularHessianError, quantize_gptq
 from compress.scheme import scheme
+from tests.reference.naive import naive_quantize
 from tests.reference.naive_gptq import naive_gptq
 
 
@@ -45,6 +46,55 @@ def test_gptq_reconstruction_beats_rtn(sch, act_order):
     err_gptq = ((w - quantize_gptq(w, h, sch, GPTQConfig(act_order=act_order)).dequantize()) @ x.T).pow(2).mean()
     err_rtn = ((w - quantize_rtn(w, sch).dequantize()) @ x.T).pow(2).mean()
     assert err_gptq < 0.8 * err_rtn  # measured 0.28-0.65x of RTN on these correlated inputs (act order lower)
+
+
+def _clamped(w, f, sch):
+    """Each group of w clamped to its range (±absmax, or [min ∧ 0, max ∨ 0]) times f, by plain loops."""
+    out = w.clone()
+    g = sch.group_size
+    for r in range(w.shape[0]):
+        for t in range(w.shape[1] // g):
+            vals = w[r, t * g:(t + 1) * g]
+            hi, lo = (float(vals.abs().max()), -float(vals.abs().max())) if sch.symmetric else \
+                (max(float(vals.max()), 0.0), min(float(vals.min()), 0.0))
+            out[r, t * g:(t + 1) * g] = vals.clamp(lo * float(f[r, t]), hi * float(f[r, t]))
+    return out
+
+
+@pytest.mark.parametrize("sch", [scheme("int4", "group", 32, False), scheme("int3", "group", 32, True)],
+                         ids=lambda s: s.name)
+@pytest.mark.parametrize("act_order", [False, True])
+def test_clip_grid_is_the_shrunk_range_and_the_weights_stay_whole(sch, act_order):
+    """With a diagonal Hessian GPTQ propagates nothing, so with `clip` it is round-to-nearest of the whole weights
+    onto each group's grid of the range shrunk by its factor: the plain reference's scales from the clamped weights,
+    its codes from the unclamped ones (clamped to the code range)."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(8, 64, generator=g) * 0.1
+    f = 0.5 + 0.5 * torch.rand(8, 2, generator=g)
+    h = torch.diag(torch.rand(64, generator=g) + 0.5)
+    qt = quantize_gptq(w, h, sch, GPTQConfig(act_order=act_order), clip=f)
+    _, scales, zeros = naive_quantize(_clamped(w, f, sch), sch.bits, "group", 32, sch.symmetric)
+    s = scales.repeat_interleave(32, dim=1)
+    z = 0.0 if zeros is None else zeros.repeat_interleave(32, dim=1)
+    ref = torch.clamp(torch.round(w / s) + z, sch.qmin, sch.qmax)
+    assert torch.equal(qt.codes().float(), ref)
+    assert (ref == sch.qmax).sum() > (naive_quantize(w, sch.bits, "group", 32, sch.symmetric)[0] == sch.qmax).sum()
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_clip_grid_repairs_what_clamped_weights_cannot(act_order):
+    """The same shrunk grid two ways: GPTQ of the clamped weights (their clamping error is GPTQ's target, never
+    repaired) against GPTQ of the whole weights on that grid (a clipped weight's error goes to later columns). The
+    second reproduces the layer's outputs better on correlated inputs."""
+    sch = scheme("int4", "group", 64, False)
+    w = torch.randn(128, 256) * 0.05
+    x = _correlated_inputs(2048, 256)
+    h = 2 * x.T @ x / x.shape[0]
+    f = torch.full((128, 4), 0.7)
+    cfg = GPTQConfig(act_order=act_order)
+    grid = ((w - quantize_gptq(w, h, sch, cfg, clip=f).dequantize()) @ x.T).pow(2).mean()
+    clamped = ((w - quantize_gptq(_clamped(w, f, sch), h, sch, cfg).dequantize()) @ x.T).pow(2).mean()
+    assert grid < 0.8 * clamped
 
 
 def test_act_order_keeps_the_standard_layout():

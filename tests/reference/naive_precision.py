@@ -83,7 +83,7 @@ def awq_layer_reference(x, w, scheme, scaled, clip, n_grid=20, clip_grid=20, max
     r = 0, 1/(n_grid−1), ..., 1, keeping the first r with the least Σ_t ‖(Q(W·s)/s − W) x_t‖² (Q round-to-nearest);
     then for every (row, group) the first shrink factor f = 1 − step/clip_grid of its range [min, max] (both
     shrunk towards 0) with the least Σ_t (q·x_t − w·x_t)² over that group's inputs. Returns (clipped W·s, s or
-    None)."""
+    None, W·s unclipped, the chosen factors f [rows, groups] or None)."""
     from compress.quantizers.rtn import fake_quantize
 
     x, w = x.double(), w.double()
@@ -101,9 +101,11 @@ def awq_layer_reference(x, w, scheme, scaled, clip, n_grid=20, clip_grid=20, max
                 best, s = loss, cand
     ws = w if s is None else w * s
     xs = x if s is None else x / s
+    factors = None
     if clip:
         g = scheme.group_size if scheme.granularity == "group" else w.shape[1]
         out = ws.clone()
+        factors = torch.ones(ws.shape[0], ws.shape[1] // g, dtype=torch.float64)
         for r in range(ws.shape[0]):
             for c0 in range(0, ws.shape[1], g):
                 row, xg = ws[r, c0:c0 + g], xs[:, c0:c0 + g]
@@ -120,7 +122,8 @@ def awq_layer_reference(x, w, scheme, scaled, clip, n_grid=20, clip_grid=20, max
                     q = fake_quantize(full[None].float(), scheme).double()[0, c0:c0 + g]
                     err = float(((xg @ q - xg @ row) ** 2).sum())
                     if err < best[0]:
-                        best = (err, cl)
+                        best = (err, cl, f)
                 out[r, c0:c0 + g] = best[1]
-        ws = out
-    return ws, s
+                factors[r, c0 // g] = best[2]
+        return out, s, ws, factors
+    return ws, s, ws, factors
