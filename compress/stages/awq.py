@@ -17,7 +17,9 @@ from .base import BlockState, Needs, Plan, RunContext, StageBase, next_target
 @dataclass(frozen=True)
 class AWQStage(StageBase):
     """Recipe entry `- stage: awq`; it must be followed by a `quantize` stage, whose scheme it uses
-    unless `scheme` is given (then the two must agree)."""
+    unless `scheme` is given (then the two must agree). clip_to: where the clipping search's ranges go: weights
+    (clamp the float weights, AutoAWQ's way; any method) or grid (GPTQ's grid, the weights left whole, so that GPTQ
+    carries a clipped weight's error to the columns after it)."""
 
     scheme: QuantScheme | None = None
     n_grid: int = 20  # scale exponents r in linspace(0, 1, n_grid)
@@ -64,8 +66,9 @@ class AWQStage(StageBase):
 
     def describe(self, plan: Plan, index: int) -> tuple[list[str], list[dict]]:
         scheme = plan.target(index)[0].scheme
+        clipping = "off" if not self.clip else "on, into GPTQ's grid" if self.clip_to == "grid" else "on"
         lines = [f"\nstage {index}: awq for {scheme.name}, grid {self.n_grid}, search on {self.search_samples} "
-                 f"calibration windows, clipping {'on' if self.clip else 'off'}; scaling pairs per block:"]
+                 f"calibration windows, clipping {clipping}; scaling pairs per block:"]
         return describe_pairs(plan, index, lines, searched=True)
 
     def needs(self, plan: Plan, index: int) -> Needs:
@@ -86,7 +89,8 @@ class AWQStage(StageBase):
 
     def report(self, ctx: RunContext, index: int) -> dict:
         return {"index": index, "stage": "awq", "scheme": ctx.plan.target(index)[0].scheme.name,
-                "n_grid": self.n_grid, "search_samples": self.search_samples, "clip": self.clip, "quantized": 0,
+                "n_grid": self.n_grid, "search_samples": self.search_samples, "clip": self.clip,
+                "clip_to": self.clip_to, "quantized": 0,
                 "skipped": [], "blocks": ctx.records.get(index, [])}
 
     @staticmethod
