@@ -1,5 +1,6 @@
 """Choose recipe defaults on validation text, never on test: AWQ's `search_samples` (4 or 16 windows replayed by
-the scale search) over several calibration seeds, and GPTQ's `act_order`.
+the scale search) over several calibration seeds, GPTQ's `act_order`, and where AWQ's clipping goes before GPTQ
+(`clip_to`).
 
 Protocol: calibrate on the first half of the WikiText-2 validation rows (`validation[:50%]`, 128 × 512 tokens,
 seeds 0/1/2), score on the first 8 windows of 2048 tokens of the second half (`validation[50%:]`), all models in one
@@ -46,6 +47,10 @@ def _runs() -> dict[str, tuple[str, list[str]]]:
                                                     [f"stages.0.options.act_order={str(act_order).lower()}"])
         runs[f"awq+gptq int4 act_order={act_order}"] = ("recipes/awq_gptq_int4.yaml",
                                                         [f"stages.1.options.act_order={str(act_order).lower()}"])
+    for bits in ("int4", "int3"):  # AWQ's clipping clamps the weights or becomes GPTQ's grid
+        for clip_to in ("weights", "grid"):
+            runs[f"awq+gptq {bits} clip_to={clip_to}"] = ("recipes/awq_gptq_int4.yaml", [
+                f"stages.0.clip_to={clip_to}", f"stages.1.scheme.dtype={bits}"])
     runs["rtn int4"] = ("recipes/int4_rtn.yaml", ["calibration=null"])
     runs["rtn int3"] = ("recipes/int4_rtn.yaml", ["calibration=null", "stages.0.scheme.dtype=int3"])
     return runs
