@@ -33,16 +33,20 @@ def group_view(w: Tensor, scheme: QuantScheme) -> Tensor:
     return w.reshape(1, 1, out_features * in_features)  # [1, 1, N*K]
 
 
-def shrink_range(w: Tensor, factor: Tensor, scheme: QuantScheme) -> Tensor:
-    """w [out, in] (float32) with each of the scheme's groups clamped to its quantization range (±absmax when
-    symmetric, [min ∧ 0, max ∨ 0] otherwise: compute_qparams's) times `factor` [rows, groups], so that
-    compute_qparams of the result gives the shrunk grid (AWQ's clipping)."""
-    wg = group_view(w.float(), scheme)
-    if scheme.symmetric:
+def group_range(wg: Tensor, symmetric: bool) -> tuple[Tensor, Tensor]:
+    """(lo, hi) [rows, groups] of grouped weights [rows, groups, G] as compute_qparams spans them: ±absmax when
+    symmetric, [min ∧ 0, max ∨ 0] otherwise."""
+    if symmetric:
         hi = wg.abs().amax(dim=-1)
-        lo = -hi
-    else:
-        hi, lo = wg.amax(dim=-1).clamp(min=0.0), wg.amin(dim=-1).clamp(max=0.0)
+        return -hi, hi
+    return wg.amin(dim=-1).clamp(max=0.0), wg.amax(dim=-1).clamp(min=0.0)
+
+
+def shrink_range(w: Tensor, factor: Tensor, scheme: QuantScheme) -> Tensor:
+    """w [out, in] (float32) with each of the scheme's groups clamped to its range (group_range) times `factor`
+    [rows, groups], so that compute_qparams of the result gives the shrunk grid (AWQ's clipping)."""
+    wg = group_view(w.float(), scheme)
+    lo, hi = group_range(wg, scheme.symmetric)
     f = factor.reshape(hi.shape).to(hi.dtype)
     return torch.minimum(torch.maximum(wg, (lo * f)[..., None]), (hi * f)[..., None]).reshape(w.shape)
 

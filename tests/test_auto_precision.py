@@ -90,8 +90,8 @@ def test_fisher_equals_the_token_by_token_reference(llama):
             assert sens.costs["fisher"][i, j] == pytest.approx(ref, rel=1e-4)
 
 
-def _plain_hessian(model, ids, name):
-    """Σ x xᵀ of the layer's inputs over the windows, from a plain capture of every input row."""
+def _rows(model, ids, name):
+    """Every input row [T, in] the layer sees over the windows, from a plain capture."""
     rows = []
     h = model.get_submodule(name).register_forward_hook(
         lambda _m, args, _o: rows.append(args[0].detach().float().reshape(-1, args[0].shape[-1])))
@@ -99,7 +99,12 @@ def _plain_hessian(model, ids, name):
         for k in range(ids.shape[0]):
             model(input_ids=ids[k:k + 1], use_cache=False)
     h.remove()
-    x = torch.cat(rows).double()
+    return torch.cat(rows)
+
+
+def _plain_hessian(model, ids, name):
+    """Σ x xᵀ of the layer's inputs over the windows, from a plain capture of every input row."""
+    x = _rows(model, ids, name).double()
     return (x.t() @ x).float()
 
 
@@ -120,17 +125,6 @@ def test_fisher_of_gptq_errors_equals_the_token_by_token_reference(llama):
             assert sens.costs["fisher"][i, j] == pytest.approx(ref, rel=1e-3)
     with pytest.raises(ValueError, match="error_method 'awq'"):
         measure_sensitivity(llama, ids, names, MENU, "fisher", error_method="awq")
-
-
-def _rows(model, ids, name):
-    rows = []
-    h = model.get_submodule(name).register_forward_hook(
-        lambda _m, args, _o: rows.append(args[0].detach().float().reshape(-1, args[0].shape[-1])))
-    with torch.no_grad():
-        for k in range(ids.shape[0]):
-            model(input_ids=ids[k:k + 1], use_cache=False)
-    h.remove()
-    return torch.cat(rows)
 
 
 def test_fisher_of_awq_errors_equals_the_plain_reference(llama):

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
 from ..distributed import all_windows, mean_over_ranks, total_over_ranks
-from ..primitives import group_view
+from ..primitives import group_range, group_view
 from ..scheme import QuantScheme
 from ..smoothing import (replay_dtype, PairResult, fold_scales, in_weight, pooled_stats, replay, replay_autocast,
                          usable_pairs)
@@ -77,11 +77,7 @@ def search_clip(w: Tensor, x: Tensor, scheme: QuantScheme, grid: int = 20, max_s
         wb = w[r0:r0 + row_batch]
         wg = group_view(wb, scheme)  # [n, groups, G]
         ref = torch.einsum("tgk,ngk->ntg", xg, wg)  # [n, T, groups]
-        if scheme.symmetric:
-            hi0 = wg.abs().amax(dim=-1)
-            lo0 = -hi0
-        else:
-            hi0, lo0 = wg.amax(dim=-1).clamp(min=0), wg.amin(dim=-1).clamp(max=0)
+        lo0, hi0 = group_range(wg, scheme.symmetric)
         best_err = torch.full_like(hi0, float("inf"))
         best_lo, best_hi = lo0.clone(), hi0.clone()
         for step in range(int(max_shrink * grid)):
@@ -101,24 +97,17 @@ def search_clip(w: Tensor, x: Tensor, scheme: QuantScheme, grid: int = 20, max_s
 def clip_factor(w: Tensor, lo: Tensor, hi: Tensor, scheme: QuantScheme) -> Tensor:
     """search_clip's ranges as the factor [N, groups] by which each (row, group)'s range was shrunk (1: unclipped),
     for primitives.shrink_range."""
-    wg = group_view(w.float(), scheme)
-    if scheme.symmetric:
-        width0 = 2 * wg.abs().amax(dim=-1)
-    else:
-        width0 = wg.amax(dim=-1).clamp(min=0) - wg.amin(dim=-1).clamp(max=0)
+    lo0, hi0 = group_range(group_view(w.float(), scheme), scheme.symmetric)
+    width0 = hi0 - lo0
     return torch.where(width0 > 0, (hi - lo) / width0.clamp(min=1e-30), torch.ones_like(width0))
-
-
-def clipped(w: Tensor, lo: Tensor, hi: Tensor, scheme: QuantScheme) -> Tensor:
-    """The float32 weight [N, K] with each (row, group) clamped to its range from search_clip."""
-    wg = group_view(w.float(), scheme)
-    return torch.minimum(torch.maximum(wg, lo[..., None]), hi[..., None]).reshape(w.shape)
 
 
 @torch.no_grad()
 def apply_clip(m: nn.Module, lo: Tensor, hi: Tensor, scheme: QuantScheme) -> None:
     w = in_weight(m)
-    w.copy_(clipped(w, lo, hi, scheme).to(w.dtype))
+    wg = group_view(w.float(), scheme)
+    clipped = torch.minimum(torch.maximum(wg, lo[..., None]), hi[..., None])
+    w.copy_(clipped.reshape(w.shape).to(w.dtype))
 
 
 # ---------------------------------------------------------------- one decoder block
