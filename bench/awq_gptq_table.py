@@ -84,6 +84,8 @@ RUNS = {  # name: (recipe, extra --set overrides)
                                                                                 "stages.1.clip_to=grid"]),
     "awq(grid clip)+gptq int4": ("recipes/awq_gptq_int4.yaml", ["stages.0.clip_to=grid"]),
     "awq(grid clip)+gptq int3": ("recipes/awq_gptq_int4.yaml", ["stages.0.clip_to=grid", "stages.1.scheme.dtype=int3"]),
+    "awq(grid clip)+gptq+tune int4": ("recipes/awq_gptq_tune_int4.yaml", []),
+    "awq(grid clip)+gptq+tune int3": ("recipes/awq_gptq_tune_int4.yaml", ["stages.1.scheme.dtype=int3"]),
     "rotate+online+rtn w8a8 static": ("recipes/rotate_gptq_int3.yaml", [ONLINE, "stages.1.method=rtn",
                                                                        "stages.1.scheme=W8A8_STATIC"]),
     "rotate+online+autoround int4": ("recipes/rotate_gptq_int3.yaml", [ONLINE, *AR, "stages.1.scheme.dtype=int4"]),
@@ -181,9 +183,9 @@ def compress_all(out_root: Path, only: list[str], jobs: int = 1, reuse: bool = F
         out = run_dir(out_root, name)
         report = json.loads((out / "report.json").read_text())
         t = report["timings"]
-        # whole-model stages (rotate, auto_precision's sensitivity pass) run before the calibration pass: both count
+        # whole-model stages (rotate, auto_precision's sensitivity pass) run before the calibration pass, tune_scales after it: all count
         info[name] = {"dir": str(out), "compress_s": t["compress"], "model_stages_s": t.get("prune_distill", 0.0),
-                      "total_s": t["compress"] + t.get("prune_distill", 0.0),
+                      "total_s": t["compress"] + t.get("prune_distill", 0.0) + t.get("tune", 0.0),
                       "peak_rss_bytes": report["eval"]["peak_rss_bytes"], "threads": report["model"]["threads"],
                       "calibration_threads": report["recipe"]["resolved"]["calibration"]["threads"]
                       if report["recipe"]["resolved"].get("calibration") else None}

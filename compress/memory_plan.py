@@ -191,6 +191,10 @@ def plan_memory(recipe, config, dtype: torch.dtype, device: str, available: int 
             device_phases["calibration"] = {"one block": size.block_parameters * width, **work}
         else:
             phases["calibration"] = {"weights": weights, **work}
+    tune = next((s for s in recipe.stages if getattr(s, "after_calibration", False)), None)
+    if tune is not None and recipe.calibration is not None:
+        phases["tune_scales"] = {"compressed model": compressed, "teacher": weights,
+                                 **tune_scales_bytes(size, tune, recipe.calibration.seq_len)}
     logits = 4 * 4 * recipe.eval.seq_len * size.vocab  # both models' float32 logits and their log-softmax
     evaluation = {"compressed model": compressed, "baseline copy": weights if recipe.eval.baseline else 0,
                   "dtype conversion": conversion if recipe.eval.baseline else 0,
@@ -250,6 +254,19 @@ def tuning_bytes(size: ModelSize, seq_len: int) -> int:
     the backward (36 bytes in all); and one window's forward saved for its backward, about 16 float32 values per
     token and input feature."""
     return 36 * size.block_parameters + 4 * 16 * seq_len * size.input_features
+
+
+def tune_scales_bytes(size: ModelSize, stage, seq_len: int) -> dict[str, int]:
+    """The tune_scales stage beside both models: each linear's dequantized weight (float32, and its bfloat16 copy
+    under autocast) kept for the backward, in every block or, with gradient checkpointing, in one block at a time;
+    one step's activations, about 16 float32 values per token and input feature of a block (with checkpointing:
+    one block's, plus every block's input); both models' float32 logits and their log-softmax and gradient."""
+    tokens = stage.batch_size * seq_len
+    blocks = 1 if stage.gradient_checkpointing else size.layers
+    kept = 4 * tokens * size.hidden * size.layers if stage.gradient_checkpointing else 0
+    return {"dequantized weights": 6 * size.block_linear_parameters * blocks // size.layers,
+            "activations": 4 * 16 * tokens * size.input_features * blocks + kept,
+            "logits": 4 * 4 * tokens * size.vocab}
 
 
 def conversion_bytes(files: list, config, dtype: torch.dtype) -> int:

@@ -1,4 +1,5 @@
-"""Running the whole-model stages (prune, distill: `whole_model = True`), in recipe order, before calibration.
+"""Running the whole-model stages (prune, distill: `whole_model = True`), in recipe order, before calibration; and
+those that act on the compressed model after it (`after_calibration = True`: tune_scales).
 
 The teacher is a copy of the model taken before the first of them, when a stage asks for one. Under
 `accelerate launch` every process runs the same deterministic pruning, distillation is data-parallel, and only the
@@ -28,7 +29,7 @@ def run_model_stages(model: nn.Module, tokenizer, arch, recipe, out: Path, resum
     from .arch import get_arch
     from .stages.base import ModelStageContext
 
-    stages = [(i, s) for i, s in enumerate(recipe.stages) if s.whole_model]
+    stages = [(i, s) for i, s in enumerate(recipe.stages) if s.whole_model and not s.after_calibration]
     if not stages:
         return {}, None, recipe.stages
     rank, _ = world()
@@ -43,3 +44,20 @@ def run_model_stages(model: nn.Module, tokenizer, arch, recipe, out: Path, resum
         ctx.stages = stage.resolve_stages(ctx.stages, i, reports[i])
         ctx.arch = get_arch(model)  # a prune changes the block list
     return reports, ctx.before_distill, ctx.stages
+
+
+def run_after_stages(model: nn.Module, tokenizer, recipe, samples, load_teacher, out: Path, progress: bool,
+                     log) -> dict[int, dict]:
+    """Run the stages that act on the compressed model after the calibration pass, in recipe order, with the
+    original model as their teacher (`load_teacher()`: reloaded from the source, as the evaluation's baseline is,
+    rather than copied before the pass, which would double the pass's peak). Returns {stage index: report section}."""
+    from .arch import get_arch
+    from .stages.base import ModelStageContext
+
+    stages = [(i, s) for i, s in enumerate(recipe.stages) if s.after_calibration]
+    if not stages:
+        return {}
+    log("reloading the original model as the teacher ...")
+    ctx = ModelStageContext(model, tokenizer, get_arch(model), recipe.calibration, out, False, progress, log,
+                            teacher=load_teacher().eval(), stages=recipe.stages, samples=samples)
+    return {i: stage.run_model(ctx, i) for i, stage in stages}

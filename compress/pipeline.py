@@ -19,7 +19,7 @@ from .memory_plan import MemoryPlan, conversion_bytes
 from .models import (checkpoint_files, load_compressed, load_config, load_model, quantized_skeleton, resolve_device,
                      resolve_dtype, save_compressed)
 from .outliers import plant_outliers
-from .model_stages import run_model_stages, work_dir, world
+from .model_stages import run_after_stages, run_model_stages, work_dir, world
 from .recipe import Recipe
 from .stages.base import Plan, make_plan
 from .runner import (Timings, check_output, compress_model, run_header, set_threads, staged_output,
@@ -120,7 +120,7 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
     # strict-mode errors and impossible exports surface here, on the shapes after pruning, before any heavy work
     plan = make_plan(model, get_arch(model), recipe.stages)
     check_formats(plan.model, plan, recipe.output.formats)
-    with timings("prune_distill", any(s.whole_model for s in recipe.stages)):
+    with timings("prune_distill", any(s.whole_model and not s.after_calibration for s in recipe.stages)):
         model_reports, before_distill, stages = run_model_stages(model, tokenizer, get_arch(model), recipe, out,
                                                                  resume, progress, log)
     if model_reports:  # planned again on the model as pruned and distilled, with the stages as they resolved them
@@ -134,6 +134,10 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
                                            spill_dir=out.parent)
     if world()[0] != 0:  # torchrun / `accelerate launch`: the other processes helped distill and calibrate
         return {}
+    with timings("tune", any(s.after_calibration for s in recipe.stages)):
+        for i, section in run_after_stages(model, tokenizer, recipe, samples, lambda: load_source(recipe, device)[0].model,
+                                           out, progress, log).items():
+            sections["stages"][i] = section
     report.update(sections)
     set_threads(recipe.model.threads)
     with staged_output(out) as tmp:

@@ -320,7 +320,7 @@ def _check_stages(stages: tuple, calibration, file: str) -> tuple:
     first_other = next((i for i, st in enumerate(stages) if not st.whole_model), len(stages))
     out = []
     for i, st in enumerate(stages):
-        if st.whole_model and i > first_other:
+        if st.whole_model and not st.after_calibration and i > first_other:
             raise RecipeError(f"{file}: `stages.{i}` ({st.name}) must come before the quantization stages "
                               "(prune and distill change the model that calibration sees); move it up")
         try:

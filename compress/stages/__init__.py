@@ -17,6 +17,7 @@ from .prune_experts import PruneExpertsStage
 from .quantize import QuantizeStage
 from .rotate import RotateStage
 from .smoothquant import SmoothQuantStage
+from .tune_scales import TuneScalesStage
 
 STAGES: dict[str, type] = {
     "rotate": RotateStage,  # the residual stream rotated, folded into the weights (QuaRot / SpinQuant R1)
@@ -28,6 +29,7 @@ STAGES: dict[str, type] = {
     "smoothquant": SmoothQuantStage,  # activation outliers migrated into the weights
     "quantize": QuantizeStage,  # weights (and activations) quantized by a method in quantizers.QUANTIZERS
     "kv_cache": KVCacheStage,  # fp8 key/value scales
+    "tune_scales": TuneScalesStage,  # after the pass: the quantized scales trained by distillation, codes fixed
 }
 
 
@@ -38,4 +40,5 @@ def get_stage(name: str) -> type:
 
 
 __all__ = ["STAGES", "get_stage", "make_plan", "next_target", "Needs", "Plan", "RunContext", "StageBase",
-           "AutoPrecisionStage", "AWQStage", "DistillStage", "KVCacheStage", "PruneExpertsStage", "PruneStage", "QuantizeStage", "RotateStage", "SmoothQuantStage"]
+           "AutoPrecisionStage", "AWQStage", "DistillStage", "KVCacheStage", "PruneExpertsStage", "PruneStage", "QuantizeStage", "RotateStage", "SmoothQuantStage",
+           "TuneScalesStage"]

@@ -8,7 +8,8 @@ writes only what it does:
 - `needs_calibration`: whether the recipe must have a `calibration:` section.
 - `plan(model, arch, claimed, index)`: what it will do to this model, computed without data (`compress inspect`
   prints it, `compress run` follows it); `describe(...)` renders it.
-- Whole-model stages (`whole_model = True`: prune, distill) run once, before the calibration pass:
+- Whole-model stages (`whole_model = True`: prune, distill) run once, before the calibration pass (or after it,
+  with `after_calibration = True`: tune_scales, on the compressed model, with the original as its teacher):
   `run_model(ctx, index)` returns the stage's report section, and `resolve_stages(stages, index, section)` may
   write what it decided into the later stages (auto_precision: the quantize stage's per-layer schemes).
 - Block stages act inside the calibration pass: `needs(plan, index)` says which statistics the pass must gather,
@@ -172,6 +173,7 @@ class ModelStageContext:
     teacher: nn.Module | None = None
     before_distill: nn.Module | None = None  # the pruned model before distillation, for the before/after evaluation
     stages: tuple = ()  # the recipe's stages, as resolved by the whole-model stages run so far
+    samples: Any = None  # the calibration windows [n, seq_len], for the stages after the pass (tune_scales)
 
 
 class StageBase:
@@ -179,6 +181,7 @@ class StageBase:
 
     name: ClassVar[str] = ""
     whole_model: ClassVar[bool] = False  # runs on the whole model before the calibration pass (prune, distill)
+    after_calibration: ClassVar[bool] = False  # a whole-model stage that runs after the pass instead (tune_scales)
     data_parallel: ClassVar[bool] = True  # what it observes is reduced over processes (distributed.py)
     stores_weights: ClassVar[bool] = False  # replaces linears by quantized ones (the target of a smoothing stage)
     needs_teacher: ClassVar[bool] = False  # the whole-model stages keep a copy of the original model (distill)

@@ -1,0 +1,126 @@
+"""The `tune_scales` stage: after the calibration pass, the quantized model's scales are trained end to end by
+distillation from the original model while every integer code stays as the quantizer rounded it (EfficientQAT's
+E2E-QP; the parametrization is in scale_tuning.py, the training loop is the distill stage's, distill.py).
+
+It trains on the calibration windows (the text the recipe already chose), `epochs` passes over them. The checkpoint
+keeps its format and size: only scale values change, so every export that held the quantized model holds the tuned
+one. It needs the whole model and the original beside it (the teacher, reloaded from the source), so a streamed run
+refuses it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from ..data import eval_windows
+from ..distill import distill
+from ..model_stages import work_dir, world
+from ..scale_tuning import scale_gains, tunable_layers
+from .base import ModelStageContext, Plan, StageBase
+from .distill import DistillStage, _render
+
+
+@dataclass(frozen=True)
+class TuneScalesStage(StageBase):
+    """Recipe stage `tune_scales`: end-to-end scale tuning of the quantized model by distillation (codes frozen)."""
+    epochs: int = 1  # passes over the calibration windows
+    batch_size: int = 4  # windows per optimizer step
+    lr: float = 1e-3  # peak learning rate (AdamW) of the log-gains: 1e-3 moves a scale by about 0.1% per step
+    min_lr: float = 1e-4  # cosine decays to this
+    warmup_steps: int = 0
+    temperature: float = 1.0  # KD temperature (loss times T**2)
+    max_grad_norm: float = 1.0
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"  # auto: bf16 where the hardware has it
+    # recompute each block's forward in the backward: one block's dequantized weights and activations are held at
+    # a time instead of every block's (large models), for about a third more time
+    gradient_checkpointing: bool = False
+    seed: int = 0
+    eval_windows: int = 2  # before/after points on held-out WikiText-2 test windows (never trained on); 0 = none
+    eval_seq_len: int = 1024
+    eval_every: int = 0  # a curve point every N steps (0 = only before and after)
+
+    def __post_init__(self):
+        for name in ("epochs", "batch_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"tune_scales {name}={v!r}; use a positive integer")
+        for name in ("warmup_steps", "seed", "eval_windows", "eval_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"tune_scales {name}={v!r}; use an integer >= 0")
+        if not 0 < self.min_lr <= self.lr:
+            raise ValueError(f"tune_scales min_lr={self.min_lr}, lr={self.lr}; need 0 < min_lr <= lr")
+        if not self.temperature > 0:
+            raise ValueError(f"tune_scales temperature={self.temperature}; use a temperature > 0 (1.0 = plain KL)")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"tune_scales max_grad_norm={self.max_grad_norm}; use a value > 0 (e.g. 1.0)")
+        if self.mixed_precision not in ("auto", "no", "bf16"):
+            raise ValueError(f"tune_scales mixed_precision={self.mixed_precision!r}; use 'auto', 'no' or 'bf16'")
+
+    # ---------------------------------------------------------------- lifecycle (stages/base.py)
+    name: ClassVar[str] = "tune_scales"
+    whole_model: ClassVar[bool] = True
+    after_calibration: ClassVar[bool] = True  # runs on the compressed model, after the calibration pass
+
+    @property
+    def needs_calibration(self) -> bool:
+        return True  # it trains on the calibration windows
+
+    def check(self, index: int, stages: tuple, calibrated: bool) -> "TuneScalesStage":
+        super().check(index, stages, calibrated)
+        if world()[1] > 1:
+            raise ValueError(f"`stages.{index}` (tune_scales) runs in one process; run this recipe without torchrun "
+                             "/ accelerate launch (or drop the stage)")
+        if not any(getattr(s, "stores_weights", False) for s in stages[:index]):
+            raise ValueError(f"`stages.{index}` (tune_scales) tunes the scales of quantized layers; put a "
+                             "`stage: quantize` before it")
+        later = [s.name for s in stages[index + 1:] if not getattr(s, "after_calibration", False)]
+        if later:
+            raise ValueError(f"`stages.{index}` (tune_scales) runs after the calibration pass, but {later} come "
+                             "after it in the recipe; make tune_scales the last stage")
+        return self
+
+    def steps(self, windows: int) -> int:
+        return max(1, self.epochs * windows // self.batch_size)
+
+    def describe(self, plan: Plan, index: int) -> tuple[list[str], str]:
+        line = (f"\nstage {index}: tune_scales: every weight-only quantized layer's scales trained by distillation "
+                f"from the original, codes fixed: {self.epochs} epoch(s) over the calibration windows, "
+                f"{self.batch_size} windows per step, lr {self.lr}")
+        return [line], line.strip()
+
+    def run_model(self, ctx: ModelStageContext, index: int) -> dict:
+        names, skipped = tunable_layers(ctx.model)
+        if not names:
+            raise ValueError("tune_scales found no weight-only quantized layer to tune "
+                             f"({len(skipped)} quantized layers, none weight-only integer or fp8); drop the stage")
+        windows = ctx.samples
+        cfg = DistillStage(steps=self.steps(windows.shape[0]), batch_size=min(self.batch_size, windows.shape[0]),
+                           seq_len=windows.shape[1], lr=self.lr, min_lr=self.min_lr, warmup_steps=self.warmup_steps,
+                           temperature=self.temperature, eval_every=self.eval_every, checkpoint_every=0,
+                           mixed_precision=self.mixed_precision, max_grad_norm=self.max_grad_norm, seed=self.seed,
+                           gradient_checkpointing=self.gradient_checkpointing,
+                           eval_windows=self.eval_windows, eval_seq_len=self.eval_seq_len)
+        held_out = eval_windows(ctx.tokenizer, "test", self.eval_seq_len, self.eval_windows) \
+            if self.eval_windows else None
+        ctx.log(f"stage {index}: tune_scales - {len(names)} layers' scales, {cfg.steps} steps × {cfg.batch_size} "
+                f"calibration windows of {cfg.seq_len} tokens"
+                + (f"; not tuned: {len(skipped)} layers" if skipped else ""))
+        with scale_gains(ctx.model, names) as gains:
+            result = distill(ctx.model, ctx.teacher, windows, cfg, work_dir(ctx.out) / f"tune-{index}",
+                             eval_ids=held_out, progress=ctx.progress, log=ctx.log)
+            n_gains = sum(g.numel() for g in gains)
+        ctx.model.eval()
+        return {"index": index, "stage": "tune_scales", "data": "calibration windows", "layers": len(names),
+                "parameters": n_gains, "not_tuned": skipped, "epochs": self.epochs,
+                "eval_windows": [self.eval_windows, self.eval_seq_len], **result}
+
+    @staticmethod
+    def render(section: dict, models: dict) -> list[str]:
+        lines = _render(section)
+        lines[1] = (f"## Stage {section['index']}: tune_scales (the quantized scales trained by distillation from "
+                    "the original, codes fixed)")
+        lines.insert(3, f"{section['layers']} layers, {section['parameters']:,} scales tuned.")
+        lines.insert(4, "")
+        if section.get("not_tuned"):
+            lines += ["", "Not tuned:", ""] + [f"- `{n}`: {why}" for n, why in section["not_tuned"].items()]
+        return lines
