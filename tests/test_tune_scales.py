@@ -13,15 +13,16 @@ import yaml
 from torch import nn
 
 from compress.distill import distill
+from compress.arch import get_arch
 from compress.models import load_compressed
-from compress.nn import QuantLinear
+from compress.nn import QuantLinear, is_linear, linear_weight
 from compress.quantizers.rtn import quantize_rtn
 from compress.recipe import RecipeError, load_recipe
 from compress.scale_tuning import scale_gains, tunable_layers
 from compress.scheme import FP8, MXFP4A16, W8A8, QuantScheme
 from compress.stages.distill import DistillStage
 from compress.stages.tune_scales import TuneScalesStage
-from tests.conftest import make_tiny_model, run_tiny_recipe
+from tests.conftest import TINY_CONFIGS, make_tiny_model, run_tiny_recipe
 
 INT3_G32 = QuantScheme("int3", "group", 32, False)
 INT4_G32 = QuantScheme("int4", "group", 32, False)
@@ -31,10 +32,12 @@ QUIET = dict(progress=False, log=lambda m: None)
 def quantize_blocks(model: nn.Module, scheme: QuantScheme) -> nn.Module:
     """A copy of `model` with every linear inside the decoder blocks replaced by its RTN QuantLinear."""
     out = copy.deepcopy(model)
-    for parent_name, parent in list(out.named_modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and ".layers." in f".{parent_name}.":
-                setattr(parent, name, QuantLinear.from_module(child, quantize_rtn(child.weight.detach(), scheme)))
+    for block in get_arch(out).block_list(out):
+        for parent in list(block.modules()):
+            for name, child in list(parent.named_children()):
+                if is_linear(child):
+                    qt = quantize_rtn(linear_weight(child).detach(), scheme)
+                    setattr(parent, name, QuantLinear.from_module(child, qt))
     return out
 
 
@@ -103,6 +106,26 @@ def test_tuning_recovers_most_of_the_kl_with_the_codes_unchanged(tmp_path):
     for n in names:
         assert torch.equal(modules[n].qdata, codes[n][0]) and torch.equal(modules[n].zero_point, codes[n][1])
     assert any(not torch.equal(modules[n].scale, codes[n][2]) for n in names)
+
+
+@pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
+def test_every_family_starts_exactly_where_quantization_left_it_and_tunes(tmp_path, family):
+    teacher = make_tiny_model(family)
+    student = quantize_blocks(teacher, INT3_G32)
+    names, skipped = tunable_layers(student)
+    assert len(names) >= 8 and not skipped
+    ids = random_ids(4, 32, 0)
+    with torch.no_grad():
+        ref = student(ids).logits
+    cfg = DistillStage(steps=4, batch_size=2, seq_len=32, lr=1e-2, min_lr=1e-3, warmup_steps=0, eval_every=0,
+                       checkpoint_every=0)
+    with scale_gains(student, names):
+        with torch.no_grad():
+            torch.testing.assert_close(student(ids).logits, ref, rtol=0, atol=0)
+        out = distill(student, teacher, ids, cfg, tmp_path, eval_ids=ids[:1], **QUIET)
+    assert out["steps"] == 4 and out["curve"][-1]["kl"] is not None
+    with torch.no_grad():
+        assert not torch.equal(student(ids).logits, ref)
 
 
 def test_activation_quantized_and_microscaled_layers_are_not_tuned_with_the_reason():
