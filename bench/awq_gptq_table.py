@@ -183,7 +183,8 @@ def compress_all(out_root: Path, only: list[str], jobs: int = 1, reuse: bool = F
         out = run_dir(out_root, name)
         report = json.loads((out / "report.json").read_text())
         t = report["timings"]
-        # whole-model stages (rotate, auto_precision's sensitivity pass) run before the calibration pass, tune_scales after it: all count
+        # whole-model stages (rotate, auto_precision's sensitivity pass) run before the calibration pass,
+        # tune_scales after it: all count
         info[name] = {"dir": str(out), "compress_s": t["compress"], "model_stages_s": t.get("prune_distill", 0.0),
                       "total_s": t["compress"] + t.get("prune_distill", 0.0) + t.get("tune", 0.0),
                       "peak_rss_bytes": report["eval"]["peak_rss_bytes"], "threads": report["model"]["threads"],

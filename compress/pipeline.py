@@ -135,8 +135,10 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
     if world()[0] != 0:  # torchrun / `accelerate launch`: the other processes helped distill and calibrate
         return {}
     with timings("tune", any(s.after_calibration for s in recipe.stages)):
-        for i, section in run_after_stages(model, tokenizer, recipe, samples, lambda: load_source(recipe, device)[0].model,
-                                           out, progress, log).items():
+        def teacher():  # the original, reloaded only when such a stage runs
+            return load_source(recipe, device)[0].model
+
+        for i, section in run_after_stages(model, tokenizer, recipe, samples, teacher, out, progress, log).items():
             sections["stages"][i] = section
     report.update(sections)
     set_threads(recipe.model.threads)
