@@ -53,7 +53,10 @@ def stream_blockers(recipe: Recipe) -> list[str]:
         kind = None
     if kind is not None and kind not in STREAM_KINDS:
         why.append(f"a {kind} model is loaded as a whole (stream a Hugging Face folder, a hub id or a .gguf file)")
-    whole = [s.name for s in recipe.stages if s.whole_model]
+    whole = [s.name for s in recipe.stages if s.whole_model and not s.after_calibration]
+    if any(s.after_calibration for s in recipe.stages):
+        why.append("tune_scales trains the whole compressed model beside the original (run it where both fit, with "
+                   "gradient_checkpointing: true; or drop the stage)")
     if whole:
         why.append(f"{', '.join(dict.fromkeys(whole))} act on the whole model (run them on a machine where it fits, "
                    "then stream the quantization of their output; an auto_precision choice is reused by running the "
