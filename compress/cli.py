@@ -94,7 +94,8 @@ decode tokens/s, roofline prediction), with the Pareto frontier marked in the ta
 def _add_set(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe value (dotted path, YAML value); repeatable, e.g. "
-                        "--set stages.0.scheme.group_size=32 --set model=HuggingFaceTB/SmolLM2-360M")
+                        "--set stages.0.scheme.group_size=32 --set model=HuggingFaceTB/SmolLM2-360M; an index one "
+                        "past a list's end appends: --set stages.2.stage=tune_scales")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -413,8 +413,9 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 
 
 def apply_override(data: dict, item: str, file: str = "<recipe>") -> None:
-    """Set `a.b.0.c=value` in the raw recipe mapping. A scheme preset name is expanded into its fields
-    first, so `stages.0.scheme.group_size=32` works on `scheme: W4A16_G64`; a scalar set on a section
+    """Set `a.b.0.c=value` in the raw recipe mapping (an index one past a list's end appends an item, so that
+    `--set stages.2.stage=tune_scales` adds a stage to a two-stage recipe). A scheme preset name is expanded into
+    its fields first, so `stages.0.scheme.group_size=32` works on `scheme: W4A16_G64`; a scalar set on a section
     that is a mapping with a `source` key (the model) sets that source."""
     if "=" not in item:
         raise RecipeError(f"--set {item!r}: expected KEY=VALUE, e.g. stages.0.scheme.group_size=32")
@@ -445,8 +446,11 @@ def apply_override(data: dict, item: str, file: str = "<recipe>") -> None:
 
 def _child(node, part: str, key: str, file: str):
     if isinstance(node, list):
+        if part.isdigit() and int(part) == len(node):  # one past the end appends: `--set stages.2.stage=tune_scales`
+            node.append(None)
         if not part.isdigit() or int(part) >= len(node):
-            raise RecipeError(f"--set {key}: `{part}` is not an index of a list of {len(node)} items in {file}")
+            raise RecipeError(f"--set {key}: `{part}` is not an index of a list of {len(node)} items in {file} "
+                              f"(index {len(node)} appends an item)")
         return node[int(part)]
     if isinstance(node, dict):
         return node.get(part)

@@ -206,6 +206,15 @@ def test_set_bad_index(tmp_path):
         load_recipe(path, ["stages.5.method=rtn"])
 
 
+def test_set_one_past_the_end_appends_a_stage(tmp_path):
+    data = _with(calibration="wikitext2")
+    recipe = load_recipe(_write(tmp_path, data), ["stages.1.stage=tune_scales", "stages.1.epochs=2"])
+    assert [s.name for s in recipe.stages] == ["quantize", "tune_scales"] and recipe.stages[1].epochs == 2
+    with pytest.raises(RecipeError, match=r"--set stages\.2: `2` is not an index of a list of 1 items in .* \(index 1 "
+                                          r"appends an item\)"):
+        load_recipe(_write(tmp_path, data), ["stages.2.stage=tune_scales"])
+
+
 def test_set_without_equals(tmp_path):
     with pytest.raises(RecipeError, match=r"expected KEY=VALUE"):
         load_recipe(_write(tmp_path, BASE), ["stages.0.method"])
