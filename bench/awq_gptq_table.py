@@ -92,6 +92,8 @@ RUNS = {  # name: (recipe, extra --set overrides)
     "rotate+online+autoround int3": ("recipes/rotate_gptq_int3.yaml", [ONLINE, *AR]),
     "rotate+online+autoround int2 g32": ("recipes/rotate_gptq_int3.yaml", [ONLINE, *AR, "stages.1.scheme.dtype=int2",
                                                                           "stages.1.scheme.group_size=32"]),
+    "rotate+online+autoround+tune int2 g32": ("recipes/rotate_gptq_int3.yaml", [
+        ONLINE, *AR, "stages.1.scheme.dtype=int2", "stages.1.scheme.group_size=32", "stages.2.stage=tune_scales"]),
     "awq+autoround int2 g32": ("recipes/awq_gptq_int4.yaml", [*AR, "stages.1.scheme.dtype=int2",
                                                               "stages.1.scheme.group_size=32"]),
     # mixed precision (issue 19): a scheme per layer by Fisher sensitivity and a knapsack, then AWQ + GPTQ
