@@ -42,7 +42,7 @@ def main() -> None:
     from compress.evaluate.ppl import score_windows
     from compress.evaluate.report import eval_windows
     from compress.models import load_compressed, load_model
-    from compress.recipe import load_recipe
+    from compress.recipe import build, load_recipe
     from compress.runner import calibration_samples
     from compress.stages.base import ModelStageContext
     from compress.stages.tune_scales import TuneScalesStage
@@ -65,7 +65,8 @@ def main() -> None:
         raise SystemExit("the rebuilt calibration windows differ from the run's (fingerprint); same data folder?")
     models, runs = {"baseline (float32)": base.model, "untuned": load_compressed(run)}, {}
     for text in args.settings:
-        stage = TuneScalesStage(**{"eval_windows": 0, **parse_setting(text)})
+        # through the recipe's validation, as `--set stages.N.lr=3e-3` would be
+        stage = build(TuneScalesStage, {"eval_windows": 0, **parse_setting(text)}, "tune_scales", "--settings")
         model = load_compressed(run)
         with tempfile.TemporaryDirectory() as tmp:
             ctx = ModelStageContext(model, base.tokenizer, get_arch(model), recipe.calibration, Path(tmp) / "out",

@@ -251,6 +251,11 @@ def _coerce(tp, value, key: str, file: str):
             raise RecipeError(f"{file}: `{key}` must be an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 3e-3 (no dot) as a string; Python's float reads it
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise RecipeError(f"{file}: `{key}` must be a number, got {value!r}")
         return float(value)

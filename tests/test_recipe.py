@@ -215,6 +215,15 @@ def test_set_one_past_the_end_appends_a_stage(tmp_path):
         load_recipe(_write(tmp_path, data), ["stages.2.stage=tune_scales"])
 
 
+def test_a_number_without_a_dot_reads_as_a_number(tmp_path):
+    data = _with(calibration="wikitext2")
+    data["stages"] = [*data["stages"], {"stage": "tune_scales", "lr": "3e-3"}]  # what YAML makes of `lr: 3e-3`
+    recipe = load_recipe(_write(tmp_path, data), ["stages.1.min_lr=1e-4"])
+    assert recipe.stages[1].lr == 0.003 and recipe.stages[1].min_lr == 0.0001
+    with pytest.raises(RecipeError, match=r"`stages\.1\.lr` must be a number, got 'fast'"):
+        load_recipe(_write(tmp_path, data), ["stages.1.lr=fast"])
+
+
 def test_set_without_equals(tmp_path):
     with pytest.raises(RecipeError, match=r"expected KEY=VALUE"):
         load_recipe(_write(tmp_path, BASE), ["stages.0.method"])
