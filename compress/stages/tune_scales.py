@@ -39,22 +39,22 @@ class TuneScalesStage(StageBase):
     eval_every: int = 0  # a curve point every N steps (0 = only before and after)
 
     def __post_init__(self):
-        for name in ("epochs", "batch_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"tune_scales {name}={v!r}; use a positive integer")
-        for name in ("warmup_steps", "seed", "eval_windows", "eval_every"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"tune_scales {name}={v!r}; use an integer >= 0")
-        if not 0 < self.min_lr <= self.lr:
-            raise ValueError(f"tune_scales min_lr={self.min_lr}, lr={self.lr}; need 0 < min_lr <= lr")
-        if not self.temperature > 0:
-            raise ValueError(f"tune_scales temperature={self.temperature}; use a temperature > 0 (1.0 = plain KL)")
-        if not self.max_grad_norm > 0:
-            raise ValueError(f"tune_scales max_grad_norm={self.max_grad_norm}; use a value > 0 (e.g. 1.0)")
-        if self.mixed_precision not in ("auto", "no", "bf16"):
-            raise ValueError(f"tune_scales mixed_precision={self.mixed_precision!r}; use 'auto', 'no' or 'bf16'")
+        if not isinstance(self.epochs, int) or isinstance(self.epochs, bool) or self.epochs < 1:
+            raise ValueError(f"tune_scales epochs={self.epochs!r}; use a positive integer")
+        self.training(windows=max(self.batch_size, 1) * (self.warmup_steps + 1), seq_len=1)  # checks the rest
+
+    def training(self, windows: int, seq_len: int) -> DistillStage:
+        """The distill loop's settings for `windows` calibration windows of `seq_len` tokens, checked by its rules."""
+        try:
+            return DistillStage(steps=max(1, self.epochs * windows // max(self.batch_size, 1)),
+                                batch_size=self.batch_size, seq_len=seq_len, lr=self.lr, min_lr=self.min_lr,
+                                warmup_steps=self.warmup_steps, temperature=self.temperature,
+                                eval_every=self.eval_every, checkpoint_every=0, mixed_precision=self.mixed_precision,
+                                max_grad_norm=self.max_grad_norm, seed=self.seed,
+                                gradient_checkpointing=self.gradient_checkpointing, eval_windows=self.eval_windows,
+                                eval_seq_len=self.eval_seq_len)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("distill ", "tune_scales ", 1)) from None
 
     # ---------------------------------------------------------------- lifecycle (stages/base.py)
     name: ClassVar[str] = "tune_scales"
@@ -79,9 +79,6 @@ class TuneScalesStage(StageBase):
                              "after it in the recipe; make tune_scales the last stage")
         return self
 
-    def steps(self, windows: int) -> int:
-        return max(1, self.epochs * windows // self.batch_size)
-
     def describe(self, plan: Plan, index: int) -> tuple[list[str], str]:
         line = (f"\nstage {index}: tune_scales: every weight-only quantized layer's scales trained by distillation "
                 f"from the original, codes fixed: {self.epochs} epoch(s) over the calibration windows, "
@@ -94,12 +91,10 @@ class TuneScalesStage(StageBase):
             raise ValueError("tune_scales found no weight-only quantized layer to tune "
                              f"({len(skipped)} quantized layers, none weight-only integer or fp8); drop the stage")
         windows = ctx.samples
-        cfg = DistillStage(steps=self.steps(windows.shape[0]), batch_size=min(self.batch_size, windows.shape[0]),
-                           seq_len=windows.shape[1], lr=self.lr, min_lr=self.min_lr, warmup_steps=self.warmup_steps,
-                           temperature=self.temperature, eval_every=self.eval_every, checkpoint_every=0,
-                           mixed_precision=self.mixed_precision, max_grad_norm=self.max_grad_norm, seed=self.seed,
-                           gradient_checkpointing=self.gradient_checkpointing,
-                           eval_windows=self.eval_windows, eval_seq_len=self.eval_seq_len)
+        if windows.shape[0] < self.batch_size:
+            raise ValueError(f"tune_scales batch_size={self.batch_size} but the calibration pass has "
+                             f"{windows.shape[0]} windows; lower batch_size or raise calibration.n_samples")
+        cfg = self.training(windows.shape[0], windows.shape[1])
         held_out = eval_windows(ctx.tokenizer, "test", self.eval_seq_len, self.eval_windows) \
             if self.eval_windows else None
         ctx.log(f"stage {index}: tune_scales - {len(names)} layers' scales, {cfg.steps} steps × {cfg.batch_size} "
