@@ -31,6 +31,9 @@ AUTO_RTN = ("[{stage: auto_precision, %s, n_samples: 4}, "  # recipes/auto_preci
             "{stage: quantize, method: rtn, scheme: W4A16_ASYM_G64, ignore: [lm_head]}]")
 AUTO_GPTQ = ("[{stage: auto_precision, %s, n_samples: 4}, "  # then gptq_int4.yaml's quantize stage
              "{stage: quantize, method: gptq, scheme: W4A16_ASYM_G64, ignore: [lm_head]}]")
+# awq_gptq_int4.yaml clips to GPTQ's grid since commit 4f58be1 (2026-12-04); the rows below that say no `grid clip` were
+# measured before, clipping the weights themselves, which every method but GPTQ needs
+W_CLIP = "stages.0.clip_to=weights"
 AR = ["stages.1.method=autoround", "stages.1.options={iters: 200, batch_size: 2}"]
 AR_GPTQ = ["stages.1.method=autoround", "stages.1.options={iters: 200, batch_size: 2, init: gptq}"]
 ONLINE = "stages.0.online_hadamard=true"
@@ -46,23 +49,25 @@ RUNS = {  # name: (recipe, extra --set overrides)
     "rtn int4": ("recipes/gptq_int4.yaml", ["stages.0.method=rtn", "calibration=null"]),
     "awq int4": ("recipes/awq_int4.yaml", []),
     "gptq int4": ("recipes/gptq_int4.yaml", []),
-    "awq+gptq int4": ("recipes/awq_gptq_int4.yaml", []),
+    "awq+gptq int4": ("recipes/awq_gptq_int4.yaml", [W_CLIP]),
     "rtn int3": ("recipes/gptq_int4.yaml", ["stages.0.method=rtn", "calibration=null", "stages.0.scheme.dtype=int3"]),
     "awq int3": ("recipes/awq_int3.yaml", []),
     "gptq int3": ("recipes/gptq_int4.yaml", ["stages.0.scheme.dtype=int3"]),
-    "awq+gptq int3": ("recipes/awq_gptq_int4.yaml", ["stages.1.scheme.dtype=int3"]),
+    "awq+gptq int3": ("recipes/awq_gptq_int4.yaml", [W_CLIP, "stages.1.scheme.dtype=int3"]),
     # HQQ (no calibration): fractional float16 zero points, and rounded to uint8 (what AWQ/GPTQ/compressed-tensors hold)
     "hqq int4": ("recipes/hqq_int4.yaml", []),
+    # the embedded model's own storage layout (GGUF Q4_1: int4 g32, float16 scale and fractional zero point per group)
+    "hqq int4 g32 (Q4_1 layout)": ("recipes/hqq_int4.yaml", ["stages.0.scheme.group_size=32"]),
     "hqq int4, rounded zero points": ("recipes/hqq_int4.yaml", ["stages.0.scheme.zero_point_dtype=uint8"]),
     "hqq int3": ("recipes/hqq_int4.yaml", ["stages.0.scheme.dtype=int3"]),
     # AutoRound (issue 19): 200 steps of 2 windows on this CPU (the recipe's setting; the paper's 8 is 4x the time)
     "autoround int4": ("recipes/gptq_int4.yaml", ["stages.0.method=autoround",
                                                   "stages.0.options={iters: 200, batch_size: 2}"]),
     "awq+autoround int4": ("recipes/autoround_int4.yaml", []),
-    "awq+autoround int3": ("recipes/awq_gptq_int4.yaml", [*AR, "stages.1.scheme.dtype=int3"]),
+    "awq+autoround int3": ("recipes/awq_gptq_int4.yaml", [W_CLIP, *AR, "stages.1.scheme.dtype=int3"]),
     # AutoRound started from GPTQ's solution (options.init: gptq) instead of round-to-nearest
-    "awq+autoround(gptq init) int4": ("recipes/awq_gptq_int4.yaml", [*AR_GPTQ]),
-    "awq+autoround(gptq init) int3": ("recipes/awq_gptq_int4.yaml", [*AR_GPTQ, "stages.1.scheme.dtype=int3"]),
+    "awq+autoround(gptq init) int4": ("recipes/awq_gptq_int4.yaml", [W_CLIP, *AR_GPTQ]),
+    "awq+autoround(gptq init) int3": ("recipes/awq_gptq_int4.yaml", [W_CLIP, *AR_GPTQ, "stages.1.scheme.dtype=int3"]),
     "rotate+gptq int4": ("recipes/rotate_gptq_int3.yaml", ["stages.1.scheme.dtype=int4"]),
     "rotate+gptq int3": ("recipes/rotate_gptq_int3.yaml", []),
     "rotate+gptq int2 g32": ("recipes/rotate_gptq_int3.yaml", ["stages.1.scheme.dtype=int2",
@@ -94,7 +99,7 @@ RUNS = {  # name: (recipe, extra --set overrides)
                                                                           "stages.1.scheme.group_size=32"]),
     "rotate+online+autoround+tune int2 g32": ("recipes/rotate_gptq_int3.yaml", [
         ONLINE, *AR, "stages.1.scheme.dtype=int2", "stages.1.scheme.group_size=32", "stages.2.stage=tune_scales"]),
-    "awq+autoround int2 g32": ("recipes/awq_gptq_int4.yaml", [*AR, "stages.1.scheme.dtype=int2",
+    "awq+autoround int2 g32": ("recipes/awq_gptq_int4.yaml", [W_CLIP, *AR, "stages.1.scheme.dtype=int2",
                                                               "stages.1.scheme.group_size=32"]),
     # mixed precision (issue 19): a scheme per layer by Fisher sensitivity and a knapsack, then AWQ + GPTQ
     "auto awq+gptq @int4 g64 bytes": ("recipes/auto_precision_4bit.yaml", []),
@@ -114,7 +119,17 @@ RUNS = {  # name: (recipe, extra --set overrides)
     "auto awq+gptq @3.5 bits, awq+gptq errors": ("recipes/auto_precision_4bit.yaml",
                                                  ["stages.0.bytes_of=null", "stages.0.bits_per_weight=3.5",
                                                   "stages.0.error_method=awq_gptq"]),
-    "awq+gptq int3 g32": ("recipes/awq_gptq_int4.yaml", ["stages.1.scheme.dtype=int3",
+    # mixed precision with the scale tuning of the uniform rows above (clipping to GPTQ's grid, then tune_scales):
+    # the fair comparison with "awq(grid clip)+gptq+tune int4" and "awq(grid clip)+gptq+tune int3 g32"
+    "auto awq(grid clip)+gptq @int4 g64 bytes": ("recipes/auto_precision_4bit.yaml", ["stages.1.clip_to=grid"]),
+    "auto awq(grid clip)+gptq+tune @int4 g64 bytes": ("recipes/auto_precision_4bit.yaml", [
+        "stages.1.clip_to=grid", "stages.3.stage=tune_scales"]),
+    "auto awq(grid clip)+gptq+tune @3.5 bits": ("recipes/auto_precision_4bit.yaml", [
+        "stages.0.bytes_of=null", "stages.0.bits_per_weight=3.5", "stages.1.clip_to=grid",
+        "stages.3.stage=tune_scales"]),
+    "awq(grid clip)+gptq+tune int3 g32": ("recipes/awq_gptq_tune_int4.yaml", ["stages.1.scheme.dtype=int3",
+                                                                              "stages.1.scheme.group_size=32"]),
+    "awq+gptq int3 g32": ("recipes/awq_gptq_int4.yaml", [W_CLIP, "stages.1.scheme.dtype=int3",
                                                          "stages.1.scheme.group_size=32"]),
     # the same choice with round-to-nearest weights (no AWQ, no GPTQ), against uniform RTN
     "auto rtn @int4 g64 bytes": ("recipes/auto_precision_4bit.yaml", [f"stages={AUTO_RTN % 'bytes_of: W4A16_ASYM_G64'}"]),
@@ -131,12 +146,12 @@ RUNS = {  # name: (recipe, extra --set overrides)
     "gptq int4 g32 sym": ("recipes/gptq_int4.yaml", ["stages.0.scheme=" + INT4_G32]),
     "rtn nvfp4a16": ("recipes/gptq_int4.yaml", [*RTN, "stages.0.scheme=NVFP4A16"]),
     "gptq nvfp4a16": ("recipes/gptq_int4.yaml", ["stages.0.scheme=NVFP4A16"]),
-    "awq+gptq nvfp4a16": ("recipes/awq_gptq_int4.yaml", ["stages.1.scheme=NVFP4A16"]),
+    "awq+gptq nvfp4a16": ("recipes/awq_gptq_int4.yaml", [W_CLIP, "stages.1.scheme=NVFP4A16"]),
     "rtn mxfp4a16": ("recipes/gptq_int4.yaml", [*RTN, "stages.0.scheme=MXFP4A16"]),
     "gptq mxfp4a16": ("recipes/gptq_int4.yaml", ["stages.0.scheme=MXFP4A16"]),
     "rtn nvfp4 w4a4": ("recipes/gptq_int4.yaml", ["stages.0.method=rtn", "stages.0.scheme=NVFP4"]),  # calibrates
     "gptq nvfp4 w4a4": ("recipes/gptq_int4.yaml", ["stages.0.scheme=NVFP4"]),                        # the global
-    "awq+gptq nvfp4 w4a4": ("recipes/awq_gptq_int4.yaml", ["stages.1.scheme=NVFP4"]),                # input scale
+    "awq+gptq nvfp4 w4a4": ("recipes/awq_gptq_int4.yaml", [W_CLIP, "stages.1.scheme=NVFP4"]),                # input scale
     "rtn int4 w4a4 per-token": ("recipes/gptq_int4.yaml", [*RTN, "stages.0.scheme=W4A4_INT"]),
     "gptq int4 w4a4 per-token": ("recipes/gptq_int4.yaml", ["stages.0.scheme=W4A4_INT"]),
     "rtn mxfp4 w4a4": ("recipes/gptq_int4.yaml", [*RTN, "stages.0.scheme=MXFP4"]),
@@ -144,13 +159,13 @@ RUNS = {  # name: (recipe, extra --set overrides)
     "gptq mxfp8 w8a8": ("recipes/gptq_int4.yaml", ["stages.0.scheme=MXFP8"]),
     "gptq mxfp8 w8a16": ("recipes/gptq_int4.yaml", ["stages.0.scheme=MXFP8A16"]),
     "gptq mxfp4 w4a4": ("recipes/gptq_int4.yaml", ["stages.0.scheme=MXFP4"]),
-    "awq+gptq mxfp4a16": ("recipes/awq_gptq_int4.yaml", ["stages.1.scheme=MXFP4A16"]),
+    "awq+gptq mxfp4a16": ("recipes/awq_gptq_int4.yaml", [W_CLIP, "stages.1.scheme=MXFP4A16"]),
     # MXFP4's bytes (4.25 bits per weight) with NVFP4's scale encoding: e2m1 in blocks of 32, e4m3 block scales under
     # an fp32 tensor scale, so MXFP4 against NVFP4 at the same bytes isolates the scale encoding (e8m0 vs e4m3)
     "rtn fp4 g32 e4m3": ("recipes/gptq_int4.yaml", [*RTN, "stages.0.scheme=" + FP4_G32_E4M3]),
     "gptq fp4 g32 e4m3": ("recipes/gptq_int4.yaml", ["stages.0.scheme=" + FP4_G32_E4M3]),
-    "awq nvfp4a16": ("recipes/awq_gptq_int4.yaml", ["stages.1.method=rtn", "stages.1.scheme=NVFP4A16"]),
-    "awq nvfp4 w4a4": ("recipes/awq_gptq_int4.yaml", ["stages.1.method=rtn", "stages.1.scheme=NVFP4"]),
+    "awq nvfp4a16": ("recipes/awq_gptq_int4.yaml", [W_CLIP, "stages.1.method=rtn", "stages.1.scheme=NVFP4A16"]),
+    "awq nvfp4 w4a4": ("recipes/awq_gptq_int4.yaml", [W_CLIP, "stages.1.method=rtn", "stages.1.scheme=NVFP4"]),
 }
 
 

@@ -348,3 +348,20 @@ def test_unknown_eval_suite_names_the_known_ones():
     from compress.recipe import RecipeError, from_dict
     with pytest.raises(RecipeError, match="quick"):
         from_dict({"model": "default", "stages": [{"stage": "quantize", "scheme": "W8A16"}], "eval": "nightly"})
+
+
+
+@pytest.mark.parametrize("module,table", [("awq_gptq_table", "RUNS"), ("outlier_table", "ROWS"),
+                                          ("memory_plan_check", "RUNS"), ("large_models", "RUNS"), ("moe", "RUNS")])
+def test_every_bench_run_is_a_valid_recipe(module, table):
+    """The README's tables name runs of the bench scripts: each must resolve to a recipe that loads (a recipe whose
+    default changed under a run, or a stage index past the list, breaks a documented command before anyone runs it)."""
+    import importlib
+    runs = getattr(importlib.import_module(f"bench.{module}"), table)
+    bad = {}
+    for name, (path, overrides, *_) in runs.items():
+        try:
+            load_recipe(Path(__file__).resolve().parent.parent / path, overrides)
+        except (RecipeError, ValueError, OSError) as exc:
+            bad[name] = str(exc)
+    assert runs and not bad, bad
