@@ -350,7 +350,6 @@ def test_unknown_eval_suite_names_the_known_ones():
         from_dict({"model": "default", "stages": [{"stage": "quantize", "scheme": "W8A16"}], "eval": "nightly"})
 
 
-
 @pytest.mark.parametrize("module,table", [("awq_gptq_table", "RUNS"), ("outlier_table", "ROWS"),
                                           ("memory_plan_check", "RUNS"), ("large_models", "RUNS"), ("moe", "RUNS")])
 def test_every_bench_run_is_a_valid_recipe(module, table):
