@@ -10,6 +10,7 @@ No graph tracing: blocks are called exactly as the model calls them. Peak memory
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +63,21 @@ def _move_non_blocks(model: nn.Module, arch: ArchSpec, device) -> None:
         set_module(model, arch.blocks, blocks)
 
 
+def call_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """A call's arguments by parameter name, in the order of `module.forward`'s signature (extra keyword arguments
+    last): a block called with positional arguments besides the hidden states (GPT-2 passes its causal mask third)
+    is called again by name with all of them."""
+    sig = inspect.signature(module.forward)
+    bound = sig.bind(*args, **kwargs)
+    named = {}
+    for k, v in bound.arguments.items():
+        if sig.parameters[k].kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(v)
+        else:
+            named[k] = v
+    return named
+
+
 @torch.no_grad()
 def capture_block_inputs(model: nn.Module, arch: ArchSpec, samples: Tensor, device,
                          spill_dir: Path | None = None) -> tuple[BlockInputs, Tensor | None]:
@@ -71,14 +87,15 @@ def capture_block_inputs(model: nn.Module, arch: ArchSpec, samples: Tensor, devi
     captured = BlockInputs([], [])
     store: list = []
 
-    def hook(_module, args, kwargs):
-        hidden = args[0] if args else kwargs.pop("hidden_states")
+    def hook(module, args, kwargs):
+        named = call_arguments(module, args, kwargs)
+        hidden = named.pop(next(iter(named)))
         if spill_dir is not None:
             if not store:
                 store.append(spill(spill_dir, "a", hidden, len(samples)))
             hidden = _keep(hidden, store[0], len(captured.hidden))
         captured.hidden.append(hidden)
-        captured.kwargs.append({k: v for k, v in kwargs.items() if k not in ("hidden_states",)})
+        captured.kwargs.append(named)
         raise _StopForward
 
     handle = block0.register_forward_pre_hook(hook, with_kwargs=True)

@@ -8,10 +8,12 @@ from torch import nn
 
 from compress.arch import get_arch, get_module
 from compress.blockwise import BlockInputs, block_forward, capture_block_inputs, relative_error, run_blockwise
+from compress.evaluate.ppl import head_logits
+from compress.moe import unfuse_experts
 from compress.nn import QuantLinear, is_linear
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.scheme import scheme
-from tests.conftest import TINY_CONFIGS, make_tiny_model
+from tests.conftest import TINY_CONFIGS, TINY_MOE_CONFIGS, make_tiny_model
 
 FAMILIES = sorted(TINY_CONFIGS)
 N_LAYERS = 2  # every tiny config has num_hidden_layers=2
@@ -251,3 +253,21 @@ def test_calibration_dtype_auto_is_bfloat16_only_where_it_is_native():
     assert calibration_dtype("auto", "cuda") == "bfloat16"
     assert calibration_dtype("auto", "cpu") == ("bfloat16" if cpu_has_bf16() else "float32")
     assert calibration_dtype("bfloat16", "cpu") == "bfloat16" and calibration_dtype("float32", "cuda") == "float32"
+
+
+@pytest.mark.parametrize("family", FAMILIES + sorted(TINY_MOE_CONFIGS))
+def test_blocks_called_as_the_runner_calls_them_give_the_models_logits(family):
+    """Block 0's captured inputs through every block, then the final norm and the head, are the model's own forward
+    exactly: every argument the model passes a block reaches it again, by name, positional ones included (GPT-2
+    passes its causal mask third; dropped, an eager-attention block would attend to later tokens)."""
+    model = make_tiny_model(family).float()
+    unfuse_experts(model)
+    arch = get_arch(model)
+    ids = _samples(2, 12, seed=4)
+    inputs, _ = capture_block_inputs(model, arch, ids, "cpu")
+    for block in arch.block_list(model):
+        inputs = BlockInputs(block_forward(block, inputs), inputs.kwargs)
+    norm = get_module(model, arch.final_norm)
+    with torch.no_grad():
+        got = torch.cat([head_logits(model.get_output_embeddings(), model.config, norm(h)) for h in inputs.hidden])
+    torch.testing.assert_close(got, _logits(model, ids).float(), rtol=0, atol=1e-5)
