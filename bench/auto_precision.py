@@ -8,6 +8,10 @@ seconds each took. Phase 2 (`--runs`): `compress run` of the auto_precision reci
 through bench/awq_gptq_table.py's machinery (same protocol, same scoring loop).
 
     python bench/auto_precision.py --sensitivity --out bench/results/auto_precision_sensitivity.json
+    python bench/auto_precision.py --drivers --out bench/results/fisher_drivers.json
+
+`--drivers`: the fisher pass run whole-model and block by block (fisher_blocks.py), each in a fresh process on one
+thread: seconds, peak RSS and the RSS before the pass, and whether the two give the same costs and the same choice.
     python bench/awq_gptq_table.py --jobs 2 --only "awq+gptq int4" "auto awq+gptq @int4 bytes" ... \
         --out bench/results/auto_precision_table.json
 """
@@ -75,9 +79,75 @@ def sensitivity(n_fisher: int, n_kl: int, threads: int, kl_blocks: list[int]) ->
     return out
 
 
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def one_driver(driver: str, error_method: str, n_windows: int, out: Path) -> None:
+    """The auto_precision recipe's sensitivity pass (default menu, RTN or GPTQ errors) with one driver; the costs
+    go to `out` (.npz) and the figures to stdout as JSON."""
+    import resource
+
+    from compress.arch import get_arch
+    from compress.data import TextSource, calibration_windows
+    from compress.models import load_model
+    from compress.precision import measure_sensitivity
+    from compress.stages.auto_precision import DEFAULT_MENU
+    from compress.stages.quantize import QuantizeStage, plan_quantize
+
+    torch.set_num_threads(1)
+    loaded = load_model("default", "float32")
+    model, tok = loaded.model, loaded.tokenizer
+    names = [e.name for e in plan_quantize(model, get_arch(model), QuantizeStage(ignore=("lm_head",))).quantized]
+    source = TextSource("wikitext2", "validation")
+    windows = calibration_windows(source, tok, model, n_windows + 8, 512, 0)
+    before = rss_bytes()
+    t = time.perf_counter()
+    sens = measure_sensitivity(model, windows[:n_windows], names, list(DEFAULT_MENU), "fisher",
+                               error_method=error_method, hessian_windows=windows[n_windows:], driver=driver)
+    seconds = time.perf_counter() - t
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    np.savez(out, fisher=sens.costs["fisher"], output_error=sens.costs["output_error"], nbytes=sens.nbytes)
+    print(json.dumps({"driver": sens.driver, "error_method": error_method, "layers": len(names),
+                      "windows": n_windows, "seq_len": 512, "seconds": seconds, "rss_before_bytes": before,
+                      "peak_rss_bytes": peak}))
+
+
+def drivers(n_windows: int, methods: list[str]) -> dict:
+    from compress.precision import choose
+    rows, tmp = [], Path("/tmp")
+    for method in methods:
+        got = {}
+        for driver in ("model", "blocks"):
+            npz = tmp / f"fisher_{driver}_{method}.npz"
+            proc = subprocess.run([sys.executable, __file__, "--one-driver", driver, "--error-method", method,
+                                   "--fisher-windows", str(n_windows), "--child-out", str(npz)], cwd=ROOT,
+                                  capture_output=True, text=True, check=True)
+            row = json.loads(proc.stdout.strip().splitlines()[-1])
+            got[driver] = np.load(npz)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        a, b = got["model"], got["blocks"]
+        ok = np.isfinite(a["fisher"])
+        budget = int(a["nbytes"][:, 2].sum())  # the default menu's int4 g64 column: uniform int4 g64's bytes
+        rows[-1]["max_relative_difference"] = {k: float(np.max(np.abs(a[k][ok] - b[k][ok]) / np.abs(a[k][ok])))
+                                               for k in ("fisher", "output_error")}
+        rows[-1]["same_choice_at_int4_g64_bytes"] = choose(a["fisher"], a["nbytes"], budget) == \
+            choose(b["fisher"], b["nbytes"], budget)
+    return {"runs": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sensitivity", action="store_true")
+    ap.add_argument("--drivers", action="store_true", help="the whole-model and the block-by-block fisher pass")
+    ap.add_argument("--error-methods", nargs="*", default=["rtn", "gptq"])
+    ap.add_argument("--one-driver", help=argparse.SUPPRESS)
+    ap.add_argument("--error-method", default="rtn", help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--fisher-windows", type=int, default=8)
     ap.add_argument("--kl-windows", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
@@ -85,6 +155,15 @@ def main() -> None:
                     help="decoder blocks whose layers get the measured KL (none given: every layer; slow)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/auto_precision_sensitivity.json")
     args = ap.parse_args()
+    if args.one_driver:
+        return one_driver(args.one_driver, args.error_method, args.fisher_windows, args.child_out)
+    if args.drivers:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True).stdout.strip()
+        res = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "threads": 1,
+               **drivers(args.fisher_windows, args.error_methods)}
+        args.out.write_text(json.dumps(res, indent=1) + "\n")
+        return
     if args.sensitivity:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                 text=True).stdout.strip()

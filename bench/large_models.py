@@ -10,6 +10,7 @@ and reading the report's peak RSS (getrusage). Results go to bench/results/large
     python bench/large_models.py --embedded    # streamed vs in-memory wall time on the embedded model
     python bench/large_models.py --sizes 13b --runs rtn-dense --reload   # + plain-transformers reload of the export
     python bench/large_models.py --sizes 13b --runs none --offload-eval 8   # `compress eval --offload 8` of the model
+    python bench/large_models.py --sizes 7b --runs auto-rtn    # mixed precision, its sensitivity pass streamed
 """
 from __future__ import annotations
 
@@ -34,6 +35,11 @@ RUNS = {  # name -> (recipe, overrides); every run: 2 × 256-token evaluation wi
     "gptq": ("recipes/gptq_int4.yaml", ["calibration.n_samples=8", "calibration.seq_len=256"]),
     # the same RTN run, also exporting a dense (dequantized bf16) checkpoint block by block; --reload then loads that
     # export with plain transformers (accelerate disk offload) and scores the run's evaluation windows with it
+    # mixed precision: auto_precision's menu and budget (int8 / int4 g128 / int4 g64 / int3 g64 at int4 g64's bytes),
+    # its fisher pass block by block from disk on 2 windows, then round-to-nearest (AWQ and GPTQ: too slow here)
+    "auto-rtn": ("recipes/auto_precision_4bit.yaml", [
+        "stages=[{stage: auto_precision, bytes_of: W4A16_ASYM_G64, n_samples: 2}, {stage: quantize, method: rtn, "
+        "scheme: W4A16_ASYM_G64, ignore: [lm_head]}]", "calibration.n_samples=4", "calibration.seq_len=256"]),
     "rtn-dense": ("recipes/int4_rtn.yaml", ["calibration.n_samples=4", "calibration.seq_len=256",
                                             "output.formats=[dense]", "output.verify_windows=0"]),
 }

@@ -34,6 +34,9 @@ class ModelSize:
     vocab: int
     layers: int
     expert_parameters: int = 0  # a mixture of experts' expert weights (transformers' loader stacks them)
+    output_features: int = 0  # one block's linear outputs, summed (the fisher pass's output errors are this wide)
+    layer_hessian_floats: int = 0  # one block's Hessians, one per linear (the sensitivity pass does not share them)
+    largest_hessian_floats: int = 0  # the widest linear input's K²
 
 
 def model_size(config) -> ModelSize:
@@ -73,6 +76,9 @@ def model_size(config) -> ModelSize:
         vocab=int(config.vocab_size),
         layers=len(blocks),
         expert_parameters=sum(p.numel() for m in moe_blocks(model).values() for p in m.parameters()),
+        output_features=max(sum(o for o, _ in lin.values()) for lin, _, _ in per_block),
+        layer_hessian_floats=max(sum(i * i for _, i in lin.values()) for lin, _, _ in per_block),
+        largest_hessian_floats=max((i * i for lin, _, _ in per_block for _, i in lin.values()), default=0),
     )
 
 
@@ -191,6 +197,10 @@ def plan_memory(recipe, config, dtype: torch.dtype, device: str, available: int 
             device_phases["calibration"] = {"one block": size.block_parameters * width, **work}
         else:
             phases["calibration"] = {"weights": weights, **work}
+    choice = next((s for s in recipe.stages if s.name == "auto_precision"), None)
+    if choice is not None and recipe.calibration is not None:
+        phases["sensitivity pass"] = {"weights": weights, **sensitivity_bytes(size, choice, recipe.calibration.seq_len,
+                                                                              width)}
     tune = next((s for s in recipe.stages if getattr(s, "after_calibration", False)), None)
     if tune is not None and recipe.calibration is not None:
         phases["tune_scales"] = {"compressed model": compressed, "teacher": weights,
@@ -235,6 +245,11 @@ def _streamed_plan(recipe, size: ModelSize, width: int, dtype, device: str, avai
         # and one GPTQ solve at a time: the layer's H/n, its weight being updated, the lazy update (quantizers/gptq.py)
         phases["GPTQ solve"] = {**passing, "one block": size.block_parameters * width,
                                 "GPTQ solve": 4 * size.largest_solve}
+    choice = next((s for s in recipe.stages if s.name == "auto_precision"), None)
+    if choice is not None and recipe.calibration is not None:
+        phases["sensitivity pass"] = {"one block": 2 * size.block_parameters * width,
+                                      "embedding and head": 2 * size.vocab * size.hidden * width,
+                                      **sensitivity_bytes(size, choice, recipe.calibration.seq_len, width)}
     phases |= {
         "embedding or head": {"embedding or head": size.vocab * size.hidden * width,
                               "evaluation hidden states": hidden,
@@ -246,6 +261,31 @@ def _streamed_plan(recipe, size: ModelSize, width: int, dtype, device: str, avai
         device_available = torch.cuda.mem_get_info(torch.device(device))[0]
     return MemoryPlan(device, str(dtype).replace("torch.", "") + ", streamed", phases, {}, available,
                       device_available)
+
+
+def sensitivity_bytes(size: ModelSize, stage, seq_len: int, width: int) -> dict[str, int]:
+    """auto_precision's fisher pass block by block (fisher_blocks.py), besides the weights or the streamed block:
+    every block's input kept for each window (and, with solved errors, the gradient at every block's output), one
+    window's output errors of a block's layers under every option, the autograd graph of one block's forward, the
+    logits at the top; with solved errors also the Hessians of a group of layers (precision.HESSIAN_BUDGET, or the
+    widest layer's alone), the menu's solutions for one block and the Hessian windows' states."""
+    from .precision import HESSIAN_BUDGET
+
+    seq_len = stage.seq_len or seq_len
+    solved = stage.error_method != "rtn"
+    options = len(stage.options)
+    parts = {"kept states": (size.layers + 1) * stage.n_samples * seq_len * size.hidden * width * (2 if solved else 1),
+             "output errors": 4 * options * seq_len * size.output_features,
+             "one block's backward": 4 * 16 * seq_len * size.input_features,
+             "logits": 3 * 4 * seq_len * size.vocab}
+    if solved:
+        per_weight = sum(2 if o is None else o.bits / 8 + (4 / o.group_size if o.granularity == "group" else 0)
+                         for o in stage.options)
+        parts.update({"Hessians": min(4 * size.layer_hessian_floats,
+                                      max(HESSIAN_BUDGET, 4 * size.largest_hessian_floats)),
+                      "one block's solutions": int(per_weight * size.block_linear_parameters / max(size.layers, 1)),
+                      "Hessian windows": 2 * stage.gptq_samples * seq_len * size.hidden * width})
+    return parts
 
 
 def tuning_bytes(size: ModelSize, seq_len: int) -> int:

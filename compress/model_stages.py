@@ -22,10 +22,12 @@ def work_dir(out: Path) -> Path:
 
 
 def run_model_stages(model: nn.Module, tokenizer, arch, recipe, out: Path, resume: bool, progress: bool,
-                     log) -> tuple[dict[int, dict], nn.Module | None, tuple]:
+                     log, blocks=None, device=None) -> tuple[dict[int, dict], nn.Module | None, tuple]:
     """Run the recipe's whole-model stages in order. Returns {stage index: report section}, the model as it was
     before distillation (for the before/after evaluation) or None when nothing was distilled, and the recipe's stages
-    as the whole-model stages resolved them (`resolve_stages`: auto_precision's per-layer schemes)."""
+    as the whole-model stages resolved them (`resolve_stages`: auto_precision's per-layer schemes). A streamed run
+    passes its block source (`blocks`) and `device`: auto_precision, the one such stage it allows, reads the blocks
+    from there."""
     from .arch import get_arch
     from .stages.base import ModelStageContext
 
@@ -35,7 +37,7 @@ def run_model_stages(model: nn.Module, tokenizer, arch, recipe, out: Path, resum
     rank, _ = world()
     main = rank == 0
     ctx = ModelStageContext(model, tokenizer, arch, recipe.calibration, out, resume, progress and main,
-                            log if main else (lambda *_: None), stages=recipe.stages)
+                            log if main else (lambda *_: None), stages=recipe.stages, blocks=blocks, device=device)
     if any(s.needs_teacher for _, s in stages):
         ctx.teacher = copy.deepcopy(model).eval()
     reports = {}

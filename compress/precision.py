@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -60,6 +61,7 @@ class Sensitivity:
     nbytes: np.ndarray  # int64 [L, S]
     costs: dict[str, np.ndarray] = field(default_factory=dict)  # kind -> float64 [L, S]
     tokens: int = 0
+    driver: str = "model"  # how the fisher pass ran: block by block (blocks) or whole-model (model)
 
     def to_dict(self) -> dict:
         return {"layers": self.layers, "options": self.options, "bytes": self.nbytes.tolist(), "tokens": self.tokens,
@@ -144,33 +146,38 @@ def awq_weight(w: Tensor, inputs: _Inputs, option: QuantScheme, scaled: bool, cl
     return ws, s, factor
 
 
-@torch.no_grad()
-def solve_layers(model: nn.Module, windows: Tensor, modules: dict[str, nn.Module], menu, nbytes: np.ndarray,
-                 method: str = "gptq", awq: AWQModel | None = None, hessian_budget: int = HESSIAN_BUDGET,
-                 progress=None) -> dict[tuple[int, int], tuple[QuantizedTensor, Tensor | None]]:
-    """Every (layer, option)'s quantized weight as `method` leaves it, from that layer's inputs in the float model
-    over `windows`: gptq (GPTQ with H = Σ x xᵀ; its solution does not depend on H's scale), awq_rtn (awq_weight then
-    round-to-nearest) or awq_gptq (awq_weight then GPTQ with the scaled inputs' Hessian diag(s)⁻¹ H diag(s)⁻¹).
-    Each value is (the quantized weight in the scaled basis, s or None): the layer computes x (Q/s)ᵀ. Layers are
-    taken in groups whose Hessians fit `hessian_budget` bytes, one forward of every window per group, so memory
-    stays bounded for large models; the solutions are kept quantized (their codes and scales: the menu's stored
-    bytes summed, about 2.5 bytes per weight for auto_precision's default menu, plus s)."""
-    from .quantizers.gptq import quantize_gptq
-    awq = awq or AWQModel()
-    names = list(modules)
-    sizes = [linear_weight(modules[n]).shape[1] ** 2 * 4 for n in names]
+def _groups(layers: dict[int, tuple[str, nn.Module]], hessian_budget: int) -> list[list[int]]:
+    """The layers in consecutive groups whose float32 input Hessians together fit `hessian_budget` bytes."""
     groups, cur, used = [], [], 0
-    for i, size in enumerate(sizes):
+    for i, (_name, module) in layers.items():
+        size = linear_weight(module).shape[1] ** 2 * 4
         if cur and used + size > hessian_budget:
             groups.append(cur)
             cur, used = [], 0
         cur.append(i)
         used += size
-    groups.append(cur)
+    return groups + [cur] if cur else groups
+
+
+@torch.no_grad()
+def solve_layers(forward, layers: dict[int, tuple[str, nn.Module]], menu, nbytes: np.ndarray, tokens: int,
+                 method: str = "gptq", awq: AWQModel | None = None, hessian_budget: int = HESSIAN_BUDGET,
+                 on_solved=None) -> dict[tuple[int, int], tuple[QuantizedTensor, Tensor | None]]:
+    """Every (layer, option)'s quantized weight as `method` leaves it, from the layers' float inputs in one or more
+    calls of `forward()` (which runs the Hessian windows, `tokens` tokens, through the whole model or through the
+    block that holds `layers`: {row of nbytes: (name, module)}): gptq (GPTQ with H = Σ x xᵀ; its solution does not
+    depend on H's scale), awq_rtn (awq_weight then round-to-nearest) or awq_gptq (awq_weight then GPTQ with the
+    scaled inputs' Hessian diag(s)⁻¹ H diag(s)⁻¹). Each value is (the quantized weight in the scaled basis, s or
+    None): the layer computes x (Q/s)ᵀ. The layers are taken in groups whose Hessians fit `hessian_budget` bytes,
+    one `forward()` per group, so memory stays bounded; the solutions are kept quantized (their codes and scales:
+    the menu's stored bytes summed, about 2.5 bytes per weight for auto_precision's default menu, plus s).
+    `on_solved()` is called after each layer."""
+    from .quantizers.gptq import quantize_gptq
+    awq = awq or AWQModel()
     smooth = method.startswith("awq")
-    stride = max(1, windows.numel() // awq.clip_tokens)  # rows kept per window for the clipping search
-    out, done = {}, 0
-    for group in groups:
+    stride = max(1, tokens // awq.clip_tokens)  # rows kept per window for the clipping search
+    out = {}
+    for group in _groups(layers, hessian_budget):
         seen = {i: _Inputs() for i in group}
 
         def attach(i: int):
@@ -183,25 +190,25 @@ def solve_layers(model: nn.Module, windows: Tensor, modules: dict[str, nn.Module
                     acc.abs_sum = a if acc.abs_sum is None else acc.abs_sum + a
                     acc.count += x.shape[0]
                     acc.rows.append(x[::stride].clone())
-            return modules[names[i]].register_forward_hook(hook)
+            return layers[i][1].register_forward_hook(hook)
 
         handles = [attach(i) for i in group]
         try:
-            for k in range(windows.shape[0]):
-                model(input_ids=windows[k:k + 1], use_cache=False)
+            forward()
         finally:
             for h in handles:
                 h.remove()
         for i in group:
-            w = linear_weight(modules[names[i]]).detach().float()
+            name, module = layers[i]
+            w = linear_weight(module).detach().float()
             for j, option in enumerate(menu):
                 if option is None or nbytes[i, j] < 0:
                     continue
                 if not smooth:
-                    out[i, j] = quantize_gptq(w, seen[i].hessian, option, name=names[i]), None
+                    out[i, j] = quantize_gptq(w, seen[i].hessian, option, name=name), None
                     continue
-                ws, s, factor = awq_weight(w, seen[i], option, names[i] in awq.scaled,
-                                           awq.clip and names[i] not in awq.no_clip, awq)
+                ws, s, factor = awq_weight(w, seen[i], option, name in awq.scaled,
+                                           awq.clip and name not in awq.no_clip, awq)
                 grid = method == "awq_gptq" and awq.clip_to == "grid"
                 if factor is not None and not grid:
                     ws = shrink_range(ws, factor, option)
@@ -209,12 +216,26 @@ def solve_layers(model: nn.Module, windows: Tensor, modules: dict[str, nn.Module
                     out[i, j] = quantize_rtn(ws, option), s
                 else:
                     h = seen[i].hessian if s is None else seen[i].hessian / (s[:, None] * s[None, :])
-                    out[i, j] = quantize_gptq(ws, h, option, name=names[i], clip=factor if grid else None), s
+                    out[i, j] = quantize_gptq(ws, h, option, name=name, clip=factor if grid else None), s
             seen[i] = None
-            done += 1
-            if progress is not None:
-                progress(f"{method} solutions", done, len(names))
+            if on_solved is not None:
+                on_solved()
     return out
+
+
+def solved_error(solved: dict) -> Callable[[int, int, Tensor], Tensor]:
+    """The weight error Q(W) − W of solve_layers' solutions, in the layer's own basis (Q/s − W)."""
+    def error(i: int, j: int, w: Tensor) -> Tensor:
+        q, s = solved[i, j]
+        q = q.dequantize(torch.float32)
+        return (q if s is None else q / s) - w
+    return error
+
+
+def rtn_error(menu) -> Callable[[int, int, Tensor], Tensor]:
+    def error(_i: int, j: int, w: Tensor) -> Tensor:
+        return weight_error(w, menu[j])[0]
+    return error
 
 
 def _layers(model: nn.Module, names: list[str]) -> dict[str, nn.Module]:
@@ -224,19 +245,26 @@ def _layers(model: nn.Module, names: list[str]) -> dict[str, nn.Module]:
 def measure_sensitivity(model: nn.Module, windows: Tensor, names: list[str], menu: list[QuantScheme | None],
                         kind: str = "fisher", seed: int = 0, progress=None, error_method: str = "rtn",
                         hessian_budget: int = HESSIAN_BUDGET, hessian_windows: Tensor | None = None,
-                        awq: AWQModel | None = None) -> Sensitivity:
+                        awq: AWQModel | None = None, driver: str = "auto", blocks=None,
+                        device=None) -> Sensitivity:
     """The sensitivity table of layers `names` (full module names of linear layers of `model`) to every option of
     `menu` (None = float), on token windows [N, T]. `fisher` and `output_error` come from the same pass and are both
     returned; `kl` measures every (layer, option) with a forward of all windows. `error_method`: the weight error is
     round-to-nearest's (rtn), GPTQ's (gptq), or that of AWQ (as `awq` describes the recipe's stage) then
-    round-to-nearest or GPTQ (awq_rtn, awq_gptq); all but rtn are solved first (solve_layers), on `hessian_windows`, default `windows` (GPTQ
-    fitted on the very windows its error is then measured on looks better than it will on other text, the more so
-    the wider the layer). `progress(what, done, total)` is called as each phase advances. The model is left as it
-    was."""
+    round-to-nearest or GPTQ (awq_rtn, awq_gptq); all but rtn are solved first (solve_layers), on `hessian_windows`,
+    default `windows` (GPTQ fitted on the very windows its error is then measured on looks better than it will on
+    other text, the more so the wider the layer). `progress(what, done, total)` is called as each phase advances.
+
+    driver: how the fisher pass runs. `blocks` (fisher_blocks.py): one decoder block at a time, memory bounded by
+    a block (the only way for a streamed model: `blocks` is then its block source, `device` where blocks compute);
+    `model`: whole-model forwards and backwards (every layer's output errors of a window held until its backward);
+    `auto`: blocks where the model's family allows it (fisher_blocks.blocks_problem), else model. The two give the
+    same costs (tests). The model is left as it was."""
     if kind not in SENSITIVITIES:
         raise ValueError(f"sensitivity {kind!r}; choose one of {list(SENSITIVITIES)}")
     if error_method not in ERROR_METHODS:
         raise ValueError(f"error_method {error_method!r}; choose one of {list(ERROR_METHODS)}")
+    from .fisher_blocks import blocks_problem, fisher_by_blocks
     modules = _layers(model, names)
     shapes = {n: tuple(linear_weight(m).shape) for n, m in modules.items()}
     options = [option_name(o) for o in menu]
@@ -248,20 +276,36 @@ def measure_sensitivity(model: nn.Module, windows: Tensor, names: list[str], men
             elif fits(shapes[n], o):
                 nbytes[i, j] = scheme_bytes(shapes[n], o)
     out = Sensitivity(list(names), options, nbytes, tokens=int(windows.numel()))
+    hessian_windows = windows if hessian_windows is None else hessian_windows
+    why = blocks_problem(model, names, windows.shape[1]) if kind != "kl" else "the measured KL runs the whole model per layer"
+    if driver == "auto":
+        driver = "model" if why and blocks is None else "blocks"
+    if driver == "blocks" and why:
+        raise ValueError(f"this sensitivity cannot be measured block by block: {why}; run it on a model that fits "
+                         "in memory (model.stream: false), or with sensitivity: fisher")
+    if driver not in ("blocks", "model"):
+        raise ValueError(f"driver {driver!r}; choose auto, blocks or model")
+    out.driver = driver
     was_training = model.training
     model.eval()
     try:
+        if driver == "blocks":
+            out.costs.update(fisher_by_blocks(model, windows, modules, menu, nbytes, seed, progress, error_method,
+                                              awq, hessian_windows, hessian_budget, blocks, device))
+            return out
         if error_method != "rtn":
-            solved = solve_layers(model, windows if hessian_windows is None else hessian_windows, modules, menu,
-                                  nbytes, error_method, awq, hessian_budget, progress)
+            total = len(names)
 
-            def error(i: int, j: int, w: Tensor) -> Tensor:
-                q, s = solved[i, j]
-                q = q.dequantize(torch.float32)
-                return (q if s is None else q / s) - w
+            def forward():
+                for k in range(hessian_windows.shape[0]):
+                    model(input_ids=hessian_windows[k:k + 1], use_cache=False)
+
+            solved = solve_layers(forward, {i: (n, m) for i, (n, m) in enumerate(modules.items())}, menu, nbytes,
+                                  int(hessian_windows.numel()), error_method, awq, hessian_budget,
+                                  _counter(progress, f"{error_method} solutions", total))
+            error = solved_error(solved)
         else:
-            def error(i: int, j: int, w: Tensor) -> Tensor:
-                return weight_error(w, menu[j])[0]
+            error = rtn_error(menu)
         if kind == "kl":
             out.costs["kl"] = _measured_kl(model, windows, modules, menu, nbytes, progress, error)
         else:
@@ -271,50 +315,89 @@ def measure_sensitivity(model: nn.Module, windows: Tensor, names: list[str], men
     return out
 
 
+def _counter(progress, what: str, total: int):
+    """A callable that advances progress(what, done, total) by one per call (None without progress)."""
+    if progress is None:
+        return None
+    done = [0]
+
+    def step():
+        done[0] += 1
+        progress(what, done[0], total)
+    return step
+
+
 def scheme_bytes(shape: tuple[int, int], scheme: QuantScheme) -> int:
     """Stored bytes of a [out, in] weight in `scheme` (codes, scales, zero points), from an all-zero weight."""
     return quantize_rtn(torch.zeros(shape), scheme).nbytes
 
 
-def _fisher_pass(model: nn.Module, windows: Tensor, modules: dict[str, nn.Module], menu, nbytes: np.ndarray,
-                 seed: int, progress, error) -> dict[str, np.ndarray]:
-    """One forward and backward per window with labels sampled from the model's prediction; at every planned
-    linear, per option: ½ Σ_t (g_t · δy_t)² (fisher) and Σ ‖δy_t‖² (output error, divided by Σ ‖y_t‖² at the end)."""
-    names = list(modules)
-    fisher = np.zeros(nbytes.shape)
-    err = np.zeros(nbytes.shape)
-    energy = np.zeros(len(names))
-    gen = torch.Generator().manual_seed(seed)
-    handles = []
+class FisherSums:
+    """The sums a fisher pass accumulates, per layer (rows) and option: ½ Σ_t (g_t · δy_t)² (fisher), Σ ‖δy_t‖²
+    (output error) and each layer's Σ ‖y_t‖²; `attach` hooks a layer so that its forward and backward add to them."""
 
-    def attach(i: int, module: nn.Module):
+    def __init__(self, nbytes: np.ndarray, menu):
+        self.nbytes, self.menu = nbytes, menu
+        self.fisher = np.zeros(nbytes.shape)
+        self.err = np.zeros(nbytes.shape)
+        self.energy = np.zeros(nbytes.shape[0])
+
+    def attach(self, i: int, module: nn.Module, error) -> torch.utils.hooks.RemovableHandle:
+        """Layer i's forward hook: every option's output error δy = x (Q(W) − W)ᵀ, `error(i, j, W)`, and a hook on
+        the output's gradient g (when it has one) that adds ½ Σ_t (g_t · δy_t)²."""
         def hook(_m, args, output):
             x = args[0].detach().float().reshape(-1, args[0].shape[-1])  # [T, in]
             y = output if isinstance(output, Tensor) else output[0]
-            energy[i] += float(y.detach().float().pow(2).sum())
+            self.energy[i] += float(y.detach().float().pow(2).sum())
             deltas = []
             w = linear_weight(module).detach().float()
-            for j, option in enumerate(menu):
-                if option is None or nbytes[i, j] < 0:
+            for j, option in enumerate(self.menu):
+                if option is None or self.nbytes[i, j] < 0:
                     deltas.append(None)
                     continue
                 d = x @ error(i, j, w).t()  # [T, out]
-                err[i, j] += float(d.pow(2).sum())
+                self.err[i, j] += float(d.pow(2).sum())
                 deltas.append(d)
 
             def grad_hook(g):
                 g = g.detach().float().reshape(-1, g.shape[-1])  # [T, out]
                 for j, d in enumerate(deltas):
                     if d is not None:
-                        fisher[i, j] += 0.5 * float((g * d).sum(-1).pow(2).sum())
+                        self.fisher[i, j] += 0.5 * float((g * d).sum(-1).pow(2).sum())
 
             if y.requires_grad:
                 y.register_hook(grad_hook)
         return module.register_forward_hook(hook)
 
+    def costs(self, tokens: int) -> dict[str, np.ndarray]:
+        """{fisher: nats per token, output_error: relative}; inf where an option does not fit, 0 for float."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rel = self.err / np.maximum(self.energy, 1e-30)[:, None]
+        fisher = self.fisher / tokens
+        for arr in (fisher, rel):
+            arr[self.nbytes < 0] = math.inf
+            for j, option in enumerate(self.menu):
+                if option is None:
+                    arr[:, j] = 0.0
+        return {"fisher": fisher, "output_error": rel}
+
+
+def sample_labels(logits: Tensor, gen: torch.Generator) -> Tensor:
+    """One label per position [T] drawn from the model's own prediction (logits [T, V]): with them the squared
+    gradient of the log-likelihood is, in expectation, the Fisher of the output distribution."""
+    with torch.no_grad():
+        return torch.multinomial(torch.softmax(logits, -1), 1, generator=gen).reshape(-1)
+
+
+def _fisher_pass(model: nn.Module, windows: Tensor, modules: dict[str, nn.Module], menu, nbytes: np.ndarray,
+                 seed: int, progress, error) -> dict[str, np.ndarray]:
+    """One whole-model forward and backward per window with labels sampled from the model's prediction, every
+    planned linear hooked (FisherSums)."""
+    sums = FisherSums(nbytes, menu)
+    gen = torch.Generator().manual_seed(seed)
     embed = model.get_input_embeddings()
-    handles.append(embed.register_forward_hook(lambda _m, _a, out: out.requires_grad_()))
-    handles += [attach(i, m) for i, m in enumerate(modules.values())]
+    handles = [embed.register_forward_hook(lambda _m, _a, out: out.requires_grad_())]
+    handles += [sums.attach(i, m, error) for i, m in enumerate(modules.values())]
     params = [p for p in model.parameters()]
     grads = [p.requires_grad for p in params]
     for p in params:
@@ -323,9 +406,7 @@ def _fisher_pass(model: nn.Module, windows: Tensor, modules: dict[str, nn.Module
         for k in range(windows.shape[0]):
             ids = windows[k:k + 1]
             logits = model(input_ids=ids, use_cache=False).logits.float()  # [1, T, V]
-            with torch.no_grad():
-                probs = torch.softmax(logits[0], -1)
-                labels = torch.multinomial(probs, 1, generator=gen).reshape(-1)  # sampled: the true Fisher
+            labels = sample_labels(logits[0], gen)
             loss = nn.functional.cross_entropy(logits[0], labels, reduction="sum")
             loss.backward()
             if progress is not None:
@@ -335,15 +416,7 @@ def _fisher_pass(model: nn.Module, windows: Tensor, modules: dict[str, nn.Module
             h.remove()
         for p, g in zip(params, grads):
             p.requires_grad_(g)
-    tokens = windows.numel()
-    with np.errstate(invalid="ignore", divide="ignore"):
-        rel = err / np.maximum(energy, 1e-30)[:, None]
-    for arr in (fisher, rel):
-        arr[nbytes < 0] = math.inf
-        for j, option in enumerate(menu):
-            if option is None:
-                arr[:, j] = 0.0
-    return {"fisher": fisher / tokens, "output_error": rel}
+    return sums.costs(windows.numel())
 
 
 @torch.no_grad()

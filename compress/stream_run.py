@@ -53,14 +53,16 @@ def stream_blockers(recipe: Recipe) -> list[str]:
         kind = None
     if kind is not None and kind not in STREAM_KINDS:
         why.append(f"a {kind} model is loaded as a whole (stream a Hugging Face folder, a hub id or a .gguf file)")
-    whole = [s.name for s in recipe.stages if s.whole_model and not s.after_calibration]
+    whole = [s.name for s in recipe.stages if s.whole_model and not s.after_calibration and s.name != "auto_precision"]
+    if any(s.name == "auto_precision" and s.sensitivity == "kl" for s in recipe.stages):
+        why.append("auto_precision's sensitivity: kl runs the whole model once per layer and option (use fisher, "
+                   "measured block by block in a streamed run, or run the choice where the model fits)")
     if any(s.after_calibration for s in recipe.stages):
         why.append("tune_scales trains the whole compressed model beside the original (run it where both fit, with "
                    "gradient_checkpointing: true; or drop the stage)")
     if whole:
         why.append(f"{', '.join(dict.fromkeys(whole))} act on the whole model (run them on a machine where it fits, "
-                   "then stream the quantization of their output; an auto_precision choice is reused by running the "
-                   "layer_schemes of its recipe.resolved.yaml)")
+                   "then stream the quantization of their output)")
     if recipe.output.formats and not recipe.output.save_model:
         why.append("output.formats with output.save_model: false: a streamed run exports block by block from the "
                    "checkpoint it saves (set output.save_model: true)")
@@ -301,6 +303,26 @@ def _fresh(folder: Path) -> Path:
     return folder
 
 
+def streamed_model_stages(recipe: Recipe, streamed: Streamed, device: str, work: Path, resume: bool, progress: bool,
+                          log) -> tuple[dict, Recipe]:
+    """The whole-model stages a streamed run allows (auto_precision: its sensitivity pass reads the blocks from disk
+    one at a time, fisher_blocks.py), before the calibration pass. Returns their report sections and the recipe
+    with the stages as they resolved them. The head is read for the pass's logits and released after it; a resumed
+    run measures again (the same windows and seed: the same choice)."""
+    from .fisher_blocks import StreamedReads
+    from .model_stages import run_model_stages
+
+    streamed.load_outside()
+    try:
+        reports, _, stages = run_model_stages(streamed.model, streamed.tokenizer, streamed.arch, recipe, work, resume,
+                                              progress, log, blocks=StreamedReads(streamed), device=device)
+    finally:  # back to what open_streamed left: the outside modules but the head
+        streamed.release_outside()
+        streamed.load_outside(skip=streamed.arch.lm_head)
+        trim_heap()
+    return reports, dataclasses.replace(recipe, stages=stages)
+
+
 def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, resume: bool = False) -> dict:
     """The recipe on a model streamed block by block (see the module docstring). Called by pipeline.run. The output
     is staged in OUTPUT.work/ beside it (with the pass's checkpoint) and renamed into place at the end; an
@@ -335,6 +357,12 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, 
     model, arch, tokenizer = streamed.model, streamed.arch, streamed.tokenizer
     n_params = parameters(model)
     plan = make_plan(model, arch, recipe.stages)
+    model_reports: dict = {}
+    if any(s.whole_model and not s.after_calibration for s in recipe.stages):  # auto_precision, block by block
+        with timings("model_stages"):
+            model_reports, recipe = streamed_model_stages(recipe, streamed, device, work, resume, progress and main,
+                                                          log)
+        plan = make_plan(model, arch, recipe.stages, model_stages_done=True)
     from .evaluate.report import model_figures  # after the plan: report.py imports every stage
     baseline_figures = model_figures(model, recipe.eval, meta=True)
     report = run_header(recipe, streamed, model, arch, n_params, device, None)
@@ -351,7 +379,7 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, 
     checkpoint = StreamCheckpoint(work / "stream", recipe.sha256, writer, blocks, evaluation, state, rank, processes)
     try:
         with timings("compress"):  # one pass: calibration, stages, the evaluation's forwards, the blocks' shards
-            sections, _ = compress_model(model, tokenizer, recipe, plan, device, None, progress, log,
+            sections, _ = compress_model(model, tokenizer, recipe, plan, device, model_reports, progress, log,
                                          spill_dir=out.parent, blocks=blocks,
                                          visitors=(evaluation,) if evaluation is not None else (),
                                          checkpoint=checkpoint)

@@ -12,13 +12,16 @@ import torch
 import yaml
 
 from compress.arch import get_arch
+from compress.fisher_blocks import blocks_problem
+from compress.moe import unfuse_experts
+from compress.nn import is_linear
 from compress.precision import AWQModel, choose, measure_sensitivity, scheme_bytes, weight_error
 from compress.quantizers.rtn import fake_quantize
 from compress.quantizers.gptq import quantize_gptq
 from compress.recipe import RecipeError, from_dict, to_plain
 from compress.scheme import W4A16_ASYM_G64, W8A16, scheme
 from compress.stages.quantize import LayerScheme, QuantizeStage, apply_quantize, plan_quantize
-from tests.conftest import make_tiny_model
+from tests.conftest import TINY_CONFIGS, TINY_MOE_CONFIGS, make_tiny_model
 from tests.reference.naive_precision import (awq_layer_reference, brute_force_choice, fisher_token_by_token,
                                              kl_with_weight_replaced)
 
@@ -222,6 +225,38 @@ def test_an_option_a_layer_cannot_hold_is_unavailable(llama):
     sens = measure_sensitivity(llama, _windows(1, 8), ["model.layers.0.mlp.down_proj"], [INT4, g48], "fisher")
     assert sens.nbytes[0, 1] == -1 and sens.costs["fisher"][0, 1] == math.inf
     assert choose(sens.costs["fisher"], sens.nbytes, 10 ** 9) == [0]
+
+
+@pytest.mark.parametrize("family", sorted(TINY_CONFIGS) + sorted(TINY_MOE_CONFIGS))
+def test_the_block_by_block_pass_equals_the_whole_model_pass(family):
+    """fisher_blocks cuts the backward at the decoder blocks and keeps one block's output errors at a time; by the
+    chain rule every layer's costs are the whole-model pass's: every linear (experts, shared experts and the head
+    included), round-to-nearest errors on every family, solved errors (GPTQ; AWQ then GPTQ) on two."""
+    model = make_tiny_model(family).float()
+    unfuse_experts(model)
+    names = [n for n, m in model.named_modules() if is_linear(m)]
+    assert model.get_submodule(names[-1]) is model.get_output_embeddings()
+    ids = _windows(2, 10)
+    methods = ["rtn"] + (["gptq", "awq_gptq"] if family in ("llama", "qwen2_moe") else [])
+    for method in methods:
+        awq = AWQModel(scaled=frozenset(names[::2]), n_grid=4, clip_grid=5)
+        got = {d: measure_sensitivity(model, ids, names, MENU, "fisher", seed=2, error_method=method, awq=awq,
+                                      driver=d, hessian_windows=_windows(2, 10) + 1) for d in ("blocks", "model")}
+        assert got["blocks"].driver == "blocks" and got["model"].driver == "model"
+        for kind in ("fisher", "output_error"):
+            np.testing.assert_allclose(got["blocks"].costs[kind], got["model"].costs[kind], rtol=1e-6, atol=0,
+                                       err_msg=f"{method} {kind}")
+        assert np.isfinite(got["blocks"].costs["fisher"]).sum() > len(names)
+
+
+def test_the_pass_runs_block_by_block_where_the_family_allows(llama):
+    names = ["model.layers.0.self_attn.v_proj", "lm_head"]
+    assert measure_sensitivity(llama, _windows(1, 8), names, [INT4], "fisher").driver == "blocks"
+    assert measure_sensitivity(llama, _windows(1, 8), names, [INT4], "kl").driver == "model"
+    with pytest.raises(ValueError, match="cannot be measured block by block: the measured KL"):
+        measure_sensitivity(llama, _windows(1, 8), names, [INT4], "kl", driver="blocks")
+    assert blocks_problem(llama, ["model.embed_tokens"]) == ("model.embed_tokens lies outside the decoder blocks and "
+                                                             "is not the head")
 
 
 # ---------------------------------------------------------------- per-layer schemes in the quantize stage

@@ -142,3 +142,28 @@ def test_activations_that_do_not_fit_go_to_disk_before_the_model_is_streamed():
     assert "streaming" in notes[0] and "offload: disk" in notes[1]
     memory, chosen, stream, _ = choose_plan(recipe, config, torch.bfloat16, "cpu", available=int(1 * GB))
     assert not stream and memory.problem(chosen) is not None  # nothing fits: refused, naming the fixes
+
+
+def test_mixed_precision_on_a_70b_model_is_planned_block_by_block():
+    """auto_precision's sensitivity pass holds one block, every block's input per window and, with GPTQ's errors,
+    one block's Hessians and solutions: streamed, a 70B model's pass plans under 22 GB, its largest part being the
+    kept states ((80 + 1) blocks × 4 windows × 512 tokens × 8192 × bfloat16, twice with the kept gradients)."""
+    from compress.stream_run import stream_blockers
+
+    stages = [{"stage": "auto_precision", "bytes_of": "W4A16_ASYM_G64", "n_samples": 4, "error_method": "gptq"},
+              {"stage": "quantize", "method": "gptq", "scheme": "W4A16_ASYM_G64"}]
+    recipe = from_dict({"model": {"source": "unused", "stream": "always"},
+                        "calibration": {"kind": "wikitext2", "n_samples": 128, "seq_len": 512}, "stages": stages})
+    assert stream_blockers(recipe) == []
+    plan = plan_memory(recipe, LlamaConfig(**LLAMA2_70B), torch.bfloat16, "cpu", available=int(24 * GB),
+                       streamed=True)
+    parts = plan.phases["sensitivity pass"]
+    assert parts["kept states"] == 2 * 81 * 4 * 512 * 8192 * 2
+    assert 10 * GB < sum(parts.values()) < 24 * GB / 1.1  # the calibration pass, not this one, sets the peak
+    resident = plan_memory(recipe, LlamaConfig(**LLAMA2_70B), torch.bfloat16, "cpu", available=int(24 * GB))
+    assert resident.phases["sensitivity pass"]["weights"] > 130 * GB
+    assert "sensitivity pass" not in plan_memory(_recipe(), LlamaConfig(**LLAMA2_70B), torch.bfloat16, "cpu").phases
+    kl = from_dict({"model": {"source": "unused", "stream": "always"},
+                    "calibration": {"kind": "wikitext2", "n_samples": 128, "seq_len": 512},
+                    "stages": [{**stages[0], "sensitivity": "kl"}, stages[1]]})
+    assert any("sensitivity: kl" in why for why in stream_blockers(kl))

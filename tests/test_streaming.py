@@ -476,3 +476,27 @@ def test_two_processes_equal_one_process(tmp_path, stages, stream, family):
                                                                        rel=1e-3)
     kv = [json.loads((tmp_path / run / "compress.json").read_text())["kv_cache"] for run in ("one", "two")]
     assert kv[0] == kv[1]  # the kv_cache stage's maxima, maxed over the processes: exactly one process's
+
+
+@requires_data
+@pytest.mark.parametrize("family,error_method", [("llama", "gptq"), ("qwen2_moe", "rtn")])
+def test_mixed_precision_streamed_chooses_what_the_in_memory_run_chooses(tmp_path, family, error_method):
+    """auto_precision in a streamed run: its sensitivity pass reads the blocks from disk one at a time
+    (fisher_blocks.py), and the costs, the choice and the output tensors are the in-memory run's."""
+    folder, _ = _folder(tmp_path, family)
+    menu = ["W8A16", INT4, {**INT4, "dtype": "int2"}]
+    stages = [{"stage": "auto_precision", "menu": menu, "bits_per_weight": 4.5, "n_samples": 2, "gptq_samples": 2,
+               "error_method": error_method}, {"stage": "quantize", "method": "gptq", "scheme": INT4}]
+    reports, tensors = {}, {}
+    for mode in ("never", "always"):
+        out = tmp_path / f"out-{mode}"
+        reports[mode] = run(_recipe(folder, out, stages, mode), progress=False, log=lambda *a: None)
+        tensors[mode] = read_safetensors(out)
+    memory, streamed = reports["never"]["stages"][0], reports["always"]["stages"][0]
+    assert memory["driver"] == streamed["driver"] == "blocks"
+    assert "streamed" in reports["always"] and memory["assignment"] == streamed["assignment"]
+    assert len(set(memory["assignment"].values())) >= 2
+    for kind, costs in memory["table"]["costs"].items():
+        assert costs == streamed["table"]["costs"][kind], kind
+    assert all(torch.equal(tensors["never"][k], tensors["always"][k]) for k in tensors["never"])
+    assert _figures(reports["never"]) == _figures(reports["always"])

@@ -158,7 +158,8 @@ class AutoPrecisionStage(StageBase):
         try:
             sens = measure_sensitivity(ctx.model, windows, names, self.options, self.sensitivity, self.seed,
                                        progress, error_method=self.error_method, hessian_windows=hessian_windows,
-                                       awq=self._awq_model(ctx, names, index))
+                                       awq=self._awq_model(ctx, names, index), blocks=ctx.blocks,
+                                       device=ctx.device)
         finally:
             for bar in bars.values():
                 bar.close()
@@ -179,7 +180,7 @@ class AutoPrecisionStage(StageBase):
         assignment = {n: sens.options[p] for n, p in zip(names, picked)}
         options = {option_name(o): o for o in self.options}
         return {"index": index, "stage": "auto_precision", "sensitivity": self.sensitivity,
-                "error_method": self.error_method,
+                "error_method": self.error_method, "driver": sens.driver,
                 "menu": list(sens.options), "layers": len(names), "weights": int(numel.sum()),
                 "budget_bytes": int(budget), "budget_bits_per_weight": float(budget * 8 / numel.sum()),
                 "bytes": chosen_bytes, "bits_per_weight": float(chosen_bytes * 8 / numel.sum()),

@@ -174,6 +174,8 @@ class ModelStageContext:
     before_distill: nn.Module | None = None  # the pruned model before distillation, for the before/after evaluation
     stages: tuple = ()  # the recipe's stages, as resolved by the whole-model stages run so far
     samples: Any = None  # the calibration windows [n, seq_len], for the stages after the pass (tune_scales)
+    blocks: Any = None  # a streamed run's block source (fisher_blocks.StreamedReads); None: the model's own blocks
+    device: Any = None  # where a streamed run's blocks compute
 
 
 class StageBase:
