@@ -24,6 +24,7 @@ from ..smoothing import pair_skip_reason
 from .base import ModelStageContext, Plan, StageBase, next_target
 from .quantize import LayerScheme, plan_quantize
 
+_DRIVERS = {"blocks": "one decoder block at a time", "model": "whole-model passes"}
 _INT4_G128 = replace(W4A16_ASYM_G64, group_size=128)
 _INT3_G64 = replace(W4A16_ASYM_G64, dtype="int3")
 DEFAULT_MENU = (W8A16, _INT4_G128, W4A16_ASYM_G64, _INT3_G64)
@@ -242,7 +243,8 @@ class AutoPrecisionStage(StageBase):
                  f"{section['budget_bits_per_weight']:.3f} bits per weight ({section['budget_bytes']:,} bytes), by "
                  f"{kind} sensitivity to {section.get('error_method', 'rtn')} weight errors measured on "
                  f"{section['tokens']:,} calibration tokens in "
-                 f"{section['seconds']:.0f} s: **{section['bits_per_weight']:.3f} bits per weight** "
+                 f"{section['seconds']:.0f} s ({_DRIVERS.get(section.get('driver'), 'whole-model passes')}): "
+                 f"**{section['bits_per_weight']:.3f} bits per weight** "
                  f"({section['bytes']:,} bytes).", "",
                  f"Predicted cost (sum over layers of the {kind} sensitivity of the chosen schemes): "
                  f"{section['predicted'][kind]:.4g}" +
