@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import replace
 
 import numpy as np
@@ -392,6 +393,7 @@ def test_run_quantizes_each_layer_in_the_scheme_chosen_within_the_budget(run_aut
     md = (out / "report.md").read_text()
     assert "## Stage 0: auto_precision" in md and "measured KL of the quantized model" in md
     assert section["driver"] == "blocks" and "one decoder block at a time" in md
+    assert section["threads"] == (recipe["calibration"].get("threads") or os.cpu_count())  # not model.threads (1)
     resolved = yaml.safe_load((out / "recipe.resolved.yaml").read_text())
     assert len(resolved["stages"][-1]["layer_schemes"]) == 14
 

@@ -156,11 +156,13 @@ class AutoPrecisionStage(StageBase):
                 bars[what] = tqdm(total=total, desc=what, unit="step", disable=not ctx.progress, leave=False)
             bars[what].update(done - bars[what].n)
 
+        from ..evaluate.report import cpu_threads  # (report.py imports every stage)
         try:
-            sens = measure_sensitivity(ctx.model, windows, names, self.options, self.sensitivity, self.seed,
-                                       progress, error_method=self.error_method, hessian_windows=hessian_windows,
-                                       awq=self._awq_model(ctx, names, index), blocks=ctx.blocks,
-                                       device=ctx.device)
+            with cpu_threads(ctx.calibration.threads) as threads:  # calibration work, not model.threads
+                sens = measure_sensitivity(ctx.model, windows, names, self.options, self.sensitivity, self.seed,
+                                           progress, error_method=self.error_method,
+                                           hessian_windows=hessian_windows, awq=self._awq_model(ctx, names, index),
+                                           blocks=ctx.blocks, device=ctx.device)
         finally:
             for bar in bars.values():
                 bar.close()
@@ -181,7 +183,7 @@ class AutoPrecisionStage(StageBase):
         assignment = {n: sens.options[p] for n, p in zip(names, picked)}
         options = {option_name(o): o for o in self.options}
         return {"index": index, "stage": "auto_precision", "sensitivity": self.sensitivity,
-                "error_method": self.error_method, "driver": sens.driver,
+                "error_method": self.error_method, "driver": sens.driver, "threads": threads,
                 "menu": list(sens.options), "layers": len(names), "weights": int(numel.sum()),
                 "budget_bytes": int(budget), "budget_bits_per_weight": float(budget * 8 / numel.sum()),
                 "bytes": chosen_bytes, "bits_per_weight": float(chosen_bytes * 8 / numel.sum()),
