@@ -25,6 +25,10 @@ the already quantized layers' outputs, is left out.)
   one forward of every window per layer and scheme (the most faithful and by far the slowest; the reference the
   proxies are compared with).
 
+The fisher pass runs one decoder block at a time (fisher_blocks.py: memory bounded by a block, also for a model
+streamed from disk) wherever the family's final hidden states go only through the final norm and the head; the
+whole-model pass below (_fisher_pass) is kept for the others and as the reference the tests compare it with.
+
 The knapsack assumes the layers' costs add up (each was measured with the others in float); the report shows the
 sum it predicted beside the KL measured on the whole quantized model.
 """
