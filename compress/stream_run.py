@@ -304,14 +304,22 @@ def _fresh(folder: Path) -> Path:
 
 
 def streamed_model_stages(recipe: Recipe, streamed: Streamed, device: str, work: Path, resume: bool, progress: bool,
-                          log) -> tuple[dict, Recipe]:
+                          log, main: bool = True) -> tuple[dict, Recipe]:
     """The whole-model stages a streamed run allows (auto_precision: its sensitivity pass reads the blocks from disk
     one at a time, fisher_blocks.py), before the calibration pass. Returns their report sections and the recipe
-    with the stages as they resolved them. The head is read for the pass's logits and released after it; a resumed
-    run measures again (the same windows and seed: the same choice)."""
+    with the stages as they resolved them. The head is read for the pass's logits and released after it. The
+    sections are kept in OUTPUT.work/stream/model_stages.json: a run resumed in its calibration pass takes the choice
+    from there instead of measuring again (an hour on a 70B model)."""
     from .fisher_blocks import StreamedReads
     from .model_stages import run_model_stages
 
+    kept = work / "stream" / "model_stages.json"
+    if resume and kept.exists() and (saved := json.loads(kept.read_text()))["recipe_sha256"] == recipe.sha256:
+        reports, stages = {int(i): r for i, r in saved["reports"].items()}, recipe.stages
+        for i, section in sorted(reports.items()):
+            stages = stages[i].resolve_stages(stages, i, section)
+        log(f"resuming: the choice of {', '.join(recipe.stages[i].name for i in reports)} is read from {kept}")
+        return reports, dataclasses.replace(recipe, stages=stages)
     streamed.load_outside()
     try:
         reports, _, stages = run_model_stages(streamed.model, streamed.tokenizer, streamed.arch, recipe, work, resume,
@@ -320,6 +328,10 @@ def streamed_model_stages(recipe: Recipe, streamed: Streamed, device: str, work:
         streamed.release_outside()
         streamed.load_outside(skip=streamed.arch.lm_head)
         trim_heap()
+    if main:
+        tmp = kept.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"recipe_sha256": recipe.sha256, "reports": reports}))
+        os.replace(tmp, kept)
     return reports, dataclasses.replace(recipe, stages=stages)
 
 
@@ -361,7 +373,7 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, 
     if any(s.whole_model and not s.after_calibration for s in recipe.stages):  # auto_precision, block by block
         with timings("model_stages"):
             model_reports, recipe = streamed_model_stages(recipe, streamed, device, work, resume, progress and main,
-                                                          log)
+                                                          log, main)
         plan = make_plan(model, arch, recipe.stages, model_stages_done=True)
     from .evaluate.report import model_figures  # after the plan: report.py imports every stage
     baseline_figures = model_figures(model, recipe.eval, meta=True)

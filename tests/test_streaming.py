@@ -500,3 +500,42 @@ def test_mixed_precision_streamed_chooses_what_the_in_memory_run_chooses(tmp_pat
         assert costs == streamed["table"]["costs"][kind], kind
     assert all(torch.equal(tensors["never"][k], tensors["always"][k]) for k in tensors["never"])
     assert _figures(reports["never"]) == _figures(reports["always"])
+
+
+@requires_data
+def test_a_resumed_streamed_run_reuses_its_mixed_precision_choice(tmp_path, monkeypatch):
+    """A streamed run with auto_precision killed in its calibration pass resumes there without measuring again (the
+    choice is read from OUTPUT.work/stream/model_stages.json) and ends as the uninterrupted run, bit for bit."""
+    import compress.fisher_blocks as fisher_blocks
+    from compress.stream_run import StreamedBlocks
+
+    folder = _four_blocks(tmp_path)
+    stages = [{"stage": "auto_precision", "menu": ["W8A16", INT4, {**INT4, "dtype": "int2"}], "bits_per_weight": 4.5,
+               "n_samples": 2}, {"stage": "quantize", "method": "rtn", "scheme": INT4}]
+    whole = run(_recipe(folder, tmp_path / "whole", stages, "always"), progress=False, log=lambda *a: None)
+    load = StreamedBlocks.load
+
+    def crashing(self, i, device):
+        if i == 2:
+            raise KeyboardInterrupt
+        return load(self, i, device)
+
+    monkeypatch.setattr(StreamedBlocks, "load", crashing)
+    interrupted = _recipe(folder, tmp_path / "resumed", stages, "always")
+    with pytest.raises(KeyboardInterrupt):
+        run(interrupted, progress=False, log=lambda *a: None)
+    assert (tmp_path / "resumed.work" / "stream" / "model_stages.json").exists()
+    monkeypatch.setattr(StreamedBlocks, "load", load)
+
+    def measured_again(*_a, **_k):
+        raise AssertionError("the sensitivity pass ran again on --resume")
+
+    monkeypatch.setattr(fisher_blocks, "fisher_by_blocks", measured_again)
+    lines = []
+    resumed = run(interrupted, progress=False, log=lines.append, resume=True)
+    assert any("is read from" in line for line in lines)
+    assert resumed["stages"][0]["assignment"] == whole["stages"][0]["assignment"]
+    assert len(set(whole["stages"][0]["assignment"].values())) >= 2
+    a, b = read_safetensors(tmp_path / "whole"), read_safetensors(tmp_path / "resumed")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _figures(whole) == _figures(resumed) and not (tmp_path / "resumed.work").exists()
