@@ -123,7 +123,8 @@ class AutoPrecisionStage(StageBase):
                   f"{self.bytes} bytes" if self.bytes is not None else f"the bytes of uniform {self.bytes_of.name}")
         return (f"\nstage {index}: auto_precision, one scheme per layer of the next quantize stage from "
                 f"[{', '.join(option_name(o) for o in self.options)}] within {budget}, by {self.sensitivity} "
-                f"sensitivity to {self.error_method} weight errors on {self.n_samples} calibration windows "
+                f"sensitivity to {self.error_method} weight errors on {self.n_samples} calibration windows, "
+                f"{'a whole-model forward per layer and option' if self.sensitivity == 'kl' else 'one block at a time'} "
                 "(chosen at run time, before calibration; until then "
                 "the quantize stage below lists its own scheme for every layer)")
 
