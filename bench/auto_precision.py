@@ -42,7 +42,7 @@ def sensitivity(n_fisher: int, n_kl: int, threads: int, kl_blocks: list[int]) ->
     from compress.arch import get_arch
     from compress.data import TextSource, calibration_windows
     from compress.models import load_model
-    from compress.precision import measure_sensitivity
+    from compress.sensitivity import measure_sensitivity
     from compress.stages.auto_precision import DEFAULT_MENU
     from compress.stages.quantize import QuantizeStage, plan_quantize
 
@@ -94,7 +94,7 @@ def one_driver(driver: str, error_method: str, n_windows: int, out: Path) -> Non
     from compress.arch import get_arch
     from compress.data import TextSource, calibration_windows
     from compress.models import load_model
-    from compress.precision import measure_sensitivity
+    from compress.sensitivity import measure_sensitivity
     from compress.stages.auto_precision import DEFAULT_MENU
     from compress.stages.quantize import QuantizeStage, plan_quantize
 

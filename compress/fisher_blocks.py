@@ -72,7 +72,7 @@ def blocks_problem(model: nn.Module, names: list[str], seq_len: int | None = Non
 def fisher_by_blocks(model: nn.Module, windows: Tensor, modules: dict[str, nn.Module], menu, nbytes: np.ndarray,
                      seed: int, progress, error_method: str, awq, hessian_windows: Tensor, hessian_budget: int,
                      blocks=None, device=None) -> dict[str, np.ndarray]:
-    """precision._fisher_pass's costs, block by block (see the module docstring). `blocks`: the block source
+    """precision.fisher_pass's costs, block by block (see the module docstring). `blocks`: the block source
     (default: the model's own blocks, ResidentBlocks); `device`: where the blocks compute (default: where the
     input embedding is). Every parameter's requires_grad is restored on return."""
     arch = get_arch(model)

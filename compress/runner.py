@@ -25,10 +25,7 @@ from .nn import QuantLinear, is_linear, native_bf16
 from .observers import BlockObserver
 from .recipe import Recipe, to_plain
 from .stages.base import BlockState, Plan, RunContext
-
-
-def set_threads(n: int) -> None:
-    torch.set_num_threads(n if n > 0 else (os.cpu_count() or 1))
+from .threads import set_threads
 
 
 def check_output(out: Path, overwrite: bool) -> None:

@@ -16,7 +16,8 @@ from compress.arch import get_arch
 from compress.fisher_blocks import blocks_problem
 from compress.moe import unfuse_experts
 from compress.nn import is_linear
-from compress.precision import AWQModel, choose, measure_sensitivity, scheme_bytes, weight_error
+from compress.precision import AWQModel, choose, scheme_bytes, weight_error
+from compress.sensitivity import measure_sensitivity
 from compress.quantizers.rtn import fake_quantize
 from compress.quantizers.gptq import quantize_gptq
 from compress.recipe import RecipeError, from_dict, to_plain

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -17,18 +16,7 @@ from .memory import peak_cuda_bytes, peak_rss_bytes, serving_bytes, weight_bytes
 from .ppl import score_windows
 from ..kernels.dispatch import plan_dispatch, render as render_dispatch, use_dispatch
 from .speed import measure_speed, speed_sweep
-
-
-@contextlib.contextmanager
-def cpu_threads(n: int | None):
-    """torch's CPU threads set to n for a while (0: all cores; None: unchanged)."""
-    saved = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n if n > 0 else (os.cpu_count() or 1))
-    try:
-        yield torch.get_num_threads()
-    finally:
-        torch.set_num_threads(saved)
+from ..threads import cpu_threads
 
 
 OFFLOAD_PREFILL, OFFLOAD_DECODE = 32, 4  # a disk-offloaded model's speed run: every token reads the offloaded weights

@@ -16,11 +16,13 @@ from tqdm.auto import tqdm
 from ..arch import ArchSpec, block_pairs
 from ..data import calibration_windows
 from ..nn import linear_shape
-from ..precision import (ERROR_METHODS, AWQModel, FLOAT, SENSITIVITIES, choose, fits, measure_sensitivity, option_name,
+from ..precision import (ERROR_METHODS, AWQModel, FLOAT, SENSITIVITIES, choose, fits, option_name,
                          scheme_bytes)
 from ..quantizers import get_quantizer
 from ..scheme import W4A16_ASYM_G64, W8A16, QuantScheme
+from ..sensitivity import measure_sensitivity
 from ..smoothing import pair_skip_reason
+from ..threads import cpu_threads
 from .base import ModelStageContext, Plan, StageBase, next_target
 from .quantize import LayerScheme, plan_quantize
 
@@ -121,10 +123,10 @@ class AutoPrecisionStage(StageBase):
     def plan(self, model: nn.Module, arch: ArchSpec, claimed: dict[str, int], index: int) -> str:
         budget = (f"{self.bits_per_weight} bits per weight" if self.bits_per_weight is not None else
                   f"{self.bytes} bytes" if self.bytes is not None else f"the bytes of uniform {self.bytes_of.name}")
+        how = "a whole-model forward per layer and option" if self.sensitivity == "kl" else "one block at a time"
         return (f"\nstage {index}: auto_precision, one scheme per layer of the next quantize stage from "
                 f"[{', '.join(option_name(o) for o in self.options)}] within {budget}, by {self.sensitivity} "
-                f"sensitivity to {self.error_method} weight errors on {self.n_samples} calibration windows, "
-                f"{'a whole-model forward per layer and option' if self.sensitivity == 'kl' else 'one block at a time'} "
+                f"sensitivity to {self.error_method} weight errors on {self.n_samples} calibration windows, {how} "
                 "(chosen at run time, before calibration; until then "
                 "the quantize stage below lists its own scheme for every layer)")
 
@@ -157,7 +159,6 @@ class AutoPrecisionStage(StageBase):
                 bars[what] = tqdm(total=total, desc=what, unit="step", disable=not ctx.progress, leave=False)
             bars[what].update(done - bars[what].n)
 
-        from ..evaluate.report import cpu_threads  # (report.py imports every stage)
         try:
             with cpu_threads(ctx.calibration.threads) as threads:  # calibration work, not model.threads
                 sens = measure_sensitivity(ctx.model, windows, names, self.options, self.sensitivity, self.seed,
