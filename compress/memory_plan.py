@@ -197,10 +197,8 @@ def plan_memory(recipe, config, dtype: torch.dtype, device: str, available: int 
             device_phases["calibration"] = {"one block": size.block_parameters * width, **work}
         else:
             phases["calibration"] = {"weights": weights, **work}
-    choice = next((s for s in recipe.stages if s.name == "auto_precision"), None)
-    if choice is not None and recipe.calibration is not None:
-        phases["sensitivity pass"] = {"weights": weights, **sensitivity_bytes(size, choice, recipe.calibration.seq_len,
-                                                                              width)}
+    if sensitivity := sensitivity_bytes(size, recipe, width):
+        phases["sensitivity pass"] = {"weights": weights, **sensitivity}
     tune = next((s for s in recipe.stages if getattr(s, "after_calibration", False)), None)
     if tune is not None and recipe.calibration is not None:
         phases["tune_scales"] = {"compressed model": compressed, "teacher": weights,
@@ -245,11 +243,9 @@ def _streamed_plan(recipe, size: ModelSize, width: int, dtype, device: str, avai
         # and one GPTQ solve at a time: the layer's H/n, its weight being updated, the lazy update (quantizers/gptq.py)
         phases["GPTQ solve"] = {**passing, "one block": size.block_parameters * width,
                                 "GPTQ solve": 4 * size.largest_solve}
-    choice = next((s for s in recipe.stages if s.name == "auto_precision"), None)
-    if choice is not None and recipe.calibration is not None:
+    if sensitivity := sensitivity_bytes(size, recipe, width):
         phases["sensitivity pass"] = {"one block": 2 * size.block_parameters * width,
-                                      "embedding and head": 2 * size.vocab * size.hidden * width,
-                                      **sensitivity_bytes(size, choice, recipe.calibration.seq_len, width)}
+                                      "embedding and head": 2 * size.vocab * size.hidden * width, **sensitivity}
     phases |= {
         "embedding or head": {"embedding or head": size.vocab * size.hidden * width,
                               "evaluation hidden states": hidden,
@@ -263,15 +259,19 @@ def _streamed_plan(recipe, size: ModelSize, width: int, dtype, device: str, avai
                       device_available)
 
 
-def sensitivity_bytes(size: ModelSize, stage, seq_len: int, width: int) -> dict[str, int]:
-    """auto_precision's fisher pass block by block (fisher_blocks.py), besides the weights or the streamed block:
+def sensitivity_bytes(size: ModelSize, recipe, width: int) -> dict[str, int]:
+    """The recipe's auto_precision fisher pass block by block (fisher_blocks.py; empty without one), besides the
+    weights or the streamed block:
     every block's input kept for each window (and, with solved errors, the gradient at every block's output), one
     window's output errors of a block's layers under every option, the autograd graph of one block's forward, the
     logits at the top; with solved errors also the Hessians of a group of layers (precision.HESSIAN_BUDGET, or the
     widest layer's alone), the menu's solutions for one block and the Hessian windows' states."""
     from .precision import HESSIAN_BUDGET
 
-    seq_len = stage.seq_len or seq_len
+    stage = next((s for s in recipe.stages if s.name == "auto_precision"), None)
+    if stage is None or recipe.calibration is None:
+        return {}
+    seq_len = stage.seq_len or recipe.calibration.seq_len
     solved = stage.error_method != "rtn"
     options = len(stage.options)
     parts = {"kept states": (size.layers + 1) * stage.n_samples * seq_len * size.hidden * width * (2 if solved else 1),

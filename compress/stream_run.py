@@ -53,16 +53,10 @@ def stream_blockers(recipe: Recipe) -> list[str]:
         kind = None
     if kind is not None and kind not in STREAM_KINDS:
         why.append(f"a {kind} model is loaded as a whole (stream a Hugging Face folder, a hub id or a .gguf file)")
-    whole = [s.name for s in recipe.stages if s.whole_model and not s.after_calibration and s.name != "auto_precision"]
-    if any(s.name == "auto_precision" and s.sensitivity == "kl" for s in recipe.stages):
-        why.append("auto_precision's sensitivity: kl runs the whole model once per layer and option (use fisher, "
-                   "measured block by block in a streamed run, or run the choice where the model fits)")
+    why += list(dict.fromkeys(p for s in recipe.stages if (p := s.stream_problem()) is not None))
     if any(s.after_calibration for s in recipe.stages):
         why.append("tune_scales trains the whole compressed model beside the original (run it where both fit, with "
                    "gradient_checkpointing: true; or drop the stage)")
-    if whole:
-        why.append(f"{', '.join(dict.fromkeys(whole))} act on the whole model (run them on a machine where it fits, "
-                   "then stream the quantization of their output)")
     if recipe.output.formats and not recipe.output.save_model:
         why.append("output.formats with output.save_model: false: a streamed run exports block by block from the "
                    "checkpoint it saves (set output.save_model: true)")
@@ -370,7 +364,7 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, 
     n_params = parameters(model)
     plan = make_plan(model, arch, recipe.stages)
     model_reports: dict = {}
-    if any(s.whole_model and not s.after_calibration for s in recipe.stages):  # auto_precision, block by block
+    if any(s.whole_model and not s.after_calibration for s in recipe.stages):  # those that stream: auto_precision
         with timings("model_stages"):
             model_reports, recipe = streamed_model_stages(recipe, streamed, device, work, resume, progress and main,
                                                           log, main)

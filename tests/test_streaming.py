@@ -222,6 +222,26 @@ def test_what_cannot_stream_is_refused_with_the_way_out(tmp_path, extra, words):
     assert not (tmp_path / "o").exists()
 
 
+def test_each_stage_says_whether_it_streams(tmp_path):
+    """stream_blockers asks every stage (StageBase.stream_problem): a prune acts on the whole model; auto_precision
+    streams with fisher and refuses with kl; each refusal names its way out."""
+    from compress.stream_run import stream_blockers
+
+    folder, _ = _folder(tmp_path, "llama")
+
+    def blockers(first):
+        return stream_blockers(from_dict({
+            "model": {"source": str(folder), "stream": "always"},
+            "calibration": {"kind": "wikitext2", "n_samples": 2, "seq_len": 16},
+            "stages": [first, {"stage": "quantize", "method": "rtn", "scheme": INT4}]}))
+
+    assert blockers({"stage": "prune", "mlp": 0.5}) == [
+        "prune acts on the whole model (run it on a machine where it fits, then stream the quantization of its output)"]
+    auto = {"stage": "auto_precision", "bits_per_weight": 4.5}
+    assert blockers(auto) == []
+    assert blockers({**auto, "sensitivity": "kl"})[0].startswith("auto_precision's sensitivity: kl runs the whole")
+
+
 def _embedded_runs(tmp_path, source: str) -> tuple[dict, dict]:
     stages = [{"stage": "quantize", "method": "rtn", "scheme": {**INT4, "group_size": 64}, "ignore": ["lm_head"]}]
     reports, tensors = {}, {}

@@ -95,6 +95,13 @@ class AutoPrecisionStage(StageBase):
     def needs_calibration(self) -> bool:
         return True
 
+    def stream_problem(self) -> str | None:
+        """The fisher pass reads a streamed model's blocks one at a time (fisher_blocks.py); `kl` cannot."""
+        if self.sensitivity == "kl":
+            return ("auto_precision's sensitivity: kl runs the whole model once per layer and option (use fisher, "
+                    "measured block by block in a streamed run, or run the choice where the model fits)")
+        return None
+
     @property
     def options(self) -> list[QuantScheme | None]:
         return list(self.menu) + ([None] if self.keep_float else [])

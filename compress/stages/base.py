@@ -192,6 +192,14 @@ class StageBase:
     def needs_calibration(self) -> bool:
         return False
 
+    def stream_problem(self) -> str | None:
+        """Why this stage cannot run on a model streamed from disk block by block (None when it can): a
+        whole-model stage acts on the model as a whole, unless it overrides this (auto_precision)."""
+        if self.whole_model and not self.after_calibration:
+            return (f"{self.name} acts on the whole model (run it on a machine where it fits, then stream the "
+                    "quantization of its output)")
+        return None
+
     def check(self, index: int, stages: tuple, calibrated: bool):
         """Validate against the other stages; return the stage (a resolved copy where something is inherited)."""
         if self.needs_calibration and not calibrated:
