@@ -28,16 +28,22 @@ def _word(bits: int) -> tuple[int, int]:
     return word_bits // bits, word_bits // 8
 
 
+def _word_dtype(bits: int) -> torch.dtype:
+    """int32 holds a word of up to 24 bits (int3, int6); int5's 40 and int7's 56 need int64."""
+    return torch.int32 if math.lcm(bits, 8) <= 31 else torch.int64
+
+
 def pack_codes(u: Tensor, bits: int) -> Tensor:
     """Pack unsigned codes [..., K] (values < 2**bits) into uint8 [..., ceil(K / cpw) * bpw]."""
     codes_per_word, bytes_per_word = _word(bits)
     k = u.shape[-1]
     pad = (-k) % codes_per_word
-    u = torch.nn.functional.pad(u.to(torch.int32), (0, pad))
+    wide = _word_dtype(bits)
+    u = torch.nn.functional.pad(u.to(wide), (0, pad))
     u = u.reshape(*u.shape[:-1], -1, codes_per_word)  # [..., W, cpw]
-    shifts = torch.arange(codes_per_word, device=u.device, dtype=torch.int32) * bits
-    word = (u << shifts).sum(dim=-1, dtype=torch.int32)  # [..., W]; at most 24 bits used
-    byte_shifts = torch.arange(bytes_per_word, device=u.device, dtype=torch.int32) * 8
+    shifts = torch.arange(codes_per_word, device=u.device, dtype=wide) * bits
+    word = (u << shifts).sum(dim=-1, dtype=wide)  # [..., W]
+    byte_shifts = torch.arange(bytes_per_word, device=u.device, dtype=wide) * 8
     packed = (word.unsqueeze(-1) >> byte_shifts) & 0xFF  # [..., W, bpw]
     return packed.to(torch.uint8).reshape(*u.shape[:-2], -1)
 
@@ -52,12 +58,13 @@ def unpack_codes(packed: Tensor, bits: int, k: int) -> Tensor:
         u = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., B, per_byte]
         return u.reshape(*packed.shape[:-1], -1)[..., :k]
     codes_per_word, bytes_per_word = _word(bits)
-    p = packed.to(torch.int32).reshape(*packed.shape[:-1], -1, bytes_per_word)  # [..., W, bpw]
-    byte_shifts = torch.arange(bytes_per_word, device=p.device, dtype=torch.int32) * 8
-    word = (p << byte_shifts).sum(dim=-1, dtype=torch.int32)  # [..., W]
-    shifts = torch.arange(codes_per_word, device=p.device, dtype=torch.int32) * bits
+    wide = _word_dtype(bits)
+    p = packed.to(wide).reshape(*packed.shape[:-1], -1, bytes_per_word)  # [..., W, bpw]
+    byte_shifts = torch.arange(bytes_per_word, device=p.device, dtype=wide) * 8
+    word = (p << byte_shifts).sum(dim=-1, dtype=wide)  # [..., W]
+    shifts = torch.arange(codes_per_word, device=p.device, dtype=wide) * bits
     u = (word.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., W, cpw]
-    return u.reshape(*p.shape[:-2], -1)[..., :k]
+    return u.reshape(*p.shape[:-2], -1)[..., :k].to(torch.int32)
 
 
 def _pack_rows(q: Tensor, scheme: QuantScheme, rows: int = 256) -> Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
-BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2, "fp8_e4m3": 8, "fp8_e5m2": 8, "fp4_e2m1": 4}
+BITS = {"int8": 8, "int7": 7, "int6": 6, "int5": 5, "int4": 4, "int3": 3, "int2": 2, "fp8_e4m3": 8, "fp8_e5m2": 8, "fp4_e2m1": 4}
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}  # largest finite value of float8_e4m3fn / float8_e5m2
 FLOAT_MAX = {**FP8_MAX, "fp4_e2m1": 6.0}  # every float element grid (fp4 e2m1: microscale.py)
 # Block-scale encodings of the microscaling formats: float8_e4m3 (NVFP4: one e4m3 scale per 16 values and one
@@ -150,7 +150,7 @@ class QuantScheme:
     format and kernel reads; float16 holds fractional ones (HQQ's), w = (q - z) * s with z not on the grid.
     """
 
-    dtype: Literal["int8", "int4", "int3", "int2", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1"] = "int4"
+    dtype: Literal["int8", "int7", "int6", "int5", "int4", "int3", "int2", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1"] = "int4"
     granularity: Literal["tensor", "channel", "group", "block"] = "group"
     group_size: int | None = 128
     symmetric: bool = True

@@ -29,6 +29,7 @@ from tests.reference.naive_precision import (awq_layer_reference, brute_force_ch
 
 INT4 = scheme("int4", "group", 16, symmetric=False)
 INT2 = scheme("int2", "group", 16, symmetric=False)
+INT5 = scheme("int5", "group", 16, symmetric=False)
 INT8 = W8A16
 MENU = [INT8, INT4, INT2]
 
@@ -222,6 +223,17 @@ def test_sensitivities_grow_as_the_bits_shrink(llama):
     assert sens.nbytes[0, 1] == scheme_bytes((64, 64), INT4) == 64 * 64 // 2 + 64 * 4 * 3  # codes, fp16 scale, zero
 
 
+def test_int5_to_int7_sit_between_int4_and_int8(llama):
+    """The widths between int4 and int8, mixed precision's cheaper upgrades: on the same grid (group 16, zero
+    point), each bit more costs more bytes and less sensitivity, on every layer."""
+    names = [n for n, m in llama.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("model.layers")]
+    menu = [scheme(f"int{b}", "group", 16, symmetric=False) for b in (7, 6, 5)] + [INT4]
+    sens = measure_sensitivity(llama, _windows(), names, menu, "fisher")
+    c, nbytes = sens.costs["fisher"], sens.nbytes
+    assert (np.diff(c, axis=1) > 0).all() and (np.diff(nbytes, axis=1) < 0).all()
+    assert nbytes[0, 2] == scheme_bytes((64, 64), INT5) == 64 * 64 * 5 // 8 + 64 * 4 * 3
+
+
 def test_an_option_a_layer_cannot_hold_is_unavailable(llama):
     g48 = scheme("int4", "group", 48, symmetric=False)  # 64 is not a multiple of 48; 128 (down_proj's) neither
     sens = measure_sensitivity(llama, _windows(1, 8), ["model.layers.0.mlp.down_proj"], [INT4, g48], "fisher")
@@ -352,7 +364,7 @@ def test_stage_needs_one_budget_and_weight_only_menus():
 
 @pytest.fixture(scope="module", params=["rtn", "gptq", "awq_gptq"])
 def run_auto(tmp_path_factory, request):
-    """`compress run` of auto_precision (fisher, 4.5 bits per weight, menu int8 / int4 g16 / int2 g16; sensitivity to
+    """`compress run` of auto_precision (fisher, 4.5 bits per weight, menu int8 / int4 g16 / int2 g16 / int5 g16; sensitivity to
     round-to-nearest's, GPTQ's, or AWQ then GPTQ's weight errors) then GPTQ on the tiny llama (after an awq stage
     for awq_gptq); returns (output folder, report)."""
     from compress.cli import main
@@ -365,7 +377,7 @@ def run_auto(tmp_path_factory, request):
     calib = root / "calib.txt"
     calib.write_text(word_text(4 * N_SAMPLES * SEQ_LEN) + "\n")
     recipe = _recipe(model_dir, calib, root / "out", method="gptq")
-    recipe["stages"].insert(0, {"stage": "auto_precision", "menu": [to_plain(s) for s in MENU],
+    recipe["stages"].insert(0, {"stage": "auto_precision", "menu": [to_plain(s) for s in MENU + [INT5]],
                                 "bits_per_weight": 4.5, "n_samples": 2, "error_method": request.param,
                                 "gptq_samples": 2})
     if request.param.startswith("awq"):
@@ -385,6 +397,7 @@ def test_run_quantizes_each_layer_in_the_scheme_chosen_within_the_budget(run_aut
     assert section["bytes"] <= section["budget_bytes"] == int(4.5 * section["weights"] / 8)
     assert section["bits_per_weight"] > 4.4  # the budget is used, not left idle
     assert len({v for v in section["assignment"].values()}) >= 2  # mixed
+    assert section["counts"][INT5.name] >= 1  # so int5 is stored, reloaded and counted to the byte below
     assert quantize["layers"] == section["assignment"]  # the quantize stage stored what was chosen
     from compress.models import load_compressed
     model = load_compressed(out)

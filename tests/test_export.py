@@ -223,8 +223,30 @@ def test_dense_export_is_a_plain_checkpoint(tmp_path):
     assert any("KV-cache" in n for n in record["notes"])
 
 
+@pytest.mark.parametrize("dtype", ["int5", "int6", "int7"])
+def test_int5_to_int7_export_dense_and_reload_as_our_checkpoint(dtype, tmp_path):
+    """The widths mixed precision adds between int4 and int8: no serving format packs them, so `dense` writes
+    their dequantized weights, and our own checkpoint keeps the packed codes (reloaded to the bit)."""
+    from transformers import AutoModelForCausalLM
+    from compress.models import load_compressed, save_compressed
+
+    model = quantized(scheme(dtype, "group", 16, False))
+    out = export(model, "dense", tmp_path)
+    plain = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert compare_logits(model_logits(model, WINDOWS), model_logits(plain, WINDOWS))["kl"] < KL_BAR
+    save_compressed(model, make_tiny_tokenizer(), tmp_path / "ours", {})
+    again = load_compressed(tmp_path / "ours")
+    a, b = dict(model.named_modules()), dict(again.named_modules())
+    name = "model.layers.0.mlp.down_proj"
+    assert a[name].scheme.dtype == b[name].scheme.dtype == dtype
+    assert torch.equal(a[name].qtensor().codes(), b[name].qtensor().codes())
+
+
 @pytest.mark.parametrize("fmt,sch,family,words", [
     ("gptq", scheme("int3", "group", 16), "llama", "4- or 8-bit"),
+    ("gptq", scheme("int5", "group", 16, False), "llama", "4- or 8-bit"),
+    ("compressed-tensors", scheme("int6", "group", 16, False), "llama", "6-bit weight-only checkpoints from no kernel"),
+    ("awq", scheme("int5", "group", 16, False), "llama", "4-bit integer weights only"),
     ("awq", scheme("int8", "channel"), "llama", "4-bit"),
     ("compressed-tensors", LLM_INT8, "llama", "LLM.int8"),
     ("compressed-tensors", scheme("int4", "group", 16), "gpt2", "Conv1D"),

@@ -105,7 +105,7 @@ def test_int8_sqnr_floor():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(dtype="int5"), "dtype"),
+    (dict(dtype="int9"), "dtype"),
     (dict(granularity="row"), "granularity"),
     (dict(granularity="group", group_size=None), "group_size"),
     (dict(granularity="group", group_size=1), "group_size"),

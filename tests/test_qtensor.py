@@ -13,7 +13,7 @@ from compress.scheme import scheme
 from tests.reference.naive import naive_pack
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7, 8])  # 5 and 7: words of 40 and 56 bits
 @pytest.mark.parametrize("k", [1, 7, 8, 64, 545, 576])
 def test_pack_matches_naive_bitstream_and_round_trips(bits, k):
     u = torch.randint(0, 2 ** bits, (5, k))
@@ -30,11 +30,15 @@ def test_packed_sizes():
     assert pack_codes(u, 3).shape == (2, 216)
     assert pack_codes(u, 2).shape == (2, 144)
     assert pack_codes(u, 8).shape == (2, 576)
+    assert pack_codes(u, 5).shape == (2, 360)
+    assert pack_codes(u, 6).shape == (2, 432)
+    assert pack_codes(u, 7).shape == (2, 504)
 
 
 SCHEMES = [scheme("int8", "channel"), scheme("int8", "channel", symmetric=False), scheme("int4", "group", 64),
            scheme("int4", "group", 32, False), scheme("int3", "group", 64), scheme("int2", "group", 64, False),
-           scheme("int8", "tensor")]
+           scheme("int8", "tensor"), scheme("int5", "group", 64, False), scheme("int6", "group", 64, False),
+           scheme("int7", "channel")]
 
 
 @pytest.mark.parametrize("sch", SCHEMES, ids=lambda s: s.name)

@@ -111,8 +111,8 @@ BAD = [
                  id="prune-bad-axis"),
     pytest.param(_with(stages=[{"stage": "prune", "mlp": 0.5}, {"stage": "distill", "warmup_steps": 500}]),
                  r"`stages\.1`: distill warmup_steps=500 >= steps=100", id="distill-bad-warmup"),
-    pytest.param(_with(stages=[_stage(scheme={"dtype": "int5"})]),
-                 r"`stages\.0\.scheme\.dtype` is 'int5'; allowed values: 'int8', 'int4'", id="bad-dtype"),
+    pytest.param(_with(stages=[_stage(scheme={"dtype": "int9"})]),
+                 r"`stages\.0\.scheme\.dtype` is 'int9'; allowed values: 'int8', 'int7'", id="bad-dtype"),
     pytest.param(_with(calibration={"kind": "files", "n_samples": "many"}),
                  r"`calibration\.n_samples` must be an integer, got 'many'", id="wrong-type"),
     pytest.param(_with(eval={"speed": "yes"}), r"`eval\.speed` must be true or false", id="wrong-bool"),
@@ -231,8 +231,8 @@ def test_set_without_equals(tmp_path):
 
 def test_set_value_is_still_validated(tmp_path):
     path = _write(tmp_path, BASE)
-    with pytest.raises(RecipeError, match=re.escape(str(path)) + r": `stages\.0\.scheme\.dtype` is 'int5'"):
-        load_recipe(path, ["stages.0.scheme.dtype=int5"])
+    with pytest.raises(RecipeError, match=re.escape(str(path)) + r": `stages\.0\.scheme\.dtype` is 'int9'"):
+        load_recipe(path, ["stages.0.scheme.dtype=int9"])
 
 
 def test_non_divisible_group_size_strict_names_layer_and_divisors():
