@@ -20,16 +20,19 @@ from .models import (checkpoint_files, load_compressed, load_config, load_model,
                      resolve_dtype, save_compressed)
 from .outliers import plant_outliers
 from .model_stages import run_after_stages, run_model_stages, work_dir, world
+from .precision import fits
 from .recipe import Recipe
+from .scheme import QuantScheme
 from .stages.base import Plan, make_plan
 from .runner import (Timings, check_output, compress_model, run_header, set_threads, staged_output,
                      write_run_report)
 
 
-def planned_model(model, plan: Plan) -> torch.nn.Module:
+def planned_model(model, plan: Plan, offered: tuple[QuantScheme, ...] = ()) -> torch.nn.Module:
     """A meta-device copy of `model` with the planned QuantLinear layers: what the export checks see before
     any weight is quantized. A tied lm_head planned with tied_lm_head: untie is untied in the copy's config
-    too, as apply_quantize will do to the model."""
+    too, as apply_quantize will do to the model. `offered`: schemes an auto_precision menu may give the layers at run
+    time, dealt out in turn to the planned layers that can hold them (one scheme: every such layer takes it)."""
     import copy
 
     entries = [e for stage, step in zip(plan.stages, plan.steps) if stage.stores_weights for e in step.quantized]
@@ -37,7 +40,11 @@ def planned_model(model, plan: Plan) -> torch.nn.Module:
     if any(e.untie for e in entries):
         for c in {id(c): c for c in (config, config.get_text_config())}.values():
             c.tie_word_embeddings = False
-    return quantized_skeleton(config, {e.name: e.scheme for e in entries})
+    schemes = {}
+    for k, e in enumerate(entries):
+        held = [o for o in offered if fits(e.shape, o)]
+        schemes[e.name] = held[k % len(held)] if held else e.scheme
+    return quantized_skeleton(config, schemes)
 
 
 def check_formats(model, plan: Plan, formats: tuple[str, ...]) -> None:
@@ -53,6 +60,33 @@ def check_formats(model, plan: Plan, formats: tuple[str, ...]) -> None:
         meta = planned_model(model, plan)
         for fmt in formats:
             check_export(meta, fmt)
+            for i, stage in enumerate(plan.stages):
+                _check_offered(model, plan, fmt, i, stage.schemes_offered())
+
+
+def _check_offered(model, plan: Plan, fmt: str, index: int, offered: tuple[QuantScheme, ...]) -> None:
+    """Refuse, before anything runs, the schemes a stage may give layers at run time (auto_precision's menu) that
+    `fmt` cannot hold: each alone, then all of them mixed across the layers."""
+    from .export import ExportError, check_export
+
+    def why(err: ExportError) -> str:
+        return str(err).split("\n  ", 1)[-1].split("\n  ")[0]
+
+    where = f"`stages.{index}` ({plan.stages[index].name})"
+    fix = f"drop {fmt} from output.formats (the compress checkpoint and `dense` hold every scheme and any mix)"
+    for scheme in offered:
+        try:
+            check_export(planned_model(model, plan, (scheme,)), fmt)
+        except ExportError as err:
+            raise ExportError(f"cannot export to {fmt}: {where} may give layers {scheme.name}, which {fmt} cannot "
+                              f"hold ({why(err)}); remove it from that menu, or {fix}") from None
+    if len(offered) > 1:
+        try:
+            check_export(planned_model(model, plan, offered), fmt)
+        except ExportError as err:
+            raise ExportError(f"cannot export to {fmt}: {where} gives layers different schemes of its menu, and a "
+                              f"{fmt} checkpoint cannot mix them ({why(err)}); export compressed-tensors, or "
+                              f"{fix}") from None
 
 
 def verify_windows(recipe: Recipe, tokenizer, samples: torch.Tensor | None) -> tuple[torch.Tensor | None, str]:

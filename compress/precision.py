@@ -374,6 +374,33 @@ def measured_kl(model: nn.Module, windows: Tensor, modules: dict[str, nn.Module]
 
 # ---------------------------------------------------------------- the choice
 
+def option_bytes(shapes: list[tuple[int, int]], menu) -> np.ndarray:
+    """int64 [L, S]: the stored bytes of each [out, in] weight under each option (None = float), -1 where the
+    option cannot hold it."""
+    nbytes = np.full((len(shapes), len(menu)), -1, dtype=np.int64)
+    for i, shape in enumerate(shapes):
+        for j, o in enumerate(menu):
+            if o is None:
+                nbytes[i, j] = shape[0] * shape[1] * FLOAT_BYTES
+            elif fits(shape, o):
+                nbytes[i, j] = scheme_bytes(shape, o)
+    return nbytes
+
+
+def budget_problem(nbytes: np.ndarray, budget: int, costs: np.ndarray | None = None) -> str | None:
+    """Why no choice of options fits `budget` bytes (None when one does): a layer no option holds, or a budget below
+    the narrowest option of every layer."""
+    ok = nbytes >= 0 if costs is None else (nbytes >= 0) & np.isfinite(costs)
+    if not ok.any(axis=1).all():
+        bad = int(np.flatnonzero(~ok.any(axis=1))[0])
+        return f"layer {bad} can take none of the menu's options; add an option that fits it"
+    smallest = int(np.where(ok, nbytes, np.iinfo(np.int64).max).min(axis=1).sum())
+    if smallest > budget:
+        return (f"the budget of {budget} bytes is below the smallest the menu allows ({smallest} bytes: the "
+                "narrowest option for every layer); raise the budget or add a narrower scheme to the menu")
+    return None
+
+
 def choose(costs: np.ndarray, nbytes: np.ndarray, budget: int, resolution: int | None = None) -> list[int]:
     """One option per layer minimising Σ costs[l, c_l] subject to Σ nbytes[l, c_l] <= budget (bytes).
 
@@ -384,13 +411,8 @@ def choose(costs: np.ndarray, nbytes: np.ndarray, budget: int, resolution: int |
     costs, nbytes = np.asarray(costs, dtype=np.float64), np.asarray(nbytes, dtype=np.int64)
     n_layers, n_opts = costs.shape
     ok = (nbytes >= 0) & np.isfinite(costs)
-    if not ok.any(axis=1).all():
-        bad = int(np.flatnonzero(~ok.any(axis=1))[0])
-        raise ValueError(f"layer {bad} can take none of the menu's options; add an option that fits it")
-    smallest = int(np.where(ok, nbytes, np.iinfo(np.int64).max).min(axis=1).sum())
-    if smallest > budget:
-        raise ValueError(f"the budget of {budget} bytes is below the smallest the menu allows ({smallest} bytes: the "
-                         "narrowest option for every layer); raise the budget or add a narrower scheme to the menu")
+    if (why := budget_problem(nbytes, budget, costs)) is not None:
+        raise ValueError(why)
     units = resolution or min(max(4096, 100 * n_layers), 200_000)
     unit = budget / units
     size = np.where(ok, np.ceil(nbytes / unit - 1e-9).astype(np.int64), units + 1)  # [L, S] units

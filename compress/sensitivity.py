@@ -8,8 +8,8 @@ from torch import Tensor, nn
 
 from .fisher_blocks import blocks_problem, fisher_by_blocks
 from .nn import linear_weight
-from .precision import (ERROR_METHODS, FLOAT_BYTES, HESSIAN_BUDGET, SENSITIVITIES, AWQModel, Sensitivity, fisher_pass,
-                        fits, measured_kl, option_name, rtn_error, scheme_bytes, solve_layers, solved_error)
+from .precision import (ERROR_METHODS, HESSIAN_BUDGET, SENSITIVITIES, AWQModel, Sensitivity, fisher_pass, measured_kl,
+                        option_bytes, option_name, rtn_error, solve_layers, solved_error)
 from .scheme import QuantScheme
 
 
@@ -38,13 +38,7 @@ def measure_sensitivity(model: nn.Module, windows: Tensor, names: list[str], men
     modules = {n: model.get_submodule(n) for n in names}
     shapes = {n: tuple(linear_weight(m).shape) for n, m in modules.items()}
     options = [option_name(o) for o in menu]
-    nbytes = np.full((len(names), len(menu)), -1, dtype=np.int64)
-    for i, n in enumerate(names):
-        for j, o in enumerate(menu):
-            if o is None:
-                nbytes[i, j] = shapes[n][0] * shapes[n][1] * FLOAT_BYTES
-            elif fits(shapes[n], o):
-                nbytes[i, j] = scheme_bytes(shapes[n], o)
+    nbytes = option_bytes([shapes[n] for n in names], menu)
     out = Sensitivity(list(names), options, nbytes, tokens=int(windows.numel()))
     hessian_windows = windows if hessian_windows is None else hessian_windows
     why = "the measured KL runs the whole model per layer" if kind == "kl" else \

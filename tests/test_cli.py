@@ -174,6 +174,43 @@ def test_inspect_json(recipe_file, capsys):
     assert [e["reason"] for e in layers if e["name"] == "lm_head"] == ["ignored (ignore: lm_head)"]
 
 
+def test_run_refuses_an_auto_precision_budget_below_its_menu_before_measuring(tmp_path, model_dir, calib_file, capsys):
+    recipe = _recipe(model_dir, calib_file, tmp_path / "out", method="gptq")
+    recipe["stages"].insert(0, {"stage": "auto_precision", "menu": ["W8A16"], "bits_per_weight": 6, "n_samples": 1})
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert _run(path) == 2
+    err = capsys.readouterr().err
+    assert "stage 0 (auto_precision): the budget of" in err and "below the smallest the menu allows" in err
+    assert "fisher sensitivity of" not in err
+
+
+def test_run_refuses_an_auto_precision_menu_an_export_cannot_hold_before_measuring(tmp_path, model_dir, calib_file,
+                                                                                  capsys):
+    """The quantize stage's own scheme (int4) exports to GPTQ; the int5 its auto_precision menu offers would not,
+    and is only chosen at run time: refused before the sensitivity pass, naming the menu entry."""
+    recipe = _recipe(model_dir, calib_file, tmp_path / "out", method="gptq")
+    menu = [{"dtype": "int8", "granularity": "channel"}, {"dtype": "int5", "group_size": 16, "symmetric": False}]
+    recipe["stages"].insert(0, {"stage": "auto_precision", "menu": menu, "bits_per_weight": 6, "n_samples": 1})
+    recipe["output"]["formats"] = ["gptq"]
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert _run(path) == 2
+    err = capsys.readouterr().err
+    assert "cannot export to gptq: `stages.0` (auto_precision) may give layers int5-g16-asym" in err
+    assert "remove it from that menu" in err and "fisher sensitivity of" not in err and "calibrating" not in err
+    assert not (tmp_path / "out").exists()
+    menu[1]["dtype"] = "int4"  # int8 and int4: GPTQ holds each, but one scheme per checkpoint
+    path.write_text(yaml.safe_dump(recipe))
+    assert _run(path) == 2
+    err = capsys.readouterr().err
+    assert "gives layers different schemes of its menu, and a gptq checkpoint cannot mix them" in err
+    assert "calibrating" not in err and not (tmp_path / "out").exists()
+    recipe["output"].update(formats=["compressed-tensors"], verify_windows=0)  # one config group per scheme
+    path.write_text(yaml.safe_dump(recipe))
+    assert _run(path) == 0
+
+
 @requires_data
 def test_eval_against_baseline(tmp_path, recipe_file, model_dir, capsys):
     assert _run(recipe_file) == 0

@@ -16,8 +16,8 @@ from tqdm.auto import tqdm
 from ..arch import ArchSpec, block_pairs
 from ..data import calibration_windows
 from ..nn import linear_shape
-from ..precision import (ERROR_METHODS, AWQModel, FLOAT, SENSITIVITIES, choose, fits, option_name,
-                         scheme_bytes)
+from ..precision import (ERROR_METHODS, AWQModel, FLOAT, SENSITIVITIES, budget_problem, choose, fits, option_bytes,
+                         option_name, scheme_bytes)
 from ..quantizers import get_quantizer
 from ..scheme import W4A16_ASYM_G64, W8A16, QuantScheme
 from ..sensitivity import measure_sensitivity
@@ -102,6 +102,9 @@ class AutoPrecisionStage(StageBase):
                     "measured block by block in a streamed run, or run the choice where the model fits)")
         return None
 
+    def schemes_offered(self) -> tuple:
+        return tuple(self.menu)
+
     @property
     def options(self) -> list[QuantScheme | None]:
         return list(self.menu) + ([None] if self.keep_float else [])
@@ -147,6 +150,11 @@ class AutoPrecisionStage(StageBase):
         names = [e.name for e in plan.layers if e.scheme is not None or e.reason.endswith("(strict: false)")]
         if not names:
             raise ValueError(f"stage {index} (auto_precision): the quantize stage after it selects no layer")
+        shapes = [linear_shape(ctx.model.get_submodule(n)) for n in names]
+        numel = np.array([o * i for o, i in shapes], dtype=np.int64)
+        budget = self._budget(ctx.model, names, numel)
+        if (why := budget_problem(option_bytes(shapes, self.options), budget)) is not None:
+            raise ValueError(f"stage {index} (auto_precision): {why}")  # before the sensitivity pass, not after
         seq_len = self.seq_len or ctx.calibration.seq_len
         ctx.log(f"stage {index}: auto_precision — {self.sensitivity} sensitivity of {len(names)} layers to "
                 f"{len(self.options)} options ({self.error_method} weight errors) on {self.n_samples} × {seq_len} "
@@ -176,8 +184,6 @@ class AutoPrecisionStage(StageBase):
             for bar in bars.values():
                 bar.close()
         seconds = time.perf_counter() - t0
-        numel = np.array([int(ctx.model.get_submodule(n).weight.numel()) for n in names], dtype=np.int64)
-        budget = self._budget(ctx.model, names, numel)
         costs = sens.costs[self.sensitivity]
         picked = choose(costs, sens.nbytes, budget)
         rows = np.arange(len(names))

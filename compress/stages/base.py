@@ -200,6 +200,11 @@ class StageBase:
                     "quantization of its output)")
         return None
 
+    def schemes_offered(self) -> tuple:
+        """Schemes this stage may give a later quantize stage's layers at run time (auto_precision: its menu), which
+        the export checks must accept before calibration starts, as they accept the schemes planned."""
+        return ()
+
     def check(self, index: int, stages: tuple, calibrated: bool):
         """Validate against the other stages; return the stage (a resolved copy where something is inherited)."""
         if self.needs_calibration and not calibrated:
