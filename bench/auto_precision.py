@@ -43,7 +43,7 @@ def sensitivity(n_fisher: int, n_kl: int, threads: int, kl_blocks: list[int]) ->
     from compress.data import TextSource, calibration_windows
     from compress.models import load_model
     from compress.sensitivity import measure_sensitivity
-    from compress.stages.auto_precision import DEFAULT_MENU
+    from compress.stages.auto_precision import MENU_INT8_TO_INT3  # the menu these figures were measured with
     from compress.stages.quantize import QuantizeStage, plan_quantize
 
     torch.set_num_threads(threads)
@@ -51,7 +51,7 @@ def sensitivity(n_fisher: int, n_kl: int, threads: int, kl_blocks: list[int]) ->
     model, tok = loaded.model, loaded.tokenizer
     names = [e.name for e in plan_quantize(model, get_arch(model), QuantizeStage()).quantized]
     windows = calibration_windows(TextSource("wikitext2", "validation"), tok, model, n_fisher, 512, 0)
-    menu = list(DEFAULT_MENU)
+    menu = list(MENU_INT8_TO_INT3)
     t = time.perf_counter()
     fisher = measure_sensitivity(model, windows, names, menu, "fisher")
     t_fisher = time.perf_counter() - t
@@ -95,7 +95,7 @@ def one_driver(driver: str, error_method: str, n_windows: int, out: Path) -> Non
     from compress.data import TextSource, calibration_windows
     from compress.models import load_model
     from compress.sensitivity import measure_sensitivity
-    from compress.stages.auto_precision import DEFAULT_MENU
+    from compress.stages.auto_precision import MENU_INT8_TO_INT3  # the menu these figures were measured with
     from compress.stages.quantize import QuantizeStage, plan_quantize
 
     torch.set_num_threads(1)
@@ -106,7 +106,7 @@ def one_driver(driver: str, error_method: str, n_windows: int, out: Path) -> Non
     windows = calibration_windows(source, tok, model, n_windows + 8, 512, 0)
     before = rss_bytes()
     t = time.perf_counter()
-    sens = measure_sensitivity(model, windows[:n_windows], names, list(DEFAULT_MENU), "fisher",
+    sens = measure_sensitivity(model, windows[:n_windows], names, list(MENU_INT8_TO_INT3), "fisher",
                                error_method=error_method, hessian_windows=windows[n_windows:], driver=driver)
     seconds = time.perf_counter() - t
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -27,9 +27,13 @@ sys.path.insert(0, str(ROOT))
 
 from bench import protocol  # noqa: E402
 
-AUTO_RTN = ("[{stage: auto_precision, %s, n_samples: 4}, "  # recipes/auto_precision_4bit.yaml's menu (the default)
+# the auto_precision menu every mixed-precision row but the "int5/6 menu" ones was measured with: the default until
+# int5 and int6 existed (2026-12-05); recipes/auto_precision_4bit.yaml now lists WIDE_MENU
+OLD_MENU = ("[W8A16, {dtype: int4, granularity: group, group_size: 128, symmetric: false}, W4A16_ASYM_G64, "
+            "{dtype: int3, granularity: group, group_size: 64, symmetric: false}]")
+AUTO_RTN = ("[{stage: auto_precision, %s, n_samples: 4, menu: " + OLD_MENU + "}, "
             "{stage: quantize, method: rtn, scheme: W4A16_ASYM_G64, ignore: [lm_head]}]")
-AUTO_GPTQ = ("[{stage: auto_precision, %s, n_samples: 4}, "  # then gptq_int4.yaml's quantize stage
+AUTO_GPTQ = ("[{stage: auto_precision, %s, n_samples: 4, menu: " + OLD_MENU + "}, "  # then gptq_int4.yaml's stage
              "{stage: quantize, method: gptq, scheme: W4A16_ASYM_G64, ignore: [lm_head]}]")
 # awq_gptq_int4.yaml clips to GPTQ's grid since commit 4f58be1 (2026-12-04); the rows below that say no `grid clip` were
 # measured before, clipping the weights themselves, which every method but GPTQ needs
@@ -37,6 +41,10 @@ W_CLIP = "stages.0.clip_to=weights"
 AR = ["stages.1.method=autoround", "stages.1.options={iters: 200, batch_size: 2}"]
 AR_GPTQ = ["stages.1.method=autoround", "stages.1.options={iters: 200, batch_size: 2, init: gptq}"]
 ONLINE = "stages.0.online_hadamard=true"
+WIDE_MENU = ("[W8A16, {dtype: int6, granularity: group, group_size: 64, symmetric: false}, "
+             "{dtype: int5, granularity: group, group_size: 64, symmetric: false}, "
+             "{dtype: int4, granularity: group, group_size: 128, symmetric: false}, W4A16_ASYM_G64, "
+             "{dtype: int3, granularity: group, group_size: 64, symmetric: false}]")
 RTN = ["stages.0.method=rtn", "calibration=null"]
 # the residual rotation and the online Hadamard, then AWQ (scales where a pair still applies: not into the rotated
 # down_proj; clipping everywhere), then GPTQ
@@ -119,6 +127,20 @@ RUNS = {  # name: (recipe, extra --set overrides)
     "auto awq+gptq @3.5 bits, awq+gptq errors": ("recipes/auto_precision_4bit.yaml",
                                                  ["stages.0.bytes_of=null", "stages.0.bits_per_weight=3.5",
                                                   "stages.0.error_method=awq_gptq"]),
+    # a wider menu: int5 and int6 (the upgrades llama.cpp's Q4_K_M mixes buy with Q5_K / Q6_K) beside the default's
+    "auto awq+gptq @int4 g64 bytes, int5/6 menu": ("recipes/auto_precision_4bit.yaml", [f"stages.0.menu={WIDE_MENU}"]),
+    "auto awq+gptq @int4 g64 bytes, int5/6 menu, awq+gptq errors": ("recipes/auto_precision_4bit.yaml", [
+        f"stages.0.menu={WIDE_MENU}", "stages.0.error_method=awq_gptq"]),
+    "auto awq(grid clip)+gptq+tune @int4 g64 bytes, int5/6 menu": ("recipes/auto_precision_4bit.yaml", [
+        f"stages.0.menu={WIDE_MENU}", "stages.1.clip_to=grid", "stages.3.stage=tune_scales"]),
+    "auto awq(grid clip)+gptq @int4 g64 bytes, int5/6 menu": ("recipes/auto_precision_4bit.yaml", [
+        f"stages.0.menu={WIDE_MENU}", "stages.1.clip_to=grid"]),
+    "auto awq(grid clip)+gptq+tune @3.5 bits, int5/6 menu": ("recipes/auto_precision_4bit.yaml", [
+        f"stages.0.menu={WIDE_MENU}", "stages.0.bytes_of=null", "stages.0.bits_per_weight=3.5", "stages.1.clip_to=grid",
+        "stages.3.stage=tune_scales"]),
+    "auto awq(grid clip)+gptq+tune @int4 g64 bytes, int5/6 menu, awq+gptq errors": ("recipes/auto_precision_4bit.yaml", [
+        f"stages.0.menu={WIDE_MENU}", "stages.0.error_method=awq_gptq", "stages.1.clip_to=grid",
+        "stages.3.stage=tune_scales"]),
     # mixed precision with the scale tuning of the uniform rows above (clipping to GPTQ's grid, then tune_scales):
     # the fair comparison with "awq(grid clip)+gptq+tune int4" and "awq(grid clip)+gptq+tune int3 g32"
     "auto awq(grid clip)+gptq @int4 g64 bytes": ("recipes/auto_precision_4bit.yaml", ["stages.1.clip_to=grid"]),
@@ -168,9 +190,13 @@ RUNS = {  # name: (recipe, extra --set overrides)
     "awq nvfp4 w4a4": ("recipes/awq_gptq_int4.yaml", [W_CLIP, "stages.1.method=rtn", "stages.1.scheme=NVFP4"]),
 }
 
+for _name, (_path, _over) in list(RUNS.items()):  # the rows measured before the menu widened keep their menu
+    if _path == "recipes/auto_precision_4bit.yaml" and not any(o.startswith(("stages.0.menu=", "stages=")) for o in _over):
+        RUNS[_name] = (_path, [f"stages.0.menu={OLD_MENU}", *_over])
+
 
 def run_dir(out_root: Path, name: str) -> Path:
-    return out_root / name.replace(" ", "_").replace("+", "-").replace("(", "").replace(")", "").replace(",", "")
+    return out_root / name.replace(" ", "_").replace("+", "-").replace("(", "").replace(")", "").replace(",", "").replace("/", "-")
 
 
 def compress_all(out_root: Path, only: list[str], jobs: int = 1, reuse: bool = False, extra: tuple = ()) -> dict:

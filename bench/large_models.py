@@ -35,10 +35,13 @@ RUNS = {  # name -> (recipe, overrides); every run: 2 × 256-token evaluation wi
     "gptq": ("recipes/gptq_int4.yaml", ["calibration.n_samples=8", "calibration.seq_len=256"]),
     # the same RTN run, also exporting a dense (dequantized bf16) checkpoint block by block; --reload then loads that
     # export with plain transformers (accelerate disk offload) and scores the run's evaluation windows with it
-    # mixed precision: auto_precision's menu and budget (int8 / int4 g128 / int4 g64 / int3 g64 at int4 g64's bytes),
-    # its fisher pass block by block from disk on 2 windows, then round-to-nearest (AWQ and GPTQ: too slow here)
+    # mixed precision: auto_precision's menu and budget (int8 / int4 g128 / int4 g64 / int3 g64 at int4 g64's bytes:
+    # the default menu when measured, before int5 / int6), its fisher pass block by block from disk on 2 windows,
+    # then round-to-nearest (AWQ and GPTQ: too slow here)
     "auto-rtn": ("recipes/auto_precision_4bit.yaml", [
-        "stages=[{stage: auto_precision, bytes_of: W4A16_ASYM_G64, n_samples: 2}, {stage: quantize, method: rtn, "
+        "stages=[{stage: auto_precision, bytes_of: W4A16_ASYM_G64, n_samples: 2, menu: [W8A16, {dtype: int4, "
+        "group_size: 128, symmetric: false}, W4A16_ASYM_G64, {dtype: int3, group_size: 64, symmetric: false}]}, "
+        "{stage: quantize, method: rtn, "
         "scheme: W4A16_ASYM_G64, ignore: [lm_head]}]", "calibration.n_samples=4", "calibration.seq_len=256"]),
     "rtn-dense": ("recipes/int4_rtn.yaml", ["calibration.n_samples=4", "calibration.seq_len=256",
                                             "output.formats=[dense]", "output.verify_windows=0"]),
