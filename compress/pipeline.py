@@ -23,26 +23,28 @@ from .model_stages import run_after_stages, run_model_stages, work_dir, world
 from .precision import fits
 from .recipe import Recipe
 from .scheme import QuantScheme
-from .stages.base import Plan, make_plan
+from .stages.base import Plan, make_plan, next_target
 from .runner import (Timings, check_output, compress_model, run_header, set_threads, staged_output,
                      write_run_report)
 
 
-def planned_model(model, plan: Plan, offered: tuple[QuantScheme, ...] = ()) -> torch.nn.Module:
+def planned_model(model, plan: Plan, offered: tuple[QuantScheme, ...] = (), target: int | None = None) \
+        -> torch.nn.Module:
     """A meta-device copy of `model` with the planned QuantLinear layers: what the export checks see before
     any weight is quantized. A tied lm_head planned with tied_lm_head: untie is untied in the copy's config
-    too, as apply_quantize will do to the model. `offered`: schemes an auto_precision menu may give the layers at run
-    time, dealt out in turn to the planned layers that can hold them (one scheme: every such layer takes it)."""
+    too, as apply_quantize will do to the model. `offered`: schemes an auto_precision menu may give the layers of
+    stage `target` at run time, dealt out in turn to those that can hold them (one scheme: every such layer takes it)."""
     import copy
 
-    entries = [e for stage, step in zip(plan.stages, plan.steps) if stage.stores_weights for e in step.quantized]
+    entries = [(j, e) for j, (stage, step) in enumerate(zip(plan.stages, plan.steps)) if stage.stores_weights
+               for e in step.quantized]
     config = copy.deepcopy(model.config)
-    if any(e.untie for e in entries):
+    if any(e.untie for _, e in entries):
         for c in {id(c): c for c in (config, config.get_text_config())}.values():
             c.tie_word_embeddings = False
     schemes = {}
-    for k, e in enumerate(entries):
-        held = [o for o in offered if fits(e.shape, o)]
+    for k, (j, e) in enumerate(entries):
+        held = [o for o in offered if fits(e.shape, o)] if j == target else []
         schemes[e.name] = held[k % len(held)] if held else e.scheme
     return quantized_skeleton(config, schemes)
 
@@ -65,28 +67,20 @@ def check_formats(model, plan: Plan, formats: tuple[str, ...]) -> None:
 
 
 def _check_offered(model, plan: Plan, fmt: str, index: int, offered: tuple[QuantScheme, ...]) -> None:
-    """Refuse, before anything runs, the schemes a stage may give layers at run time (auto_precision's menu) that
-    `fmt` cannot hold: each alone, then all of them mixed across the layers."""
-    from .export import ExportError, check_export
+    """Refuse, before anything runs, the schemes a stage may give the next quantize stage's layers at run time
+    (auto_precision's menu) that `fmt` cannot hold: each alone, then all of them mixed across the layers."""
+    from .export import ExportError, export_problems
 
-    def why(err: ExportError) -> str:
-        return str(err).split("\n  ", 1)[-1].split("\n  ")[0]
-
+    target = next_target(plan.stages, index)
     where = f"`stages.{index}` ({plan.stages[index].name})"
     fix = f"drop {fmt} from output.formats (the compress checkpoint and `dense` hold every scheme and any mix)"
     for scheme in offered:
-        try:
-            check_export(planned_model(model, plan, (scheme,)), fmt)
-        except ExportError as err:
+        if problems := export_problems(planned_model(model, plan, (scheme,), target), fmt):
             raise ExportError(f"cannot export to {fmt}: {where} may give layers {scheme.name}, which {fmt} cannot "
-                              f"hold ({why(err)}); remove it from that menu, or {fix}") from None
-    if len(offered) > 1:
-        try:
-            check_export(planned_model(model, plan, offered), fmt)
-        except ExportError as err:
-            raise ExportError(f"cannot export to {fmt}: {where} gives layers different schemes of its menu, and a "
-                              f"{fmt} checkpoint cannot mix them ({why(err)}); export compressed-tensors, or "
-                              f"{fix}") from None
+                              f"hold ({problems[0]}); remove it from that menu, or {fix}")
+    if len(offered) > 1 and (problems := export_problems(planned_model(model, plan, offered, target), fmt)):
+        raise ExportError(f"cannot export to {fmt}: {where} gives layers different schemes of its menu, and a "
+                          f"{fmt} checkpoint cannot mix them ({problems[0]}); export compressed-tensors, or {fix}")
 
 
 def verify_windows(recipe: Recipe, tokenizer, samples: torch.Tensor | None) -> tuple[torch.Tensor | None, str]:

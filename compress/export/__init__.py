@@ -90,6 +90,15 @@ def get_exporter(name: str) -> Exporter:
 
 def check_export(model: nn.Module, name: str) -> Exporter:
     """The exporter for `name`, after checking that this model can be written in it."""
+    problems = export_problems(model, name)
+    if problems:
+        shown = "\n  ".join(problems[:8]) + (f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise ExportError(f"cannot export to {name}:\n  {shown}")
+    return get_exporter(name)
+
+
+def export_problems(model: nn.Module, name: str) -> list[str]:
+    """Why this model cannot be written as `name` (empty: it can), each with the way out."""
     from ..rotation import online_rotation_problem
 
     exporter = get_exporter(name)
@@ -107,10 +116,7 @@ def check_export(model: nn.Module, name: str) -> Exporter:
             problems = [f"{type(model).__name__} checkpoints store each MoE block's experts as fused 3-D tensors, "
                         f"which the {name} format has no layout for (its loaders read per-expert quantized "
                         "layers); export `dense` (the experts fused as transformers saves them)"] + problems
-    if problems:
-        shown = "\n  ".join(problems[:8]) + (f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else "")
-        raise ExportError(f"cannot export to {name}:\n  {shown}")
-    return exporter
+    return problems
 
 
 def export_model(model: nn.Module, tokenizer, name: str, out: str | Path, meta: dict | None = None,

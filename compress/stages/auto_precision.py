@@ -16,8 +16,8 @@ from tqdm.auto import tqdm
 from ..arch import ArchSpec, block_pairs
 from ..data import calibration_windows
 from ..nn import linear_shape
-from ..precision import (ERROR_METHODS, AWQModel, FLOAT, SENSITIVITIES, budget_problem, choose, fits, option_bytes,
-                         option_name, scheme_bytes)
+from ..precision import (ERROR_METHODS, AWQModel, FLOAT, SENSITIVITIES, budget_problem, choose, option_bytes,
+                         option_name)
 from ..quantizers import get_quantizer
 from ..scheme import W4A16_ASYM_G64, W8A16, QuantScheme
 from ..sensitivity import measure_sensitivity
@@ -157,7 +157,7 @@ class AutoPrecisionStage(StageBase):
             raise ValueError(f"stage {index} (auto_precision): the quantize stage after it selects no layer")
         shapes = [linear_shape(ctx.model.get_submodule(n)) for n in names]
         numel = np.array([o * i for o, i in shapes], dtype=np.int64)
-        budget = self._budget(ctx.model, names, numel)
+        budget = self._budget(names, shapes)
         if (why := budget_problem(option_bytes(shapes, self.options), budget)) is not None:
             raise ValueError(f"stage {index} (auto_precision): {why}")  # before the sensitivity pass, not after
         seq_len = self.seq_len or ctx.calibration.seq_len
@@ -235,19 +235,17 @@ class AutoPrecisionStage(StageBase):
         return AWQModel(frozenset(scaled), frozenset(no_clip), stage.n_grid, stage.clip, stage.clip_grid,
                         stage.max_shrink, stage.clip_tokens, stage.clip_to)
 
-    def _budget(self, model: nn.Module, names: list[str], numel: np.ndarray) -> int:
+    def _budget(self, names: list[str], shapes: list[tuple[int, int]]) -> int:
         if self.bits_per_weight is not None:
-            return int(self.bits_per_weight * int(numel.sum()) / 8)
+            return int(self.bits_per_weight * sum(o * i for o, i in shapes) / 8)
         if self.bytes is not None:
             return self.bytes
-        total = 0
-        for n in names:
-            shape = linear_shape(model.get_submodule(n))
-            if not fits(shape, self.bytes_of):
-                raise ValueError(f"bytes_of: {self.bytes_of.name} cannot hold {n} {shape}; give the budget as "
-                                 "bits_per_weight or bytes, or a bytes_of scheme every layer fits")
-            total += scheme_bytes(shape, self.bytes_of)
-        return total
+        nbytes = option_bytes(shapes, [self.bytes_of])[:, 0]
+        if (nbytes < 0).any():
+            k = int(np.flatnonzero(nbytes < 0)[0])
+            raise ValueError(f"bytes_of: {self.bytes_of.name} cannot hold {names[k]} {shapes[k]}; give the budget as "
+                             "bits_per_weight or bytes, or a bytes_of scheme every layer fits")
+        return int(nbytes.sum())
 
     def resolve_stages(self, stages: tuple, index: int, section: dict) -> tuple:
         """The recipe's stages with the choice written into the next quantize stage's layer_schemes."""
