@@ -357,3 +357,15 @@ def test_sass_uses_tensor_cores_async_copies_and_ldmatrix(compiled, arch):
         # and 2 MT ldmatrix.x4 for the x fragments
         assert counts["HMMA"] == 8 * ns * mt, (arch, name, counts)
         assert counts["LDSM"] == 2 * mt, (arch, name, counts)
+
+
+@needs_nvcc
+@needs_cuobjdump
+def test_main_loop_instruction_count_of_version_1(compiled):
+    """build.main_loop reads version 1's M <= 16 split-K loop as issue 44 did (about 275 warp-instructions per KB of
+    weights, symmetric bf16): the count version 2 is held under 180 against (tests/test_kernels_w4a16_v2.py)."""
+    obj, _ = compiled["sm_90a"]
+    functions = build.sass_functions(build.sass(obj))
+    (name,) = [n for n in functions if "w4a16_kernelILi1ELi2ELi6ELi1ELb0E" in n]   # MT 1, NS 2, 6 stages, bf16
+    loop = build.main_loop(functions[name])
+    assert loop.mma == 16 and 250 <= loop.per_kb <= 300, loop

@@ -120,3 +120,56 @@ def sass_functions(text: str) -> dict[str, str]:
 def instruction_counts(text: str) -> collections.Counter:
     """Counts of the instruction families that tell a fast kernel from a slow one (base opcode, e.g. HMMA)."""
     return collections.Counter(m.split(".")[0] for m in SASS_OPS.findall(text))
+
+
+# ---- the static instruction count of a kernel's main loop ---------------------------------------------------------
+# A weight-streaming kernel is fast only if its main loop issues fewer instructions than the memory system leaves
+# issue slots for: an H200 streams ~4.3 TB/s over 132 SMs at ~1.98 GHz, ~16.5 bytes an SM a cycle, so an SM's four
+# schedulers have ~248 issue slots per KB of weights (int4). The count below, read from the SASS, predicts whether a
+# kernel can reach the bandwidth before any GPU runs it (issue 44: at most 180 per KB; Marlin's loop needs 173-191).
+SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?)\s*;")
+MMA_BYTES = 16 * 8 // 2  # int4 weights one m16n8k16 mma consumes for one m16 tile of rows: 64 bytes
+
+
+@dataclass(frozen=True)
+class LoopStats:
+    """The innermost loop of a function that holds tensor-core mma instructions: its SASS span [start, end] (the
+    backward branch's target and the branch), its instruction count and its mma count, and the KB of int4 weights
+    one pass consumes (mma x MMA_BYTES / m16 tiles of rows, since each m16 tile repeats the mma on the same weights)."""
+    start: int
+    end: int
+    instructions: int
+    mma: int
+    m_tiles: int
+    ops: tuple[tuple[str, int], ...]
+
+    @property
+    def weight_kb(self) -> float:
+        return self.mma * MMA_BYTES / self.m_tiles / 1024
+
+    @property
+    def per_kb(self) -> float:
+        """Warp-instructions issued per KB of weights (each warp runs the loop over its own weights)."""
+        return self.instructions / self.weight_kb
+
+
+def sass_instructions(function_text: str) -> list[tuple[int, str]]:
+    """(address, instruction text without predicate-free trailing ';') of one function's SASS."""
+    return [(int(m.group(1), 16), m.group(2).strip()) for m in SASS_LINE.finditer(function_text)]
+
+
+def main_loop(function_text: str, m_tiles: int = 1) -> LoopStats | None:
+    """The innermost backward-branch loop that holds HMMA instructions (the main loop of a GEMM), or None."""
+    ins = sass_instructions(function_text)
+    best = None
+    for addr, text in ins:
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if not m or int(m.group(1), 16) >= addr:
+            continue
+        target = int(m.group(1), 16)
+        body = [t for a, t in ins if target <= a <= addr]
+        mma = sum(1 for t in body if re.search(r"\bHMMA\.", t))
+        if mma and (best is None or len(body) < best.instructions):
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+            best = LoopStats(target, addr, len(body), mma, m_tiles, tuple(sorted(ops.items(), key=lambda kv: -kv[1])))
+    return best

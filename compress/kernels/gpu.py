@@ -167,6 +167,38 @@ def linear_w4a16(p: W4A16, x: Tensor, bias: Tensor | None, splits: int = 0) -> T
     return y.reshape(*x.shape[:-1], p.n)
 
 
+V2_ENV = "COMPRESS_W4A16_V2"  # "1": offer the decode kernel to the dispatcher (bench/gpu_check.py sets it)
+
+
+def w4a16_v2_reason(layer, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Version 2 takes version 1's layers. Until bench/gpu_check.py has passed it on a GPU it runs only when asked
+    for: a kernel no GPU has checked must not be chosen for being fast."""
+    import os
+    if os.environ.get(V2_ENV, "0") != "1":
+        return (f"the W4A16 decode kernel (version 2) has not yet been checked on a GPU; set {V2_ENV}=1 to offer it "
+                "(bench/gpu_check.py checks it)")
+    return w4a16_reason(layer, dtype, device)
+
+
+def linear_w4a16_v2(p: W4A16, x: Tensor, bias: Tensor | None, splits: int = 0) -> Tensor:
+    """The layer on the W4A16 decode kernel (version 2) for up to 16 rows, and on version 1 beyond: the same
+    operands (pack_w4a16) serve both, so the layer needs no second copy of its weights."""
+    from . import ops
+    from .w4a16_v2 import MAX_ROWS
+    x2 = x.reshape(-1, p.k)
+    if x2.shape[0] > MAX_ROWS:
+        return linear_w4a16(p, x, bias)
+    if p.k_padded != p.k:
+        x2 = F.pad(x2, (0, p.k_padded - p.k))
+    x2 = x2.contiguous()
+    gemm = ops.launch_w4a16_v2 if _direct(x2, p.wq) and x2.dtype == p.scales.dtype and \
+        0 <= splits <= p.k_padded // 128 else ops.w4a16_gemm_v2
+    y = gemm(x2, p.wq, p.scales, p.zeros, p.n, p.group_size, splits)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.reshape(*x.shape[:-1], p.n)
+
+
 def fp8_reason(layer, dtype: torch.dtype, device: torch.device) -> str | None:
     from .fp8_layout import fp8_layer_supported
     if device.type != "cuda":
@@ -230,6 +262,7 @@ def linear_fp8(p: FP8, x: Tensor, bias: Tensor | None) -> Tensor:
 
 KERNELS = [
     Kernel("compress w4a16 (CUDA)", w4a16_reason, prepare_w4a16, linear_w4a16),
+    Kernel("compress w4a16 v2 (CUDA)", w4a16_v2_reason, prepare_w4a16, linear_w4a16_v2),
     Kernel("compress fp8 w8a8 (CUDA)", fp8_reason, prepare_fp8, linear_fp8),
     Kernel("torch _scaled_mm fp8 (CUDA)", lambda layer, dtype, device: scaled_mm_reason(layer.qtensor(), dtype, device),
            lambda layer, dtype: prepare_scaled_mm(layer.qtensor(), dtype, layer.input_scale), linear_scaled_mm),

@@ -18,6 +18,7 @@ from torch import Tensor
 from . import cuda_ext
 from .prepack import BK, emulate_w4a16_codes, w4a16_splits, w4a16_supported
 from .fp8_layout import fp8_supported
+from .w4a16_v2 import emulate_w4a16_v2_gemm, used_splits, w4a16_v2_splits, w4a16_v2_supported
 
 FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -118,6 +119,97 @@ def _status(op: str, status: int, m: int, n: int, k: int) -> None:
         raise RuntimeError(f"{op}: CUDA launch failed (status {status}) for M={m}, N={n}, K={k}")
 
 
+# ---- W4A16 version 2: the decode kernel (cuda/w4a16_v2.cu), 1 <= M <= 16, on version 1's operands -------------------
+PDL_ENV = "COMPRESS_W4A16_PDL"  # "1": launch version 2 as a programmatic dependent (sm_90); off until measured
+
+
+def check_w4a16_v2(x: Tensor, wq: Tensor, scales: Tensor, zeros: Optional[Tensor], n: int, group_size: int,
+                   splits: int = 0) -> None:
+    check_w4a16(x, wq, scales, zeros, n, group_size, 0)
+    m, k = x.shape
+    _need(0 <= splits <= k // BK, f"w4a16_gemm_v2: splits={splits} must be 0 (automatic) or 1..K/{BK} = {k // BK}")
+    why = w4a16_v2_supported(m, n, k, group_size, max(splits, 1) if m else 1)
+    _need(m == 0 or why is None, f"w4a16_gemm_v2: {why}")
+
+
+@torch.library.custom_op("compress::w4a16_gemm_v2", mutates_args=())
+def w4a16_gemm_v2(x: Tensor, wq: Tensor, scales: Tensor, zeros: Optional[Tensor], n: int, group_size: int,
+                  splits: int = 0) -> Tensor:
+    """The W4A16 decode kernel (version 2): the same operands and result as w4a16_gemm, for 1 <= M <= 16 (version 1
+    takes larger M). `splits`: split-K count on CUDA (0: w4a16_v2.w4a16_v2_splits picks it). Reference path
+    (non-CUDA devices): the kernel's emulation (w4a16_v2.emulate_w4a16_v2_gemm), which reads the packed words,
+    x's swizzled copy and the per-group fold as the kernel does."""
+    check_w4a16_v2(x, wq, scales, zeros, n, group_size, splits)
+    if x.shape[0] == 0:
+        return x.new_empty(0, n)
+    k = x.shape[1]
+    packed = {"wq": wq.cpu(), "scales": scales.cpu(), "zeros": None if zeros is None else zeros.cpu(), "N": n, "K": k,
+              "group_size": group_size}
+    return emulate_w4a16_v2_gemm(x.cpu(), packed, max(splits, 1)).to(x.device)
+
+
+@w4a16_gemm_v2.register_fake
+def _(x, wq, scales, zeros, n, group_size, splits=0):
+    check_w4a16_v2(x, wq, scales, zeros, n, group_size, splits)
+    return x.new_empty(x.shape[0], n)
+
+
+@w4a16_gemm_v2.register_kernel("cuda")
+def _(x, wq, scales, zeros, n, group_size, splits=0):
+    check_w4a16_v2(x, wq, scales, zeros, n, group_size, splits)
+    return launch_w4a16_v2(x, wq, scales, zeros, n, group_size, splits)
+
+
+_TICKETS: dict[int, Tensor] = {}  # per CUDA device: the split-K tickets every launch leaves zeroed
+
+
+def _tickets(device: torch.device, n: int) -> Tensor:
+    """The device's zeroed int32 tickets, at least ceil(n / 256) of them (grown, never shrunk). One array a device:
+    version 2 launches that use it must not overlap, as on one stream (a decode loop, a CUDA graph)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    need = -(-n // 256)
+    have = _TICKETS.get(idx)
+    if have is None or have.numel() < need:
+        have = torch.zeros(max(need, 1024), dtype=torch.int32, device=device)
+        _TICKETS[idx] = have
+    return have
+
+
+def launch_w4a16_v2(x: Tensor, wq: Tensor, scales: Tensor, zeros: Optional[Tensor], n: int, group_size: int,
+                    splits: int = 0) -> Tensor:
+    ext = cuda_ext.load()
+    if not ext.ok:
+        raise RuntimeError(f"compress::w4a16_gemm_v2: {ext.reason}")
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0:
+        return out
+    m, k = x.shape
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if splits == 0:
+        splits = _auto_splits_v2(m, n, k, group_size, dev)
+    used = used_splits(k, splits)
+    workspace = torch.empty(used, m, n, dtype=torch.float32, device=x.device) if used > 1 else None
+    tickets = _tickets(x.device, n) if used > 1 else None
+    with torch.cuda.device(x.device):
+        status = torch.ops.compress_cuda.w4a16_v2_gemm(x, wq, scales, zeros, out, workspace, tickets, group_size,
+                                                      used, _pdl(), torch.cuda.current_stream().cuda_stream)
+    _status("w4a16_gemm_v2", status, m, n, k)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _pdl() -> int:
+    import os
+    return 1 if os.environ.get(PDL_ENV, "0") == "1" else 0
+
+
+@functools.lru_cache(maxsize=4096)
+def _auto_splits_v2(m: int, n: int, k: int, group_size: int, device: int) -> int:
+    props = torch.cuda.get_device_properties(device)
+    smem = getattr(props, "shared_memory_per_multiprocessor", 0) or 100 * 1024
+    return w4a16_v2_splits(m, n, k, group_size, props.multi_processor_count, smem)
+
+
 def check_fp8(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor) -> None:
     _need(a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[1],
           f"fp8_gemm: a [M, K] and b [N, K] needed, got {tuple(a.shape)} and {tuple(b.shape)}")
@@ -206,4 +298,5 @@ def launch_fp8_quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     return q, scale
 
 
-__all__ = ["w4a16_gemm", "fp8_gemm", "fp8_quantize_rows", "check_w4a16", "check_fp8", "fp8_supported"]
+__all__ = ["w4a16_gemm", "w4a16_gemm_v2", "fp8_gemm", "fp8_quantize_rows", "check_w4a16", "check_w4a16_v2", "check_fp8",
+           "fp8_supported"]

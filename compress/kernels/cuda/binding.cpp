@@ -55,6 +55,50 @@ int64_t w4a16_gemm(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& 
                              reinterpret_cast<cudaStream_t>(stream));
 }
 
+// ---- W4A16 version 2 (w4a16_v2.cu): the same operands; tickets: int32 zeros, at least ceil(N / 256) ----------------
+int64_t w4a16_v2_gemm(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
+                      const std::optional<at::Tensor>& zeros, at::Tensor& out,
+                      const std::optional<at::Tensor>& workspace, const std::optional<at::Tensor>& tickets,
+                      int64_t group_size, int64_t splits, int64_t pdl, int64_t stream) {
+  check_cuda(x, "x"); check_cuda(wq, "wq"); check_cuda(scales, "scales"); check_cuda(out, "out");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2, "compress: x and out must be 2-D, got ", x.sizes(), " and ", out.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  TORCH_CHECK(out.size(0) == M, "compress: out has ", out.size(0), " rows, x has ", M);
+  TORCH_CHECK(wq.scalar_type() == at::kInt && wq.numel() * 8 == N * K, "compress: wq must be int32 with N*K/8 = ",
+              N * K / 8, " elements, got ", wq.scalar_type(), " with ", wq.numel());
+  TORCH_CHECK(scales.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(),
+              "compress: scales and out must have x's dtype ", x.scalar_type());
+  const void* zp = nullptr;
+  if (zeros.has_value()) {
+    check_cuda(*zeros, "zeros");
+    TORCH_CHECK(zeros->sizes() == scales.sizes() && zeros->scalar_type() == x.scalar_type(),
+                "compress: zeros must match scales (", scales.sizes(), ", ", x.scalar_type(), ")");
+    zp = zeros->data_ptr();
+  }
+  void* ws = nullptr;
+  int* tk = nullptr;
+  if (splits > 1) {
+    TORCH_CHECK(workspace.has_value() && tickets.has_value(), "compress: splits = ", splits,
+                " needs a workspace and tickets");
+    check_cuda(*workspace, "workspace"); check_cuda(*tickets, "tickets");
+    TORCH_CHECK(workspace->scalar_type() == at::kFloat && workspace->numel() >= splits * M * N,
+                "compress: the workspace must be float32 with at least splits * M * N = ", splits * M * N,
+                " elements, got ", workspace->scalar_type(), " with ", workspace->numel());
+    TORCH_CHECK(tickets->scalar_type() == at::kInt && tickets->numel() >= (N + 255) / 256,
+                "compress: tickets must be int32 with at least ceil(N / 256) = ", (N + 255) / 256, " elements");
+    ws = workspace->data_ptr();
+    tk = tickets->data_ptr<int>();
+  }
+  return compress_w4a16_v2_gemm(x.data_ptr(), wq.data_ptr(), scales.data_ptr(), zp, out.data_ptr(), (int)M, (int)N,
+                                (int)K, (int)group_size, dtype_code(x), ws, tk, (int)splits, (int)pdl,
+                                reinterpret_cast<cudaStream_t>(stream));
+}
+
+int64_t w4a16_v2_supported(int64_t M, int64_t N, int64_t K, int64_t group_size, int64_t splits, int64_t dtype,
+                           int64_t sm) {
+  return compress_w4a16_v2_supported((int)M, (int)N, (int)K, (int)group_size, (int)splits, (int)dtype, (int)sm);
+}
+
 int64_t fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale, const at::Tensor& b_scale,
                  at::Tensor& out, int64_t stream) {
   check_cuda(a, "a"); check_cuda(b, "b"); check_cuda(a_scale, "a_scale"); check_cuda(b_scale, "b_scale");
@@ -101,6 +145,11 @@ TORCH_LIBRARY(compress_cuda, m) {
   m.def("w4a16_gemm(Tensor x, Tensor wq, Tensor scales, Tensor? zeros, Tensor(a!) out, Tensor(b!)? workspace, "
         "int group_size, int splits, int stream) -> int",
         &w4a16_gemm);
+  m.def("w4a16_v2_gemm(Tensor x, Tensor wq, Tensor scales, Tensor? zeros, Tensor(a!) out, Tensor(b!)? workspace, "
+        "Tensor(c!)? tickets, int group_size, int splits, int pdl, int stream) -> int",
+        &w4a16_v2_gemm);
+  m.def("w4a16_v2_supported(int M, int N, int K, int group_size, int splits, int dtype, int sm) -> int",
+        &w4a16_v2_supported);
   m.def("fp8_gemm(Tensor a, Tensor b, Tensor a_scale, Tensor b_scale, Tensor(a!) out, int stream) -> int", &fp8_gemm);
   m.def("fp8_quantize_rows(Tensor x, Tensor(a!) q, Tensor(b!) scale, int stream) -> int", &fp8_quantize_rows);
   m.def("w4a16_supported(int M, int N, int K, int group_size, int dtype, int sm) -> int", &w4a16_supported);

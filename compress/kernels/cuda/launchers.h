@@ -26,6 +26,16 @@ int compress_w4a16_gemm(const void* x, const void* wq, const void* scales, const
                         int M, int N, int K, int group_size, int dtype, void* workspace, int splits,
                         cudaStream_t stream);
 
+// W4A16 decode kernel, version 2 (w4a16_v2.cu): the same operands and result as compress_w4a16_gemm, for
+//   1 <= M <= 16. splits: k-ranges of 128 * tiles_per_split / 4 columns (1 <= splits <= K / 128); when more than one
+//   split gets k-tiles, workspace holds splits * M * N floats and tickets at least ceil(N / 256) int32 zeros, which
+//   the launch leaves zeroed. pdl: launch as a programmatic dependent of the previous kernel in the stream (sm_90).
+int compress_w4a16_v2_tiles_per_split(int K, int splits);
+int compress_w4a16_v2_supported(int M, int N, int K, int group_size, int splits, int dtype, int sm);
+int compress_w4a16_v2_gemm(const void* x, const void* wq, const void* scales, const void* zeros, void* out,
+                           int M, int N, int K, int group_size, int dtype, void* workspace, int* tickets, int splits,
+                           int pdl, cudaStream_t stream);
+
 // fp8 W8A8: out[M, N] (bf16) = (a[M, K] * sa) @ (b[N, K] * sb)^T, a and b float8 e4m3, fp32 accumulation.
 //   a_scale: fp32 [M] when a_per_row, else [1]; b_scale: fp32 [N] when b_per_col, else [1].
 //   sm 90 runs the wgmma kernel (built for sm_90a), sm 89 the mma.sync e4m3 kernel.
