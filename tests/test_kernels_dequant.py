@@ -10,11 +10,15 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from compress.kernels import build, ops, prepack
+from compress.kernels import build, gpu, ops, prepack
 from compress.kernels.prepack import (DEQUANT_ROW_WORDS, emulate_w4a16_dequant, prepack_w4a16, w4a16_dequant_supported,
                                       w4a16_reference)
+from compress.nn import QuantLinear
+from compress.qtensor import QuantizedTensor
+from compress.scheme import ActScheme, scheme
 
 SOURCE = build.CUDA_DIR / "dequant.cu"
+GEN = torch.Generator().manual_seed(44)
 
 
 def _packed(N: int, K: int, group_size: int, asym: bool, dtype: torch.dtype, seed: int = 0):
@@ -130,6 +134,107 @@ def test_dequant_op_passes_opcheck_and_checks_inputs():
         ops.w4a16_dequant(sym["wq"], sym["scales"].float(), None, N, K, G)
     with pytest.raises(ValueError, match=r"zeros must be \[4, 64\] torch.bfloat16, got \(4, 64\) torch.float32"):
         ops.w4a16_dequant(asym["wq"], asym["scales"], asym["zeros"].float(), N, K, G)
+
+
+# ---- the dispatcher entries, on CPU (the ops' reference paths; torch._scaled_mm runs on CPU) -----------------
+
+def _w4_layer(n: int, k: int, g: int, asym: bool, bias: bool = True) -> QuantLinear:
+    from compress.primitives import scale_shape
+    s = scheme("int4", "channel", None, not asym) if g == -1 else scheme("int4", "group", g, not asym)
+    shape = scale_shape(s, n, k)
+    lo, hi = (0, 15) if asym else (s.qmin, s.qmax)
+    q = torch.randint(lo, hi + 1, (n, k), generator=GEN)
+    z = torch.randint(0, 16, shape, generator=GEN).float() if asym else None
+    qt = QuantizedTensor.from_codes(q, torch.rand(shape, generator=GEN) + 0.5, z, s)
+    return QuantLinear.from_module(torch.nn.Linear(k, n, bias=bias), qt)
+
+
+@pytest.mark.parametrize("k,g,asym", [(256, 64, True), (576, 32, False), (200, -1, True)])
+def test_dequant_cublas_entry_matches_the_layer(k, g, asym):
+    """linear_w4a16_dequant on the W4A16 GEMM's own operands (prepare_w4a16; K = 576 and 200 zero-padded, the padding
+    sliced off the weight) equals the layer's dequantize-then-matmul; the dequantized weight itself is the layer's
+    weight with the scales rounded to bf16, exactly, and zeros in the padding."""
+    n = 64
+    layer = _w4_layer(n, k, g, asym)
+    p = gpu.prepare_w4a16(layer, torch.bfloat16)
+    x = torch.randn(2, 3, k, generator=GEN).bfloat16()
+    bias = layer.bias.detach()
+    y = gpu.linear_w4a16_dequant(p, x, bias)
+    assert y.shape == (2, 3, n) and y.dtype == torch.bfloat16
+    qt = layer.qtensor()
+    want = x.reshape(-1, k).double() @ qt.dequantize(torch.float64).t() + bias.double()
+    assert ((y.reshape(-1, n).double() - want).norm() / want.norm()).item() < 8e-3
+    w = gpu.dequant_w4a16(p)
+    assert w.shape == (n, p.k_padded)
+    groups = 1 if g == -1 else k // g
+    s = qt.scale.reshape(n, groups).bfloat16().double().repeat_interleave(k // groups, 1)
+    z = 8.0 if qt.zero_point is None else qt.zero_point.double().reshape(n, groups).repeat_interleave(k // groups, 1)
+    u = qt.codes().double() - (qt.scheme.qmin if qt.zero_point is None else 0)
+    assert torch.equal(w[:, :k], ((u - z) * s).bfloat16())
+    assert (w[:, k:] == 0).all()
+    assert gpu.w4a16_dequant_reason(layer, torch.bfloat16, torch.device("cpu")) == "CUDA only (the layer is on cpu)"
+
+
+def _fp8_layer(n: int, k: int, granularity: str, static: bool) -> QuantLinear:
+    from compress.primitives import cast_fp8, compute_qparams
+    act = ActScheme("fp8_e4m3", "tensor", dynamic=False) if static else ActScheme("fp8_e4m3", "token")
+    s = scheme("fp8_e4m3", granularity, None, True, act=act)
+    w = torch.randn(n, k, generator=GEN)
+    scale, _ = compute_qparams(w, s)
+    qt = QuantizedTensor.from_codes(cast_fp8(w / scale, "fp8_e4m3"), scale, None, s)
+    layer = QuantLinear.from_module(torch.nn.Linear(k, n, bias=True, dtype=torch.bfloat16), qt)
+    if static:  # a calibrated scale: |x| up to 5 (the test inputs' range) maps to the e4m3 maximum
+        layer.input_scale.fill_(5.0 / 448)
+    return layer
+
+
+@pytest.mark.parametrize("k,granularity,static", [(128, "channel", False), (200, "channel", False),
+                                                  (128, "tensor", False), (128, "tensor", True),
+                                                  (128, "channel", True)])
+def test_fp8_quantize_then_scaled_mm_entry_matches_the_layer(k, granularity, static):
+    """Our per-token quantization (the op's reference path here) feeding torch._scaled_mm with rowwise scales, on our
+    GEMM's operands (K = 200 zero-padded to 208): equal to our fp8 layer's path up to the bf16 output rounding, with
+    and without use_fast_accum; per-tensor weight scales expanded to [1, N], static input scales to [M, 1] (per
+    tensor on both sides: tensorwise)."""
+    n = 64
+    layer = _fp8_layer(n, k, granularity, static)
+    assert (layer.input_scale is not None) == static
+    x = torch.randn(6, k, generator=GEN).bfloat16()
+    bias = layer.bias.detach()
+    p = gpu.prepare_fp8(layer, torch.bfloat16)
+    ours = gpu.linear_fp8(p, x, bias).double()
+    for fast in (False, True):
+        y = gpu.linear_fp8_scaled_mm(p, x, bias, use_fast_accum=fast)
+        assert y.shape == (6, n) and y.dtype == torch.bfloat16
+        assert ((y.double() - ours).norm() / ours.norm()).item() < 1e-2
+    ref = layer(x).double()
+    assert ((gpu.linear_fp8_scaled_mm(p, x, bias).double() - ref).norm() / ref.norm()).item() < 2e-2
+    half = gpu.linear_fp8_scaled_mm(gpu.prepare_fp8(layer, torch.float16), x.half(), bias)
+    assert half.dtype == torch.float16
+    assert gpu.fp8_scaled_mm_reason(layer, torch.bfloat16, torch.device("cpu")) == "CUDA only (the layer is on cpu)"
+
+
+def test_fp8_scaled_mm_entry_refuses_n_not_a_multiple_of_16(monkeypatch):
+    """torch._scaled_mm's N % 16 rule on top of our fp8 layer's rules. fp8_reason itself needs a CUDA device (it asks
+    for its compute capability), so it is replaced by 'accepted' here: the only mock, around what cannot run."""
+    monkeypatch.setattr(gpu, "fp8_reason", lambda layer, dtype, device: None)
+    assert "out_features divisible by 16 (got 40)" in gpu.fp8_scaled_mm_reason(_fp8_layer(40, 128, "channel", False),
+                                                                              torch.bfloat16, torch.device("cuda"))
+    assert gpu.fp8_scaled_mm_reason(_fp8_layer(48, 128, "channel", False), torch.bfloat16, torch.device("cuda")) is None
+
+
+def test_cuda_registry_ranges_and_order():
+    """The small-batch kernels are meant for M <= 64, the large-batch paths for M >= 128, torch's own quantize +
+    _scaled_mm for any M; the GEMM and its dequantize+cuBLAS path share one prepare (one packed weight per layer)."""
+    k = {kern.name: kern for kern in gpu.KERNELS}
+    assert list(k) == ["compress w4a16 (CUDA)", "compress w4a16 dequant+cuBLAS (CUDA)", "compress fp8 w8a8 (CUDA)",
+                       "compress fp8 quantize + torch _scaled_mm (CUDA)", "torch _scaled_mm fp8 (CUDA)"]
+    assert k["compress w4a16 (CUDA)"].rows == (1, 64) == k["compress fp8 w8a8 (CUDA)"].rows
+    assert k["compress w4a16 dequant+cuBLAS (CUDA)"].rows == (128, None)
+    assert k["compress fp8 quantize + torch _scaled_mm (CUDA)"].rows == (128, None)
+    assert k["torch _scaled_mm fp8 (CUDA)"].rows is None
+    assert k["compress w4a16 (CUDA)"].prepare is k["compress w4a16 dequant+cuBLAS (CUDA)"].prepare
+    assert k["compress fp8 w8a8 (CUDA)"].prepare is k["compress fp8 quantize + torch _scaled_mm (CUDA)"].prepare
 
 
 # ---- compile checks --------------------------------------------------------------------------------------------
