@@ -107,7 +107,7 @@ __device__ __forceinline__ int4 load_stream(const int4* p) {
   int4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
+               : "l"(__cvta_generic_to_global(p)));
   return v;
 }
 
