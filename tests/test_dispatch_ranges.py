@@ -148,7 +148,8 @@ def test_kernels_with_one_prepare_share_one_state_per_layer():
     def prepare(layer, dtype):
         calls.append(layer)
         return _dense(layer, dtype)
-    kernels = _registry(_fake("small", rows=(1, 64), prepare=prepare), _fake("large", rows=(128, None), prepare=prepare))
+    kernels = _registry(_fake("small", rows=(1, 64), prepare=prepare),
+                        _fake("large", rows=(128, None), prepare=prepare))
     model = _model(layers=2)  # two layers of one shape: one group, planned on the first
     plan_dispatch(model, batch_sizes=(1,), repeats=1, kernels=kernels)
     assert len(calls) == 1
@@ -165,7 +166,7 @@ def test_kernels_with_one_prepare_share_one_state_per_layer():
 def test_row_flags_when_every_compressed_candidate_is_below_dense():
     kernels = {"a": _fake("a"), FLOAT_COPY.name: FLOAT_COPY}
     assert dispatch._below_dense({REFERENCE: 2.0, "a": 1.2}, 1.0, kernels)          # 0.5x and 0.83x
-    assert not dispatch._below_dense({REFERENCE: 2.0, "a": 1.05}, 1.0, kernels)     # 0.95x: a compressed kernel keeps up
+    assert not dispatch._below_dense({REFERENCE: 2.0, "a": 1.05}, 1.0, kernels)  # 0.95x: a compressed one keeps up
     assert dispatch._below_dense({REFERENCE: 2.0, "a": 1.2, FLOAT_COPY.name: 1.0}, 1.0, kernels)  # the copy is not one
     report = plan_dispatch(_model(), batch_sizes=(1,), repeats=1, kernels=_registry(_fake("slow", sleep=2e-3)))
     row = report.to_dict()["rows"][0]
