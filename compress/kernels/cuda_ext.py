@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 CUDA_DIR = Path(__file__).parent / "cuda"
-SOURCES = ("binding.cpp", "w4a16.cu", "w4a16_v2.cu", "fp8.cu")
+SOURCES = ("binding.cpp", "w4a16.cu", "w4a16_v2.cu", "fp8.cu", "dequant.cu")
 
 
 def arch_list(capabilities: list[tuple[int, int]]) -> str:

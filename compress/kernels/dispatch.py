@@ -4,14 +4,19 @@ Candidates are the kernels in KERNELS that accept the layer (each says why not o
 reference path (dequantize-then-matmul, or the int8 `_int_mm` / fake-quantized path for quantized
 activations: kernels/reference.py). `plan_dispatch` times every candidate and the dense layer the quantized one
 replaces (same shape, the model's float dtype) at each batch size, on the model's own device, and chooses for
-each layer a table of row-count buckets -> the fastest kernel, changing nothing. With `measure=False` it takes the
-first usable kernel in KERNELS order at every size (no timing). `with use_dispatch(model, report):` puts the
+each layer a table of row-count buckets -> the fastest kernel, changing nothing. With `measure=False` it takes, per
+bucket, the first usable kernel in registry order that is meant for that many rows (`Kernel.rows`: the W4A16 GEMM for
+M <= 64, dequantize+cuBLAS for M >= 128, ...; none meant for it: the nearest range), without timing. Above the
+largest bucket, a kernel whose range ends below goes on to the first usable kernel meant for every size above (the
+large-batch paths), measured or not. Kernels whose `prepare` is the same function share one prepared state per layer
+(the W4A16 GEMM and dequantize+cuBLAS run the same packed operands). `with use_dispatch(model, report):` puts the
 choice on the layers (`QuantLinear.dispatch`) for the duration of the block; it is never saved with the model: it
 belongs to the machine that measured it.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -26,6 +31,8 @@ from .kernel import Kernel
 
 REFERENCE = "reference"
 BATCH_SIZES = (1, 4, 16, 64)
+TAIL = 2 ** 31 - 1  # the bound of the bucket above the largest batch size planned (LayerDispatch: rows <= bound)
+SLOWER_THAN_DENSE = 0.9  # a row whose every compressed candidate runs below this fraction of the dense speed is flagged
 
 
 def _gpu_kernels() -> dict[str, Kernel]:
@@ -131,7 +138,9 @@ def _key(layer) -> tuple:
 
 @dataclass
 class DispatchRow:
-    """One layer shape at one batch size: every candidate's time, the dense layer's, and the choice."""
+    """One layer shape at one batch size: every candidate's time, the dense layer's, and the choice.
+    `below_dense`: every candidate that keeps the weights compressed (all but the float copy) runs at less than
+    SLOWER_THAN_DENSE of the dense layer's speed here: no compressed kernel is fast enough at this size."""
     shape: tuple[int, int]
     scheme: str
     layers: int
@@ -139,6 +148,7 @@ class DispatchRow:
     times_us: dict[str, float]
     dense_us: float | None
     choice: str
+    below_dense: bool = False
 
     @property
     def vs_dense(self) -> float | None:
@@ -163,7 +173,63 @@ class DispatchReport:
                 "skipped": self.skipped,
                 "rows": [{"shape": list(r.shape), "scheme": r.scheme, "layers": r.layers, "rows": r.rows,
                           "times_us": r.times_us, "dense_us": r.dense_us, "choice": r.choice,
-                          "vs_dense": r.vs_dense} for r in self.rows]}
+                          "vs_dense": r.vs_dense, "below_dense": r.below_dense} for r in self.rows]}
+
+
+def _prepare_all(kernels: dict[str, Kernel], names, layer, dtype: torch.dtype,
+                 errors: dict[str, str] | None = None) -> dict[str, Any]:
+    """Each named kernel's prepared state for `layer`, built once per distinct `prepare` function (kernels that run
+    the same operands share them: one copy of the packed weight per layer, not one per kernel). With `errors`, a
+    prepare that raises is recorded there (kernel name -> why) and its kernels left out; without, it raises."""
+    built: dict[Callable, Any] = {}
+    states: dict[str, Any] = {}
+    for n in names:
+        fn = kernels[n].prepare
+        if fn not in built:
+            if errors is None:
+                built[fn] = fn(layer, dtype)
+            else:
+                try:
+                    built[fn] = fn(layer, dtype)
+                except Exception as e:  # a kernel that cannot prepare this layer is not a candidate; say why
+                    built[fn] = e
+        if isinstance(built[fn], Exception):
+            errors[n] = f"prepare failed: {type(built[fn]).__name__}: {str(built[fn])[:300]}"
+        else:
+            states[n] = built[fn]
+    return states
+
+
+def _distance(k: Kernel, rows: float) -> float:
+    """How many rows `rows` lies outside the kernel's range (0: inside, or no range)."""
+    if k.rows is None:
+        return 0
+    lo, hi = k.rows
+    return lo - rows if rows < lo else (0 if hi is None or rows <= hi else rows - hi)
+
+
+def _unmeasured(kernels: dict[str, Kernel], usable: list[str], rows: float) -> str:
+    """The kernel taken without timing for `rows` rows: the first usable one meant for that many (Kernel.rows), else
+    the usable one whose range is nearest (ties: registry order; M = 100 between a kernel for M <= 64 and one for
+    M >= 128 goes to the latter), else the reference path. Never the float copy (the dense layer's memory)."""
+    candidates = [n for n in usable if kernels[n] is not FLOAT_COPY]
+    return min(candidates, key=lambda n: _distance(kernels[n], rows)) if candidates else REFERENCE
+
+
+def _below_dense(times: dict[str, float], dense: float, kernels: dict[str, Kernel]) -> bool:
+    """Whether every candidate that keeps the weights compressed (the reference path and every kernel but the float
+    copy) runs at less than SLOWER_THAN_DENSE of the dense layer's speed."""
+    compressed = [t for n, t in times.items() if n == REFERENCE or kernels[n] is not FLOAT_COPY]
+    return all(dense / t < SLOWER_THAN_DENSE for t in compressed)
+
+
+def _tail(kernels: dict[str, Kernel], usable: list[str], last: str) -> str | None:
+    """The kernel for rows above the largest planned bucket, whose choice was `last`: None (keep `last`) when `last`
+    is meant for every size above (or is the reference path), else the first usable kernel that is (the large-batch
+    paths: the W4A16 GEMM's range ends at M = 64, dequantize+cuBLAS takes over), else None."""
+    if last not in kernels or kernels[last].meant_for(math.inf):
+        return None
+    return next((n for n in usable if kernels[n] is not FLOAT_COPY and kernels[n].meant_for(math.inf)), None)
 
 
 @torch.no_grad()
@@ -172,7 +238,12 @@ def plan_dispatch(model: nn.Module, batch_sizes=BATCH_SIZES, measure: bool = Tru
     """Choose, for every group of QuantLinears under `model` (one shape and scheme; measured on the first of them),
     the kernel per batch-size bucket, and return what was measured and chosen. Pure: the model is left as it was;
     `use_dispatch(model, report)` (or install_dispatch) applies the choice. float_copy: also consider keeping a
-    dequantized float copy of weight-only layers (see `registry`); never chosen unmeasured."""
+    dequantized float copy of weight-only layers (see `registry`); never chosen unmeasured.
+
+    measure=False: per bucket, the first usable kernel meant for its row count (Kernel.rows; none: the one whose
+    range is nearest). Either way, rows above the largest bucket go to the first usable kernel meant for every larger
+    size when the largest bucket's kernel is not (an extra bucket up to TAIL). A kernel whose prepare or run raises
+    while being measured is dropped from the candidates and listed with the error among the kernels not used."""
     from ..nn import QuantLinear, kernel_for
 
     kernels = registry(float_copy and measure) if kernels is None else kernels
@@ -193,14 +264,13 @@ def plan_dispatch(model: nn.Module, batch_sizes=BATCH_SIZES, measure: bool = Tru
             reason = k.reason(first, dtype, device) if k is not FLOAT_COPY or first.scheme.act is None else \
                 "weight-only layers only (quantized activations keep their path)"
             (why.__setitem__(name, reason) if reason else usable.append(name))
-        if why:
-            skipped[label] = why
         ref_name = f"{REFERENCE}: {kernel_for(first.scheme)}"
         choices: list[tuple[int, str]] = []
         if not measure or not usable:
-            choices = [(max(batch_sizes), usable[0] if usable else REFERENCE)]
+            choices = [(b, _unmeasured(kernels, usable, b)) for b in sorted(batch_sizes)]
         else:
-            states = {n: kernels[n].prepare(first, dtype) for n in usable}
+            states = _prepare_all(kernels, usable, first, dtype, why)
+            usable = [n for n in usable if n in states]
             flush = torch.zeros(FLUSH_BYTES[device.type] // 4, dtype=torch.int32, device=device) \
                 if device.type in FLUSH_BYTES else None
             dense_w = torch.randn(first.out_features, first.in_features, generator=gen).to(device, dtype)
@@ -208,30 +278,41 @@ def plan_dispatch(model: nn.Module, batch_sizes=BATCH_SIZES, measure: bool = Tru
             for b in sorted(batch_sizes):
                 x = torch.randn(b, first.in_features, generator=gen).to(device, dtype)
                 t = {REFERENCE: _time(lambda: first(x), device, repeats, flush)}
-                for n in usable:
-                    t[n] = _time(lambda n=n: kernels[n].run(states[n], x, first.bias), device, repeats, flush)
+                for n in list(usable):
+                    try:
+                        t[n] = _time(lambda n=n: kernels[n].run(states[n], x, first.bias), device, repeats, flush)
+                    except Exception as e:  # recorded, not fatal: the other candidates still run (e.g. a torch op
+                        # that refuses a layout on this GPU); the kernel is left out from here on
+                        why[n] = f"failed at M={b}: {type(e).__name__}: {str(e)[:300]}"
+                        usable.remove(n)
                 dense = _time(lambda: F.linear(x, dense_w), device, repeats, flush)
                 best = min(t, key=t.get)
                 choices.append((b, best))
                 rows.append(DispatchRow((first.out_features, first.in_features), first.scheme.name, len(layers), b,
                                         {(ref_name if n == REFERENCE else n): v * 1e6 for n, v in t.items()},
-                                        dense * 1e6, ref_name if best == REFERENCE else best))
+                                        dense * 1e6, ref_name if best == REFERENCE else best,
+                                        _below_dense(t, dense, kernels)))
             first.dispatch = installed
             del states, flush
+        tail = _tail(kernels, usable, choices[-1][1])
+        if tail is not None and tail != choices[-1][1]:
+            choices.append((TAIL, tail))
+        if why:
+            skipped[label] = why
         chosen[key] = (_merge(choices), dtype)
     return DispatchReport(str(dtype).replace("torch.", "") if dtype else "-", str(device) if device else "-", rows,
                           skipped, sum(len(v) for v in groups.values()), torch.get_num_threads(), chosen, kernels)
 
 
 def install_dispatch(model: nn.Module, report: DispatchReport) -> None:
-    """Give every QuantLinear of a group `report` planned its LayerDispatch (kernel operands prepared per layer);
-    layers of other groups stay on the reference path."""
+    """Give every QuantLinear of a group `report` planned its LayerDispatch (kernel operands prepared per layer, once
+    per distinct prepare function); layers of other groups stay on the reference path."""
     from ..nn import QuantLinear
     for m in model.modules():
         if isinstance(m, QuantLinear) and _key(m) in report.choices:
             buckets, dtype = report.choices[_key(m)]
-            names = {n for _, n in buckets if n != REFERENCE}
-            m.dispatch = LayerDispatch(buckets, dtype, {n: report.kernels[n].prepare(m, dtype) for n in names},
+            names = sorted({n for _, n in buckets if n != REFERENCE})
+            m.dispatch = LayerDispatch(buckets, dtype, _prepare_all(report.kernels, names, m, dtype),
                                        {n: report.kernels[n] for n in names})
 
 

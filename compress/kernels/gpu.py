@@ -1,5 +1,14 @@
 """CUDA kernels for the dispatcher: our W4A16 and fp8 ops (ops.py, built on first use by cuda_ext.py) and torch's
-fp8 `_scaled_mm` (cuBLASLt). Importing this module needs no GPU; each check says why a kernel cannot run a layer."""
+fp8 `_scaled_mm` (cuBLASLt). Importing this module needs no GPU; each check says why a kernel cannot run a layer.
+
+Each family has a small-batch kernel and a large-batch path, declared by the Kernel's `rows` (the dispatcher
+measures them all; the ranges decide where it does not):
+  * W4A16: our GEMM (M <= 64: a weight stream, where reading 4-bit weights is the win) and, for M >= 128, our
+    dequantization kernel into a transient scratch followed by cuBLAS (`linear_w4a16_dequant`), where the GEMM is
+    compute-bound and a tensor-core library GEMM beats ours;
+  * fp8 W8A8: our quantize + our GEMM (M <= 64) and, for M >= 128, our per-token quantize kernel feeding torch's
+    `_scaled_mm` (`linear_fp8_scaled_mm`); torch's own quantization + `_scaled_mm` stays a candidate at any size.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,6 +21,16 @@ from ..qtensor import QuantizedTensor
 from .kernel import Kernel
 
 FP8_MAX = 448.0
+# Row ranges (Kernel.rows): the small-batch kernels and the large-batch paths. A bucket of M 65..127 is measured, or
+# (unmeasured) given the kernel whose range is nearest; above the largest bucket, the large-batch path
+# (dispatch.plan_dispatch).
+SMALL_M = (1, 64)
+LARGE_M = (128, None)
+DECODE_M = (1, 16)  # the W4A16 decode kernel (version 2)
+# torch._scaled_mm's use_fast_accum in linear_fp8_scaled_mm. False: the library's precise fp8 accumulation (partial
+# sums promoted to fp32); True: the tensor cores' own faster, less exact accumulation (worse at large K). A run-time
+# argument too: bench/gpu_check.py times both.
+SCALED_MM_FAST_ACCUM = False
 
 
 def _fp8_act_reason(qt: QuantizedTensor) -> str | None:
@@ -199,6 +218,42 @@ def linear_w4a16_v2(p: W4A16, x: Tensor, bias: Tensor | None, splits: int = 0) -
     return y.reshape(*x.shape[:-1], p.n)
 
 
+# ---- W4A16, large batches: dequantize into scratch, then cuBLAS ------------------------------------------------
+def w4a16_dequant_reason(layer, dtype: torch.dtype, device: torch.device) -> str | None:
+    """The W4A16 GEMM's rules (same operands), plus the dequantization kernel's grid limit on N."""
+    from .prepack import padded_k, w4a16_dequant_supported
+    why = w4a16_reason(layer, dtype, device)
+    if why:
+        return why
+    s = layer.scheme
+    return w4a16_dequant_supported(layer.out_features, padded_k(layer.in_features),
+                                   s.group_size if s.granularity == "group" else -1)
+
+
+def dequant_w4a16(p: W4A16, out: Tensor | None = None) -> Tensor:
+    """The layer's dense weight [N, k_padded] in the activation dtype, W = (u - z) * s rounded once: the checked op
+    (ops.w4a16_dequant: the CUDA kernel on CUDA, the bit-identical reference elsewhere), or with `out` (a
+    contiguous [N, k_padded] buffer of that dtype on the operands' CUDA device) the kernel writing into it."""
+    from . import ops
+    if out is not None:
+        return ops.launch_w4a16_dequant(p.wq, p.scales, p.zeros, p.n, p.k_padded, p.group_size, out)
+    return ops.w4a16_dequant(p.wq, p.scales, p.zeros, p.n, p.k_padded, p.group_size)
+
+
+def linear_w4a16_dequant(p: W4A16, x: Tensor, bias: Tensor | None) -> Tensor:
+    """The layer as dequantize-then-cuBLAS: our kernel writes the dense weight into a scratch tensor, F.linear
+    (cuBLAS) multiplies. The scratch is allocated per call from torch's caching allocator and dropped on return:
+    transient, never kept on the layer; the allocator keeps the block cached, so a model's peak memory grows by one
+    dense weight of its largest such layer (N x k_padded x 2 bytes), not by the dense model. A padded K is sliced
+    off the weight (a strided view cuBLAS reads with its leading dimension, no copy), so x is not padded."""
+    from . import ops
+    dequant = ops.launch_w4a16_dequant if _direct(x, p.wq) else ops.w4a16_dequant
+    w = dequant(p.wq, p.scales, p.zeros, p.n, p.k_padded, p.group_size)
+    if p.k_padded != p.k:
+        w = w[:, :p.k]
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
 def fp8_reason(layer, dtype: torch.dtype, device: torch.device) -> str | None:
     from .fp8_layout import fp8_layer_supported
     if device.type != "cuda":
@@ -260,10 +315,61 @@ def linear_fp8(p: FP8, x: Tensor, bias: Tensor | None) -> Tensor:
     return y.reshape(*x.shape[:-1], p.weight.shape[0])
 
 
+# ---- fp8 W8A8, large batches: our per-token quantize kernel feeding torch._scaled_mm --------------------------
+def fp8_scaled_mm_reason(layer, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Our fp8 layer's rules (our quantize kernel, K padded to 16 by pack_fp8), plus torch._scaled_mm's: N a multiple
+    of 16 (mat2 [K, N] column-major with K and N divisible by 16; rowwise scales fp32 [M, 1] and [1, N]; bf16 output,
+    which torch's CUTLASS rowwise path (sm_89, or cuBLAS before 12.9) requires)."""
+    why = fp8_reason(layer, dtype, device)
+    if why:
+        return why
+    if layer.out_features % 16:
+        return f"torch._scaled_mm needs out_features divisible by 16 (got {layer.out_features})"
+    return None
+
+
+def linear_fp8_scaled_mm(p: FP8, x: Tensor, bias: Tensor | None, use_fast_accum: bool = SCALED_MM_FAST_ACCUM) -> Tensor:
+    """The W8A8 layer as our per-token quantize kernel (ops.launch_fp8_quantize_rows) feeding torch._scaled_mm, on
+    our GEMM's operands (pack_fp8 / prepare_fp8: the same state, prepared once per layer; weight [N, k_padded] e4m3
+    row-major, whose .t() is the column-major b _scaled_mm takes). Scales: rowwise, scale_a [M, 1] and scale_b [1, N]
+    float32 (a per-tensor weight scale is expanded per call; a static input scale quantizes x with torch ops as
+    linear_fp8 does and is expanded to [M, 1]), or per tensor on both sides when the weight scale and a static input
+    scale both are. Output bf16 (torch's CUTLASS rowwise path takes nothing else), cast to the layer's dtype."""
+    from . import ops
+    x2 = x.reshape(-1, p.k)
+    n, kp = p.weight.shape
+    if kp != p.k:  # zero columns: they change neither the row absmax nor the sum
+        x2 = F.pad(x2, (0, kp - p.k))
+    x2 = x2.contiguous()
+    per_tensor_w = p.scale.numel() == 1 and n > 1
+    if p.input_scale is not None:
+        xq = (x2.float() / p.input_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        if per_tensor_w:
+            sa, sb = p.input_scale.reshape(()), p.scale.reshape(())
+        else:
+            sa, sb = p.input_scale.reshape(1, 1).expand(x2.shape[0], 1).contiguous(), p.scale.reshape(1, n)
+    else:
+        direct = _direct(x2, p.weight) and x2.dtype in (torch.float16, torch.bfloat16)
+        xq, sa = (ops.launch_fp8_quantize_rows if direct else ops.fp8_quantize_rows)(x2)
+        sa = sa.reshape(-1, 1)
+        sb = p.scale.expand(n).reshape(1, n).contiguous() if per_tensor_w else p.scale.reshape(1, n)
+    y = torch._scaled_mm(xq, p.weight.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                         use_fast_accum=use_fast_accum)
+    if p.out_dtype != torch.bfloat16:
+        y = y.to(p.out_dtype)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.reshape(*x.shape[:-1], n)
+
+
+# In the order plan_dispatch(measure=False) prefers them within their row ranges.
 KERNELS = [
-    Kernel("compress w4a16 (CUDA)", w4a16_reason, prepare_w4a16, linear_w4a16),
-    Kernel("compress w4a16 v2 (CUDA)", w4a16_v2_reason, prepare_w4a16, linear_w4a16_v2),
-    Kernel("compress fp8 w8a8 (CUDA)", fp8_reason, prepare_fp8, linear_fp8),
+    Kernel("compress w4a16 v2 (CUDA)", w4a16_v2_reason, prepare_w4a16, linear_w4a16_v2, DECODE_M),
+    Kernel("compress w4a16 (CUDA)", w4a16_reason, prepare_w4a16, linear_w4a16, SMALL_M),
+    Kernel("compress w4a16 dequant+cuBLAS (CUDA)", w4a16_dequant_reason, prepare_w4a16, linear_w4a16_dequant, LARGE_M),
+    Kernel("compress fp8 w8a8 (CUDA)", fp8_reason, prepare_fp8, linear_fp8, SMALL_M),
+    Kernel("compress fp8 quantize + torch _scaled_mm (CUDA)", fp8_scaled_mm_reason, prepare_fp8, linear_fp8_scaled_mm,
+           LARGE_M),
     Kernel("torch _scaled_mm fp8 (CUDA)", lambda layer, dtype, device: scaled_mm_reason(layer.qtensor(), dtype, device),
            lambda layer, dtype: prepare_scaled_mm(layer.qtensor(), dtype, layer.input_scale), linear_scaled_mm),
 ]

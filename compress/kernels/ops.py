@@ -1,5 +1,5 @@
 """The public ops of the CUDA kernels, registered with torch.library: `compress::w4a16_gemm`,
-`compress::fp8_gemm`, `compress::fp8_quantize_rows`.
+`compress::fp8_gemm`, `compress::fp8_quantize_rows`, `compress::w4a16_dequant`.
 
 Every op checks its inputs here (dtype, device, shapes, contiguity, divisibility; the messages carry the values),
 runs the CUDA kernel on CUDA tensors (cuda_ext.py builds it on first use) and the pure-torch reference on any other
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from . import cuda_ext
-from .prepack import BK, emulate_w4a16_codes, w4a16_splits, w4a16_supported
+from .prepack import BK, emulate_w4a16_codes, w4a16_dequant_supported, w4a16_splits, w4a16_supported
 from .fp8_layout import fp8_supported
 from .w4a16_v2 import emulate_w4a16_v2_gemm, used_splits, w4a16_v2_splits, w4a16_v2_supported
 
@@ -298,5 +298,71 @@ def launch_fp8_quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     return q, scale
 
 
-__all__ = ["w4a16_gemm", "w4a16_gemm_v2", "fp8_gemm", "fp8_quantize_rows", "check_w4a16", "check_w4a16_v2", "check_fp8",
-           "fp8_supported"]
+# ---- W4A16 dequantization (cuda/dequant.cu): the large-batch path, dequantize into scratch then cuBLAS -----------
+def check_w4a16_dequant(wq: Tensor, scales: Tensor, zeros: Optional[Tensor], n: int, k: int, group_size: int) -> None:
+    why = w4a16_dequant_supported(n, k, group_size)
+    _need(why is None, f"w4a16_dequant: {why}")
+    _need(scales.dtype in HALF, f"w4a16_dequant: scales must be float16 or bfloat16 (the output dtype), got "
+                                f"{scales.dtype}")
+    _need(wq.dtype == torch.int32 and wq.numel() * 8 == n * k,
+          f"w4a16_dequant: wq must be int32 with N*K/8 = {n * k // 8} elements, got {wq.dtype} with {wq.numel()}")
+    groups = 1 if group_size == -1 else k // group_size
+    _need(tuple(scales.shape) == (groups, n),
+          f"w4a16_dequant: scales must be [K/G, N] = [{groups}, {n}], got {tuple(scales.shape)}")
+    if zeros is not None:
+        _need(tuple(zeros.shape) == (groups, n) and zeros.dtype == scales.dtype,
+              f"w4a16_dequant: zeros must be [{groups}, {n}] {scales.dtype}, got {tuple(zeros.shape)} {zeros.dtype}")
+    for name, t in (("wq", wq), ("scales", scales), ("zeros", zeros)):
+        if t is not None:
+            _need(t.is_contiguous(), f"w4a16_dequant: {name} must be contiguous (strides {t.stride()})")
+            _need(t.device == wq.device, f"w4a16_dequant: {name} is on {t.device}, wq on {wq.device}")
+
+
+@torch.library.custom_op("compress::w4a16_dequant", mutates_args=())
+def w4a16_dequant(wq: Tensor, scales: Tensor, zeros: Optional[Tensor], n: int, k: int, group_size: int) -> Tensor:
+    """The dense weight W [N, K] in scales' dtype from the W4A16 GEMM's operands (wq from prepack.prepack_w4a16,
+    scales / zeros [K/G, N]; zeros None: z = 8): W[n, k] = (u - z) * s, rounded once. Reference path (non-CUDA
+    devices): decode the codes as the kernels read them (prepack.emulate_w4a16_codes), compute in float32 (exact:
+    an integer -15..15 times a 16-bit scale), round once to the dtype: bit-identical to the CUDA kernel."""
+    check_w4a16_dequant(wq, scales, zeros, n, k, group_size)
+    g = k if group_size == -1 else group_size
+    u = emulate_w4a16_codes(wq.cpu(), n, k).to(wq.device).float()  # [N, K]
+    z = 8.0 if zeros is None else zeros.float().t().repeat_interleave(g, 1)
+    return ((u - z) * scales.float().t().repeat_interleave(g, 1)).to(scales.dtype)
+
+
+@w4a16_dequant.register_fake
+def _(wq, scales, zeros, n, k, group_size):
+    check_w4a16_dequant(wq, scales, zeros, n, k, group_size)
+    return scales.new_empty(n, k)
+
+
+@w4a16_dequant.register_kernel("cuda")
+def _(wq, scales, zeros, n, k, group_size):
+    check_w4a16_dequant(wq, scales, zeros, n, k, group_size)
+    return launch_w4a16_dequant(wq, scales, zeros, n, k, group_size)
+
+
+def launch_w4a16_dequant(wq: Tensor, scales: Tensor, zeros: Optional[Tensor], n: int, k: int, group_size: int,
+                         out: Optional[Tensor] = None) -> Tensor:
+    """The CUDA kernel without the op's checks (see launch_w4a16). `out`: a caller-provided contiguous [N, K] buffer
+    of scales' dtype on wq's device to write into (a reused scratch); None allocates one from torch's caching
+    allocator. Returns the buffer written."""
+    ext = cuda_ext.load()
+    if not ext.ok:
+        raise RuntimeError(f"compress::w4a16_dequant: {ext.reason}")
+    if out is None:
+        out = torch.empty(n, k, dtype=scales.dtype, device=wq.device)
+    with torch.cuda.device(wq.device):
+        status = torch.ops.compress_cuda.w4a16_dequant(wq, scales, zeros, out, group_size,
+                                                      torch.cuda.current_stream().cuda_stream)
+    if status == 1:
+        raise ValueError(f"w4a16_dequant: the kernel does not support N={n}, K={k}, group_size={group_size} on this "
+                         "device (alignment or architecture); the dispatcher should have taken another path")
+    if status != 0:
+        raise RuntimeError(f"w4a16_dequant: CUDA launch failed (status {status}) for N={n}, K={k}")
+    return out
+
+
+__all__ = ["w4a16_gemm", "w4a16_gemm_v2", "fp8_gemm", "fp8_quantize_rows", "w4a16_dequant", "check_w4a16",
+           "check_w4a16_v2", "check_fp8", "check_w4a16_dequant", "fp8_supported"]

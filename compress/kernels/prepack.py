@@ -50,6 +50,18 @@ def w4a16_supported(M: int, N: int, K: int, group_size: int) -> str | None:
     return None
 
 
+MAX_DEQUANT_N = 65535 * STRIP  # dequant.cu: gridDim.y <= 65535 strips
+
+
+def w4a16_dequant_supported(N: int, K: int, group_size: int) -> str | None:
+    """None when the dequantization kernel (cuda/dequant.cu) takes a packed weight [N, K] (K the padded K), else the
+    reason: the GEMM's layout rules (any M) and N <= MAX_DEQUANT_N (the same rules as compress_w4a16_dequant_supported,
+    which also requires sm >= 80 and dtype fp16 / bf16)."""
+    if N > MAX_DEQUANT_N:
+        return f"N={N} is above {MAX_DEQUANT_N} (the dequantization kernel's grid: 65535 strips of 32 rows)"
+    return w4a16_supported(1, N, K, group_size)
+
+
 def padded_k(K: int) -> int:
     """K rounded up to the kernel's k-tile BK: the K a layer is packed with (pad_k_w4a16)."""
     return -(-K // BK) * BK
@@ -242,6 +254,64 @@ def emulate_w4a16_codes(wq: Tensor, N: int, K: int, ns: int = 1) -> Tensor:
                         out[n, k] = lo
                         out[n, k + 1] = hi
     return out
+
+
+DEQUANT_ROW_WORDS = 128 // 2 + 4  # dequant.cu kRowWords: a shared row of 128 halves as 32-bit words, + 4 padding
+
+
+def emulate_w4a16_dequant(wq: Tensor, scales: Tensor, zeros: Tensor | None, N: int, K: int,
+                          group_size: int) -> tuple[Tensor, Tensor]:
+    """Replay cuda/dequant.cu on the CPU with its index formulas: grid (K / 128, N / 32) of 128 threads; warp w of
+    block (bx, by) loads int4 (by * K/32 + 4 bx + w) * 32 + lane, turns nibbles (i, i + 4) of word j = 2 kh + jj
+    into the pair {W[n, k], W[n, k + 1]}, row 16 jj + g + 8 (i >= 2), stored at shared word
+    row * 68 + 16 w + 8 kh + 4 (i % 2) + t (scale row (32 ks) >> log2 G); then thread tid writes chunks
+    c = tid + 128 it (row c >> 4, chunk c & 15: shared words row * 68 + 4 ch .. + 3) to
+    W[32 by + row, 128 bx + 8 ch ..].
+    Values: (q - z) * s in float32 rounded once to scales' dtype (the fma's single rounding). Returns W [N, K] in that
+    dtype and the shared-memory word addresses of every store, [blocks..., warps, jj, kh, i, lanes] (a test checks
+    that the 32 lanes of each store hit 32 distinct banks)."""
+    reason = w4a16_dequant_supported(N, K, group_size)
+    if reason:
+        raise ValueError(reason)
+    dtype = scales.dtype
+    shift = {32: 5, 64: 6, 128: 7, -1: 31}[group_size]
+    chunks = (wq.to(torch.int64) & 0xFFFFFFFF).view(-1, 4)
+    bx = torch.arange(K // BK).view(-1, 1, 1, 1)          # [BX, 1, 1, 1]
+    by = torch.arange(N // STRIP).view(1, -1, 1, 1)        # [1, BY, 1, 1]
+    warp = torch.arange(WARPS).view(1, 1, -1, 1)
+    lane = torch.arange(32).view(1, 1, 1, -1)
+    g, t = lane // 4, lane % 4
+    ks = bx * (BK // 32) + warp
+    words = chunks[(by * (K // 32) + ks) * 32 + lane]      # [BX, BY, W, 32, 4]
+    srow = (ks * 32) >> shift                              # [BX, 1, W, 1]
+    tile = torch.zeros(K // BK, N // STRIP, STRIP * DEQUANT_ROW_WORDS, 2, dtype=dtype)
+    addresses = torch.empty(K // BK, N // STRIP, WARPS, 2, 2, 4, 32, dtype=torch.int64)
+    for jj in range(2):
+        for kh in range(2):
+            word = words[..., 2 * kh + jj]
+            for i in range(4):
+                row = 16 * jj + g + 8 * (i >= 2)                               # [1, 1, 1, 32]
+                col = (by * STRIP + row).expand(K // BK, -1, WARPS, -1)        # n
+                r = srow.expand_as(col)
+                s = scales[r, col].float()
+                z = torch.full_like(s, 8.0) if zeros is None else zeros[r, col].float()
+                pair = torch.stack([((word >> (4 * i + sh)) & 0xF).float() for sh in (0, 16)], -1)
+                val = ((pair - z[..., None]) * s[..., None]).to(dtype)         # one rounding
+                addr = row * DEQUANT_ROW_WORDS + 16 * warp + 8 * kh + 4 * (i % 2) + t
+                addr = addr.expand(K // BK, N // STRIP, -1, -1)
+                addresses[:, :, :, jj, kh, i] = addr
+                tile[bx, by, addr] = val
+    out = torch.full((N, K), float("nan"), dtype=dtype)
+    tid = torch.arange(THREADS)
+    for it in range(STRIP * (BK // 8) // THREADS):
+        c = tid + it * THREADS
+        row, ch = c >> 4, c & 15
+        src = tile[:, :, (row * DEQUANT_ROW_WORDS + 4 * ch).view(-1, 1) + torch.arange(4)]  # [BX, BY, 128, 4 words, 2]
+        n = (torch.arange(N // STRIP).view(1, -1, 1) * STRIP + row).expand(K // BK, -1, -1)
+        k = (torch.arange(K // BK).view(-1, 1, 1) * BK + 8 * ch).expand(-1, N // STRIP, -1)
+        for e in range(8):
+            out[n, k + e] = src[..., e // 2, e % 2]
+    return out, addresses
 
 
 def _mma_m16n8k16(acc: Tensor, a: list[Tensor], b0: Tensor, b1: Tensor) -> None:

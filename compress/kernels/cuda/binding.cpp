@@ -139,6 +139,35 @@ int64_t fp8_supported(int64_t M, int64_t N, int64_t K, int64_t sm) {
   return compress_fp8_supported((int)M, (int)N, (int)K, (int)sm);
 }
 
+// ---- begin: W4A16 dequantization (dequant.cu; issue 44 item 3) ----------------------------------------------------
+int64_t w4a16_dequant(const at::Tensor& wq, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
+                      at::Tensor& out, int64_t group_size, int64_t stream) {
+  check_cuda(wq, "wq"); check_cuda(scales, "scales"); check_cuda(out, "out");
+  TORCH_CHECK(out.dim() == 2, "compress: out must be [N, K], got ", out.sizes());
+  const int64_t N = out.size(0), K = out.size(1);
+  TORCH_CHECK(wq.scalar_type() == at::kInt && wq.numel() * 8 == N * K, "compress: wq must be int32 with N*K/8 = ",
+              N * K / 8, " elements, got ", wq.scalar_type(), " with ", wq.numel());
+  TORCH_CHECK(scales.scalar_type() == out.scalar_type(), "compress: scales must have out's dtype ", out.scalar_type(),
+              ", got ", scales.scalar_type());
+  const int64_t groups = group_size > 0 ? K / group_size : 1;
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == groups && scales.size(1) == N,
+              "compress: scales must be [K / G, N] = [", groups, ", ", N, "], got ", scales.sizes());
+  const void* zp = nullptr;
+  if (zeros.has_value()) {
+    check_cuda(*zeros, "zeros");
+    TORCH_CHECK(zeros->sizes() == scales.sizes() && zeros->scalar_type() == out.scalar_type(),
+                "compress: zeros must match scales (", scales.sizes(), ", ", out.scalar_type(), ")");
+    zp = zeros->data_ptr();
+  }
+  return compress_w4a16_dequant(wq.data_ptr(), scales.data_ptr(), zp, out.data_ptr(), (int)N, (int)K,
+                                (int)group_size, dtype_code(out), reinterpret_cast<cudaStream_t>(stream));
+}
+
+int64_t w4a16_dequant_supported(int64_t N, int64_t K, int64_t group_size, int64_t dtype, int64_t sm) {
+  return compress_w4a16_dequant_supported((int)N, (int)K, (int)group_size, (int)dtype, (int)sm);
+}
+// ---- end: W4A16 dequantization --------------------------------------------------------------------------------------
+
 }  // namespace
 
 TORCH_LIBRARY(compress_cuda, m) {
@@ -154,4 +183,9 @@ TORCH_LIBRARY(compress_cuda, m) {
   m.def("fp8_quantize_rows(Tensor x, Tensor(a!) q, Tensor(b!) scale, int stream) -> int", &fp8_quantize_rows);
   m.def("w4a16_supported(int M, int N, int K, int group_size, int dtype, int sm) -> int", &w4a16_supported);
   m.def("fp8_supported(int M, int N, int K, int sm) -> int", &fp8_supported);
+  // ---- begin: W4A16 dequantization (dequant.cu; issue 44 item 3) ----
+  m.def("w4a16_dequant(Tensor wq, Tensor scales, Tensor? zeros, Tensor(a!) out, int group_size, int stream) -> int",
+        &w4a16_dequant);
+  m.def("w4a16_dequant_supported(int N, int K, int group_size, int dtype, int sm) -> int", &w4a16_dequant_supported);
+  // ---- end: W4A16 dequantization ----
 }

@@ -46,6 +46,15 @@ int compress_fp8_gemm(const void* a, const void* b, const float* a_scale, const 
 // q = saturate(x / scale) rounded to nearest even.
 int compress_fp8_quantize_rows(const void* x, void* q, float* scale, int M, int K, int dtype, cudaStream_t stream);
 
+// ---- W4A16 dequantization (dequant.cu): the large-batch path, dequantize into scratch then cuBLAS ----
+// out[N, K] (row-major, dtype) = (u - z) * s rounded once, from the W4A16 GEMM's operands (wq, scales, zeros as
+//   compress_w4a16_gemm takes them; zeros NULL: z = 8). out: a caller-provided buffer of N * K elements, 16-byte
+//   aligned. Supported: sm >= 80, dtype fp16 / bf16, N % 32 == 0 and N <= 65535 * 32, K % 128 == 0,
+//   group_size in {32, 64, 128, -1} dividing K.
+int compress_w4a16_dequant_supported(int N, int K, int group_size, int dtype, int sm);
+int compress_w4a16_dequant(const void* wq, const void* scales, const void* zeros, void* out, int N, int K,
+                           int group_size, int dtype, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif
