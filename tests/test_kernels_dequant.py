@@ -225,8 +225,7 @@ def test_fp8_scaled_mm_entry_refuses_n_not_a_multiple_of_16(monkeypatch):
 
 def test_cuda_registry_ranges_and_order():
     """The decode kernel is meant for M <= 16, the small-batch kernels for M <= 64, the large-batch paths for M >= 128,
-    torch's own quantize +
-    _scaled_mm for any M; the GEMM and its dequantize+cuBLAS path share one prepare (one packed weight per layer)."""
+    torch's own quantize + _scaled_mm for any M; the W4A16 kernels share one prepare (one packed weight per layer)."""
     k = {kern.name: kern for kern in gpu.KERNELS}
     assert list(k) == ["compress w4a16 v2 (CUDA)", "compress w4a16 (CUDA)", "compress w4a16 dequant+cuBLAS (CUDA)",
                        "compress fp8 w8a8 (CUDA)", "compress fp8 quantize + torch _scaled_mm (CUDA)",
