@@ -125,6 +125,23 @@ def test_tinygemm_packs_two_codes_a_byte_and_says_why_not():
     assert rel_err(kernel.run(kernel.prepare(layer, torch.bfloat16), x, None), oracle(x, qt)) < 8e-3
 
 
+def test_tinygemm_probe_keeps_a_broken_torch_op_off_the_dispatcher(monkeypatch):
+    """torch's int4pack ops are private: the dispatcher asks once per CUDA device whether they run and compute what
+    they should before offering tinygemm. Here the probe runs on the CPU twin; a refusing op and a changed operand
+    layout (scales read twice as large) are stood in for by replacing the packing."""
+    cpu = torch.device("cpu")
+    assert gpu.tinygemm_runs(cpu) is None
+    real = gpu.pack_tinygemm
+
+    def refuses(*args):
+        raise RuntimeError("no kernel image is available")
+
+    monkeypatch.setattr(gpu, "pack_tinygemm", refuses)
+    assert "no kernel image" in gpu.tinygemm_runs(cpu)
+    monkeypatch.setattr(gpu, "pack_tinygemm", lambda u, s, z, g, dev: real(u, s * 2, z, g, dev))
+    assert "wrong result" in gpu.tinygemm_runs(cpu)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_int8pack_matches_dequantize_then_matmul(dtype):
     s = scheme("int8", "channel", None, True)

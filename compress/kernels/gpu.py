@@ -3,6 +3,7 @@ fp8 `_scaled_mm` (cuBLASLt) and torch's int4 `_weight_int4pack_mm` (tinygemm, th
 module needs no GPU; each check says why a kernel cannot run a layer."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -281,6 +282,26 @@ def tinygemm_reason(layer, dtype: torch.dtype, device: torch.device) -> str | No
         return why
     if torch.cuda.get_device_capability(device) < (8, 0):
         return "needs sm_80 or newer (tinygemm's bf16 mma)"
+    return _tinygemm_probe(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _tinygemm_probe(device_index: int) -> str | None:
+    """tinygemm_runs on this CUDA device, once per device and process."""
+    return tinygemm_runs(torch.device("cuda", device_index))
+
+
+def tinygemm_runs(dev: torch.device) -> str | None:
+    """Why torch's tinygemm does not run on `dev` (its ops are private: a torch build may lack or change them), from
+    one tiny pack and call; None if it runs and computes what it should. A layer it cannot run then stays off it
+    instead of failing in the dispatcher's prepare step."""
+    try:
+        p = pack_tinygemm(torch.full((16, 128), 9), torch.ones(16, 1), None, 128, dev)
+        y = linear_tinygemm(p, torch.ones(1, 128, dtype=torch.bfloat16, device=dev), None)
+    except (RuntimeError, NotImplementedError, ValueError) as e:
+        return f"torch's tinygemm does not run here: {type(e).__name__}: {str(e)[:200]}"
+    if not bool((y == 128).all()):  # (9 - 8) * 1 summed over K = 128
+        return "torch's tinygemm gave a wrong result on a probe (a changed operand layout?)"
     return None
 
 
@@ -303,8 +324,8 @@ def pack_tinygemm(u: Tensor, scales: Tensor, zeros: Tensor | None, group_size: i
     """tinygemm's operands for unsigned codes u [N, K] (0..15) with scales / zero points [N, K // G] (w = (u - z) * s;
     zeros None: z = 8; G = K for group_size -1), on `device` (default: u's). On CUDA the weight goes through
     `_convert_weight_to_int4pack`; on any other device through its CPU twin `_convert_weight_to_int4pack_for_cpu`
-    (int32 codes), whose scale/zero operand is the same, so the CPU checks the operands. Raises ValueError naming
-    the rule when tinygemm cannot take the weight."""
+    (int32 codes; it needs N % 16), whose scale/zero operand is the same, so the CPU checks the operands. Raises
+    ValueError naming the rule when tinygemm cannot take the weight."""
     from .cpu import int4pack_scales_and_zeros
     n, k = u.shape
     why = tinygemm_supported(n, k, group_size)
