@@ -295,12 +295,13 @@ def tinygemm_runs(dev: torch.device) -> str | None:
     """Why torch's tinygemm does not run on `dev` (its ops are private: a torch build may lack or change them), from
     one tiny pack and call; None if it runs and computes what it should. A layer it cannot run then stays off it
     instead of failing in the dispatcher's prepare step."""
+    even = torch.arange(128) % 2 == 0
     try:
-        p = pack_tinygemm(torch.full((16, 128), 9), torch.ones(16, 1), None, 128, dev)
-        y = linear_tinygemm(p, torch.ones(1, 128, dtype=torch.bfloat16, device=dev), None)
+        p = pack_tinygemm(torch.where(even, 10, 8).repeat(16, 1), torch.ones(16, 1), None, 128, dev)
+        y = linear_tinygemm(p, even.to(device=dev, dtype=torch.bfloat16).reshape(1, 128), None)
     except (RuntimeError, NotImplementedError, ValueError) as e:
         return f"torch's tinygemm does not run here: {type(e).__name__}: {str(e)[:200]}"
-    if not bool((y == 128).all()):  # (9 - 8) * 1 summed over K = 128
+    if not bool((y == 128).all()):  # 64 even columns of (10 - 8) * 1; odd ones (8 - 8) * 0: a nibble swap gives 0
         return "torch's tinygemm gave a wrong result on a probe (a changed operand layout?)"
     return None
 
