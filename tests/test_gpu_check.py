@@ -81,6 +81,9 @@ def test_dry_run_records_the_harness_chains_and_baselines(dry_run):
         assert r["chain_vs_dense"] == pytest.approx(chain["bf16"] / chain[r["best_impl"]])
         assert r["dispatch_choice"] == min((c for c in chain if c != "bf16"), key=chain.get)
         assert r["dispatch_vs_dense"] == pytest.approx(chain["bf16"] / chain[r["dispatch_choice"]])
+        single = {k: t["single"]["p50"] for k, t in r["timings"].items()}  # beside it: the same choice, one call
+        assert r["dispatch_vs_dense_single"] == pytest.approx(single["bf16"] / min(v for k, v in single.items()
+                                                                                   if k != "bf16"))
     for r in f8:
         base = {"bf16", "fp8 gemm", "_scaled_mm", "_scaled_mm fast accum"}
         layers = {"layer ours", "torch quantize + _scaled_mm"} if r["scales"] == "row x channel" else set()
@@ -242,8 +245,9 @@ FP8_BAR = gc.bar_key(gc.FP8_LAYER_BAR[0], gc.FP8_LAYER_BAR[2])
 def _w4_row(**kw) -> dict:
     """A timed W4A16 row as time_w4a16 summarizes one (the fields the bars read)."""
     row = dict(kernel="w4a16", family="w4a16", N=8192, K=8192, M=1, dtype="bfloat16", group=128, zeros=False, ok=True,
-               vs_dense=1.5, best_impl="v1", chain_vs_dense=3.0, chain_vs_dense_by_impl={"v1": 3.0},
-               dispatch_choice="v1", dispatch_vs_dense=3.0)
+               vs_dense=1.5, best_single_vs_dense=1.5, best_impl="v1", chain_vs_dense=3.0,
+               chain_vs_dense_by_impl={"v1": 3.0}, dispatch_choice="v1", dispatch_vs_dense=3.0,
+               dispatch_vs_dense_single=1.5)
     row.update(kw)
     row["case"] = f"w4a16 {row['N']}x{row['K']} M={row['M']} {row['dtype']}"
     return row
@@ -254,7 +258,7 @@ def test_bars_read_the_right_rows():
     stands beside it and decides nothing."""
     rows = [
         _w4_row(K=28672, chain_vs_dense=3.1, chain_vs_dense_by_impl={"v1": 2.5, "v2": 3.1}, best_impl="v2",
-                vs_dense=2.2, chain_vs_dense_baselines={"torch tinygemm": 2.8}),
+                best_single_vs_dense=2.2, chain_vs_dense_baselines={"torch tinygemm": 2.8}),
         _w4_row(chain_vs_dense=2.5, chain_vs_dense_by_impl={"v1": 2.5}),            # 8192x8192, M = 1: below 2.6
         _w4_row(M=16, chain_vs_dense=2.3, chain_vs_dense_by_impl={"v1": 2.3}),      # above 2.2
         _w4_row(M=64, chain_vs_dense=0.5, dispatch_vs_dense=0.95),                  # in no shape bar
