@@ -48,9 +48,78 @@ def test_gpu_check_dry_run(dry_run):
     assert gemm and all(r["ok"] and r["bad"] == 0 and r["deterministic"] and r["finite"] for r in gemm)
     assert all(r["rel_err"] <= gc.TOL["fp8" if r["kernel"] == "fp8_gemm" else r["dtype"]] for r in gemm)
     assert "| case | rel. err | worst tile (err) |" in (out / "gpu_check.md").read_text()
-    # the bars are computed from timed rows of the real shapes only, and only rows that passed are timed
-    assert "w4a16_ge_3x" not in result["verdicts"] and "w4a16_dispatch_never_slower" in result["verdicts"]
+    # the shape bars read timed rows of the real shapes only (the dispatcher's reads every timed M), and only rows
+    # that passed are timed
+    v = result["verdicts"]
+    assert W4_BARS[0] not in v and FP8_BAR not in v and W4_BARS[-1] in v
     assert any("us" in r for r in rows) and all(r["ok"] for r in rows if "us" in r)
+
+
+def test_dry_run_records_the_harness_chains_and_baselines(dry_run):
+    """Every run records the harness floor and the copy bandwidth; every timed case has each implementation and
+    baseline timed single-call and chained with p10 / p50 / p90, the baselines' accuracy judged; the bars come from
+    the chain timings, also on real rows put at the bars' shapes."""
+    result = dry_run[2]
+    assert set(result["harness"]) == set(gc.FAMILIES)
+    for h in result["harness"].values():
+        for key in ("floor_us", "chain_floor_us", "copy_us"):
+            assert h[key]["p10"] <= h[key]["p50"] <= h[key]["p90"]
+        assert h["chain_floor_us"]["copies"] == gc.CHAIN_MIN_COPIES and h["copy_bytes"] == 2 * gc.DRY_COPY_BYTES
+    timed = [r for r in result["rows"] if r.get("timings")]
+    w4 = [r for r in timed if r["kernel"] == "w4a16"]
+    f8 = [r for r in timed if r["kernel"] == "fp8_gemm"]
+    assert len(w4) == 2 * 3 + 6 * 3 and len(f8) == 2 * 2 * 3  # DRY_SHAPES (+ 6 formats) x DRY_MS
+    for r in timed:
+        for t in r["timings"].values():
+            assert t["single"]["p10"] <= t["single"]["p50"] <= t["single"]["p90"]
+            assert t["chain"]["copies"] == 2 and t["chain"]["p10"] <= t["chain"]["p50"] <= t["chain"]["p90"]
+    for r in w4:  # torch's tinygemm takes bf16 activations only
+        bf16 = r["dtype"] == "bfloat16"
+        assert set(r["timings"]) == {"bf16", "v1", "dequant+matmul"} | ({"torch tinygemm"} if bf16 else set())
+        assert r["baselines"]["torch tinygemm"]["ok"] is (True if bf16 else None)
+        chain = {k: t["chain"]["p50"] for k, t in r["timings"].items()}
+        assert r["chain_vs_dense"] == pytest.approx(chain["bf16"] / chain[r["best_impl"]])
+        assert r["dispatch_choice"] == min((c for c in chain if c != "bf16"), key=chain.get)
+        assert r["dispatch_vs_dense"] == pytest.approx(chain["bf16"] / chain[r["dispatch_choice"]])
+        single = {k: t["single"]["p50"] for k, t in r["timings"].items()}  # beside it: the same choice, one call
+        assert r["dispatch_vs_dense_single"] == pytest.approx(single["bf16"] / min(v for k, v in single.items()
+                                                                                   if k != "bf16"))
+    for r in f8:
+        base = {"bf16", "fp8 gemm", "_scaled_mm", "_scaled_mm fast accum"}
+        layers = {"layer ours", "torch quantize + _scaled_mm"} if r["scales"] == "row x channel" else set()
+        assert set(r["timings"]) == base | layers and set(r["baselines"]) == {"_scaled_mm", "_scaled_mm fast accum"}
+        assert all(b["ok"] for b in r["baselines"].values())
+    v = result["verdicts"]
+    assert v["w4a16_dispatch_vs_bf16"] == min(r["dispatch_vs_dense"] for r in w4)
+    # real rows at the bars' shapes: the shape bars read them as they would on a GPU
+    big = dict(next(r for r in w4 if r["M"] == 1 and r["dtype"] == "bfloat16" and r["group"] == 128
+                    and not r["zeros"]), N=8192, K=28672)
+    layer = dict(next(r for r in f8 if r["scales"] == "row x channel"), M=4096)
+    v = gc.verdicts([big, layer])
+    chain = {k: t["chain"]["p50"] for k, t in big["timings"].items()}
+    assert v["w4a16_decode_large_vs_bf16"] == pytest.approx(chain["bf16"] / min(chain[i] for i in gc.W4A16_IMPLS))
+    assert v[W4_BARS[0]] == (v["w4a16_decode_large_vs_bf16"] >= 3.0)
+    chain = {k: t["chain"]["p50"] for k, t in layer["timings"].items()}
+    assert v["fp8_layer_prefill_vs_bf16"] == pytest.approx(chain["bf16"] / chain["layer ours"])
+    assert v["fp8_gemm_prefill_vs_scaled_mm"] == pytest.approx(chain["_scaled_mm"] / chain["fp8 gemm"])
+    md = (dry_run[1] / "gpu_check.md").read_text()
+    assert "## Harness" in md and "| w4a16 64x256 bf16 g128 M=1 | torch tinygemm |" in md
+
+
+def test_the_gpu_plan_times_what_the_bars_read():
+    """The plan a GPU runs (not the dry run's): the Llama-3-70B MLP shapes at the decode M values and M = 4096, the
+    others at every M, and a timed case under every bar."""
+    w4 = [c for c in gc.family_cases("w4a16", False, False) if c["timed"]]
+    f8 = [c for c in gc.family_cases("fp8_gemm", False, False) if c["timed"]]
+    for cases in (w4, f8):
+        for shape in gc.LARGE_SHAPES:
+            assert {c["M"] for c in cases if (c["N"], c["K"]) == shape} == {1, 16, 4096}
+        assert {c["M"] for c in cases if (c["N"], c["K"]) == (8192, 8192)} == set(gc.MS)
+    assert {(8192, 28672), (28672, 8192)} <= set(gc.SHAPES)
+    for _, shape, m, _ in gc.W4A16_BARS:
+        assert any((c["N"], c["K"], c["M"], c["dtype"], c["group"], c["zeros"]) == (*shape, m, "bfloat16", 128, False)
+                   for c in w4)
+    assert any(c["M"] == gc.FP8_LAYER_BAR[1] and c["scales"] == "row x channel" for c in f8)
 
 
 def test_dry_run_covers_the_edge_cases(dry_run):
@@ -154,7 +223,7 @@ def test_a_crash_or_a_hang_costs_one_row(tmp_path):
     assert all(rows[i]["ok"] for i in range(last) if i != 2)
     v = result["verdicts"]
     assert not v["all_correct"] and v["complete"] and v["failed_cases"] == {"fp8_quantize": 2}
-    assert v["fp8_ge_1_5x"] == v["fp8_within_10pct_of_scaled_mm"] == gc.NOT_EVALUATED
+    assert v[FP8_BAR] == gc.NOT_EVALUATED
     failures = (tmp_path / "gpu_check.md").read_text().split("## Failures")[1].split("##")[0]
     assert rows[last]["case"] in failures and "SIGABRT" in failures
 
@@ -168,36 +237,97 @@ def test_a_spent_budget_leaves_cases_not_run(tmp_path):
     assert not result["verdicts"]["complete"] and not result["verdicts"]["all_correct"]
 
 
+W4_BARS = [gc.bar_key(name, at_least) for name, _, _, at_least in gc.W4A16_BARS] + \
+    [gc.bar_key(gc.DISPATCH_BAR[0], gc.DISPATCH_BAR[2])]
+FP8_BAR = gc.bar_key(gc.FP8_LAYER_BAR[0], gc.FP8_LAYER_BAR[2])
+
+
+def _w4_row(**kw) -> dict:
+    """A timed W4A16 row as time_w4a16 summarizes one (the fields the bars read)."""
+    row = dict(kernel="w4a16", family="w4a16", N=8192, K=8192, M=1, dtype="bfloat16", group=128, zeros=False, ok=True,
+               vs_dense=1.5, best_single_vs_dense=1.5, best_impl="v1", chain_vs_dense=3.0,
+               chain_vs_dense_by_impl={"v1": 3.0}, dispatch_choice="v1", dispatch_vs_dense=3.0,
+               dispatch_vs_dense_single=1.5)
+    row.update(kw)
+    row["case"] = f"w4a16 {row['N']}x{row['K']} M={row['M']} {row['dtype']}"
+    return row
+
+
 def test_bars_read_the_right_rows():
-    row = dict(kernel="w4a16", N=8192, K=8192, dtype="bfloat16", group=128, zeros=False, ok=True, us=10.0,
-               dense_us=29.0, dispatch_vs_dense=2.9)
-    fp8 = dict(kernel="fp8_gemm", N=4096, K=4096, M=4096, ok=True, us=1.0, dense_us=1.6, vs_dense=1.6,
-               vs_scaled_mm=0.85, layer_us=1.2)
-    rows = [dict(row, M=1, vs_dense=3.2), dict(row, M=16, vs_dense=2.9), dict(row, M=64, vs_dense=1.1), fp8]
+    """Each bar takes the chain-mode ratio of our fastest implementation on its own rows only: the single-call ratio
+    stands beside it and decides nothing."""
+    rows = [
+        _w4_row(K=28672, chain_vs_dense=3.1, chain_vs_dense_by_impl={"v1": 2.5, "v2": 3.1}, best_impl="v2",
+                best_single_vs_dense=2.2, chain_vs_dense_baselines={"torch tinygemm": 2.8}),
+        _w4_row(chain_vs_dense=2.5, chain_vs_dense_by_impl={"v1": 2.5}),            # 8192x8192, M = 1: below 2.6
+        _w4_row(M=16, chain_vs_dense=2.3, chain_vs_dense_by_impl={"v1": 2.3}),      # above 2.2
+        _w4_row(M=64, chain_vs_dense=0.5, dispatch_vs_dense=0.95),                  # in no shape bar
+        _w4_row(M=4096, chain_vs_dense=0.3, dispatch_vs_dense=0.85, dispatch_choice="dequant+matmul"),
+        _w4_row(M=8192, chain_vs_dense=0.1, dispatch_vs_dense=0.1),                 # beyond the dispatcher's bar
+        _w4_row(dtype="float16", chain_vs_dense=1.0),                               # not bf16 g128: no shape bar
+        dict(kernel="fp8_gemm", family="fp8_gemm", N=4096, K=4096, M=4096, case="fp8 a", ok=True, chain_vs_dense=1.6,
+             chain_layer_vs_dense=1.5, chain_layer_vs_dense_by_impl={"ours": 1.5}, layer_impl="ours",
+             layer_vs_dense=1.2, chain_vs_scaled_mm=0.7, chain_vs_scaled_mm_fast_accum=0.6),
+        dict(kernel="fp8_gemm", family="fp8_gemm", N=8192, K=28672, M=4096, case="fp8 b", ok=True,
+             chain_vs_dense=1.5, chain_layer_vs_dense=1.3, chain_layer_vs_dense_by_impl={"ours": 1.3},
+             layer_impl="ours", layer_vs_dense=1.1),
+        dict(kernel="fp8_gemm", family="fp8_gemm", N=4096, K=4096, M=16, case="fp8 c", ok=True, chain_vs_dense=0.2,
+             chain_layer_vs_dense=0.2, chain_layer_vs_dense_by_impl={"ours": 0.2}),
+    ]
     v = gc.verdicts(rows)
-    assert v["w4a16_min_speedup_m_le_16_8192"] == 2.9 and not v["w4a16_ge_3x"]  # M = 64 is outside the bar
-    # the fp8 layer bar includes the quantize kernel: 1.6 / 1.2 = 1.33 < 1.5 although the GEMM alone is 1.6x
-    assert v["fp8_layer_min_speedup_m4096"] == pytest.approx(1.6 / 1.2) and not v["fp8_ge_1_5x"]
-    assert v["fp8_gemm_min_speedup_m4096"] == 1.6 and not v["fp8_within_10pct_of_scaled_mm"] and v["all_correct"]
+    d = v["bar_details"]
+    assert v["w4a16_decode_large_ge_3x"] is True and v["w4a16_decode_large_vs_bf16"] == 3.1
+    assert d["w4a16_decode_large"]["impl"] == "v2" and d["w4a16_decode_large"]["single_call"] == 2.2
+    assert d["w4a16_decode_large"]["per_implementation"] == {"v1": 2.5, "v2": 3.1, "torch tinygemm": 2.8}
+    assert v["w4a16_decode_ge_2_6x"] is False and v["w4a16_decode_vs_bf16"] == 2.5  # the fp16 row is not read
+    assert v["w4a16_batch16_ge_2_2x"] is True and v["w4a16_batch16_vs_bf16"] == 2.3
+    # the dispatcher's choice at every M up to 4096 (M = 8192 is outside), any format
+    assert v["w4a16_dispatch_ge_0_9x"] is False and v["w4a16_dispatch_vs_bf16"] == 0.85
+    assert d["w4a16_dispatch"]["at"].endswith("M=4096 bfloat16") and d["w4a16_dispatch"]["impl"] == "dequant+matmul"
+    # the W8A8 layer (quantize + GEMM) at M = 4096 on every shape: 1.3 < 1.4 although the GEMM alone is 1.5x
+    assert v[FP8_BAR] is False and v["fp8_layer_prefill_vs_bf16"] == 1.3 and d["fp8_layer_prefill"]["at"] == "fp8 b"
+    assert v["fp8_gemm_prefill_vs_bf16"] == 1.5 and v["fp8_gemm_prefill_vs_scaled_mm"] == 0.7
+    assert v["fp8_gemm_prefill_vs_scaled_mm_fast_accum"] == 0.6 and v["all_correct"]
     # a kernel that failed any correctness case gets no speed verdict, whatever its times
-    failed_w4 = dict(row, N=576, K=576, M=3, ok=False, vs_dense=9.0)
+    failed_w4 = _w4_row(N=576, K=576, M=3, ok=False, chain_vs_dense=9.0)
     v = gc.verdicts(rows + [failed_w4])
-    assert v["w4a16_ge_3x"] == v["w4a16_dispatch_never_slower"] == gc.NOT_EVALUATED
-    assert "w4a16_min_speedup_m_le_16_8192" not in v and v["fp8_ge_1_5x"] is False and not v["all_correct"]
-    # the W8A8 bars need the quantize kernel too, and a sanitizer error counts against the kernels it names
+    assert all(v[k] == gc.NOT_EVALUATED for k in W4_BARS) and "w4a16_decode_large_vs_bf16" not in v
+    assert v[FP8_BAR] is False and not v["all_correct"]
+    # the W8A8 bar needs the quantize kernel too, and a sanitizer error counts against the kernels it names
     for bad in (dict(kernel="fp8_quantize", M=3, ok=False),
                 dict(kernel="compute-sanitizer", kernels=["fp8_gemm"], M=None, ok=False)):
         v = gc.verdicts(rows + [bad])
-        assert v["fp8_ge_1_5x"] == v["fp8_within_10pct_of_scaled_mm"] == gc.NOT_EVALUATED
-        assert v["w4a16_ge_3x"] is False
+        assert v[FP8_BAR] == gc.NOT_EVALUATED and v["w4a16_decode_large_ge_3x"] is True
     # the cases a child ran under a sanitizer that could not run on the device do not count
     refused = [dict(kernel="compute-sanitizer", family="sanitizer", tool="memcheck", M=None, ok=None),
                dict(kernel="w4a16", family="sanitizer:memcheck", M=17, ok=False)]
     assert gc.verdicts(rows + refused)["all_correct"]
-    assert gc.verdicts(rows + [dict(refused[0], ok=True), refused[1]])["w4a16_ge_3x"] == gc.NOT_EVALUATED
+    assert gc.verdicts(rows + [dict(refused[0], ok=True), refused[1]])[W4_BARS[0]] == gc.NOT_EVALUATED
     # a case that never ran leaves the run incomplete, not correct
     v = gc.verdicts(rows + [dict(kernel="w4a16", M=1, ok=None, not_run="the run's time budget is spent")])
     assert not v["all_correct"] and not v["complete"]
+    # a baseline torch gets wrong is reported, and fails none of ours
+    v = gc.verdicts(rows + [_w4_row(M=2, baselines={"torch tinygemm": {"ok": False, "why": ["tile"]}})])
+    assert v["inaccurate_baselines"] == {"torch tinygemm": 1} and v["all_correct"]
+
+
+def test_chains_copy_the_weights_until_they_outgrow_the_l2():
+    mib = 2 ** 20
+    assert gc.chain_copies(8 * mib, 50 * mib) == (13, None)       # 8.4 MB int4 4096x4096: 13 copies > 100 MiB
+    assert gc.chain_copies(470 * mib, 50 * mib) == (8, None)      # bf16 8192x28672: the 8 copies at least
+    copies, note = gc.chain_copies(2 ** 30, 50 * mib)             # past the cap: fewer copies, said so
+    assert copies == gc.CHAIN_CAP_BYTES // 2 ** 30 and "GiB cap" in note
+    copies, note = gc.chain_copies(4, 50 * mib)                   # a tiny operand: the most copies, said so
+    assert copies == gc.CHAIN_MAX_COPIES and "less than twice the L2" in note
+    assert gc.percentiles([float(i) for i in range(1, 11)]) == {"p10": 1.9, "p50": 5.5, "p90": 9.1, "n": 10}
+    # each layer of a chain reads its own copy (a transposed weight stays transposed), and the time is per layer
+    timer = gc.Timer(torch.device("cpu"), 2, chain_repeats=2)
+    w = torch.randn(8, 4).t()
+    seen = []
+    t = timer.chain(lambda op: seen.append((op[0].data_ptr(), op[0].stride(), float(op[0].sum()))), (w, 1))
+    assert t["copies"] == 2 and t["n"] == 2 and len(seen) == 2 * 3 and t["bytes"] == 2 * w.nbytes
+    assert len({p for p, _, _ in seen}) == 2 and {s for _, s, _ in seen} == {w.stride()}
+    assert {v for _, _, v in seen} == {float(w.sum())}
 
 
 def test_sanitizer_runs_are_recorded_and_gate_the_kernels_they_name(tmp_path):
@@ -220,7 +350,7 @@ def test_sanitizer_runs_are_recorded_and_gate_the_kernels_they_name(tmp_path):
     assert [(r["tool"], r["ok"], r["errors"]) for r in rows] == [("memcheck", True, 0), ("racecheck", False, 1)]
     assert rows[1]["kernels"] == ["w4a16"]
     v = gc.verdicts(rows)
-    assert v["w4a16_ge_3x"] == gc.NOT_EVALUATED and "fp8_ge_1_5x" not in v and not v["all_correct"]
+    assert v[W4_BARS[0]] == gc.NOT_EVALUATED and FP8_BAR not in v and not v["all_correct"]
     # the cases the tool would wrap run as a child family of their own
     assert gc.child("sanitizer:memcheck", 0, tmp_path / "cases.jsonl", 1, True, False, 2, None) == 0
     cases = [r for r in gc.read_results(tmp_path / "cases.jsonl") if "event" not in r]

@@ -85,6 +85,63 @@ def test_int4pack_refusals_say_why():
                                                      torch.bfloat16, dev)
 
 
+@pytest.mark.parametrize("g,zeros", [(32, False), (64, True), (128, False), (-1, True)])
+def test_tinygemm_operands_match_the_reference_on_cpu(g, zeros):
+    """torch's CUDA tinygemm (gpu.py's W4A16 baseline) takes the same (scale, zero) operand as its CPU twin, which runs
+    here: codes, scales and zero points of w = (u - z) * s through pack_tinygemm and the CPU op, against the float64
+    dequantize-then-matmul reference that gpu_check judges every W4A16 kernel by. A channel scale is repeated over
+    groups of 256 (K = 256)."""
+    from compress.kernels.prepack import w4a16_reference
+    n, k = 48, 256
+    G = k if g == -1 else g
+    u = torch.randint(0, 16, (n, k), generator=GEN)
+    s = torch.rand(n, k // G, generator=GEN) * 0.02 + 0.001
+    z = torch.randint(0, 16, (n, k // G), generator=GEN).float() if zeros else None
+    p = gpu.pack_tinygemm(u, s, z, g, "cpu")
+    assert p.group_size == (256 if g == -1 else g) and p.scale_zeros.shape == (k // p.group_size, n, 2)
+    x = (torch.randn(5, k, generator=GEN) * 0.5).bfloat16()
+    y = gpu.linear_tinygemm(p, x, None)
+    ref = w4a16_reference(x, u, s.bfloat16().double(), None if z is None else z.double(), g)
+    assert y.dtype == torch.bfloat16 and y.shape == (5, n)
+    assert rel_err(y, ref) < 5e-3  # gpu_check's bf16 bound; measured 1.8e-3 to 2.0e-3
+
+
+def test_tinygemm_packs_two_codes_a_byte_and_says_why_not():
+    u = torch.tensor([[1, 2, 3, 4], [15, 0, 7, 8]])
+    assert gpu.tinygemm_nibbles(u).tolist() == [[0x12, 0x34], [0xF0, 0x78]]  # code 2j in byte j's high nibble
+    assert "multiple of 8" in gpu.tinygemm_supported(100, 256, 128)
+    assert "multiple of 128" in gpu.tinygemm_supported(64, 576, 64)
+    assert "group_size=96" in gpu.tinygemm_supported(64, 384, 96)
+    assert gpu.tinygemm_group(384, -1) == 128 and gpu.tinygemm_supported(64, 384, -1) is None
+    with pytest.raises(ValueError, match="multiple of 128"):
+        gpu.pack_tinygemm(torch.zeros(64, 576, dtype=torch.int64), torch.ones(64, 9), None, 64)
+    qt = rand_qt(scheme("int4", "group", 128, False), 64, 256)
+    layer = QuantLinear.from_module(torch.nn.Linear(256, 64, bias=False), qt)
+    assert "CUDA only" in gpu.tinygemm_reason(layer, torch.bfloat16, torch.device("cpu"))
+    assert "bfloat16 activations only" in gpu.tinygemm_reason(layer, torch.float16, torch.device("cuda"))
+    # the dispatcher's entry runs the layer through the same operands (its CPU twin here)
+    kernel = next(k for k in gpu.KERNELS if k.name == "torch tinygemm int4 (CUDA)")
+    x = torch.randn(3, 256, generator=GEN).bfloat16()
+    assert rel_err(kernel.run(kernel.prepare(layer, torch.bfloat16), x, None), oracle(x, qt)) < 8e-3
+
+
+def test_tinygemm_probe_keeps_a_broken_torch_op_off_the_dispatcher(monkeypatch):
+    """torch's int4pack ops are private: the dispatcher asks once per CUDA device whether they run and compute what
+    they should before offering tinygemm. Here the probe runs on the CPU twin; a refusing op and a changed operand
+    layout (scales read twice as large) are stood in for by replacing the packing."""
+    cpu = torch.device("cpu")
+    assert gpu.tinygemm_runs(cpu) is None
+    real = gpu.pack_tinygemm
+
+    def refuses(*args):
+        raise RuntimeError("no kernel image is available")
+
+    monkeypatch.setattr(gpu, "pack_tinygemm", refuses)
+    assert "no kernel image" in gpu.tinygemm_runs(cpu)
+    monkeypatch.setattr(gpu, "pack_tinygemm", lambda u, s, z, g, dev: real(u, s * 2, z, g, dev))
+    assert "wrong result" in gpu.tinygemm_runs(cpu)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_int8pack_matches_dequantize_then_matmul(dtype):
     s = scheme("int8", "channel", None, True)

@@ -228,7 +228,7 @@ def test_cuda_registry_ranges_and_order():
     torch's own quantize + _scaled_mm for any M; the W4A16 kernels share one prepare (one packed weight per layer)."""
     k = {kern.name: kern for kern in gpu.KERNELS}
     assert list(k) == ["compress w4a16 v2 (CUDA)", "compress w4a16 (CUDA)", "compress w4a16 dequant+cuBLAS (CUDA)",
-                       "compress fp8 w8a8 (CUDA)", "compress fp8 quantize + torch _scaled_mm (CUDA)",
+                       "torch tinygemm int4 (CUDA)", "compress fp8 w8a8 (CUDA)", "compress fp8 quantize + torch _scaled_mm (CUDA)",
                        "torch _scaled_mm fp8 (CUDA)"]
     assert k["compress w4a16 v2 (CUDA)"].rows == (1, 16)
     assert k["compress w4a16 v2 (CUDA)"].prepare is k["compress w4a16 (CUDA)"].prepare

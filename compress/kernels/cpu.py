@@ -69,11 +69,21 @@ def prepare_int4pack(qt: QuantizedTensor, dtype: torch.dtype) -> Int4Packed:
         return t.float().reshape(1, 1).expand(n, 1) if t.numel() == 1 else t.float().reshape(n, -1)
 
     scale = per_row(qt.scale)
-    zero = torch.full_like(scale, 8.0) if qt.zero_point is None else per_row(qt.zero_point)
+    zero = None if qt.zero_point is None else per_row(qt.zero_point)
     reps = k // g // scale.shape[1]  # channel / tensor scales repeated over the int4pack groups
-    scale, zero = scale.repeat_interleave(reps, 1), zero.repeat_interleave(reps, 1)  # [N, K / G]
-    sz = torch.stack([scale.t(), ((8.0 - zero) * scale).t()], dim=-1)  # [K / G, N, 2]
-    return Int4Packed(weight, sz.to(dtype).contiguous(), g, n)
+    return Int4Packed(weight, int4pack_scales_and_zeros(scale, zero, reps, dtype), g, n)
+
+
+def int4pack_scales_and_zeros(scales: Tensor, zeros: Tensor | None, reps: int, dtype: torch.dtype) -> Tensor:
+    """torch's int4pack operand (CPU `_weight_int4pack_mm_for_cpu` and CUDA `_weight_int4pack_mm`, tinygemm) for
+    w = (u - z) * s with scales / zero points [N, groups] (zeros None: z = 8): [groups * reps, N, 2] of
+    (scale, zf) in `dtype`, each group repeated `reps` times (channel scales spread over int4pack's groups). torch
+    dequantizes w = (u - 8) * scale + zf, so zf = (8 - z) * s, computed from the scale as rounded to `dtype`: the
+    only error left is zf's own rounding."""
+    s = scales.float().to(dtype).float()
+    z = torch.full_like(s, 8.0) if zeros is None else zeros.float()
+    s, z = s.repeat_interleave(reps, 1), z.repeat_interleave(reps, 1)  # [N, K / G]
+    return torch.stack([s.t(), ((8.0 - z) * s).t()], dim=-1).to(dtype).contiguous()  # [K / G, N, 2]
 
 
 def int4pack_bf16_reason(qt: QuantizedTensor, dtype: torch.dtype, device: torch.device) -> str | None:

@@ -1,5 +1,6 @@
-"""CUDA kernels for the dispatcher: our W4A16 and fp8 ops (ops.py, built on first use by cuda_ext.py) and torch's
-fp8 `_scaled_mm` (cuBLASLt). Importing this module needs no GPU; each check says why a kernel cannot run a layer.
+"""CUDA kernels for the dispatcher: our W4A16 and fp8 ops (ops.py, built on first use by cuda_ext.py), torch's
+fp8 `_scaled_mm` (cuBLASLt) and torch's int4 `_weight_int4pack_mm` (tinygemm, the W4A16 baseline). Importing this
+module needs no GPU; each check says why a kernel cannot run a layer.
 
 Each family has a small-batch kernel and a large-batch path, declared by the Kernel's `rows` (the dispatcher
 measures them all; the ranges decide where it does not):
@@ -11,6 +12,7 @@ measures them all; the ranges decide where it does not):
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -152,14 +154,21 @@ def pack_w4a16(u: Tensor, scales: Tensor, zeros: Tensor | None, group_size: int,
                  group_size, k, u.shape[1])
 
 
-def prepare_w4a16(layer, dtype: torch.dtype) -> W4A16:
+def _int4_operands(layer) -> tuple[Tensor, Tensor, Tensor | None, int]:
+    """A group / channel int4 layer as (u [N, K] unsigned codes 0..15, scales [N, groups], zero points [N, groups]
+    or None (z = 8), group_size (-1: per channel)), w = (u - z) * s."""
     qt = layer.qtensor()
     n, k = qt.shape
     u = qt.codes() - (qt.scheme.qmin if qt.zero_point is None else 0)
     g = qt.scheme.group_size if qt.scheme.granularity == "group" else -1
     groups = 1 if g == -1 else k // g
     zeros = None if qt.zero_point is None else qt.zero_point.float().reshape(n, groups)
-    return pack_w4a16(u, qt.scale.float().reshape(n, groups), zeros, g, dtype, qt.qdata.device)
+    return u, qt.scale.float().reshape(n, groups), zeros, g
+
+
+def prepare_w4a16(layer, dtype: torch.dtype) -> W4A16:
+    u, scales, zeros, g = _int4_operands(layer)
+    return pack_w4a16(u, scales, zeros, g, dtype, layer.qtensor().qdata.device)
 
 
 def _direct(x: Tensor, operand: Tensor) -> bool:
@@ -362,11 +371,135 @@ def linear_fp8_scaled_mm(p: FP8, x: Tensor, bias: Tensor | None, use_fast_accum:
     return y.reshape(*x.shape[:-1], n)
 
 
+# torch's tinygemm (aten/src/ATen/native/cuda/int4mm.cu, as in torch 2.5 to 2.11+): bf16 activations only, groups of
+# 32 / 64 / 128 / 256, the weight repacked once by `_convert_weight_to_int4pack` from uint8 [N, K / 2] (code 2j in
+# the high nibble of byte j) into [N / 8, K / (16 * inner k-tiles), 32, inner k-tiles / 2] int32; 8 inner k-tiles
+# (K % 128 == 0) is what gpt-fast and torchao use. Dequantization: w = (u - 8) * scale + zero, fp32 accumulation.
+TINYGEMM_GROUPS = (256, 128, 64, 32)
+TINYGEMM_INNER_K_TILES = 8
+
+
+def tinygemm_group(k: int, group_size: int) -> int | None:
+    """The tinygemm group size that expresses these scales exactly: the layer's own, or for one scale per output
+    channel (group_size -1) the largest accepted one dividing K, the scale repeated; None if there is none."""
+    if group_size == -1:
+        return next((g for g in TINYGEMM_GROUPS if k % g == 0), None)
+    return group_size if group_size in TINYGEMM_GROUPS and k % group_size == 0 else None
+
+
+def tinygemm_supported(n: int, k: int, group_size: int) -> str | None:
+    """Why tinygemm cannot take an N x K int4 weight of this group size, or None."""
+    if n % 8:
+        return f"N={n} is not a multiple of 8 (tinygemm's n-tile)"
+    if k % (16 * TINYGEMM_INNER_K_TILES):
+        return f"K={k} is not a multiple of {16 * TINYGEMM_INNER_K_TILES} (tinygemm's {TINYGEMM_INNER_K_TILES} " \
+               "inner k-tiles of 16)"
+    if tinygemm_group(k, group_size) is None:
+        return f"group_size={group_size}: tinygemm takes groups of {'/'.join(map(str, TINYGEMM_GROUPS[::-1]))} " \
+               f"dividing K={k}"
+    return None
+
+
+def tinygemm_reason(layer, dtype: torch.dtype, device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"CUDA only (the layer is on {device.type}; torch's CPU int4pack kernels are dispatch.py's)"
+    s = layer.scheme
+    if s.dtype != "int4" or s.act is not None:
+        return f"int4 weight-only only (scheme {s.name})"
+    if s.granularity not in ("group", "channel"):
+        return f"group or per-channel scales only (got {s.granularity})"
+    if dtype != torch.bfloat16:
+        return f"bfloat16 activations only (torch's CUDA tinygemm; got {dtype})"
+    why = tinygemm_supported(layer.out_features, layer.in_features,
+                             s.group_size if s.granularity == "group" else -1)
+    if why:
+        return why
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "needs sm_80 or newer (tinygemm's bf16 mma)"
+    return _tinygemm_probe(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _tinygemm_probe(device_index: int) -> str | None:
+    """tinygemm_runs on this CUDA device, once per device and process."""
+    return tinygemm_runs(torch.device("cuda", device_index))
+
+
+def tinygemm_runs(dev: torch.device) -> str | None:
+    """Why torch's tinygemm does not run on `dev` (its ops are private: a torch build may lack or change them), from
+    one tiny pack and call; None if it runs and computes what it should. A layer it cannot run then stays off it
+    instead of failing in the dispatcher's prepare step."""
+    even = torch.arange(128) % 2 == 0
+    try:
+        p = pack_tinygemm(torch.where(even, 10, 8).repeat(16, 1), torch.ones(16, 1), None, 128, dev)
+        y = linear_tinygemm(p, even.to(device=dev, dtype=torch.bfloat16).reshape(1, 128), None)
+    except (RuntimeError, NotImplementedError, ValueError) as e:
+        return f"torch's tinygemm does not run here: {type(e).__name__}: {str(e)[:200]}"
+    if not bool((y == 128).all()):  # 64 even columns of (10 - 8) * 1; odd ones (8 - 8) * 0: a nibble swap gives 0
+        return "torch's tinygemm gave a wrong result on a probe (a changed operand layout?)"
+    return None
+
+
+@dataclass
+class Tinygemm:
+    weight: Tensor  # int32, torch's tiled layout (CUDA: [N / 8, K / 128, 32, 4]; CPU: the _for_cpu op's own)
+    scale_zeros: Tensor  # bf16 [K / G, N, 2]: (scale, zero) of w = (u - 8) * scale + zero
+    group_size: int  # tinygemm's group (a per-channel scale is repeated over groups of this size)
+    n: int
+
+
+def tinygemm_nibbles(u: Tensor) -> Tensor:
+    """Codes u [N, K] (0..15) as the uint8 [N, K / 2] `_convert_weight_to_int4pack` takes on CUDA: code 2j in the
+    high nibble of byte j, code 2j + 1 in the low one (int4mm.cu's packing comment; torchao and gpt-fast pack so)."""
+    return ((u[:, ::2] << 4) | u[:, 1::2]).to(torch.uint8).contiguous()
+
+
+def pack_tinygemm(u: Tensor, scales: Tensor, zeros: Tensor | None, group_size: int,
+                  device: torch.device | str | None = None) -> Tinygemm:
+    """tinygemm's operands for unsigned codes u [N, K] (0..15) with scales / zero points [N, K // G] (w = (u - z) * s;
+    zeros None: z = 8; G = K for group_size -1), on `device` (default: u's). On CUDA the weight goes through
+    `_convert_weight_to_int4pack`; on any other device through its CPU twin `_convert_weight_to_int4pack_for_cpu`
+    (int32 codes; it needs N % 16), whose scale/zero operand is the same, so the CPU checks the operands. Raises
+    ValueError naming the rule when tinygemm cannot take the weight."""
+    from .cpu import int4pack_scales_and_zeros
+    n, k = u.shape
+    why = tinygemm_supported(n, k, group_size)
+    if why:
+        raise ValueError(f"tinygemm: {why}")
+    dev = torch.device(device) if device is not None else u.device
+    g = tinygemm_group(k, group_size)
+    reps = k // g // scales.shape[1]  # 1, or the groups one channel scale spans
+    sz = int4pack_scales_and_zeros(scales.cpu(), None if zeros is None else zeros.cpu(), reps, torch.bfloat16)
+    u = u.to(dev)
+    if dev.type == "cuda":
+        weight = torch.ops.aten._convert_weight_to_int4pack(tinygemm_nibbles(u.to(torch.int32)),
+                                                            TINYGEMM_INNER_K_TILES)
+    else:
+        weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.to(torch.int32).contiguous(), 2)
+    return Tinygemm(weight, sz.to(dev), g, n)
+
+
+def prepare_tinygemm(layer, dtype: torch.dtype) -> Tinygemm:
+    u, scales, zeros, g = _int4_operands(layer)
+    return pack_tinygemm(u, scales, zeros, g, layer.qtensor().qdata.device)
+
+
+def linear_tinygemm(p: Tinygemm, x: Tensor, bias: Tensor | None) -> Tensor:
+    """y = x W^T (+ bias) on torch's tinygemm; x bf16 (the CPU twin runs off CUDA)."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    mm = torch.ops.aten._weight_int4pack_mm if x2.is_cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
+    y = mm(x2, p.weight, p.group_size, p.scale_zeros)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.reshape(*x.shape[:-1], p.n)
+
+
 # In the order plan_dispatch(measure=False) prefers them within their row ranges.
 KERNELS = [
     Kernel("compress w4a16 v2 (CUDA)", w4a16_v2_reason, prepare_w4a16, linear_w4a16_v2, DECODE_M),
     Kernel("compress w4a16 (CUDA)", w4a16_reason, prepare_w4a16, linear_w4a16, SMALL_M),
     Kernel("compress w4a16 dequant+cuBLAS (CUDA)", w4a16_dequant_reason, prepare_w4a16, linear_w4a16_dequant, LARGE_M),
+    Kernel("torch tinygemm int4 (CUDA)", tinygemm_reason, prepare_tinygemm, linear_tinygemm),
     Kernel("compress fp8 w8a8 (CUDA)", fp8_reason, prepare_fp8, linear_fp8, SMALL_M),
     Kernel("compress fp8 quantize + torch _scaled_mm (CUDA)", fp8_scaled_mm_reason, prepare_fp8, linear_fp8_scaled_mm,
            LARGE_M),
