@@ -115,7 +115,7 @@ def _static_speed(model: nn.Module, ids: torch.Tensor, decode_tokens: int, repea
             "decode_ms_p50": percentile(steps, 50) * 1e3 if steps else None,
             "decode_ms_p90": percentile(steps, 90) * 1e3 if steps else None,
             "kernel": kernel_name(model), "threads": torch.get_num_threads(), "device": device,
-            "decode_mode": dec.mode}
+            "decode_mode": dec.mode, "ops_per_step": dec.ops_per_step}
 
 
 def sweep_bytes(model: nn.Module, batch: int, context: int) -> int:
