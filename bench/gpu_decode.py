@@ -7,7 +7,7 @@ the step captured in a CUDA graph (compress/serving/static_decode.py).
     python bench/gpu_decode.py --variants "bf16,W4A16 v2,FP8 dynamic" --batches 1,64 --budget 100
 
 Model: hidden 4096, intermediate 14336, 32 layers, 32 heads, 8 KV heads, vocabulary 128256, untied head, bf16,
-built directly on the GPU with the model's own random initialisation: every layer its own tensors, so no layer's
+built directly on the GPU, every matrix drawn from N(0, 0.02) there: every layer its own tensors, so no layer's
 weights are in L2 when the next reads them. Variants (VARIANTS, in the order they run, the bars' first):
   bf16                          dense bf16 (cuBLAS)
   W4A16 v2 / v1 / tinygemm / dequant+cuBLAS
@@ -174,7 +174,15 @@ def build_model(setup: Setup, seed: int = 0) -> torch.nn.Module:
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=setup.dtype)
         except TypeError:  # transformers before 4.56 named it torch_dtype
             model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=setup.dtype)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    gen = torch.Generator(setup.device).manual_seed(seed)
+    with torch.no_grad():  # every tensor drawn here, whatever the transformers version's init does (or skips)
+        for p in model.parameters():
+            if p.dim() == 2:  # linears and the embedding
+                p.normal_(0.0, 0.02, generator=gen)
+            else:  # norm weights (Llama has no biases)
+                p.fill_(1.0)
+    return model
 
 
 def quantize(model: torch.nn.Module, scheme: QuantScheme) -> None:
