@@ -40,8 +40,10 @@ def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
     """One linear whose output is the concatenation of `layers`' outputs on the same input (q/k/v, gate/up): float
     nn.Linear weights concatenated, or QuantLinear codes, scales and zero points concatenated along the output rows
     (every format here packs codes along the input, and a group never spans two rows, so the fused layer holds
-    exactly the same numbers). None where that does not hold: mixed types or schemes, quantized activations, a
-    per-tensor scale (NVFP4's global scale differs per layer), an input rotation."""
+    exactly the same numbers). Dynamically quantized activations fuse too: their scales come from the input, which
+    the fused layers share (fp8 per token: a decode step quantizes x once instead of three times). None where that
+    does not hold: mixed types or schemes, statically quantized activations (a calibrated scale per layer) or
+    outlier features, a per-tensor scale (NVFP4's global scale differs per layer), an input rotation."""
     if any(getattr(m, "input_rotation", None) is not None for m in layers):
         return None
     if all(type(m) is nn.Linear for m in layers):
@@ -54,13 +56,15 @@ def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
                                                  w.new_zeros(m.out_features) for m in layers]), requires_grad=False)
         return fused
     first = layers[0]
-    if not all(type(m) is QuantLinear and m.scheme == first.scheme for m in layers) or first.scheme.act is not None \
+    act = first.scheme.act
+    if not all(type(m) is QuantLinear and m.scheme == first.scheme for m in layers) or \
+            (act is not None and (not act.dynamic or act.outlier_threshold is not None)) \
             or first.global_scale is not None or first.scheme.granularity == "tensor":
         return None
     bias = [m.bias for m in layers]
     ref = next((b for b in bias if b is not None), None)
     fused = QuantLinear(first.in_features, sum(m.out_features for m in layers), first.scheme, bias=ref is not None,
-                        dtype=torch.float32 if ref is None else ref.dtype)
+                        dtype=torch.float32 if ref is None else ref.dtype, device=first.qdata.device)
     fused.qdata = torch.cat([m.qdata for m in layers])
     fused.scale = torch.cat([m.scale for m in layers])
     fused.zero_point = None if first.zero_point is None else torch.cat([m.zero_point for m in layers])

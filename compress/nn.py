@@ -89,15 +89,16 @@ class QuantLinear(nn.Module):
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
         super().__init__()
         self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
-        codes = torch.zeros(out_features, in_features, dtype=torch.int32)
+        # the placeholder is built where it will live: packing an 8B model's zero codes on the host took minutes
+        codes = torch.zeros(out_features, in_features, dtype=torch.int32, device=device)
         if scheme.dtype in FP8_DTYPES:
             codes = codes.to(FP8_DTYPES[scheme.dtype])
         elif scheme.is_float:  # fp4 e2m1 values come as float32
             codes = codes.float()
+        shape = scale_shape(scheme, out_features, in_features)
         empty = QuantizedTensor.from_codes(
-            codes, torch.ones(scale_shape(scheme, out_features, in_features)),
-            None if scheme.symmetric else torch.zeros(scale_shape(scheme, out_features, in_features)),
-            scheme, torch.ones(()) if scheme.has_global_scale else None)
+            codes, torch.ones(shape, device=device), None if scheme.symmetric else torch.zeros(shape, device=device),
+            scheme, torch.ones((), device=device) if scheme.has_global_scale else None)
         self.register_buffer("qdata", empty.qdata.to(device))
         self.register_buffer("scale", empty.scale.to(device))
         self.register_buffer("zero_point", None if empty.zero_point is None else empty.zero_point.to(device))

@@ -369,3 +369,47 @@ def test_main_loop_instruction_count_of_version_1(compiled):
     (name,) = [n for n in functions if "w4a16_kernelILi1ELi2ELi6ELi1ELb0E" in n]   # MT 1, NS 2, 6 stages, bf16
     loop = build.main_loop(functions[name])
     assert loop.mma == 16 and 250 <= loop.per_kb <= 300, loop
+
+
+# ---- packing on the codes' own device ----------------------------------------------------------------------------
+
+def _layout_by_formula(u: torch.Tensor) -> torch.Tensor:
+    """The module docstring's nibble formula, gathered code by code (the packing before it became a permute)."""
+    N, K = u.shape
+    sb = torch.arange(N // 32).view(-1, 1, 1, 1, 1)
+    ks = torch.arange(K // 32).view(1, -1, 1, 1, 1)
+    lane = torch.arange(32).view(1, 1, -1, 1, 1)
+    j = torch.arange(4).view(1, 1, 1, -1, 1)
+    p = torch.arange(8).view(1, 1, 1, 1, -1)
+    g, t = lane // 4, lane % 4
+    n = 32 * sb + 16 * (j % 2) + 8 * ((p % 4) >= 2).long() + g
+    k = 32 * ks + 16 * (j // 2) + 2 * t + (p >= 4).long() + 8 * (p % 2)
+    words = (u.long()[n, k] << (4 * torch.arange(8))).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).reshape(-1)
+
+
+def test_packing_is_the_formula_and_unchanged_and_stays_on_the_codes_device():
+    import hashlib
+
+    from compress.kernels.gpu import pack_w4a16
+    from compress.kernels.prepack import shuffle_w4a16
+
+    def digest(t):
+        return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+    gen = torch.Generator().manual_seed(3)
+    # sha256 prefixes of what the host-side packing (before it ran on the codes' device) gave for these inputs
+    golden = [("b6ebbd903cc09b85", "790e229a3584288f", "8a6907ab4180ce64"),
+              ("37cee2d95c884c19", "496218d15729018f", None), ("e73c2ba2cbdbc0a2", "d70fb7c170642580", "e51f21d8bd99671c")]
+    for (N, K, G, asym), want in zip([(64, 256, 128, True), (96, 384, -1, False), (64, 576, 64, True)], golden):
+        u = torch.randint(0, 16, (N, K), generator=gen)
+        groups = 1 if G == -1 else K // G
+        s = torch.rand(N, groups, generator=gen) + 0.1
+        z = torch.randint(0, 16, (N, groups), generator=gen).float() if asym else None
+        p = pack_w4a16(u, s, z, G, torch.bfloat16)
+        assert (digest(p.wq), digest(p.scales), None if z is None else digest(p.zeros)) == want
+        assert p.wq.device == u.device
+        up = pad_k_w4a16(u, s, z, G)[0]
+        assert torch.equal(shuffle_w4a16(up), _layout_by_formula(up))
+    # every operation of the shuffle runs where the codes are: on the meta device a host copy would raise
+    assert shuffle_w4a16(torch.empty(64, 256, dtype=torch.uint8, device="meta")).device.type == "meta"

@@ -400,6 +400,7 @@ def _speed_lines(report: dict) -> list[str]:
                          f"{s['threads']} |")
     lines += [f"\n{n}: prefill {s['prefill_tokens']} tokens, then {s['decode_tokens']} greedy decode steps; median "
               f"of {s['repeats']} runs after a warm-up, on {s['device']}"
+              + (f"; decode: {s['decode_mode']}" if s.get("decode_mode") and s["device"].startswith("cuda") else "")
               + (": every forward reads the offloaded modules' weights from disk (or the page cache), so these "
                  "figures time the disk more than the model." if s.get("offloaded_modules") else ".")
               for n, s in _distinct_protocols(models)]
@@ -412,7 +413,8 @@ def _distinct_protocols(models: dict) -> list[tuple[str, dict]]:
     for n, m in models.items():
         s = m.get("speed")
         if s:
-            key = (s["prefill_tokens"], s["decode_tokens"], s["repeats"], s["device"], bool(s.get("offloaded_modules")))
+            key = (s["prefill_tokens"], s["decode_tokens"], s["repeats"], s["device"], bool(s.get("offloaded_modules")),
+                   s.get("decode_mode"))
             seen.setdefault(key, ([], s))[0].append(n)
     return [(", ".join(names), s) for names, s in seen.values()]
 

@@ -9,7 +9,10 @@ bucket, the first usable kernel in registry order that is meant for that many ro
 M <= 64, dequantize+cuBLAS for M >= 128, ...; none meant for it: the nearest range), without timing. Above the
 largest bucket, a kernel whose range ends below goes on to the first usable kernel meant for every size above (the
 large-batch paths), measured or not. Kernels whose `prepare` is the same function share one prepared state per layer
-(the W4A16 GEMM and dequantize+cuBLAS run the same packed operands). `with use_dispatch(model, report):` puts the
+(the W4A16 GEMM and dequantize+cuBLAS run the same packed operands). On CUDA each candidate call is captured in a CUDA
+graph and its replays are timed with CUDA events, as a graph-captured decode step runs it (an eager call would time
+its Python launch cost, which can exceed a decode-sized kernel); a call that cannot be captured is timed eagerly and
+listed (`eager_timed`). `with use_dispatch(model, report):` puts the
 choice on the layers (`QuantLinear.dispatch`) for the duration of the block; it is never saved with the model: it
 belongs to the machine that measured it.
 """
@@ -115,8 +118,18 @@ def _merge(choices: list[tuple[int, str]]) -> tuple[tuple[int, str], ...]:
 FLUSH_BYTES = {"cuda": 256 * 2 ** 20}
 
 
-def _time(fn: Callable[[], Tensor], device: torch.device, repeats: int, flush: Tensor | None = None) -> float:
-    """Median seconds of `repeats` calls after one warm-up (CUDA: synchronized), `flush` read before each."""
+def _time(fn: Callable[[], Tensor], device: torch.device, repeats: int, flush: Tensor | None = None,
+          notes: list[str] | None = None) -> float:
+    """Median seconds of `repeats` calls after one warm-up, `flush` read before each. CUDA: the call captured once
+    in a CUDA graph and replayed, each replay timed with CUDA events (a decode loop runs its layers inside a graph,
+    so host-side launch cost is not the kernel's); where the call cannot be captured, eager host-synchronized
+    calls, and the reason is appended to `notes`. Other devices: perf_counter around each call."""
+    if device.type == "cuda":
+        try:
+            return _time_graph(fn, repeats, flush)
+        except Exception as e:  # noqa: BLE001 - a call that cannot be captured is timed eagerly, with the reason
+            if notes is not None:
+                notes.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
     sync()
@@ -130,6 +143,21 @@ def _time(fn: Callable[[], Tensor], device: torch.device, repeats: int, flush: T
         sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _time_graph(fn: Callable[[], Tensor], repeats: int, flush: Tensor | None) -> float:
+    """Capture `fn` (after checking eagerly that it is capture-safe: serving/cuda_graph.capture_problem) and time
+    `repeats` replays with CUDA events, `flush` read before each replay, outside the graph and the timed interval.
+    Raises when the call cannot be captured."""
+    from ..serving.cuda_graph import HostSync, capture, capture_problem, time_replays
+    problem = capture_problem(fn)
+    if problem:
+        raise HostSync(problem)
+    graph = capture(fn, warmup=1)
+    try:
+        return time_replays(graph, repeats, (lambda: flush.sum()) if flush is not None else None)
+    finally:
+        del graph
 
 
 def _key(layer) -> tuple:
@@ -167,10 +195,14 @@ class DispatchReport:
     # kernels those name (not part of the report's dict)
     choices: dict[tuple, tuple] = field(default_factory=dict)
     kernels: dict[str, Kernel] = field(default_factory=dict)
+    timing: str = "-"  # how the times were taken
+    # CUDA: "N x K scheme M=rows candidate" -> why that call could not be captured in a CUDA graph (timed eagerly,
+    # host-synchronized, instead)
+    eager_timed: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"dtype": self.dtype, "device": self.device, "layers": self.layers, "threads": self.threads,
-                "skipped": self.skipped,
+                "skipped": self.skipped, "timing": self.timing, "eager_timed": self.eager_timed,
                 "rows": [{"shape": list(r.shape), "scheme": r.scheme, "layers": r.layers, "rows": r.rows,
                           "times_us": r.times_us, "dense_us": r.dense_us, "choice": r.choice,
                           "vs_dense": r.vs_dense, "below_dense": r.below_dense} for r in self.rows]}
@@ -252,7 +284,7 @@ def plan_dispatch(model: nn.Module, batch_sizes=BATCH_SIZES, measure: bool = Tru
     for m in model.modules():
         if isinstance(m, QuantLinear):
             groups.setdefault(_key(m), []).append(m)
-    rows, skipped, chosen = [], {}, {}
+    rows, skipped, chosen, eager = [], {}, {}, {}
     dtype = device = None
     for key, layers in groups.items():
         first = layers[0]
@@ -277,15 +309,22 @@ def plan_dispatch(model: nn.Module, batch_sizes=BATCH_SIZES, measure: bool = Tru
             installed, first.dispatch = first.dispatch, None  # the reference path is timed as the layer's own forward
             for b in sorted(batch_sizes):
                 x = torch.randn(b, first.in_features, generator=gen).to(device, dtype)
-                t = {REFERENCE: _time(lambda: first(x), device, repeats, flush)}
+                def timed(what: str, fn: Callable[[], Tensor]) -> float:
+                    notes: list[str] = []
+                    seconds = _time(fn, device, repeats, flush, notes)
+                    if notes:
+                        eager[f"{label} M={b} {what}"] = notes[0]
+                    return seconds
+
+                t = {REFERENCE: timed(ref_name, lambda: first(x))}
                 for n in list(usable):
                     try:
-                        t[n] = _time(lambda n=n: kernels[n].run(states[n], x, first.bias), device, repeats, flush)
+                        t[n] = timed(n, lambda n=n: kernels[n].run(states[n], x, first.bias))
                     except Exception as e:  # recorded, not fatal: the other candidates still run (e.g. a torch op
                         # that refuses a layout on this GPU); the kernel is left out from here on
                         why[n] = f"failed at M={b}: {type(e).__name__}: {str(e)[:300]}"
                         usable.remove(n)
-                dense = _time(lambda: F.linear(x, dense_w), device, repeats, flush)
+                dense = timed("dense", lambda: F.linear(x, dense_w))
                 best = min(t, key=t.get)
                 choices.append((b, best))
                 rows.append(DispatchRow((first.out_features, first.in_features), first.scheme.name, len(layers), b,
@@ -300,8 +339,11 @@ def plan_dispatch(model: nn.Module, batch_sizes=BATCH_SIZES, measure: bool = Tru
         if why:
             skipped[label] = why
         chosen[key] = (_merge(choices), dtype)
+    timing = ("CUDA graph replays timed with CUDA events, median per call" if device is not None and
+              device.type == "cuda" else "perf_counter around eager calls, median per call") if rows else "-"
     return DispatchReport(str(dtype).replace("torch.", "") if dtype else "-", str(device) if device else "-", rows,
-                          skipped, sum(len(v) for v in groups.values()), torch.get_num_threads(), chosen, kernels)
+                          skipped, sum(len(v) for v in groups.values()), torch.get_num_threads(), chosen, kernels,
+                          timing, eager)
 
 
 def install_dispatch(model: nn.Module, report: DispatchReport) -> None:
@@ -314,6 +356,28 @@ def install_dispatch(model: nn.Module, report: DispatchReport) -> None:
             names = sorted({n for _, n in buckets if n != REFERENCE})
             m.dispatch = LayerDispatch(buckets, dtype, _prepare_all(report.kernels, names, m, dtype),
                                        {n: report.kernels[n] for n in names})
+
+
+def install_kernel(model: nn.Module, name: str, dtype: torch.dtype,
+                   kernels: dict[str, Kernel] | None = None) -> dict[str, str]:
+    """Put kernel `name` on every QuantLinear of `model` that it accepts, at every batch size, unmeasured: what a
+    benchmark comparing kernels does, forcing each in turn. Returns the layers left on the reference path, with
+    the kernel's reason. Raises ValueError when no kernel has that name (naming those that do exist)."""
+    from ..nn import QuantLinear
+    kernels = registry() if kernels is None else kernels
+    if name not in kernels:
+        raise ValueError(f"no kernel named {name!r}; registered: {', '.join(kernels)}")
+    kernel, left = kernels[name], {}
+    for layer_name, m in model.named_modules():
+        if not isinstance(m, QuantLinear):
+            continue
+        reason = kernel.reason(m, dtype, m.qdata.device)
+        if reason:
+            left[layer_name] = reason
+            continue
+        m.dispatch = LayerDispatch(((max(BATCH_SIZES), name),), dtype, {name: kernel.prepare(m, dtype)},
+                                   {name: kernel})
+    return left
 
 
 @contextlib.contextmanager
@@ -362,7 +426,7 @@ def render(plan: dict) -> list[str]:
     """Markdown lines for a DispatchReport.to_dict(): the measured table and the kernels that could not run."""
     warm = " CPU times are with the layer's weights cache-warm, which flatters the dense matmul of layers that fit in " \
         "L2; the end-to-end decode speed is the arbiter." if plan["device"].startswith("cpu") else \
-        " L2 flushed before every call."
+        f" L2 flushed before every call; {plan.get('timing', 'host-synchronized eager calls')}."
     lines = [f"{plan['layers']} quantized layers, activations {plan['dtype']} on {plan['device']}, "
              f"{plan['threads']} thread(s); times are medians per call.{warm}", ""]
     if plan["rows"]:
@@ -382,6 +446,11 @@ def render(plan: dict) -> list[str]:
         if any(r["choice"] == FLOAT_COPY.name for r in plan["rows"]):
             lines += ["", f"Where `{FLOAT_COPY.name}` is chosen, the layer holds a dequantized weight: the dense "
                           "layer's memory, in addition to the compressed one."]
+    eager = plan.get("eager_timed") or {}
+    if eager:
+        lines += ["", f"Timed eagerly (host-synchronized), not in a CUDA graph, where capture failed ({len(eager)} "
+                      "calls): " + "; ".join(f"{k}: {v}" for k, v in list(eager.items())[:8])
+                  + ("; ..." if len(eager) > 8 else "")]
     why: dict[str, set] = {}
     for reasons in plan["skipped"].values():
         for kernel, reason in reasons.items():

@@ -147,8 +147,9 @@ def pack_w4a16(u: Tensor, scales: Tensor, zeros: Tensor | None, group_size: int,
     if why:
         raise ValueError(f"W4A16 kernel: {why}")
     dev = u.device if device is None else device
-    u, scales, zeros = pad_k_w4a16(u.cpu(), scales.float().cpu(), None if zeros is None else zeros.float().cpu(),
-                                   group_size)
+    # packed where the codes are (a GPU packs an 8B model in seconds), then moved once
+    u, scales, zeros = pad_k_w4a16(u, scales.float().to(u.device),
+                                   None if zeros is None else zeros.float().to(u.device), group_size)
     p = prepack_w4a16(u, scales, zeros, group_size, dtype)
     return W4A16(p["wq"].to(dev), p["scales"].to(dev), None if p["zeros"] is None else p["zeros"].to(dev), n,
                  group_size, k, u.shape[1])

@@ -1,4 +1,4 @@
-"""Host-side packing for the W4A16 CUDA kernel (compress/kernels/cuda/w4a16.cu), in pure torch on the CPU.
+"""Packing for the W4A16 CUDA kernel (compress/kernels/cuda/w4a16.cu), in pure torch on the codes' own device.
 
 `prepack_w4a16` shuffles int4 codes into the kernel's layout, so that each GPU thread loads all the mma
 B-fragments of one k32 x n32 tile as one 128-bit word. `emulate_w4a16_codes` replays, on the CPU, how the
@@ -150,21 +150,6 @@ def w4a16_splits(M: int, N: int, K: int, sms: int, smem_per_sm: int) -> int:
     return -(-k_tiles // per_split)  # no split left without k-tiles
 
 
-def _nibble_position(N: int, K: int) -> tuple[Tensor, Tensor]:
-    """(n, k) of every nibble of the packed weight, as [N // 32, K // 32, 32 lanes, 4 words, 8 nibbles] tensors,
-    straight from the layout formula in the module docstring."""
-    sb = torch.arange(N // STRIP).view(-1, 1, 1, 1, 1)
-    ks = torch.arange(K // 32).view(1, -1, 1, 1, 1)
-    lane = torch.arange(32).view(1, 1, -1, 1, 1)
-    j = torch.arange(4).view(1, 1, 1, -1, 1)
-    p = torch.arange(8).view(1, 1, 1, 1, -1)
-    g, t = lane // 4, lane % 4
-    n = STRIP * sb + 16 * (j % 2) + 8 * ((p % 4) >= 2).long() + g
-    k = 32 * ks + 16 * (j // 2) + 2 * t + (p >= 4).long() + 8 * (p % 2)
-    shape = (N // STRIP, K // 32, 32, 4, 8)
-    return n.expand(shape), k.expand(shape)
-
-
 def prepack_w4a16(u: Tensor, scales: Tensor, zeros: Tensor | None, group_size: int, dtype: torch.dtype) -> dict:
     """Pack int4 codes u [N, K] (0..15) for the kernel.
 
@@ -195,18 +180,28 @@ def prepack_w4a16(u: Tensor, scales: Tensor, zeros: Tensor | None, group_size: i
         if bool((zf != zf.round()).any()) or float(zf.min()) < 0 or float(zf.max()) > 15:
             raise ValueError(f"zeros must be integers 0..15, got min {float(zf.min())} max {float(zf.max())}")
 
-    n, k = _nibble_position(N, K)
-    codes = u.to(torch.int64)[n, k]                      # [N/32, K/32, 32, 4, 8]
-    words = (codes << (4 * torch.arange(8))).sum(-1)     # 8 nibbles -> one 32-bit value (as int64)
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     return {
-        "wq": words.reshape(-1).contiguous(),
+        "wq": shuffle_w4a16(u),
         "scales": scales.t().to(dtype).contiguous(),
         "zeros": None if zeros is None else zeros.t().to(dtype).contiguous(),
         "N": N,
         "K": K,
         "group_size": group_size,
     }
+
+
+def shuffle_w4a16(u: Tensor) -> Tensor:
+    """The layout of the module docstring, on u's own device (a GPU packs an 8B model's codes in about a second;
+    through the CPU it took minutes): int32 [N * K // 8]. The nibble (n, k) formula is a permutation of u's
+    dimensions, n = 32 sb + 16 jn + 8 pn + g and k = 32 ks + 16 jk + 8 pk + 2 t + pb with j = 2 jk + jn,
+    p = 4 pb + 2 pn + pk and lane = 4 g + t, so it is a view and one permute, no gather. No checks (prepack_w4a16
+    makes them)."""
+    N, K = u.shape
+    codes = u.to(torch.int64).reshape(N // STRIP, 2, 2, 8, K // 32, 2, 2, 4, 2)  # sb jn pn g | ks jk pk t pb
+    codes = codes.permute(0, 4, 3, 7, 5, 1, 8, 2, 6)  # sb ks g t | jk jn | pb pn pk
+    codes = codes.reshape(N // STRIP, K // 32, 32, 4, 8)
+    words = (codes << (4 * torch.arange(8, device=u.device))).sum(-1)  # 8 nibbles -> one 32-bit value (as int64)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).reshape(-1).contiguous()
 
 
 def emulate_w4a16_codes(wq: Tensor, N: int, K: int, ns: int = 1) -> Tensor:
