@@ -103,6 +103,7 @@ from compress.kernels.fp8_layout import (fp8_layer_supported, fp8_quantize_rows_
                                          fp8_reference, fp8_supported)
 from compress.kernels.prepack import GROUP_SIZES, padded_k, w4a16_layer_supported, w4a16_reference  # noqa: E402
 from compress.kernels.prepack import w4a16_supported  # noqa: E402
+from compress.kernels.w4a16_v2 import w4a16_v2_supported  # noqa: E402
 
 FAMILIES = ("fp8_quantize", "w4a16", "fp8_gemm")
 MS = (1, 2, 4, 8, 16, 32, 64, 128, 512, 4096)
@@ -139,7 +140,9 @@ MAX_RESTARTS, EXIT_RESTART = 6, 3
 SANITIZER_REFUSALS = ("Device not supported", "Unable to find injection library")  # the tool cannot run here
 NOT_EVALUATED = "not evaluated: kernel failed correctness"
 SANITIZER_TOOLS = ("memcheck", "racecheck")  # racecheck: shared-memory hazards (all three kernels use shared memory)
-KERNEL_SYMBOLS = {"w4a16": "w4a16_kernel", "fp8_gemm": "fp8_gemm_sm", "fp8_quantize": "fp8_quantize_rows"}
+# the kernel symbols a sanitizer report may name, per family (a report naming one fails that family)
+KERNEL_SYMBOLS = {"w4a16": ("w4a16_kernel", "w4a16_v2_kernel", "w4a16_dequant_kernel"), "fp8_gemm": ("fp8_gemm_sm",),
+                  "fp8_quantize": ("fp8_quantize_rows",)}
 SHORT = {"float16": "fp16", "bfloat16": "bf16"}
 
 # Timing (Timer). A measurement takes `repeats` samples (--repeats single calls, --chain-repeats chain replays) but
@@ -637,14 +640,49 @@ def prepack_rule(name: str) -> Callable[[int, int, int, int], str | None]:
     return rule
 
 
-# Our W4A16 GEMMs on gpu.pack_w4a16's operands. Another one taking the same operands is one line, e.g. a decode
-# kernel for M <= 16:  "v2": Impl(op_impl("w4a16_gemm_v2"), prepack_rule("w4a16_v2_supported")),
+def _v2_rule(m: int, n: int, k: int, g: int) -> str | None:
+    """Version 2 takes M <= 16 and whatever split count fits its shared memory (the most splits: the least x)."""
+    return w4a16_v2_supported(m, n, k, g, max(1, k // 128))
+
+
+def _v2_pdl(p: gpu.W4A16, x: Tensor, splits: int = 0) -> Tensor:
+    """Version 2 launched as a programmatic dependent (sm_90: its weight loads start before the previous kernel in
+    the stream ends); elsewhere the op's checked path, without the attribute."""
+    if x.device.type != "cuda":
+        return op_impl("w4a16_gemm_v2")(p, x, splits)
+    x2 = x.reshape(-1, p.k)
+    if p.k_padded != p.k:
+        x2 = F.pad(x2, (0, p.k_padded - p.k))
+    return ops.launch_w4a16_v2(x2.contiguous(), p.wq, p.scales, p.zeros, p.n, p.group_size, splits, pdl=True)
+
+
+def _large_m(m: int, n: int, k: int, g: int) -> str | None:
+    """The large-batch path (dequantize into scratch, then cuBLAS) is checked and timed from M = 64 up: its kernel
+    writes W whatever M is, and below 64 the GEMMs are the dispatcher's choice."""
+    return None if m >= 64 else f"M={m}: the large-batch path is checked and timed from M = 64"
+
+
+def _scaled_mm_rule(m: int, n: int, k: int, g: int) -> str | None:
+    return None if n % 16 == 0 else f"N={n}: torch._scaled_mm needs N % 16 == 0"
+
+
+# Our W4A16 GEMMs on gpu.pack_w4a16's operands: v1 (any M), the decode kernel v2 (M <= 16; "v2 pdl": launched as a
+# programmatic dependent, which only chain mode can show), and the large-batch path (dequantize + cuBLAS).
 W4A16_IMPLS: dict[str, Impl] = {
     "v1": Impl(lambda p, x, splits=0: gpu.linear_w4a16(p, x, None, splits), forced_splits=True),
+    "v2": Impl(op_impl("w4a16_gemm_v2"), _v2_rule, forced_splits=True),
+    "v2 pdl": Impl(_v2_pdl, _v2_rule),
+    "dequant+cuBLAS": Impl(lambda p, x, splits=0: gpu.linear_w4a16_dequant(p, x, None), _large_m),
 }
-# Our fp8 W8A8 layers (per-token activation quantize + GEMM) on gpu.pack_fp8's operands
+# Our fp8 W8A8 layers (per-token activation quantize + GEMM) on gpu.pack_fp8's operands: our GEMM, and our quantize
+# feeding torch._scaled_mm (both accumulation modes)
 FP8_LAYER_IMPLS: dict[str, Impl] = {
     "ours": Impl(lambda p, x, splits=0: gpu.linear_fp8(p, x, None)),
+    "quantize + _scaled_mm": Impl(lambda p, x, splits=0: gpu.linear_fp8_scaled_mm(p, x, None, use_fast_accum=False),
+                                  _scaled_mm_rule),
+    "quantize + _scaled_mm fast": Impl(lambda p, x, splits=0: gpu.linear_fp8_scaled_mm(p, x, None,
+                                                                                      use_fast_accum=True),
+                                       _scaled_mm_rule),
 }
 BF16, DEQUANT, TINYGEMM = "bf16", "dequant+matmul", "torch tinygemm"
 FP8_GEMM, SCALED_MM, SCALED_MM_FAST = "fp8 gemm", "_scaled_mm", "_scaled_mm fast accum"
@@ -1231,7 +1269,7 @@ def parse_sanitizer(text: str) -> dict:
     counts = [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", text)]
     race = re.findall(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?, (\d+) warnings?\)", text)
     counts += [int(e) for e, _ in race]
-    families = [f for f, sym in KERNEL_SYMBOLS.items() if sym in text]
+    families = [f for f, syms in KERNEL_SYMBOLS.items() if any(sym in text for sym in syms)]
     return {"errors": max(counts) if counts else None, "warnings": sum(int(w) for _, w in race),
             "families": families}
 

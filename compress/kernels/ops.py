@@ -176,7 +176,9 @@ def _tickets(device: torch.device, n: int) -> Tensor:
 
 
 def launch_w4a16_v2(x: Tensor, wq: Tensor, scales: Tensor, zeros: Optional[Tensor], n: int, group_size: int,
-                    splits: int = 0) -> Tensor:
+                    splits: int = 0, pdl: Optional[bool] = None) -> Tensor:
+    """The CUDA path of w4a16_gemm_v2 without the op's checks. pdl: launch as a programmatic dependent of the previous
+    kernel in the stream (sm_90; None: COMPRESS_W4A16_PDL)."""
     ext = cuda_ext.load()
     if not ext.ok:
         raise RuntimeError(f"compress::w4a16_gemm_v2: {ext.reason}")
@@ -192,7 +194,8 @@ def launch_w4a16_v2(x: Tensor, wq: Tensor, scales: Tensor, zeros: Optional[Tenso
     tickets = _tickets(x.device, n) if used > 1 else None
     with torch.cuda.device(x.device):
         status = torch.ops.compress_cuda.w4a16_v2_gemm(x, wq, scales, zeros, out, workspace, tickets, group_size,
-                                                      used, _pdl(), torch.cuda.current_stream().cuda_stream)
+                                                      used, _pdl() if pdl is None else int(pdl),
+                                                      torch.cuda.current_stream().cuda_stream)
     _status("w4a16_gemm_v2", status, m, n, k)
     return out
 
