@@ -532,6 +532,9 @@ def environment(args, work: Path, log) -> tuple[dict, dict]:
 
 
 def commit() -> str:
+    """HEAD of this checkout (COMPRESS_COMMIT names it for a copy without git, e.g. a `git archive` snapshot)."""
+    if os.environ.get("COMPRESS_COMMIT"):
+        return os.environ["COMPRESS_COMMIT"]
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                           cwd=ROOT).stdout.strip() or "unknown"
 
