@@ -220,6 +220,11 @@ def float_activations(model: nn.Module):
             m.scheme = s
 
 
+def _device_of(model: nn.Module) -> torch.device:
+    """Where a model computes: its first parameter's device (the CPU for one without parameters, or all on meta)."""
+    return next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
+
+
 def verify_export(folder: str | Path, source: nn.Module, windows: Tensor) -> dict:
     """Reload the export at `folder` and compare its predictions with `source` on `windows` [B, T].
 
@@ -227,20 +232,23 @@ def verify_export(folder: str | Path, source: nn.Module, windows: Tensor) -> dic
     activation quantization, and compressed-tensors' CPU reference rounds differently from vLLM: see
     _without_input_quantization), so the comparison is of the stored weights, the static input scales are
     checked for equality, and the result says so. llama.cpp computes as it serves and is compared with the
-    source as it runs."""
+    source as it runs. Both run where `source` is (a CUDA run verifies on the GPU): the reloaded export is moved
+    there (llama.cpp stays on the CPU), and the windows go to each model's device."""
     loader, model = load_export(folder)
     gguf = loader == "llama-cpp-python"
+    where = _device_of(source)
     if gguf:
         from .gguf import iter_llama_cpp_logits
-        theirs = iter_llama_cpp_logits(str(model), windows)
+        theirs = iter_llama_cpp_logits(str(model), windows.cpu())
     else:
-        theirs = (model_logits(model, w[None])[0] for w in windows)
+        model.to(where)
+        theirs = (model_logits(model, w[None].to(where))[0] for w in windows)
     kl = agree = positions = 0.0
     floated = False
     for w, logits in zip(windows, theirs):  # one window at a time: [T, vocab] logits, never [B, T, vocab]
         with contextlib.nullcontext(False) if gguf else float_activations(source) as floated:
-            reference = model_logits(source, w[None])[0]
-        c = compare_logits(reference, logits)
+            reference = model_logits(source, w[None].to(where))[0]
+        c = compare_logits(reference, logits.to(reference.device))
         kl, agree, positions = kl + c["kl"] * c["positions"], agree + c["top1_agreement"] * c["positions"], \
             positions + c["positions"]
     result = {"loader": loader, "kl": kl / positions, "top1_agreement": agree / positions,
