@@ -492,8 +492,16 @@ def environment(args, work: Path, log) -> tuple[dict, dict]:
     if not os.environ.get("COMPRESS_DATA_DIR") and (carry / "data" / "wikitext-2-raw").is_dir():
         env["COMPRESS_DATA_DIR"] = os.environ["COMPRESS_DATA_DIR"] = str(carry / "data")
     from compress.data import find_data_dir
-    if find_data_dir() is None:
+    data = find_data_dir()
+    if data is None:
         raise FileNotFoundError(f"no WikiText-2: set COMPRESS_DATA_DIR or carry {carry}/data (--prepare writes it)")
+    if args.dry_run:  # the first lines of each split: tiny windows need little text, and tokenizing it is instant
+        tiny = work / "data-head" / "wikitext-2-raw"
+        tiny.mkdir(parents=True, exist_ok=True)
+        for name in ("wiki.test.raw", "wiki.valid.raw"):
+            lines = (data / "wikitext-2-raw" / name).read_text(encoding="utf-8").splitlines(keepends=True)
+            (tiny / name).write_text("".join(lines[:400]), encoding="utf-8")
+        env["COMPRESS_DATA_DIR"] = os.environ["COMPRESS_DATA_DIR"] = str(tiny.parent)
     if args.dry_run:
         tokenizer = byte_tokenizer(work / "tokenizer-bytes")
         fields = TINY
@@ -626,7 +634,7 @@ def main(argv=None) -> int:
         elif failed_need:
             row["skipped"] = f"{job['needs']} did not complete"
         elif left < needed:
-            row["skipped"] = f"budget: {left:.0f} s left, this run needs about {needed:.0f} s"
+            row["skipped"] = f"budget: {max(left, 0):.0f} s left, this run needs about {needed:.0f} s"
         else:
             print(f"{job['id']} ...", flush=True)
             row.update(run_inline(job, work / "runs") if args.in_process else
@@ -637,8 +645,8 @@ def main(argv=None) -> int:
         with open(out / f"{stem}.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
         print(f"{job['id']}: " + ("skipped: " + row["skipped"] if row.get("skipped") else
-                                  f"ok, {row.get('wall_s')} s, KL {row.get('kl')}" if row.get("ok") else
-                                  f"FAILED {row.get('error')}"), flush=True)
+                                  f"ok, {row.get('wall_s', row.get('seconds'))} s, KL {row.get('kl')}"
+                                  if row.get("ok") else f"FAILED {row.get('error')}"), flush=True)
         result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   "commit": commit(), "torch": torch.__version__, "argv": argv,
                   "device_name": next((r["gpu"] for r in rows if r.get("gpu")), "no GPU row"),
