@@ -164,6 +164,10 @@ def _load(folder: Path, record: dict):
                 model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
         finally:
             hf_logging.set_verbosity(verbosity)
+        if any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
+            # transformers 5.17's compressed-tensors load leaves NVFP4 weights decompressed in bfloat16 beside float32
+            # activations (a dtype error at the first matmul); 5.25 gives float32. Compared in float32 either way
+            model = model.float()
         return loader, _without_input_quantization(model)
     if fmt == "awq":
         from .awq import awq_dequantize
