@@ -79,6 +79,7 @@ LARGE_PROTOCOL = ("calibration.n_samples=16", "calibration.seq_len=512", "eval.m
 DRY_PROTOCOL = ("calibration.n_samples=4", "calibration.seq_len=32", "eval.max_windows=2", "eval.seq_len=64",
                 "calibration.threads=1", "eval.threads=1")  # applied after PROTOCOL / LARGE_PROTOCOL
 KL_TOLERANCE = 0.10
+LOG_TAIL = 200_000  # characters of each child's output kept in the log
 BARS_S = {"embedded/awq_int4/auto": 60.0, "large/gptq_int4/resident": 180.0, "large/gptq_int4/streamed": 180.0}
 ESTIMATE_S = {"recipe": 45.0, "build": 60.0, "large": 180.0}  # what a job must have left to start (H100 guesses)
 
@@ -589,6 +590,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--in-process", action="store_true", help="run the jobs in this process (no isolation; tests)")
     ap.add_argument("--prepare", action="store_true", help="write the carried folder (here, not on the GPU)")
     ap.add_argument("--no-wheels", action="store_true", help="--prepare without downloading wheels")
+    ap.add_argument("--compact", action="store_true", help="one file in --out, the .json (rewritten after every row; "
+                    "it holds the markdown too): for a caller whose $OUT returns few files. The .jsonl and the "
+                    "children's log stay in --work")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -609,10 +613,10 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     stem = "gpu_recipes_dry_run" if args.dry_run else "gpu_recipes"
-    logfile = open(out / f"{stem}.log", "a")
+    logfile = open((work if args.compact else out) / f"{stem}.log", "a")
 
     def log(msg: str) -> None:
-        logfile.write(msg + "\n")
+        logfile.write(msg[-LOG_TAIL:] + "\n")  # a child's output: its end (the whole is rarely needed)
         logfile.flush()
 
     env, sources = environment(args, work, log)
@@ -622,7 +626,8 @@ def main(argv=None) -> int:
         reference = None
     jobs = plan_jobs(args, sources)
     rows: list[dict] = []
-    (out / f"{stem}.jsonl").write_text("")
+    rows_file = (work if args.compact else out) / f"{stem}.jsonl"
+    rows_file.write_text("")
     result = {}
     for job in jobs:
         row = {k: job.get(k) for k in ("id", "kind", "model", "recipe", "dtype", "device")}
@@ -642,7 +647,7 @@ def main(argv=None) -> int:
         if row.get("model") == "random":
             row["random_sha256"] = sources.get("random:sha256")
         rows.append(row)
-        with open(out / f"{stem}.jsonl", "a") as f:
+        with open(rows_file, "a") as f:
             f.write(json.dumps(row) + "\n")
         print(f"{job['id']}: " + ("skipped: " + row["skipped"] if row.get("skipped") else
                                   f"ok, {row.get('wall_s', row.get('seconds'))} s, KL {row.get('kl')}"
@@ -656,8 +661,10 @@ def main(argv=None) -> int:
                   f"{reference.get('date')}, commit {reference.get('commit')}, {reference.get('machine')}",
                   "rows": rows}
         result["verdicts"] = compare(rows, reference, sources.get("random:sha256"))
+        result["markdown"] = render(result)
         (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
-        (out / f"{stem}.md").write_text(render(result))
+        if not args.compact:
+            (out / f"{stem}.md").write_text(result["markdown"])
         if args.reference:  # after every row: an interrupted reference run keeps what it finished
             write_reference(Path(args.reference_file), rows, sources, argv)
     shutil.rmtree(work / "large", ignore_errors=True)

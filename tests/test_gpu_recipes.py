@@ -96,12 +96,15 @@ def test_the_embedded_model_is_joined_from_its_two_halves_and_checked(tmp_path, 
 
 
 def _dry_run(tmp_path, *extra) -> tuple[int, dict]:
-    out = tmp_path / "out"
-    rc = gr.main(["--dry-run", "--out", str(out), "--work", str(tmp_path / "work"), *extra])
+    out, work = tmp_path / "out", tmp_path / "work"
+    rc = gr.main(["--dry-run", "--out", str(out), "--work", str(work), *extra])
     result = json.loads((out / "gpu_recipes_dry_run.json").read_text())
-    lines = (out / "gpu_recipes_dry_run.jsonl").read_text().splitlines()
+    where = work if "--compact" in extra else out  # --compact: the .json alone comes back
+    assert sorted(p.name for p in out.iterdir()) == (["gpu_recipes_dry_run.json"] if "--compact" in extra else
+                                                     [f"gpu_recipes_dry_run.{e}" for e in ("json", "jsonl", "log", "md")])
+    lines = (where / "gpu_recipes_dry_run.jsonl").read_text().splitlines()
     assert [json.loads(line)["id"] for line in lines] == [r["id"] for r in result["rows"]]
-    assert "| run | ok |" in (out / "gpu_recipes_dry_run.md").read_text()
+    assert "| run | ok |" in result["markdown"]
     return rc, result
 
 
@@ -129,7 +132,8 @@ def test_dry_run_takes_every_recipe_and_the_large_model_through_compress_run(tmp
 
 @requires_data
 def test_a_budget_skips_what_does_not_fit_and_says_so(tmp_path):
-    rc, result = _dry_run(tmp_path, "--in-process", "--budget", "0", "--models", "random", "--recipes", "fp8_dynamic")
+    rc, result = _dry_run(tmp_path, "--in-process", "--budget", "0", "--models", "random", "--recipes", "fp8_dynamic",
+                          "--compact")
     skipped = {r["id"]: r["skipped"] for r in result["rows"]}
     assert rc == 0 and skipped["random/fp8_dynamic/auto"].startswith("budget: 0 s left")
     assert skipped["large/build"].startswith("budget") and skipped["large/gptq_int4/resident"] == \
