@@ -29,26 +29,40 @@ first 4 WikiText-2 test windows of 2048 tokens for perplexity and KL, no speed m
 window. Bars (issue 44): every recipe completes with KL within 10% of its CPU run; awq_int4 on the embedded model
 <= 60 s (run() wall time); Llama-2-7B-shape gptq_int4 <= 180 s on one GPU.
 
-How a GPU session runs it (the machine has no network, no `gguf`, `compressed-tensors` or `pydantic`, and neither
-../shared/data nor the default model; everything comes in .gpu_carry/, which git ignores):
+How a GPU session runs it. The GPU machine has no network, no `gguf`, `compressed-tensors` or `pydantic`, neither
+../shared/data nor the default model, and transformers 5.17 (the dry run passes under 5.17 too); everything it lacks
+comes in .gpu_carry/, which git ignores, and each device call carries at most 64 MiB (the working tree, 4.3 MB,
+included):
 
-  here, once:  python bench/gpu_recipes.py --prepare        # .gpu_carry/: tokenizer/ (3.5 MB), data/ (WikiText-2
-               # test + validation, 2.4 MB), whl/ (7 wheels, 3 MB, from the package index), gguf.part1 and
-               # gguf.part2 (the 98 MB embedded model in two halves, 47 MiB each)
-  device call 1 (carry [".gpu_carry/tokenizer", ".gpu_carry/data", ".gpu_carry/whl", ".gpu_carry/gguf.part1"]):
-               python bench/gpu_recipes.py --out $OUT --models random --budget 540
-  device call 2, within the 30 s the machine stays warm (carry [".gpu_carry/gguf.part2"]; part1 is still there):
-               python bench/gpu_recipes.py --out $OUT --models embedded --parts recipes --budget 300
+  here, once:   python bench/gpu_recipes.py --prepare      # writes .gpu_carry/: tokenizer/ (SmolLM2's, from the
+                # GGUF: 3.4 MB), data/wikitext-2-raw/ (test + validation, 2.4 MB), whl/ (the 7 wheels of WHEELS for
+                # CPython 3.12 from the package index, 3.0 MB), gguf.part1 and gguf.part2 (the 98 MB GGUF in halves,
+                # 47 MiB each). --no-wheels skips the download.
+  device call 1 (about 10 minutes; carry [".gpu_carry/tokenizer", ".gpu_carry/data", ".gpu_carry/whl",
+                ".gpu_carry/gguf.part1"]: 60 MiB with the tree):
+                python bench/gpu_recipes.py --out $OUT --models random --budget 540
+  device call 2 (optional: the embedded model; made within the 30 s the machine stays warm, so that what call 1
+                carried is still there; carry [".gpu_carry/gguf.part2"]):
+                python bench/gpu_recipes.py --out $OUT --models embedded --parts recipes --budget 300
+  from bench/gpu_run.sh, where $OUT returns at most 8 files:
+                timeout 600 python3 bench/gpu_recipes.py --out "$OUT" --compact --models random --budget 540
 
-The random model's recipes and the 7B runs need no GGUF (call 1 alone is a complete run of the 7B part). Expected
-on an H100 (estimates, never measured yet): about 30-60 s per recipe, 60 s to build the 7B model, 2-3 minutes per
-7B run; --budget (seconds, default 540) skips what would not fit, recorded as such. Results in --out (else $OUT,
-else bench/results/gpu_recipes/): gpu_recipes.jsonl (a row per run as it ends), gpu_recipes.json and .md (rows,
-comparison, bars; rewritten after every row), gpu_recipes.log (the children's output). Exit status 0 when every run
-that was attempted completed.
+Call 1 alone is complete for the random model and the 7B shape; without the halves (or COMPRESS_DEFAULT_GGUF) the
+embedded rows are skipped with the reason. A session has 15 minutes of device time, the machine's start (1-2
+minutes) included: with both calls, give call 1 --budget 420 and call 2 --budget 240 (or leave the 7B part to
+another session: --parts recipes). Job ids are MODEL/RECIPE/DTYPE and large/...; --only picks some by pattern. The wheels go into --work/site (pip --no-index --target), the data folder
+becomes COMPRESS_DATA_DIR. Expected on an H100 (estimates; nothing has run on a GPU yet): 30-60 s per recipe on the
+135M model (a GGUF load is about 8 s, twice per run: the model, then the baseline), 60 s to build the 7B model, 2.5-3.5
+minutes per 7B run (GPTQ's column loop is launch-bound: ~36k columns per block, ~100 s of the run). --budget (s)
+skips a run that its estimate (ESTIMATE_S) says would not fit, recorded as such; a started run is killed at the
+budget's end. Results in --out (else $OUT, else bench/results/gpu_recipes/): gpu_recipes.jsonl (a row per run as it
+ends), gpu_recipes.json and .md (rows, comparison with the CPU runs, bars; rewritten after every row; the .json
+holds the markdown too), gpu_recipes.log (the children's output). Exit status 0 when every run that was attempted
+completed.
 
-  python bench/gpu_recipes.py --reference --models random      # CPU references (OMP_NUM_THREADS=1, one at a time)
-  python bench/gpu_recipes.py --dry-run --out DIR              # CPU, tiny models: the same code (tests run it)
+  OMP_NUM_THREADS=1 python bench/gpu_recipes.py --reference --models random,embedded --budget 100000
+                # the CPU references, one run at a time (here: 4-7 minutes each on one core)
+  python bench/gpu_recipes.py --dry-run --out DIR      # CPU, tiny models, the same jobs (tests/test_gpu_recipes.py)
 """
 from __future__ import annotations
 
@@ -81,7 +95,7 @@ DRY_PROTOCOL = ("calibration.n_samples=4", "calibration.seq_len=32", "eval.max_w
 KL_TOLERANCE = 0.10
 LOG_TAIL = 200_000  # characters of each child's output kept in the log
 BARS_S = {"embedded/awq_int4/auto": 60.0, "large/gptq_int4/resident": 180.0, "large/gptq_int4/streamed": 180.0}
-ESTIMATE_S = {"recipe": 45.0, "build": 60.0, "large": 180.0}  # what a job must have left to start (H100 guesses)
+ESTIMATE_S = {"recipe": 45.0, "build": 60.0, "large": 200.0}  # what a job must have left to start (H100 guesses)
 
 # SmolLM2-135M-Instruct's config as transformers reads it from the GGUF file (compress.models.load_config("default"))
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
