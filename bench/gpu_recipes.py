@@ -295,17 +295,21 @@ def join_gguf(carry: Path, work: Path) -> Path | None:
     return target
 
 
-def install_wheels(carry: Path, work: Path) -> str | None:
-    """pip install the carried wheels into work/site (no index, no dependencies); that folder, or None."""
+def install_wheels(carry: Path, work: Path) -> tuple[str | None, str]:
+    """pip install the carried wheels into work/site (no index, no dependencies): (that folder or None, what
+    happened). A failed install is not fatal: the runs that need a missing package fail as their rows."""
     wheels = sorted((carry / "whl").glob("*.whl"))
     if not wheels:
-        return None
+        return None, f"no wheels in {carry / 'whl'}"
     site = work / "site"
     if not (site / ".done").is_file():
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                        "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, wheels)], check=True)
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                               "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, wheels)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            return None, f"pip install of the carried wheels failed: {(done.stderr or done.stdout)[-1500:]}"
         (site / ".done").write_text("\n".join(w.name for w in wheels))
-    return str(site)
+    return str(site), f"installed into {site}: {', '.join(w.name for w in wheels)}"
 
 
 # ----------------------------------------------------------------------------------------------- jobs
@@ -351,9 +355,7 @@ def worker(job: dict, out_dir: Path) -> dict:
     """One job in this process; its row."""
     import torch
 
-    cuda = job["device"].startswith("cuda")
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
+    cuda = job["device"].startswith("cuda")  # a fresh process: the peaks below are this job's own
     if job["kind"] == "build":
         row = build_large(Path(job["folder"]), job["fields"], Path(job["tokenizer"]), job["device"])
     else:
@@ -500,7 +502,8 @@ def environment(args, work: Path, log) -> tuple[dict, dict]:
     carry = Path(args.carry)
     sources: dict = {}
     if not args.dry_run and not args.reference:
-        site = install_wheels(carry, work)
+        site, sources["wheels"] = install_wheels(carry, work)
+        log(f"wheels: {sources['wheels']}")
         if site is not None:
             sys.path.insert(0, site)
             env["PYTHONPATH"] = os.pathsep.join([site, str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -527,7 +530,11 @@ def environment(args, work: Path, log) -> tuple[dict, dict]:
             from transformers import AutoTokenizer
 
             from compress.default_model import default_model_path
-            gguf = default_model_path(fetch=False)
+            try:
+                gguf = default_model_path(fetch=False)
+            except FileNotFoundError as exc:
+                raise FileNotFoundError(f"no tokenizer: carry {carry}/tokenizer (--prepare writes it) or give "
+                                        f"the default model ({exc})") from None
             AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tokenizer)
     sources["tokenizer"] = str(tokenizer)
     models = args.models.split(",")
@@ -617,7 +624,7 @@ def main(argv=None) -> int:
     out = Path(args.out or os.environ.get("OUT") or ROOT / "bench" / "results" / "gpu_recipes")
     if args.worker:
         job = json.loads(args.worker)
-        print("ROW " + json.dumps(worker(job, Path(args.work) / "runs")), flush=True)
+        print("ROW " + json.dumps(worker(job, out)), flush=True)  # --out: the parent's runs folder
         return 0
     if args.prepare:
         print(json.dumps(prepare(Path(args.carry), wheels=not args.no_wheels), indent=1))
@@ -670,7 +677,7 @@ def main(argv=None) -> int:
                   "commit": commit(), "torch": torch.__version__, "argv": argv,
                   "device_name": next((r["gpu"] for r in rows if r.get("gpu")), "no GPU row"),
                   "protocol": list(PROTOCOL), "large_protocol": list(LARGE_PROTOCOL),
-                  "random_model": sources.get("random:build"),
+                  "random_model": sources.get("random:build"), "wheels": sources.get("wheels"),
                   "reference_note": "none" if reference is None else
                   f"{reference.get('date')}, commit {reference.get('commit')}, {reference.get('machine')}",
                   "rows": rows}
