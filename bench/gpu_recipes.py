@@ -320,7 +320,7 @@ def plan_jobs(args, sources: dict) -> list[dict]:
     jobs = []
     parts = args.parts.split(",")
     device = "cpu" if args.dry_run or args.reference else "cuda"
-    dtypes = ["auto"] if args.reference else args.dtypes.split(",")
+    dtypes = args.dtypes.split(",")
     for dtype in dtypes:
         for model in args.models.split(","):
             if "recipes" not in parts:
@@ -424,6 +424,12 @@ def run_inline(job: dict, out_dir: Path) -> dict:
 
 # ----------------------------------------------------------------------------------------------- results
 
+def reference_key(model: str, recipe: str, dtype: str = "auto") -> str:
+    """A CPU reference row's key: MODEL/RECIPE for the CPU's own dtype (auto: float32 weights), MODEL/RECIPE/DTYPE
+    for another (bfloat16: what the model dtype alone does to the KL, the GPU run's dtype, on the CPU)."""
+    return f"{model}/{recipe}" + ("" if dtype == "auto" else f"/{dtype}")
+
+
 def compare(rows: list[dict], reference: dict | None, random_sha: str | None) -> dict:
     """Each completed recipe row against its CPU reference (same model and recipe): kl_vs_cpu = KL / reference KL,
     within_10pct; and the bars. Returns the verdicts."""
@@ -446,6 +452,9 @@ def compare(rows: list[dict], reference: dict | None, random_sha: str | None) ->
         r["kl_cpu"] = ref["kl"]
         r["kl_vs_cpu"] = r["kl"] / ref["kl"]
         r["within_10pct"] = abs(r["kl_vs_cpu"] - 1) <= KL_TOLERANCE
+        bf16 = refs.get(reference_key(r["model"], r["recipe"], "bfloat16"))
+        if bf16 is not None and bf16.get("kl") is not None:  # the CPU with bfloat16 weights, as the GPU's auto
+            r["kl_cpu_bfloat16"] = bf16["kl"]
     verdicts = {}
     recipe_rows = [r for r in rows if r.get("kind") == "recipe" and r.get("model") != "large"]
     attempted = [r for r in recipe_rows if not r.get("skipped")]
@@ -469,8 +478,9 @@ def render(result: dict) -> str:
     gb = 1e9
     lines = [f"# compress run on CUDA ({result['device_name']})", "",
              f"{result['date']}, commit {result['commit']}, torch {result['torch']}; protocol: "
-             f"{' '.join(PROTOCOL)} (large: {' '.join(LARGE_PROTOCOL)}). KL vs CPU: this run's KL over the CPU "
-             f"reference's ({result.get('reference_note', '')}).", "",
+             f"{' '.join(PROTOCOL)} (large: {' '.join(LARGE_PROTOCOL)}). KL CPU: the same recipe's CPU run, float32 "
+             f"weights (in brackets: bfloat16 weights, the GPU's dtype, on the CPU); ratio: this run's KL over the "
+             f"float32 one, ✓ within {KL_TOLERANCE:.0%} (reference: {result.get('reference_note', '')}).", "",
              "| run | ok | wall s | phases s | KL | KL CPU | ratio | ppl | ppl base | top-1 | GPU peak GB | host peak GB |",
              "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
@@ -484,10 +494,11 @@ def render(result: dict) -> str:
         if r.get("kind") == "build":
             phases = f"built: {r['parameters'] / 1e9:.2f} B parameters, {r['bytes_on_disk'] / gb:.1f} GB on disk"
             r = {**r, "wall_s": r.get("seconds")}
+        cpu = fmt(r.get("kl_cpu"), ".5f") + (f" (bf16 {r['kl_cpu_bfloat16']:.5f})" if "kl_cpu_bfloat16" in r else "")
         ratio = fmt(r.get("kl_vs_cpu"), ".3f") + (" ✓" if r.get("within_10pct") else " ✗" if "within_10pct" in r
                                                    else "")
         lines.append(f"| {r['id']} | yes | {fmt(r.get('wall_s'), '.1f')} | {phases or r.get('note', '')} | "
-                     f"{fmt(r.get('kl'), '.5f')} | {fmt(r.get('kl_cpu'), '.5f')} | {ratio} | {fmt(r.get('ppl'), '.3f')} "
+                     f"{fmt(r.get('kl'), '.5f')} | {cpu} | {ratio} | {fmt(r.get('ppl'), '.3f')} "
                      f"| {fmt(r.get('ppl_baseline'), '.3f')} | {fmt(r.get('top1'), '.4f')} | "
                      f"{fmt(r.get('peak_gpu_allocated_bytes') and r['peak_gpu_allocated_bytes'] / gb, '.2f')} | "
                      f"{fmt(r['peak_rss_bytes'] / gb, '.2f')} |")
@@ -583,7 +594,7 @@ def write_reference(path: Path, rows: list[dict], sources: dict, argv: list[str]
                                    "config": SMOLLM2}
     for r in rows:
         if r.get("ok"):
-            ref["rows"][f"{r['model']}/{r['recipe']}"] = {
+            ref["rows"][reference_key(r["model"], r["recipe"], r["dtype"])] = {
                 "protocol": list(PROTOCOL), **{k: r.get(k) for k in ("kl", "top1", "ppl", "ppl_baseline", "wall_s",
                                                                     "timings_s", "model_dtype", "calibration_dtype",
                                                                     "eval_fingerprint", "exports")}}
@@ -599,8 +610,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--models", default="random,embedded", help="random, embedded (comma-separated)")
     ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--parts", default="recipes,large", help="recipes, large (comma-separated)")
-    ap.add_argument("--dtypes", default="auto", help="model.dtype of the recipe runs: auto (bfloat16 on CUDA), "
-                    "float32 (the CPU reference's)")
+    ap.add_argument("--dtypes", default="auto", help="model.dtype of the recipe runs: auto (bfloat16 on CUDA, float32 "
+                    "on a CPU), float32, bfloat16 (with --reference: what the GPU's dtype alone does, on the CPU)")
     ap.add_argument("--only", help="comma-separated job ids or patterns (e.g. 'random/*/auto,large/*')")
     ap.add_argument("--carry", default=str(CARRY), help="the carried folder (--prepare writes it)")
     ap.add_argument("--work", default=os.environ.get("COMPRESS_GPU_WORK", "/tmp/compress-gpu"),

@@ -64,6 +64,13 @@ def test_each_recipe_is_compared_with_its_cpu_run_within_ten_percent():
     verdicts = gr.compare(rows, ref, "abc")
     assert rows[0]["kl_vs_cpu"] == pytest.approx(1.05) and rows[0]["within_10pct"]
     assert verdicts["kl_within_10pct_of_cpu_auto"] == "1/1" and verdicts["recipes_completed"].startswith("1/1")
+    assert "kl_cpu_bfloat16" not in rows[0]
+    ref["rows"]["random/awq_int4/bfloat16"] = {"kl": 0.104, "protocol": list(gr.PROTOCOL)}  # shown beside it
+    rows = _rows()
+    gr.compare(rows, ref, "abc")
+    assert rows[0]["kl_cpu_bfloat16"] == 0.104 and rows[0]["kl_cpu"] == 0.1
+    assert "(bf16 0.10400)" in gr.render({"device_name": "x", "date": "d", "commit": "c", "torch": "t",
+                                          "rows": [{**rows[0], "peak_rss_bytes": 1}], "verdicts": {}})
     rows = _rows(kl=0.111)
     gr.compare(rows, ref, "abc")
     assert not rows[0]["within_10pct"]
