@@ -581,14 +581,17 @@ def commit() -> str:
 
 
 def write_reference(path: Path, rows: list[dict], sources: dict, argv: list[str]) -> None:
-    """The CPU rows as the GPU run's reference, merged into `path` (rows of other models are kept)."""
+    """The CPU rows as the GPU run's reference, merged into `path` (rows of other models and dtypes are kept); each
+    row names the command, commit and date it was computed with."""
     import torch
 
     ref = json.loads(path.read_text()) if path.is_file() else {"rows": {}, "models": {}}
-    ref.update(command="OMP_NUM_THREADS=1 python bench/gpu_recipes.py " + " ".join(argv), commit=commit(),
-               date=datetime.date.today().isoformat(), torch=torch.__version__,
-               machine=f"{os.cpu_count()} CPU cores; calibration matmuls "
-                       f"{next((r.get('calibration_dtype') for r in rows if r.get('ok')), '?')}", protocol=list(PROTOCOL))
+    run = {"command": "OMP_NUM_THREADS=1 python bench/gpu_recipes.py " + " ".join(argv), "commit": commit(),
+           "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+           "machine": f"{os.cpu_count()} CPU cores, "
+                      f"{'AMX/AVX512-BF16' if _cpu_bf16() else 'no bf16 instructions'} (calibration.dtype auto: "
+                      f"{next((r.get('calibration_dtype') for r in rows if r.get('ok')), '?')} matmuls)"}
+    ref.update(protocol=list(PROTOCOL), **run)  # the latest run's, at the top
     if sources.get("random:sha256"):
         ref["models"]["random"] = {"sha256": sources["random:sha256"], "std": RANDOM_STD, "seed": RANDOM_SEED,
                                    "config": SMOLLM2}
@@ -597,9 +600,15 @@ def write_reference(path: Path, rows: list[dict], sources: dict, argv: list[str]
             ref["rows"][reference_key(r["model"], r["recipe"], r["dtype"])] = {
                 "protocol": list(PROTOCOL), **{k: r.get(k) for k in ("kl", "top1", "ppl", "ppl_baseline", "wall_s",
                                                                     "timings_s", "model_dtype", "calibration_dtype",
-                                                                    "eval_fingerprint", "exports")}}
+                                                                    "eval_fingerprint", "exports")},
+                **{k: run[k] for k in ("commit", "date", "command")}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(ref, indent=1) + "\n")
+
+
+def _cpu_bf16() -> bool:
+    from compress.nn import cpu_has_bf16
+    return cpu_has_bf16()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
