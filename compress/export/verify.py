@@ -110,6 +110,20 @@ def _without_input_quantization(model: nn.Module) -> nn.Module:
     return model
 
 
+def _without_offloading(model: nn.Module) -> nn.Module:
+    """transformers 5.17 (the GPU machine's) leaves a compressed-tensors reload under compressed-tensors' own
+    offloading: each module's parameters in a CPU cache, copied to its onload device at every access, and its inputs
+    sent there; `.to(device)` and `.float()` then act on those copies, not on the weights. Removed, so that the model
+    is moved and cast like any other (5.25 loads a plain model: nothing to remove)."""
+    try:
+        from compressed_tensors.offload import OffloadCache, remove_dispatch
+    except ImportError:
+        return model
+    if any(isinstance(m._parameters, OffloadCache) for m in model.modules()):
+        remove_dispatch(model)
+    return model
+
+
 def input_scales_match(folder: Path, source: nn.Module) -> bool | None:
     """Whether every static input scale in the export equals the source's (None: there are none)."""
     from ..nn import QuantLinear
@@ -164,10 +178,14 @@ def _load(folder: Path, record: dict):
                 model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
         finally:
             hf_logging.set_verbosity(verbosity)
-        if any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
-            # transformers 5.17's compressed-tensors load leaves NVFP4 weights decompressed in bfloat16 beside float32
+        _without_offloading(model)
+        if fmt == "compressed-tensors" and deq:
+            # transformers 5.17's dequantizing load leaves NVFP4 weights decompressed in bfloat16 beside float32
             # activations (a dtype error at the first matmul); 5.25 gives float32. Compared in float32 either way
-            model = model.float()
+            # (transformers refuses .float() on a quantized model: the tensors are cast one by one)
+            for t in [*model.parameters(), *model.buffers()]:
+                if t.dtype in (torch.bfloat16, torch.float16):
+                    t.data = t.data.float()
         return loader, _without_input_quantization(model)
     if fmt == "awq":
         from .awq import awq_dequantize
