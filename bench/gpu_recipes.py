@@ -61,7 +61,7 @@ holds the markdown too), gpu_recipes.log (the children's output). Exit status 0 
 completed.
 
   OMP_NUM_THREADS=1 python bench/gpu_recipes.py --reference --models random,embedded --budget 100000
-                # the CPU references, one run at a time (here: 4-7 minutes each on one core)
+                # the CPU references, one run at a time (here: 1.5-8 minutes each on one shared core)
   python bench/gpu_recipes.py --dry-run --out DIR      # CPU, tiny models, the same jobs (tests/test_gpu_recipes.py)
 """
 from __future__ import annotations
