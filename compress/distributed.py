@@ -32,11 +32,13 @@ def active() -> bool:
 
 
 def start(device: str) -> tuple[int, int]:
-    """Join the launcher's process group (gloo on CPUs, nccl on GPUs) when there is more than one process."""
+    """Join the launcher's process group (gloo on CPUs; on GPUs nccl for CUDA tensors and gloo for the CPU ones: the
+    token counts, losses and flags reduced here are CPU tensors, which an nccl-only group refuses) when there is
+    more than one process."""
     rank, size = world()
     if size > 1 and not dist.is_initialized():
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        if backend == "nccl":
+        backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
+        if device.startswith("cuda"):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend)
     return rank, size

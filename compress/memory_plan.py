@@ -126,9 +126,11 @@ class MemoryPlan:
         if self.device_phases and self.device_available is not None:
             dname, dpeak = self._peak(self.device_phases)
             if dpeak > self.device_available:
+                fix = "set eval.baseline=false (no KL or top-1 then) or lower eval.seq_len" if dname == "evaluation" \
+                    else "lower calibration.n_samples or calibration.seq_len"
                 return (f"this run needs about {dpeak / GB:.1f} GB on {self.device} ({dname}) and "
-                        f"{self.device_available / GB:.1f} GB are free. Lower calibration.n_samples or "
-                        "calibration.seq_len, or set model.check_memory=false to run anyway.")
+                        f"{self.device_available / GB:.1f} GB are free. {fix[0].upper() + fix[1:]}, or set "
+                        "model.check_memory=false to run anyway.")
         return None
 
 
@@ -210,6 +212,9 @@ def plan_memory(recipe, config, dtype: torch.dtype, device: str, available: int 
     if any(getattr(s, "needs_teacher", False) for s in recipe.stages):
         evaluation["pruned copy"] = compressed
     phases["evaluation"] = {k: v for k, v in evaluation.items() if v}
+    if on_device:  # the evaluation runs there (pipeline.on_device): every evaluated model, and the logits
+        device_phases["evaluation"] = {k: v for k, v in evaluation.items()
+                                       if v and k not in ("dtype conversion", "expert stacking")}
     phases = {name: {"runtime": RUNTIME, **{k: v for k, v in parts.items() if v}} for name, parts in phases.items()}
     if available is None:
         available = psutil.virtual_memory().available

@@ -89,7 +89,8 @@ class QuantLinear(nn.Module):
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
         super().__init__()
         self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
-        # the placeholder is built where it will live: packing an 8B model's zero codes on the host took minutes
+        # the empty layer's buffers are made where they will live: packing a 7B layer's zero codes on the CPU took
+        # 0.1-0.5 s (int4) and 4.6 s (NVFP4) per layer, for a layer on the GPU or a skeleton on the meta device
         codes = torch.zeros(out_features, in_features, dtype=torch.int32, device=device)
         if scheme.dtype in FP8_DTYPES:
             codes = codes.to(FP8_DTYPES[scheme.dtype])
@@ -103,7 +104,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("scale", empty.scale.to(device))
         self.register_buffer("zero_point", None if empty.zero_point is None else empty.zero_point.to(device))
         # NVFP4's fp32 tensor scale (compressed-tensors' weight_global_scale; ModelOpt stores its reciprocal)
-        self.register_buffer("global_scale", None if empty.global_scale is None else empty.global_scale.to(device))
+        self.register_buffer("global_scale", empty.global_scale)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
         act = scheme.act
         # static activation scale (calibrated), and LLM.int8's calibrated outlier input features

@@ -68,10 +68,11 @@ class BlockObserver:
         layer it saw nothing of (a MoE expert no token of its windows was routed to) when the ranks' are summed."""
         from .nn import linear_shape
         k = linear_shape(linear)[1]
-        zeros = torch.zeros(k, dtype=torch.float32)
+        device = next(linear.parameters()).device  # where the other ranks' statistics of it are: reduced together
+        zeros = torch.zeros(k, dtype=torch.float32, device=device)
         return InputStats(abs_sum=zeros.clone() if self.want_abs else None,
                           abs_max=zeros.clone() if self.want_max else None,
-                          hessian=torch.zeros(k, k, dtype=torch.float32) if self.want_hessian else None)
+                          hessian=torch.zeros(k, k, dtype=torch.float32, device=device) if self.want_hessian else None)
 
     def __enter__(self) -> "BlockObserver":
         self._handles.append(self.block.register_forward_pre_hook(self._new_sample))

@@ -101,8 +101,9 @@ def verify_windows(recipe: Recipe, tokenizer, samples: torch.Tensor | None) -> t
 
 
 def write_exports(model, tokenizer, tmp: Path, out: Path, recipe: Recipe, source: str, windows, text: str,
-                  log) -> list[dict]:
-    """Each format of output.formats into OUTPUT/exports/<format>/, reloaded and compared when asked."""
+                  log, device: str = "cpu") -> list[dict]:
+    """Each format of output.formats into OUTPUT/exports/<format>/ (written from `model` where it is: the CPU after
+    the evaluation), reloaded and compared on `device` when asked."""
     from .export import export_model
     from .export.verify import verify_export
 
@@ -110,6 +111,8 @@ def write_exports(model, tokenizer, tmp: Path, out: Path, recipe: Recipe, source
     # them), which is also what `compress verify` reloads later
     source = load_compressed(tmp, next(model.parameters()).dtype) if windows is not None and \
         recipe.output.save_model else model
+    if windows is not None and source is not model:
+        source.to(device)  # verify_export runs the export's reload where the source is
     exports = []
     for fmt in recipe.output.formats:
         log(f"exporting {fmt} ...")
@@ -233,19 +236,35 @@ def save_and_evaluate(recipe: Recipe, loaded, model, before_distill, arch, sampl
         if before_distill is not None:
             models["pruned"] = before_distill  # the same windows before and after distillation
         models["compressed"] = model
+        on_device(models, device)
         report["eval"] = evaluate_models(models, loaded.tokenizer, recipe.eval, device,
                                          baseline="baseline" if baseline is not None else None, progress=progress)
     report["memory"] = {"checkpoint_bytes": folder_bytes(tmp) if recipe.output.save_model else None,
                         "baseline_checkpoint_bf16_bytes": _bf16_bytes(baseline or model)}
+    models.pop("baseline", None)
+    del baseline  # freed, not moved back
+    on_device(models, "cpu")  # the exporters read the compressed model from host memory; device memory is freed
+    del models
     if recipe.output.formats:
         with timings("export"):
             windows, text = verify_windows(recipe, loaded.tokenizer, samples)
             report["exports"] = write_exports(model, loaded.tokenizer, tmp, out, recipe, loaded.source, windows,
-                                              text, log)
+                                              text, log, device)
     report["timings"] = dict(timings)
     (tmp / "recipe.yaml").write_text(recipe.text or recipe.resolved_yaml())
     (tmp / "recipe.resolved.yaml").write_text(recipe.resolved_yaml())
     return report
+
+
+def on_device(models: dict, device: str) -> None:
+    """Move each model to `device` (in place; tied weights stay tied). The calibration pass hands every block back
+    to the CPU after its turn and the baseline is loaded there, so a CUDA run's evaluation moves them to the GPU
+    first, and the compressed model back afterwards; the caching allocator's free blocks go back to the device."""
+    for m in models.values():
+        if m is not None:
+            m.to(device)
+    if torch.device(device).type == "cpu" and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _bf16_bytes(model) -> int:

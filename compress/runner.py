@@ -186,13 +186,23 @@ def write_run_report(report: dict, folder: Path) -> None:
             plot_recovery(section, folder / f"recovery_curve_stage{section['index']}.png")
 
 
+def device_sync() -> None:
+    """Wait for the GPU's queued work (a no-op without CUDA, or before it is first used): a phase's time includes
+    the kernels it launched, not only their launching."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 class Timings(dict):
-    """Seconds per phase of a run: `with timings("load"): ...` (not recorded when `when` is false)."""
+    """Seconds per phase of a run: `with timings("load"): ...` (not recorded when `when` is false), the GPU's queued
+    work finished at both ends."""
 
     @contextlib.contextmanager
     def __call__(self, key: str, when: bool = True):
+        device_sync()
         t = time.perf_counter()
         yield
+        device_sync()
         if when:
             self[key] = time.perf_counter() - t
 

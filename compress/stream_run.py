@@ -234,8 +234,11 @@ class StreamCheckpoint(BlockVisitor):
         saved = ShardReader(self.folder / self.state["carried"])
         if self.evaluation is not None:
             ev = self.evaluation
-            ev.base = BlockInputs([saved.get(f"base.{k}") for k in range(len(ev.base.hidden))], ev.base.kwargs)
-            ev.comp = BlockInputs([saved.get(f"comp.{k}") for k in range(len(ev.comp.hidden))], ev.comp.kwargs)
+            # on the device the pass computes on, where start() captured them (the checkpoint reads to the CPU)
+            ev.base = BlockInputs([saved.get(f"base.{k}").to(h.device) for k, h in enumerate(ev.base.hidden)],
+                                  ev.base.kwargs)
+            ev.comp = BlockInputs([saved.get(f"comp.{k}").to(h.device) for k, h in enumerate(ev.comp.hidden)],
+                                  ev.comp.kwargs)
         if inputs is not None and self.rank != 0:
             saved = ShardReader(self._mine(self.state["carried"]))
         restored = None if inputs is None else \
@@ -412,7 +415,7 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, 
             report["exports"] = export_streamed(recipe, stage, out, streamed, log, progress)
     with timings("eval"):
         set_threads(recipe.model.threads)
-        report["eval"] = streamed_eval(recipe, model, arch, evaluation, windows, baseline_figures, progress)
+        report["eval"] = streamed_eval(recipe, model, arch, evaluation, windows, baseline_figures, progress, device)
     report["memory"] = {"checkpoint_bytes": folder_bytes(stage) if recipe.output.save_model else None,
                         "baseline_checkpoint_bf16_bytes": n_params * 2}
     report["streamed"] = {
@@ -463,8 +466,9 @@ def export_streamed(recipe: Recipe, stage: Path, out: Path, streamed: Streamed, 
 
 
 def streamed_eval(recipe: Recipe, model: nn.Module, arch, evaluation: StreamedEval | None, windows,
-                  baseline_figures: dict, progress: bool) -> dict:
-    """The report's `eval` section of a streamed run, in the in-memory run's shape."""
+                  baseline_figures: dict, progress: bool, device: str = "cpu") -> dict:
+    """The report's `eval` section of a streamed run, in the in-memory run's shape. The hidden states were carried
+    on `device`; the final norms and heads (on the CPU after the pass) go there for the scoring, and back."""
     from .evaluate.ppl import head_logits, score_hidden
     from .evaluate.report import eval_protocol, model_figures, peak_cuda_bytes, peak_rss_bytes
 
@@ -472,13 +476,19 @@ def streamed_eval(recipe: Recipe, model: nn.Module, arch, evaluation: StreamedEv
     names = ["baseline", "compressed"] if spec.baseline else ["compressed"]
     result: dict = {"models": {n: {} for n in names}}
     if evaluation is not None:
+        scoring = [evaluation.norm, evaluation.head, get_module(model, arch.final_norm), model.get_output_embeddings()]
+        for m in scoring:
+            m.to(device)
         final = evaluation.final(model, arch)
         result["protocol"] = {**eval_protocol(spec, windows, evaluation.dtype), "threads": torch.get_num_threads(),
                               "streamed": True}
         heads = {"baseline": evaluation.head, "compressed": model.get_output_embeddings()}
         scores = score_hidden({n: (lambda k, ids, n=n: final[n][k]) for n in names},
                               {n: (lambda h, n=n: head_logits(heads[n], model.config, h)) for n in names},
-                              windows, baseline="baseline" if spec.baseline else None, progress=progress)
+                              windows, baseline="baseline" if spec.baseline else None, device=device,
+                              progress=progress)
+        for m in scoring:
+            m.to("cpu")
         for n, s in scores.items():
             result["models"][n].update(ppl=s.ppl, nll=s.nll, tokens=s.tokens, kl=s.kl, top1_agreement=s.top1_agreement)
     if spec.baseline:

@@ -145,3 +145,25 @@ def test_shipped_microscale_recipes_run_and_their_exports_reload(name, tmp_path)
     want = shipped["stages"][-1]["scheme"]  # a preset name
     assert {(v["group_size"], v["scale_dtype"], v["act"] is not None) for v in layers.values()} == {
         {"NVFP4": (16, "float8_e4m3", True), "MXFP4A16": (32, "e8m0", False)}[want]}
+
+
+def test_a_reload_left_in_bfloat16_is_compared_in_float32(tmp_path, monkeypatch):
+    """transformers 5.17 (the GPU machine's) leaves an NVFP4 export's weights decompressed in bfloat16 beside float32
+    activations, a dtype error at the first matmul; 5.25 (here) gives float32. That loader is imitated: the reload is
+    compared in float32 either way."""
+    import transformers
+
+    model = quantized(NVFP4)
+    out = export(model, "compressed-tensors", tmp_path)
+    original = transformers.AutoModelForCausalLM.from_pretrained
+
+    def like_5_17(*args, **kwargs):
+        loaded = original(*args, **kwargs)
+        for name, m in loaded.named_modules():
+            if isinstance(m, torch.nn.Linear) and name != "lm_head":  # the layers it decompressed
+                m.weight.data = m.weight.data.to(torch.bfloat16)
+        return loaded
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", like_5_17)
+    result = verify_export(out, model, WINDOWS)
+    assert result["kl"] < KL_BAR and result["top1_agreement"] == 1.0, result

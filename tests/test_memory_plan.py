@@ -167,3 +167,24 @@ def test_mixed_precision_on_a_70b_model_is_planned_block_by_block():
                     "calibration": {"kind": "wikitext2", "n_samples": 128, "seq_len": 512},
                     "stages": [{**stages[0], "sensitivity": "kl"}, stages[1]]})
     assert any("sensitivity: kl" in why for why in stream_blockers(kl))
+
+
+def test_a_cuda_run_plans_its_evaluation_on_the_device():
+    """A CUDA run evaluates on the GPU (pipeline.on_device): the baseline and the compressed model are both there, so
+    the device plan counts them, and a GPU too small for them is refused with the evaluation's own fix. The
+    device's free memory is given: no GPU here."""
+    recipe = _recipe()
+    config = LlamaConfig(**LLAMA2_7B)
+    plan = plan_memory(recipe, config, torch.bfloat16, "cuda", available=int(200 * GB),
+                       device_available=int(80 * GB))
+    host_eval = plan.phases["evaluation"]
+    assert plan.device_phases["evaluation"] == {k: host_eval[k] for k in ("compressed model", "baseline copy",
+                                                                           "logits")}
+    assert "one block" in plan.device_phases["calibration"] and plan.problem(recipe) is None
+    small = plan_memory(recipe, config, torch.bfloat16, "cuda", available=int(200 * GB),
+                        device_available=int(16 * GB))
+    why = small.problem(recipe)
+    assert "(evaluation)" in why and "eval.baseline=false" in why and "cuda" in why
+    without = plan_memory(_recipe(baseline=False), config, torch.bfloat16, "cuda", available=int(200 * GB),
+                          device_available=int(16 * GB))
+    assert "baseline copy" not in without.device_phases["evaluation"] and without.problem(recipe) is None

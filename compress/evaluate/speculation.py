@@ -28,15 +28,17 @@ def int4_copy(model: nn.Module, scheme: QuantScheme = W4A16_ASYM_G64, head: Quan
               fuse: bool = True) -> tuple[nn.Module, list[str]]:
     """A round-to-nearest int4 copy of `model` to use as a draft (no calibration: a draft only has to agree often):
     every linear whose input width the group divides in `scheme`, the output head in `head` (None: kept), in `dtype`
-    (default bfloat16 where the CPU computes it natively, which the int4 kernel needs to be fast, else float32).
+    (default bfloat16 where the model's device computes it natively, which the int4 kernel needs to be fast, else
+    float32).
     Returns the copy and the layers kept in float with the reason. The copy is made whole first: for a model that
     does not fit twice in memory, quantize it with a recipe and pass the folder as the draft. `vocab_ids`: the head
     keeps only those tokens' rows (VocabSubsetHead), quantized in `head`. `fuse`: q/k/v and gate/up fused into one
     layer each where the lean decode path runs the model (lean_decode.fuse_projections; the same numbers)."""
     from ..quantizers.rtn import quantize_rtn
 
-    if dtype is None:
-        dtype = torch.bfloat16 if native_bf16("cpu") else torch.float32
+    if dtype is None:  # where the model is: a CUDA model's draft is bfloat16 whatever the host CPU has
+        where = next((p.device.type for p in model.parameters()), "cpu")
+        dtype = torch.bfloat16 if native_bf16(where) else torch.float32
     draft = copy.deepcopy(model).to(dtype)
     if vocab_ids is not None and not isinstance(draft.get_output_embeddings(), QuantLinear):
         draft.config.tie_word_embeddings = False

@@ -110,6 +110,20 @@ def _without_input_quantization(model: nn.Module) -> nn.Module:
     return model
 
 
+def _without_offloading(model: nn.Module) -> nn.Module:
+    """transformers 5.17 (the GPU machine's) leaves a compressed-tensors reload under compressed-tensors' own
+    offloading: each module's parameters in a CPU cache, copied to its onload device at every access, and its inputs
+    sent there; `.to(device)` and `.float()` then act on those copies, not on the weights. Removed, so that the model
+    is moved and cast like any other (5.25 loads a plain model: nothing to remove)."""
+    try:
+        from compressed_tensors.offload import OffloadCache, remove_dispatch
+    except ImportError:
+        return model
+    if any(isinstance(m._parameters, OffloadCache) for m in model.modules()):
+        remove_dispatch(model)
+    return model
+
+
 def input_scales_match(folder: Path, source: nn.Module) -> bool | None:
     """Whether every static input scale in the export equals the source's (None: there are none)."""
     from ..nn import QuantLinear
@@ -164,6 +178,14 @@ def _load(folder: Path, record: dict):
                 model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
         finally:
             hf_logging.set_verbosity(verbosity)
+        _without_offloading(model)
+        if fmt == "compressed-tensors" and deq:
+            # transformers 5.17's dequantizing load leaves NVFP4 weights decompressed in bfloat16 beside float32
+            # activations (a dtype error at the first matmul); 5.25 gives float32. Compared in float32 either way
+            # (transformers refuses .float() on a quantized model: the tensors are cast one by one)
+            for t in [*model.parameters(), *model.buffers()]:
+                if t.dtype in (torch.bfloat16, torch.float16):
+                    t.data = t.data.float()
         return loader, _without_input_quantization(model)
     if fmt == "awq":
         from .awq import awq_dequantize
@@ -220,6 +242,11 @@ def float_activations(model: nn.Module):
             m.scheme = s
 
 
+def _device_of(model: nn.Module) -> torch.device:
+    """Where a model computes: its first parameter's device (the CPU for one without parameters, or all on meta)."""
+    return next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
+
+
 def verify_export(folder: str | Path, source: nn.Module, windows: Tensor) -> dict:
     """Reload the export at `folder` and compare its predictions with `source` on `windows` [B, T].
 
@@ -227,20 +254,23 @@ def verify_export(folder: str | Path, source: nn.Module, windows: Tensor) -> dic
     activation quantization, and compressed-tensors' CPU reference rounds differently from vLLM: see
     _without_input_quantization), so the comparison is of the stored weights, the static input scales are
     checked for equality, and the result says so. llama.cpp computes as it serves and is compared with the
-    source as it runs."""
+    source as it runs. Both run where `source` is (a CUDA run verifies on the GPU): the reloaded export is moved
+    there (llama.cpp stays on the CPU), and the windows go to each model's device."""
     loader, model = load_export(folder)
     gguf = loader == "llama-cpp-python"
+    where = _device_of(source)
     if gguf:
         from .gguf import iter_llama_cpp_logits
-        theirs = iter_llama_cpp_logits(str(model), windows)
+        theirs = iter_llama_cpp_logits(str(model), windows.cpu())
     else:
-        theirs = (model_logits(model, w[None])[0] for w in windows)
+        model.to(where)
+        theirs = (model_logits(model, w[None].to(where))[0] for w in windows)
     kl = agree = positions = 0.0
     floated = False
     for w, logits in zip(windows, theirs):  # one window at a time: [T, vocab] logits, never [B, T, vocab]
         with contextlib.nullcontext(False) if gguf else float_activations(source) as floated:
-            reference = model_logits(source, w[None])[0]
-        c = compare_logits(reference, logits)
+            reference = model_logits(source, w[None].to(where))[0]
+        c = compare_logits(reference, logits.to(reference.device))
         kl, agree, positions = kl + c["kl"] * c["positions"], agree + c["top1_agreement"] * c["positions"], \
             positions + c["positions"]
     result = {"loader": loader, "kl": kl / positions, "top1_agreement": agree / positions,

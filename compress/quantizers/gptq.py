@@ -66,7 +66,7 @@ def _inverse_hessian_factor(h: Tensor, dampening: float, name: str) -> Tensor:
     damp = dampening * torch.mean(torch.diag(h))
     h.diagonal().add_(damp)  # = h + damp * I, without the identity matrix
     ht = h.T
-    info = torch.empty((), dtype=torch.int32)
+    info = torch.empty((), dtype=torch.int32, device=h.device)  # an out= tensor lives where the matrix does
     torch.linalg.cholesky_ex(ht, out=(ht, info))
     if int(info) != 0:
         raise SingularHessianError(
@@ -152,7 +152,7 @@ def quantize_gptq(w: Tensor, hessian: Tensor, scheme: QuantScheme, cfg: GPTQConf
         _permute_columns_(W, perm)
         _permute_columns_(H, perm)
         _permute_rows_(H, perm)
-        group_of = group_of[perm]
+        group_of = group_of[perm.cpu()]  # stays on the CPU: the loop reads one entry per column (no device sync)
 
     h_inv = _inverse_hessian_factor(H, cfg.dampening, name)
     if not static:
