@@ -639,6 +639,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    """The command line; the environment variables a run sets for its jobs (COMPRESS_DATA_DIR, ...) are restored on
+    return, so an in-process run (tests) leaves the caller's environment as it found it."""
+    saved = dict(os.environ)
+    try:
+        return _main(argv)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     out = Path(args.out or os.environ.get("OUT") or ROOT / "bench" / "results" / "gpu_recipes")

@@ -153,3 +153,13 @@ def test_dry_run_in_child_processes(tmp_path):
     rc, result = _dry_run(tmp_path)
     assert rc == 0 and all(r["ok"] for r in result["rows"] if not r.get("skipped"))
     assert all(r["process_s"] >= r.get("wall_s", 0) for r in result["rows"] if r.get("ok"))
+
+
+@requires_data
+def test_an_in_process_run_leaves_the_environment_as_it_found_it(tmp_path, monkeypatch):
+    """The jobs' COMPRESS_DATA_DIR (a cut-down data folder in a dry run) must not outlive the run: later evaluations
+    in the same process would read that folder (found when the suite's lm-eval tests ran after this file)."""
+    monkeypatch.delenv("COMPRESS_DATA_DIR", raising=False)
+    before = dict(__import__("os").environ)
+    _dry_run(tmp_path, "--in-process", "--budget", "0", "--models", "random", "--recipes", "fp8_dynamic", "--compact")
+    assert dict(__import__("os").environ) == before
