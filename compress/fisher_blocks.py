@@ -68,6 +68,9 @@ def blocks_problem(model: nn.Module, names: list[str], seq_len: int | None = Non
     if seq_len and len(layer_types) > 1 and window and seq_len > window:
         return (f"the model mixes attention types {sorted(layer_types)} and seq_len {seq_len} exceeds its "
                 f"sliding window {window} (block 0's mask would be reused for every block)")
+    if getattr(model.config, "num_kv_shared_layers", 0):
+        return (f"its last {model.config.num_kv_shared_layers} layers read the keys and values of earlier layers "
+                "(num_kv_shared_layers): the gradient crosses blocks there, which a block-by-block backward cuts")
     return None
 
 
