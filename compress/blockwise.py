@@ -250,8 +250,9 @@ def _how_to_follow(model: nn.Module, arch: ArchSpec, blocks, signatures, ids: Te
             f"apply that change"])
     if fallback is not None:
         return fallback
-    return None, _follow(model, blocks, signatures, ids, _FORMS[0][1], last=0), [f"{family}: the model's forward could not be followed past block 0 with stand-in blocks "
-                           f"({'; '.join(failures)}): every block replays block 0's arguments"]
+    block0 = _follow(model, blocks, signatures, ids, _FORMS[0][1], last=0)  # what the old capture kept
+    return None, block0, [f"{family}: the model's forward could not be followed past block 0 with stand-in blocks "
+                          f"({'; '.join(failures)}): every block replays block 0's arguments"]
 
 
 class _Canonical:
@@ -350,7 +351,7 @@ def capture_block_inputs(model: nn.Module, arch: ArchSpec, samples: Tensor, devi
         problems.append(f"{arch.family}: the model passes what a block returns besides its hidden states on to the "
                         f"next block (as {sorted(passed_on)}); the replay passes None there, as to the first block")
     for p in problems:
-        warnings.warn(f"calibration replay is not the model's own forward: {p}", ReplayWarning, stacklevel=2)
+        warnings.warn(f"calibration replay is not the model's own forward: {p}", ReplayWarning, stacklevel=3)
     arguments = BlockArguments(per_block, problems, canonical.state)
     return BlockInputs(hidden, arguments.of(0), arguments, 0), (store[0] if store else None)
 
@@ -500,6 +501,10 @@ def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor | None, on_b
     model.eval()
     if samples is not None:
         _check_uniform_blocks(model, samples.shape[1])
+    if start and (shared := getattr(model.config, "num_kv_shared_layers", 0)):
+        raise ValueError(f"cannot resume at block {start}: the last {shared} layers of this model read the keys and "
+                         "values that earlier layers computed in the same forward (num_kv_shared_layers), and the "
+                         "blocks before the resume point are not run again; run without --resume to start over")
     _move_non_blocks(model, arch, device)
     if spill_dir is not None and torch.device(device).type != "cpu":
         raise ValueError("calibration.offload: disk spills CPU activations; on an accelerator keep them there "

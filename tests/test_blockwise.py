@@ -315,6 +315,15 @@ def test_blocks_called_as_the_runner_calls_them_give_the_models_logits(family):
         torch.testing.assert_close(logits, _logits(model, ids).float(), rtol=0, atol=1e-5)
 
 
+def test_a_pass_over_kv_sharing_layers_is_not_resumed_midway():
+    """Gemma 4's KV-sharing layers read keys and values an earlier block wrote in the same pass: a pass resumed after
+    that block would not have them, so resuming is refused up front, saying why (not a KeyError at the layer)."""
+    model = make_tiny_model("gemma4_kv_shared")
+    with pytest.raises(ValueError, match=r"cannot resume at block 2: the last 2 layers .* run without --resume"):
+        run_blockwise(model, get_arch(model), _samples(2, 8), lambda *a: None, progress=False, start=2,
+                      restore=lambda inputs: (inputs, [0.0, 0.0]))
+
+
 def _tensors(value) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
@@ -380,13 +389,15 @@ class _ToyBlock(nn.Module):
 
     def forward(self, hidden_states, scale=None, carried=None):
         out = hidden_states + self.proj(hidden_states) * (1.0 if scale is None else scale)
+        out = out if carried is None else out + carried
+        self.ran = True
         return {"tensor": out, "tuple": (out,), "pair": (out, out.mean())}[self.returns]
 
 
 class _ToyModel(nn.Module):
     """A decoder whose loop takes each block's output in one of the forms of transformers 5's families, gives each
-    block its own `scale`, and (`loop`) passes a block's second output on, or changes the hidden states between
-    blocks."""
+    block its own `scale`, and (`loop`) passes a block's second output on, changes the hidden states between
+    blocks, or reads what only the real block computes."""
 
     def __init__(self, returns: str, loop: str = "plain"):
         super().__init__()
@@ -405,6 +416,8 @@ class _ToyModel(nn.Module):
                 h = out[0] if self.returns == "tuple" else out
             if self.loop == "scales":
                 h = h * 0.5
+            if self.loop == "reads_block":
+                assert layer.ran  # an attribute only the real forward sets
         return self.head(self.norm(h))
 
 
@@ -436,15 +449,23 @@ def test_the_capture_follows_loops_that_take_a_blocks_output_in_any_form(returns
 @pytest.mark.parametrize("loop,says", [
     ("passes_on", r"toy: the model passes what a block returns besides its hidden states on to the next block "
                   r"\(as \['carried'\]\)"),
-    ("scales", r"toy: the model changes the hidden states between blocks 0 and 1")])
+    ("scales", r"toy: the model changes the hidden states between blocks 0 and 1"),
+    ("reads_block", r"toy: the model's forward could not be followed past block 0 with stand-in blocks \(a tensor: "
+                    r"AttributeError: .* every block replays block 0's arguments")])
 def test_what_a_replay_cannot_reproduce_is_said_not_silent(loop, says):
-    """A loop that hands a block's second output to the next block, or changes the hidden states between blocks,
-    cannot be replayed block by block: the capture says so (a ReplayWarning, the run's report), naming the family."""
+    """A loop that hands a block's second output to the next block, changes the hidden states between blocks, or
+    reads what only a real block computes cannot be replayed block by block: the capture says so (a ReplayWarning,
+    the run's report), naming the family (the last one replays block 0's arguments, as before issue 45)."""
     torch.manual_seed(0)
     model = _ToyModel("pair" if loop == "passes_on" else "tensor", loop)
-    _error, problems = _toy_replay(model, _samples(2, 5))
+    error, problems = _toy_replay(model, _samples(2, 5))
     assert len(problems) == 1 and re.match(says, problems[0]), problems
+    assert error > 1e-3  # and indeed the replay is not the model's forward
     notes: list[str] = []
+    model = _ToyModel(model.returns, loop)  # afresh: no real block has run
     with pytest.warns(ReplayWarning, match=says):
         run_blockwise(model, TOY_ARCH, _samples(2, 5), lambda *a: None, progress=False, notes=notes)
     assert notes == problems
+    from compress.evaluate.report import _header_lines  # compress_model puts the notes in calibration.replay
+    assert f"- **calibration replay is not the model's own forward**: {notes[0]}" in \
+        _header_lines({"calibration": {"n_samples": 2, "replay": notes}})
