@@ -234,8 +234,9 @@ class StreamCheckpoint(BlockVisitor):
         saved, start = ShardReader(self.folder / self.state["carried"]), self.state["next"]
         if self.evaluation is not None:  # freshly captured for block 0: block `start`'s arguments
             ev = self.evaluation
-            ev.base = ev.base.at(start, [saved.get(f"base.{k}") for k in range(len(ev.base.hidden))])
-            ev.comp = ev.comp.at(start, [saved.get(f"comp.{k}") for k in range(len(ev.comp.hidden))])
+            # on the device the pass computes on, where start() captured them (the checkpoint reads to the CPU)
+            ev.base = ev.base.at(start, [saved.get(f"base.{k}").to(h.device) for k, h in enumerate(ev.base.hidden)])
+            ev.comp = ev.comp.at(start, [saved.get(f"comp.{k}").to(h.device) for k, h in enumerate(ev.comp.hidden)])
         if inputs is not None and self.rank != 0:
             saved = ShardReader(self._mine(self.state["carried"]))
         restored = None if inputs is None else \
