@@ -5,8 +5,8 @@ The whole-model pass holds, for every window, every planned layer's output error
 backward reaches it (about 20 GB for a 7B model with the default menu). Here the residual stream is cut at the
 blocks instead:
 
-1. forward: block 0's inputs are captured as the calibration pass captures them, then each block runs on each
-   window and its output (the next block's input) is kept: (blocks + 1) × windows × seq_len × hidden values;
+1. forward: block 0's inputs (and every block's arguments) are captured as the calibration pass captures them,
+   then each block runs on each window and its output (the next block's input) is kept: (blocks + 1) × windows × seq_len × hidden values;
 2. at the top, the final norm and the head give the logits, labels are sampled from them (the same generator, in
    the same order, as the whole-model pass) and the gradient of the sampled log-likelihood reaches the last block's
    output;
@@ -24,12 +24,14 @@ for a model in memory, StreamedReads for one on disk); the kept states stay on t
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from .arch import get_arch, get_module
-from .blockwise import BlockInputs, ResidentBlocks, _first, block_forward, capture_block_inputs
+from .blockwise import BlockInputs, ReplayWarning, ResidentBlocks, _first, block_forward, capture_block_inputs
 from .evaluate.ppl import head_logits
 from .precision import FisherSums, rtn_error, sample_labels, solve_layers, solved_error
 from .streaming import check_streamable, trim_heap
@@ -66,6 +68,9 @@ def blocks_problem(model: nn.Module, names: list[str], seq_len: int | None = Non
     if seq_len and len(layer_types) > 1 and window and seq_len > window:
         return (f"the model mixes attention types {sorted(layer_types)} and seq_len {seq_len} exceeds its "
                 f"sliding window {window} (block 0's mask would be reused for every block)")
+    if getattr(model.config, "num_kv_shared_layers", 0):
+        return (f"its last {model.config.num_kv_shared_layers} layers read the keys and values of earlier layers "
+                "(num_kv_shared_layers): the gradient crosses blocks there, which a block-by-block backward cuts")
     return None
 
 
@@ -111,14 +116,18 @@ def fisher_by_blocks(model: nn.Module, windows: Tensor, modules: dict[str, nn.Mo
     handles = []
     try:
         inputs, _ = capture_block_inputs(model, arch, windows, device)
-        kwargs = inputs.kwargs
+        kwargs = inputs.arguments.of  # block b's arguments, as the model's forward passes them
         states = [[park(h) for h in inputs.hidden]]
         for b in range(n_blocks):  # 1. forward, every block's input kept
             block = blocks.load(b, device).requires_grad_(False)
             states.append([park(h) for h in block_forward(block, BlockInputs([h.to(device) for h in states[-1]],
-                                                                             kwargs))])
+                                                                             kwargs(b)))])
             blocks.done(b, block)
             step()
+        if any(len(s) for s in inputs.arguments.state):
+            warnings.warn(f"{arch.family}: the blocks share state that earlier blocks write for later ones (the keys "
+                          "and values of KV-sharing layers): the block-by-block backward does not carry gradients "
+                          "through it, so these sensitivities differ from the whole-model pass's", ReplayWarning)
         # 2. the top: labels sampled from the model, the gradient at the last block's output (and the head's costs)
         rtn = rtn_error(menu)
         if not solved_errors:
@@ -141,7 +150,7 @@ def fisher_by_blocks(model: nn.Module, windows: Tensor, modules: dict[str, nn.Mo
             if not solved_errors:
                 handles = [sums.attach(i, m, rtn) for i, (_n, m) in layers(b).items()]
             grads = [backward(block, h, kw, g, b > 0)
-                     for h, kw, g in zip(states[b], kwargs, grads)]
+                     for h, kw, g in zip(states[b], kwargs(b), grads)]
             _remove(handles)
             blocks.done(b, block)
             step()
@@ -149,17 +158,17 @@ def fisher_by_blocks(model: nn.Module, windows: Tensor, modules: dict[str, nn.Mo
             solved = _SolvedPass(menu, nbytes, error_method, awq, hessian_budget, int(hessian_windows.numel()),
                                  progress, len(names))
             carried, _ = capture_block_inputs(model, arch, hessian_windows, device)
-            hidden, hkw = carried.hidden, carried.kwargs
+            hidden = carried.hidden
             for b in range(n_blocks):
                 block = blocks.load(b, device).requires_grad_(False)
                 out: list = []
 
-                def forward(block=block, out=out, hidden=hidden):
-                    out[:] = block_forward(block, BlockInputs(hidden, hkw))
+                def forward(block=block, out=out, hidden=hidden, b=b):
+                    out[:] = block_forward(block, carried.at(b, hidden))
                 error = solved.solve(forward, layers(b))
                 hidden = out
                 handles = [sums.attach(i, m, error) for i, (_n, m) in layers(b).items()]
-                for h, kw, g in zip(states[b], kwargs, kept.pop(b)):
+                for h, kw, g in zip(states[b], kwargs(b), kept.pop(b)):
                     backward(block, h, kw, g, False)
                 _remove(handles)
                 blocks.done(b, block)

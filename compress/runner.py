@@ -162,13 +162,17 @@ def compress_model(model, tokenizer, recipe: Recipe, plan: Plan, device: str, mo
                 spill_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=spill_dir, prefix=".spill-")))
                 log(f"calibration activations spill to {spill_dir}")
             mine = share(samples, rank, size) if calibrate and size > 1 else samples
+            replay: list[str] = []
             errors = run_blockwise(
                 model, plan.arch, mine, stage_pass.on_block, device=device, progress=progress,
                 observe=stage_pass.observe, compute_dtype=getattr(torch, dtype) if calibrate
                 else None, spill_dir=spill_dir if spill else None, blocks=blocks, visitors=visitors, start=start,
-                restore=restore)
+                restore=restore, notes=replay)
         if calibrate:
             sections["block_errors"] = errors
+            sections["calibration"]["replay"] = replay or "exact"  # the blocks saw the model's own forward's inputs
+            for line in replay:
+                log(f"WARNING: calibration replay is not the model's own forward: {line}")
         ctx.calibrated = True
     for i in plan.block_stages:  # the whole model (what lies outside the blocks; all of it without calibration)
         plan.stages[i].finalize(ctx, i)

@@ -149,20 +149,20 @@ class StreamedEval(BlockVisitor):
 
     def start(self, model: nn.Module, arch, device) -> None:
         self.base, _ = capture_block_inputs(model, arch, self.windows, device)
-        self.comp = BlockInputs(list(self.base.hidden), self.base.kwargs)
+        self.comp = self.base.fork()  # its own copy of any state the blocks share (Gemma 4's shared keys/values)
         self.dtype = self.base.hidden[0].dtype
         # the original final norm and head: the baseline's, even after a stage quantizes the head
         self.norm, self.head = get_module(model, arch.final_norm), model.get_output_embeddings()
 
     def loaded(self, i: int, block: nn.Module) -> None:
-        self.base = BlockInputs(block_forward(block, self.base), self.base.kwargs)
+        self.base = self.base.advance(block_forward(block, self.base))
 
     def compressed(self, i: int, block: nn.Module) -> None:
         for m in block.modules():  # LLM.int8 dynamic outliers are counted over the evaluation windows only
             if isinstance(m, QuantLinear):
                 m.outlier_counts.update(forwards=0, total=0, max=0)
         # the layers' own forward, as the in-memory evaluation runs them (int8 matmuls where a scheme has them)
-        self.comp = BlockInputs(block_forward(block, self.comp), self.comp.kwargs)
+        self.comp = self.comp.advance(block_forward(block, self.comp))
 
     @torch.no_grad()
     def final(self, model: nn.Module, arch) -> dict[str, list[torch.Tensor]]:
@@ -231,18 +231,16 @@ class StreamCheckpoint(BlockVisitor):
         return self.state["next"]
 
     def restore(self, inputs: BlockInputs | None) -> tuple[BlockInputs | None, list[float]]:
-        saved = ShardReader(self.folder / self.state["carried"])
-        if self.evaluation is not None:
+        saved, start = ShardReader(self.folder / self.state["carried"]), self.state["next"]
+        if self.evaluation is not None:  # freshly captured for block 0: block `start`'s arguments
             ev = self.evaluation
             # on the device the pass computes on, where start() captured them (the checkpoint reads to the CPU)
-            ev.base = BlockInputs([saved.get(f"base.{k}").to(h.device) for k, h in enumerate(ev.base.hidden)],
-                                  ev.base.kwargs)
-            ev.comp = BlockInputs([saved.get(f"comp.{k}").to(h.device) for k, h in enumerate(ev.comp.hidden)],
-                                  ev.comp.kwargs)
+            ev.base = ev.base.at(start, [saved.get(f"base.{k}").to(h.device) for k, h in enumerate(ev.base.hidden)])
+            ev.comp = ev.comp.at(start, [saved.get(f"comp.{k}").to(h.device) for k, h in enumerate(ev.comp.hidden)])
         if inputs is not None and self.rank != 0:
             saved = ShardReader(self._mine(self.state["carried"]))
         restored = None if inputs is None else \
-            BlockInputs([saved.get(f"cal.{k}") for k in range(len(inputs.hidden))], inputs.kwargs)
+            inputs.at(start, [saved.get(f"cal.{k}") for k in range(len(inputs.hidden))])
         return restored, list(self.state["errors"])
 
     def done(self, i: int, inputs: BlockInputs | None, errors: list[float]) -> None:

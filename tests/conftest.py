@@ -54,10 +54,30 @@ TINY_MOE_CONFIGS = {
         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
 }
 
+_LOCAL_GLOBAL = dict(**_COMMON | dict(num_hidden_layers=2), sliding_window=48,
+                     layer_types=["sliding_attention", "full_attention"])
+# families whose decoder loop passes each layer its own arguments (transformers 5.25): Gemma 3 and Cohere 2 a mask and
+# rotary embedding per layer type (local and global layers), Gemma 4 per-layer inputs too, with its KV-sharing layers
+# reading the keys and values an earlier layer of their type wrote. Local windows of 48 tokens: calibration windows
+# fit them (runs refuse longer ones), 64-token evaluation windows do not; tests set shorter windows where they want
+# the masks to differ.
+TINY_PER_LAYER_CONFIGS = {
+    "gemma3_text": lambda: transformers.Gemma3TextConfig(**_LOCAL_GLOBAL, head_dim=16),
+    "cohere2": lambda: transformers.Cohere2Config(**_LOCAL_GLOBAL, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    "gemma4_text": lambda: transformers.Gemma4TextConfig(**_LOCAL_GLOBAL, head_dim=16, global_head_dim=32,
+                                                         hidden_size_per_layer_input=16, vocab_size_per_layer_input=256),
+    "gemma4_kv_shared": lambda: transformers.Gemma4TextConfig(
+        **(_LOCAL_GLOBAL | dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2)),
+        head_dim=16, per_layer_config={}, hidden_size_per_layer_input=16, vocab_size_per_layer_input=256,
+        num_kv_shared_layers=2),  # one head_dim for all layers (per_layer_config={}): a run plans memory by it
+}
 
-def make_tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
+
+def make_tiny_model(family: str, seed: int = 0, **config_overrides) -> torch.nn.Module:
     torch.manual_seed(seed)
-    config = (TINY_CONFIGS | TINY_MOE_CONFIGS)[family]()
+    config = (TINY_CONFIGS | TINY_MOE_CONFIGS | TINY_PER_LAYER_CONFIGS)[family]()
+    for k, v in config_overrides.items():
+        setattr(config, k, v)
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     return model

@@ -1,19 +1,25 @@
 """The layer-by-layer runner on every tiny family: block discovery, a no-op pass, RTN through the runner."""
 from __future__ import annotations
 
+import math
+import re
+import types
+import warnings
+
 import pytest
 import torch
 import transformers
 from torch import nn
 
-from compress.arch import get_arch, get_module
-from compress.blockwise import BlockInputs, block_forward, capture_block_inputs, relative_error, run_blockwise
+from compress.arch import ArchSpec, get_arch, get_module
+from compress.blockwise import (BlockInputs, ReplayWarning, block_forward, capture_block_inputs, relative_error,
+                                run_blockwise)
 from compress.evaluate.ppl import head_logits
 from compress.moe import unfuse_experts
 from compress.nn import QuantLinear, is_linear
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.scheme import scheme
-from tests.conftest import TINY_CONFIGS, TINY_MOE_CONFIGS, make_tiny_model
+from tests.conftest import TINY_CONFIGS, TINY_MOE_CONFIGS, TINY_PER_LAYER_CONFIGS, make_tiny_model
 
 FAMILIES = sorted(TINY_CONFIGS)
 N_LAYERS = 2  # every tiny config has num_hidden_layers=2
@@ -255,19 +261,211 @@ def test_calibration_dtype_auto_is_bfloat16_only_where_it_is_native():
     assert calibration_dtype("bfloat16", "cpu") == "bfloat16" and calibration_dtype("float32", "cuda") == "float32"
 
 
-@pytest.mark.parametrize("family", FAMILIES + sorted(TINY_MOE_CONFIGS))
-def test_blocks_called_as_the_runner_calls_them_give_the_models_logits(family):
-    """Block 0's captured inputs through every block, then the final norm and the head, are the model's own forward
-    exactly: every argument the model passes a block reaches it again, by name, positional ones included (GPT-2
-    passes its causal mask third; dropped, an eager-attention block would attend to later tokens)."""
-    model = make_tiny_model(family).float()
-    unfuse_experts(model)
+def _final_hidden_by_blocks(model: nn.Module, ids: torch.Tensor, block0_arguments: bool = False) -> torch.Tensor:
+    """The captured block-0 hidden states through every block, each block called as the runner calls it, then the
+    final norm. `block0_arguments`: every block with block 0's arguments (the capture before issue 45)."""
     arch = get_arch(model)
-    ids = _samples(2, 12, seed=4)
     inputs, _ = capture_block_inputs(model, arch, ids, "cpu")
+    if block0_arguments:
+        inputs = BlockInputs(inputs.hidden, inputs.kwargs)  # no per-block arguments: block 0's for every block
     for block in arch.block_list(model):
-        inputs = BlockInputs(block_forward(block, inputs), inputs.kwargs)
-    norm = get_module(model, arch.final_norm)
+        inputs = inputs.advance(block_forward(block, inputs))
+    norm = get_module(model, arch.final_norm) if arch.final_norm else model.base_model.norm  # generic: no table entry
     with torch.no_grad():
-        got = torch.cat([head_logits(model.get_output_embeddings(), model.config, norm(h)) for h in inputs.hidden])
-    torch.testing.assert_close(got, _logits(model, ids).float(), rtol=0, atol=1e-5)
+        return torch.cat([norm(h) for h in inputs.hidden])
+
+
+def _final_hidden(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.base_model(input_ids=ids, use_cache=False).last_hidden_state
+
+
+PER_LAYER = sorted(TINY_PER_LAYER_CONFIGS)
+SHORT_WINDOW = 8  # local layers of the per-layer families attend to 8 tokens of the test's 12: their masks differ
+
+
+@pytest.mark.parametrize("family", FAMILIES + sorted(TINY_MOE_CONFIGS) + PER_LAYER)
+def test_blocks_called_as_the_runner_calls_them_give_the_models_logits(family):
+    """Block 0's captured hidden states through every block, then the final norm (and the head), are the model's own
+    forward exactly: every argument the model passes each block reaches it again, by name, positional ones included
+    (GPT-2 passes its causal mask third; dropped, an eager-attention block would attend to later tokens), and each
+    block gets its own: Gemma 3, Cohere 2 and Gemma 4 pass local and global layers different rotary embeddings and
+    masks, Gemma 4 each layer its slice of the per-layer inputs, and its KV-sharing layers read the keys and values
+    an earlier layer wrote in the replay. Replayed with block 0's arguments, those families are off."""
+    overrides = {"sliding_window": SHORT_WINDOW} if family in PER_LAYER else {}
+    model = make_tiny_model(family, **overrides).float()
+    unfuse_experts(model)
+    ids = _samples(2, 12, seed=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReplayWarning)  # exact: nothing to warn about
+        got = _final_hidden_by_blocks(model, ids)
+    torch.testing.assert_close(got, _final_hidden(model, ids), rtol=0, atol=1e-5)
+    if family in PER_LAYER:
+        try:
+            old = float((_final_hidden_by_blocks(model, ids, True) - _final_hidden(model, ids)).abs().max())
+        except RuntimeError as e:  # Gemma 4's global layers (head_dim 32) cannot take the local rotary tables (16)
+            assert "size of tensor" in str(e)
+            old = math.inf
+        assert old > 1e-2, old
+    else:
+        arch = get_arch(model)
+        norm = get_module(model, arch.final_norm)
+        with torch.no_grad():
+            logits = torch.cat([head_logits(model.get_output_embeddings(), model.config, h[None]) for h in got])
+        torch.testing.assert_close(logits, _logits(model, ids).float(), rtol=0, atol=1e-5)
+
+
+def test_a_pass_over_kv_sharing_layers_is_not_resumed_midway():
+    """Gemma 4's KV-sharing layers read keys and values an earlier block wrote in the same pass: a pass resumed after
+    that block would not have them, so resuming is refused up front, saying why (not a KeyError at the layer)."""
+    model = make_tiny_model("gemma4_kv_shared")
+    with pytest.raises(ValueError, match=r"cannot resume at block 2: the last 2 layers .* run without --resume"):
+        run_blockwise(model, get_arch(model), _samples(2, 8), lambda *a: None, progress=False, start=2,
+                      restore=lambda inputs: (inputs, [0.0, 0.0]))
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return [t for v in value.values() for t in _tensors(v)] if isinstance(value, dict) else []
+
+
+@pytest.mark.parametrize("family,distinct", [("llama", 1), ("gemma3_text", 2)])
+def test_every_blocks_arguments_are_kept_once_per_layer_type(family, distinct):
+    """Blocks of one layer type get the very same arguments (one mask, one rotary table per type) and windows of one
+    length equal ones: 4 blocks x 3 windows hold one set of tensors per layer type, not twelve."""
+    model = make_tiny_model(family, num_hidden_layers=4, **({"sliding_window": SHORT_WINDOW,
+                                                              "layer_types": ["sliding_attention", "full_attention"] * 2}
+                                                             if family != "llama" else {}))
+    arguments = capture_block_inputs(model, get_arch(model), _samples(3, 12), "cpu")[0].arguments
+    dicts = {id(kw): kw for block in arguments.per_block for kw in block}
+    assert len(dicts) == distinct
+    tensors = {id(t) for kw in dicts.values() for t in _tensors(kw)}
+    assert len(tensors) == len({id(t) for t in _tensors(arguments.per_block[0][0])}) + (distinct - 1) * 3  # mask, cos, sin
+    assert arguments.problems == [] and arguments.of(4) is None
+
+
+@pytest.mark.parametrize("family", FAMILIES + sorted(TINY_MOE_CONFIGS))
+def test_where_every_block_got_block_0s_arguments_the_quantized_tensors_are_unchanged(family, monkeypatch):
+    """On families whose blocks all get equal arguments, GPTQ through the runner with every block's own arguments
+    gives the tensors and block errors that replaying block 0's arguments gave (the capture before issue 45), bit
+    for bit (tensor digests of GPTQ, AWQ and AutoRound on all 15 tiny families were also compared with main's)."""
+    from compress.blockwise import BlockArguments
+    from compress.recipe import from_dict
+    from compress.runner import compress_model
+    from compress.stages import make_plan
+    from tests.tiny_tokenizer import make_tiny_tokenizer
+
+    own_of = BlockArguments.of
+    results = []
+    for of in (own_of, lambda self, i: own_of(self, 0) if i < len(self.per_block) else None):
+        monkeypatch.setattr(BlockArguments, "of", of)
+        model = make_tiny_model(family)
+        unfuse_experts(model)
+        recipe = from_dict({"model": "unused", "calibration": {"kind": "self", "n_samples": 3, "seq_len": 16},
+                            "stages": [{"stage": "quantize", "method": "gptq",
+                                        "scheme": {"dtype": "int4", "group_size": 16}}]})
+        sections, _ = compress_model(model, make_tiny_tokenizer(), recipe,
+                                     make_plan(model, get_arch(model), recipe.stages), "cpu", progress=False,
+                                     log=lambda *a: None)
+        assert sections["calibration"]["replay"] == "exact"
+        results.append((sections["block_errors"], {n: (m.qdata, m.scale, m.zero_point)
+                                                   for n, m in _quant_layers(model).items()}))
+    (errors, tensors), (old_errors, old_tensors) = results
+    assert errors == old_errors and tensors.keys() == old_tensors.keys() and tensors
+    for name, parts in tensors.items():
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(parts, old_tensors[name])), name
+
+
+# ------------------------------------------------------------------ decoder loops the stand-in blocks must follow
+
+
+class _ToyBlock(nn.Module):
+    def __init__(self, returns: str):
+        super().__init__()
+        self.proj, self.returns = nn.Linear(8, 8), returns
+
+    def forward(self, hidden_states, scale=None, carried=None):
+        out = hidden_states + self.proj(hidden_states) * (1.0 if scale is None else scale)
+        out = out if carried is None else out + carried
+        self.ran = True
+        return {"tensor": out, "tuple": (out,), "pair": (out, out.mean())}[self.returns]
+
+
+class _ToyModel(nn.Module):
+    """A decoder whose loop takes each block's output in one of the forms of transformers 5's families, gives each
+    block its own `scale`, and (`loop`) passes a block's second output on, changes the hidden states between
+    blocks, or reads what only the real block computes."""
+
+    def __init__(self, returns: str, loop: str = "plain"):
+        super().__init__()
+        self.embed, self.norm, self.head = nn.Embedding(256, 8), nn.LayerNorm(8), nn.Linear(8, 256)
+        self.layers = nn.ModuleList(_ToyBlock(returns) for _ in range(3))
+        self.returns, self.loop = returns, loop
+        self.config = types.SimpleNamespace()  # what the runner reads of a model's config (layer_types): nothing
+
+    def forward(self, input_ids, use_cache=False):
+        h, carried = self.embed(input_ids), None
+        for i, layer in enumerate(self.layers):
+            out = layer(h, scale=torch.tensor(float(i + 1)), carried=carried)
+            if self.returns == "pair":
+                h, carried = out if self.loop == "passes_on" else (out[0], None)
+            else:
+                h = out[0] if self.returns == "tuple" else out
+            if self.loop == "scales":
+                h = h * 0.5
+            if self.loop == "reads_block":
+                assert layer.ran  # an attribute only the real forward sets
+        return self.head(self.norm(h))
+
+
+TOY_ARCH = ArchSpec(family="toy", blocks="layers", embed="embed", final_norm="norm", lm_head="head",
+                    attention=(), mlp=("proj",), norms=())
+
+
+def _toy_replay(model: _ToyModel, ids: torch.Tensor) -> tuple[float, list[str]]:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        inputs, _ = capture_block_inputs(model, TOY_ARCH, ids, "cpu")
+    for block in model.layers:
+        inputs = inputs.advance(block_forward(block, inputs))
+    with torch.no_grad():
+        got = torch.cat([model.head(model.norm(h)) for h in inputs.hidden])
+        error = float((got - model(ids)).abs().max())
+    assert [str(w.message) for w in seen if w.category is ReplayWarning] == \
+        [f"calibration replay is not the model's own forward: {p}" for p in inputs.arguments.problems]
+    return error, inputs.arguments.problems
+
+
+@pytest.mark.parametrize("returns", ["tensor", "tuple", "pair"])
+def test_the_capture_follows_loops_that_take_a_blocks_output_in_any_form(returns):
+    torch.manual_seed(0)
+    error, problems = _toy_replay(_ToyModel(returns), _samples(2, 5))
+    assert error < 1e-6 and problems == []
+
+
+@pytest.mark.parametrize("loop,says", [
+    ("passes_on", r"toy: the model passes what a block returns besides its hidden states on to the next block "
+                  r"\(as \['carried'\]\)"),
+    ("scales", r"toy: the model changes the hidden states between blocks 0 and 1"),
+    ("reads_block", r"toy: the model's forward could not be followed past block 0 with stand-in blocks \(a tensor: "
+                    r"AttributeError: .* every block replays block 0's arguments")])
+def test_what_a_replay_cannot_reproduce_is_said_not_silent(loop, says):
+    """A loop that hands a block's second output to the next block, changes the hidden states between blocks, or
+    reads what only a real block computes cannot be replayed block by block: the capture says so (a ReplayWarning,
+    the run's report), naming the family (the last one replays block 0's arguments, as before issue 45)."""
+    torch.manual_seed(0)
+    model = _ToyModel("pair" if loop == "passes_on" else "tensor", loop)
+    error, problems = _toy_replay(model, _samples(2, 5))
+    assert len(problems) == 1 and re.match(says, problems[0]), problems
+    assert error > 1e-3  # and indeed the replay is not the model's forward
+    notes: list[str] = []
+    model = _ToyModel(model.returns, loop)  # afresh: no real block has run
+    with pytest.warns(ReplayWarning, match=says):
+        run_blockwise(model, TOY_ARCH, _samples(2, 5), lambda *a: None, progress=False, notes=notes)
+    assert notes == problems
+    from compress.evaluate.report import _header_lines  # compress_model puts the notes in calibration.replay
+    assert f"- **calibration replay is not the model's own forward**: {notes[0]}" in \
+        _header_lines({"calibration": {"n_samples": 2, "replay": notes}})

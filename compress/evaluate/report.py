@@ -339,6 +339,8 @@ def _header_lines(report: dict) -> list[str]:
         lines += [f"- calibration: {cal.get('n_samples')} × {cal.get('seq_len')} tokens from {cal.get('kind')}"
                   f" ({_calib_where(cal)}), seed {cal.get('seed')}, "
                   f"fingerprint `{cal.get('fingerprint', '')[:16]}…`"]
+        if isinstance(cal.get("replay"), list):  # "exact", or why replaying the blocks is not the model's forward
+            lines += [f"- **calibration replay is not the model's own forward**: {why}" for why in cal["replay"]]
     proto = report.get("eval", {}).get("protocol")
     if proto:
         lines += [f"- perplexity: WikiText-2 {proto['split']}, rows joined with \"\\n\\n\", seq_len {proto['seq_len']}, "
