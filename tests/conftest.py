@@ -58,9 +58,9 @@ _LOCAL_GLOBAL = dict(**_COMMON | dict(num_hidden_layers=2), sliding_window=48,
                      layer_types=["sliding_attention", "full_attention"])
 # families whose decoder loop passes each layer its own arguments (transformers 5.25): Gemma 3 and Cohere 2 a mask and
 # rotary embedding per layer type (local and global layers), Gemma 4 per-layer inputs too, with its KV-sharing layers
-# reading the keys and values an earlier layer of their type wrote. Local windows of 48 tokens: calibration windows
-# fit them (runs refuse longer ones), 64-token evaluation windows do not; tests set shorter windows where they want
-# the masks to differ.
+# reading the keys and values an earlier layer of their type wrote; EXAONE 4 a mask per layer type. Local windows of
+# 48 tokens: 64-token evaluation windows exceed them; tests set shorter windows where they want the calibration
+# windows to exceed them too (each layer then replays with its own mask).
 TINY_PER_LAYER_CONFIGS = {
     "gemma3_text": lambda: transformers.Gemma3TextConfig(**_LOCAL_GLOBAL, head_dim=16),
     "cohere2": lambda: transformers.Cohere2Config(**_LOCAL_GLOBAL, bos_token_id=1, eos_token_id=2, pad_token_id=0),
@@ -70,12 +70,51 @@ TINY_PER_LAYER_CONFIGS = {
         **(_LOCAL_GLOBAL | dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2)),
         head_dim=16, per_layer_config={}, hidden_size_per_layer_input=16, vocab_size_per_layer_input=256,
         num_kv_shared_layers=2),  # one head_dim for all layers (per_layer_config={}): a run plans memory by it
+    "exaone4": lambda: transformers.Exaone4Config(**_LOCAL_GLOBAL, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+}
+
+
+_HYBRID = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_SSM = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+            mamba_chunk_size=16)
+_DELTANET = dict(head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                 linear_num_key_heads=2, linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"])
+# hybrid and heterogeneous stacks (issue 45 item 4): Mamba layers beside attention (Jamba: of two classes, its MoE
+# every other layer; Bamba; Falcon-H1: both in every layer; Nemotron-H: Mamba, attention, MLP and MoE blocks), gated
+# DeltaNet linear attention (Qwen3-Next with MoE, Qwen3.5), Kimi Delta Attention beside MLA, Llama 4's experts fed
+# stacked rows, a chunked-attention layer (8-token chunks) and a global one without rotary embeddings; 2 layers
+# (Nemotron-H: one of each of its 4 kinds), 4 experts
+TINY_HYBRID_CONFIGS = {
+    "jamba": lambda: transformers.JambaConfig(
+        **_HYBRID, num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+        expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+        mamba_dt_rank=16),
+    "bamba": lambda: transformers.BambaConfig(**_HYBRID, **_SSM, num_hidden_layers=2, attn_layer_indices=[1]),
+    "falcon_h1": lambda: transformers.FalconH1Config(**_HYBRID, **_SSM, num_hidden_layers=2, mamba_d_ssm=128),
+    "nemotron_h": lambda: transformers.NemotronHConfig(
+        **_HYBRID, head_dim=16, layers_block_type=["mamba", "attention", "mlp", "moe"], ssm_state_size=8,
+        mamba_num_heads=8, mamba_head_dim=16, n_groups=1, conv_kernel=4, expand=2, chunk_size=16, n_routed_experts=4,
+        n_shared_experts=1, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, num_experts_per_tok=2,
+        n_group=1, topk_group=1),
+    "qwen3_next": lambda: transformers.Qwen3NextConfig(
+        **_HYBRID, **_DELTANET, num_hidden_layers=2, decoder_sparse_step=1, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
+    "qwen3_5_text": lambda: transformers.Qwen3_5TextConfig(**_HYBRID, **_DELTANET, num_hidden_layers=2),
+    "kimi_linear": lambda: transformers.KimiLinearConfig(
+        **(_HYBRID | dict(num_key_value_heads=4)), num_hidden_layers=2, moe_intermediate_size=32, n_shared_experts=1,
+        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8, n_group=1,
+        topk_group=1, num_experts_per_tok=2, num_local_experts=4, layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse"], linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4),
+    "llama4_text": lambda: transformers.Llama4TextConfig(
+        **_HYBRID, intermediate_size_mlp=128, num_hidden_layers=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=8, no_rope_layers=[1, 0]),
 }
 
 
 def make_tiny_model(family: str, seed: int = 0, **config_overrides) -> torch.nn.Module:
     torch.manual_seed(seed)
-    config = (TINY_CONFIGS | TINY_MOE_CONFIGS | TINY_PER_LAYER_CONFIGS)[family]()
+    config = (TINY_CONFIGS | TINY_MOE_CONFIGS | TINY_PER_LAYER_CONFIGS | TINY_HYBRID_CONFIGS)[family]()
     for k, v in config_overrides.items():
         setattr(config, k, v)
     config._attn_implementation = "eager"
