@@ -422,17 +422,6 @@ def relative_error(ref: list[Tensor], out: list[Tensor]) -> float:
     return num / max(den, 1e-30)
 
 
-def _check_uniform_blocks(model: nn.Module, seq_len: int) -> None:
-    """Blocks reuse block 0's attention mask. Families that mix sliding-window and global layers
-    (Gemma 2/3, some Mistral/Qwen configs) build different masks per layer once seq_len exceeds
-    the window, so refuse that case instead of calibrating with the wrong mask."""
-    layer_types = set(getattr(model.config, "layer_types", None) or [])
-    window = getattr(model.config, "sliding_window", None)
-    if len(layer_types) > 1 and window and seq_len > window:
-        raise ValueError(f"this model mixes attention types {sorted(layer_types)} with sliding_window={window}; "
-                         f"calibration seq_len={seq_len} exceeds the window. Set calibration.seq_len <= {window}.")
-
-
 OnBlock = Callable[[int, str, nn.Module, BlockInputs | None, object], None]
 Observe = Callable[[int, str, nn.Module], object]  # returns a context manager (hooks), or None
 
@@ -499,8 +488,6 @@ def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor | None, on_b
     replay is not the model's own forward, where it is not (also warned about as a ReplayWarning).
     """
     model.eval()
-    if samples is not None:
-        _check_uniform_blocks(model, samples.shape[1])
     if start and (shared := getattr(model.config, "num_kv_shared_layers", 0)):
         raise ValueError(f"cannot resume at block {start}: the last {shared} layers of this model read the keys and "
                          "values that earlier layers computed in the same forward (num_kv_shared_layers), and the "

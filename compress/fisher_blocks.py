@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from .arch import get_arch, get_module
 from .blockwise import BlockInputs, ReplayWarning, ResidentBlocks, _first, block_forward, capture_block_inputs
-from .evaluate.ppl import head_logits
+from .evaluate.ppl import final_logits
 from .precision import FisherSums, rtn_error, sample_labels, solve_layers, solved_error
 from .streaming import check_streamable, trim_heap
 
@@ -51,8 +51,9 @@ class StreamedReads:
         trim_heap()
 
 
-def blocks_problem(model: nn.Module, names: list[str], seq_len: int | None = None) -> str | None:
-    """Why the fisher pass of layers `names` cannot run block by block (None when it can)."""
+def blocks_problem(model: nn.Module, names: list[str]) -> str | None:
+    """Why the fisher pass of layers `names` cannot run block by block (None when it can). Windows longer than a
+    layer's sliding window are no reason: every block replays with its own mask (capture_block_inputs)."""
     try:
         arch = get_arch(model)
     except ValueError as e:
@@ -63,11 +64,6 @@ def blocks_problem(model: nn.Module, names: list[str], seq_len: int | None = Non
     for n in names:
         if not n.startswith(arch.blocks + ".") and model.get_submodule(n) is not head:
             return f"{n} lies outside the decoder blocks and is not the head"
-    layer_types = set(getattr(model.config, "layer_types", None) or [])
-    window = getattr(model.config, "sliding_window", None)
-    if seq_len and len(layer_types) > 1 and window and seq_len > window:
-        return (f"the model mixes attention types {sorted(layer_types)} and seq_len {seq_len} exceeds its "
-                f"sliding window {window} (block 0's mask would be reused for every block)")
     if getattr(model.config, "num_kv_shared_layers", 0):
         return (f"its last {model.config.num_kv_shared_layers} layers read the keys and values of earlier layers "
                 "(num_kv_shared_layers): the gradient crosses blocks there, which a block-by-block backward cuts")
@@ -135,7 +131,7 @@ def fisher_by_blocks(model: nn.Module, windows: Tensor, modules: dict[str, nn.Mo
         labels, grads = [], []
         for h in states[-1]:
             h = h.to(device).requires_grad_()
-            logits = head_logits(head, model.config, norm(h))[0]
+            logits = final_logits(model, norm(h), arch=arch)[0]
             labels.append(sample_labels(logits, gen))
             nn.functional.cross_entropy(logits, labels[-1], reduction="sum").backward()
             grads.append(park(h.grad))
@@ -178,7 +174,7 @@ def fisher_by_blocks(model: nn.Module, windows: Tensor, modules: dict[str, nn.Mo
                 handles = [sums.attach(i, m, error) for i, (_n, m) in top.items()]
                 for h, y in zip(states[-1], labels):
                     h = h.to(device).requires_grad_()
-                    nn.functional.cross_entropy(head_logits(head, model.config, norm(h))[0], y,
+                    nn.functional.cross_entropy(final_logits(model, norm(h), arch=arch)[0], y,
                                                 reduction="sum").backward()
                 _remove(handles)
     finally:

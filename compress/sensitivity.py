@@ -42,7 +42,7 @@ def measure_sensitivity(model: nn.Module, windows: Tensor, names: list[str], men
     out = Sensitivity(list(names), options, nbytes, tokens=int(windows.numel()))
     hessian_windows = windows if hessian_windows is None else hessian_windows
     why = "the measured KL runs the whole model per layer" if kind == "kl" else \
-        blocks_problem(model, names, windows.shape[1])
+        blocks_problem(model, names)
     if driver == "auto":
         driver = "model" if why and blocks is None else "blocks"
     if driver == "blocks" and why:

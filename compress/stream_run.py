@@ -467,7 +467,7 @@ def streamed_eval(recipe: Recipe, model: nn.Module, arch, evaluation: StreamedEv
                   baseline_figures: dict, progress: bool, device: str = "cpu") -> dict:
     """The report's `eval` section of a streamed run, in the in-memory run's shape. The hidden states were carried
     on `device`; the final norms and heads (on the CPU after the pass) go there for the scoring, and back."""
-    from .evaluate.ppl import head_logits, score_hidden
+    from .evaluate.ppl import final_logits, score_hidden
     from .evaluate.report import eval_protocol, model_figures, peak_cuda_bytes, peak_rss_bytes
 
     spec = recipe.eval
@@ -482,7 +482,7 @@ def streamed_eval(recipe: Recipe, model: nn.Module, arch, evaluation: StreamedEv
                               "streamed": True}
         heads = {"baseline": evaluation.head, "compressed": model.get_output_embeddings()}
         scores = score_hidden({n: (lambda k, ids, n=n: final[n][k]) for n in names},
-                              {n: (lambda h, n=n: head_logits(heads[n], model.config, h)) for n in names},
+                              {n: (lambda h, n=n: final_logits(model, h, heads[n], arch)) for n in names},
                               windows, baseline="baseline" if spec.baseline else None, device=device,
                               progress=progress)
         for m in scoring:

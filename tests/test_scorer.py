@@ -81,3 +81,45 @@ def test_perplexity_on_the_embedded_model_equals_transformers_loss():
     theirs = hf_perplexity(loaded.model, windows)
     assert 5 < theirs < 80  # a real language model on WikiText-2
     assert ours.ppl == pytest.approx(theirs, rel=1e-4)
+
+
+HEAD_SCALED = {  # families whose causal-LM forward does more to the head's output than Gemma's soft-capping
+    "cohere2": {},  # logits * logit_scale (0.0625 by default)
+    "granite": {"logits_scaling": 4.0},  # logits / logits_scaling
+}
+
+
+@pytest.mark.parametrize("family", sorted(HEAD_SCALED))
+def test_logits_from_final_hidden_states_are_the_models_own(family):
+    """final_logits (the in-memory and the streamed evaluation's, and the block-by-block fisher pass's) gives the
+    model's own logits from its final hidden states, whatever the family applies after the head; with `head`, those
+    of another head (a streamed run's float baseline beside its quantized head). The head alone is off by the scale:
+    what the streamed evaluation computed before."""
+    import transformers
+
+    from compress.evaluate.ppl import _final_hidden, final_logits
+    from tests.conftest import _COMMON
+
+    if family == "granite":
+        torch.manual_seed(0)
+        config = transformers.GraniteConfig(**_COMMON, **HEAD_SCALED[family])
+        config._attn_implementation = "eager"
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    else:
+        model = make_tiny_model(family, **HEAD_SCALED[family])
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(1))
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        head = other.get_output_embeddings()
+        head.weight = torch.nn.Parameter(head.weight.detach() * 1.5)  # untied from the input embedding
+        hidden = _final_hidden(model, ids)
+        want = model(input_ids=ids).logits
+        torch.testing.assert_close(final_logits(model, hidden), want, rtol=0, atol=1e-6)
+        torch.testing.assert_close(final_logits(model, hidden[0]), want[0], rtol=0, atol=1e-6)  # [seq, hidden]
+        torch.testing.assert_close(final_logits(model, hidden, other.get_output_embeddings()),
+                                   other(input_ids=ids).logits, rtol=0, atol=1e-6)
+        assert model.get_output_embeddings() is not other.get_output_embeddings()  # the model's own head is back
+        assert (model.get_output_embeddings()(hidden) - want).abs().max() > 1e-3
+    windows = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(2))
+    ours = score_windows({"m": model}, windows, progress=False)["m"]
+    assert ours.ppl == pytest.approx(hf_perplexity(model, windows), rel=1e-4)

@@ -30,21 +30,75 @@ class TextScores:
 
 
 def _final_hidden(model: nn.Module, ids: Tensor) -> Tensor:
-    out = model.base_model(input_ids=ids, use_cache=False)
+    """The final hidden states (after the final norm): the output of the module that holds the decoder blocks
+    (Llama 4's text model: its `base_model` is the causal-LM model itself)."""
+    out = _trunks(model)[0](input_ids=ids, use_cache=False)
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
 def _logits(model: nn.Module, hidden: Tensor) -> Tensor:
-    return head_logits(model.get_output_embeddings(), model.config, hidden)
+    return final_logits(model, hidden)
 
 
-def head_logits(head: nn.Module, config, hidden: Tensor) -> Tensor:
-    """Float32 logits of final hidden states through `head` (with the config's logit soft-capping)."""
-    logits = head(hidden).float()
-    cap = getattr(config, "final_logit_softcapping", None)
-    if cap:  # Gemma 2
-        logits = torch.tanh(logits / cap) * cap
-    return logits
+class _BaseOutput:
+    """What a base model's forward returns, as final_logits' stand-in: the given final hidden states; every other
+    field (cache, attentions, router logits, ...) None."""
+
+    def __init__(self, hidden: Tensor):
+        self.last_hidden_state = hidden
+
+    def __getattr__(self, name: str):  # only for the fields not set
+        return None
+
+    def __getitem__(self, i):
+        return (self.last_hidden_state,)[i]
+
+
+def _trunks(model: nn.Module, arch=None) -> list[nn.Module]:
+    """The modules between a causal-LM model and its decoder blocks (Llama: `model`; OPT: `model` and
+    `model.decoder`, which OPTForCausalLM calls directly): what its forward may call for the final hidden states."""
+    if arch is None:
+        from ..arch import get_arch
+        try:
+            arch = get_arch(model)
+        except ValueError:  # no decoder blocks found: the base model is the trunk
+            return [getattr(model, "base_model", model)]
+    if "." not in arch.blocks:  # the blocks sit on the model itself
+        return [model]
+    parts = arch.blocks.split(".")[:-1]
+    return [model.get_submodule(".".join(parts[:k])) for k in range(1, len(parts) + 1)]
+
+
+def final_logits(model: nn.Module, hidden: Tensor, head: nn.Module | None = None, arch=None) -> Tensor:
+    """Float32 logits of final hidden states (after the final norm; [seq, hidden] or [batch, seq, hidden]) as the
+    model's own causal-LM forward computes them: that forward runs with the module it calls for the final hidden
+    states replaced by a stand-in that returns `hidden`, so the head and whatever the family does after it are the
+    family's own code (Gemma's soft-capping, Cohere's logit_scale, Granite's logits_scaling, Falcon-H1's
+    lm_head_multiplier), gradients included. `head`: a head module used in place of the model's own for the call (a
+    streamed run scores its float baseline with the original head after the quantize stage replaced the model's)."""
+    own_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    trunks = [t for t in _trunks(model, arch) if t is not model] if own_head is not None else []
+    if not trunks:  # no causal-LM wrapper around a decoder: the head alone
+        return (head or own_head)(hidden).float()
+    squeeze = hidden.dim() == 2
+    h = hidden[None] if squeeze else hidden
+    head_path = next(n for n, m in model.named_modules() if m is own_head) if head is not None else None
+    own_forwards = [t.__dict__.get("forward") for t in trunks]  # instance-level forwards someone set: put back after
+    for t in trunks:
+        t.forward = lambda *args, **kwargs: _BaseOutput(h)
+    if head_path is not None:
+        model.set_submodule(head_path, head)
+    try:
+        out = model(inputs_embeds=h, use_cache=False)
+    finally:
+        for t, f in zip(trunks, own_forwards):
+            del t.forward
+            if f is not None:
+                t.forward = f
+        if head_path is not None:
+            model.set_submodule(head_path, own_head)
+    logits = (out.logits if hasattr(out, "logits") else out[0]).float()
+    return logits[0] if squeeze else logits
 
 
 @torch.no_grad()
