@@ -301,7 +301,7 @@ def _final_hidden_by_blocks(model: nn.Module, ids: torch.Tensor, block0_argument
         inputs = BlockInputs(inputs.hidden, inputs.kwargs)  # no per-block arguments: block 0's for every block
     for block in arch.block_list(model):
         inputs = inputs.advance(block_forward(block, inputs))
-    norm = get_module(model, arch.final_norm) if arch.final_norm else model.base_model.norm  # generic: no table entry
+    norm = get_module(model, arch.final_norm)
     with torch.no_grad():
         return torch.cat([norm(h) for h in inputs.hidden])
 

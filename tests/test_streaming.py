@@ -27,9 +27,9 @@ RECIPES = {
 }
 
 
-def _folder(tmp_path, family: str, dtype=torch.float32):
+def _folder(tmp_path, family: str, dtype=torch.float32, **overrides):
     folder = tmp_path / family
-    model = make_tiny_model(family).to(dtype)
+    model = make_tiny_model(family, **overrides).to(dtype)
     model.save_pretrained(folder, max_shard_size="50KB")  # several shards, as a large checkpoint has
     make_tiny_tokenizer().save_pretrained(folder)
     return folder, model
@@ -149,8 +149,8 @@ def test_the_streamed_run_equals_the_in_memory_run_bit_for_bit(tmp_path, family,
     _streamed_equals_in_memory(tmp_path, family, RECIPES[recipe], calibrate)
 
 
-def _streamed_equals_in_memory(tmp_path, family, stages, calibrate=True):
-    folder, model = _folder(tmp_path, family)
+def _streamed_equals_in_memory(tmp_path, family, stages, calibrate=True, **overrides):
+    folder, model = _folder(tmp_path, family, **overrides)
     reports, tensors = {}, {}
     for mode in ("never", "always"):
         out = tmp_path / f"out-{mode}"
@@ -178,24 +178,18 @@ def _gemma2_layout(norms: tuple[str, ...] = ("self_attn.q_norm", "self_attn.k_no
 @requires_data
 @pytest.mark.parametrize("family,stages", [
     ("gemma3_text", RECIPES["gptq"]),
-    # Gemma 4's per_layer_model_projection lies outside the blocks and computes their per-layer inputs: a streamed
-    # run quantizes it after the pass, so its evaluation would see the float layer (left float here: issue 45 item 4)
-    ("gemma4_kv_shared", [{"stage": "quantize", "method": "rtn", "scheme": {**INT4, "group_size": 16},
-                           "ignore": ["lm_head", "re:model.per_layer_model_projection"]}])])
-def test_a_streamed_run_of_a_family_with_per_layer_arguments_equals_the_in_memory_run(tmp_path, monkeypatch, family,
-                                                                                      stages):
-    """Gemma 3's local and global layers take different rotary embeddings and, past their 48-token window, different
-    masks; Gemma 4's layers also take their own per-layer inputs, and its KV-sharing layers read the keys and values
-    an earlier layer wrote. The streamed run captures every block's arguments on the meta-device skeleton, and
-    carries the baseline and the compressed model through the blocks each with its own shared keys and values: its
-    tensors, block errors and evaluation (64-token windows: longer than the local window) equal the in-memory run's
-    bit for bit (with block 0's arguments the baselines' perplexities differ: 258.83 against 258.88 on Gemma 3)."""
-    from compress.arch.tables import ARCH_TABLE
-
-    # no entry in compress/arch/tables.py yet (their AWQ pairs are issue 45's item 2), and a streamed run needs the
-    # final norm's path: entries of Gemma 2's layout
-    monkeypatch.setitem(ARCH_TABLE, family.replace("_kv_shared", "_text"), _gemma2_layout())
-    _streamed_equals_in_memory(tmp_path, family, stages)
+    # Gemma 4's per_layer_model_projection lies outside the blocks and computes their per-layer inputs: left in float
+    # by default (a streamed run refuses it quantized: tests/test_hybrid.py)
+    ("gemma4_kv_shared", [{"stage": "quantize", "method": "rtn", "scheme": {**INT4, "group_size": 16}}])])
+def test_a_streamed_run_of_a_family_with_per_layer_arguments_equals_the_in_memory_run(tmp_path, family, stages):
+    """Gemma 3's local and global layers take different rotary embeddings and, past their 16-token window, different
+    masks (calibration windows of 32 tokens, evaluation windows of 64); Gemma 4's layers also take their own
+    per-layer inputs, and its KV-sharing layers read the keys and values an earlier layer wrote. The streamed run
+    captures every block's arguments on the meta-device skeleton, and carries the baseline and the compressed model
+    through the blocks each with its own shared keys and values: its tensors, block errors and evaluation equal the
+    in-memory run's bit for bit (with block 0's arguments the baselines' perplexities differ: 258.83 against 258.88
+    on Gemma 3, with its 48-token window). Neither family has a table entry: the generic spec finds the final norm."""
+    _streamed_equals_in_memory(tmp_path, family, stages, sliding_window=16)
 
 
 class _CountResident(BlockVisitor):

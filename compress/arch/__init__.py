@@ -1,6 +1,7 @@
 """Architecture specs: a data table per family, with a generic fallback found from the module tree."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from torch import nn
@@ -124,14 +125,18 @@ def _has(root: nn.Module, path: str) -> bool:
 
 
 def _generic(model: nn.Module, model_type: str | None) -> ArchSpec:
-    """Find the decoder blocks as the ModuleList with num_hidden_layers identical children."""
+    """Find the decoder blocks as the ModuleList with num_hidden_layers identical children, or, in a hybrid model
+    whose layers are of several classes (Jamba: Mamba and attention layers), with num_hidden_layers children that
+    all hold linear layers. Linear, norm and final-norm paths are read from one block of each class."""
     n_layers = getattr(model.config, "num_hidden_layers", None)
-    candidates = [
-        name for name, m in model.named_modules()
-        if isinstance(m, nn.ModuleList) and not isinstance(m, ExpertLinears) and len(m) > 0
-        and (n_layers is None or len(m) == n_layers)
-        and len({type(c) for c in m}) == 1 and any(is_linear(x) for x in m[0].modules())
-    ]
+    lists = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, nn.ModuleList) and not isinstance(m, ExpertLinears) and len(m) > 0
+             and (n_layers is None or len(m) == n_layers)]
+    candidates = [name for name, m in lists if len({type(c) for c in m}) == 1
+                  and any(is_linear(x) for x in m[0].modules())]
+    if not candidates:  # a hybrid stack: blocks of several classes, each with its own linears
+        candidates = [name for name, m in lists if len({type(c) for c in m}) > 1
+                      and all(any(is_linear(x) for x in c.modules()) for c in m)]
     out = model.get_output_embeddings()
     inp = model.get_input_embeddings()
     if len(candidates) != 1 or out is None or inp is None:
@@ -140,14 +145,45 @@ def _generic(model: nn.Module, model_type: str | None) -> ArchSpec:
             "Add an entry to ARCH_TABLE in compress/arch/tables.py with blocks=, embed=, final_norm=, lm_head=, "
             "attention=, mlp= and norms= paths for this family.")
     names = {id(m): n for n, m in model.named_modules()}
-    block = get_module(model, candidates[0])[0]
-    linears = tuple(n for n, m in block.named_modules() if is_linear(m))
-    norms = tuple(n for n, m in block.named_modules() if "norm" in type(m).__name__.lower())
-    attn = tuple(n for n in linears if "attn" in n or "attention" in n)
+    kinds: dict[tuple, nn.Module] = {}  # one block of each layout (Bamba's Mamba and attention layers share a class)
+    for b in get_module(model, candidates[0]):
+        kinds.setdefault(tuple(n for n, _ in b.named_modules()), b)
+    linears, norms, attn = {}, {}, {}
+    for b in kinds.values():
+        for n, m in b.named_modules():
+            if is_linear(m):
+                linears[n] = None
+                if any(_MIXER.search(type(get_module(b, p)).__name__) for p in _prefixes(n)):
+                    attn[n] = None
+            elif "norm" in type(m).__name__.lower():
+                norms[n] = None
+    linears, norms, attn = tuple(linears), tuple(norms), tuple(attn)
     return ArchSpec(
         family=f"generic:{model_type}", blocks=candidates[0], embed=names[id(inp)],
-        final_norm="", lm_head=names[id(out)], attention=attn,
+        final_norm=_final_norm(model, candidates[0]), lm_head=names[id(out)], attention=attn,
         mlp=tuple(n for n in linears if n not in attn), norms=norms,
         awq_skip=(("all pairs", f"no scaling pairs are known for model_type {model_type!r}: add `awq=` to its "
                                 "entry in compress/arch/tables.py"),),
     )
+
+
+# the token mixers whose linears a generic spec lists as `attention`, by module class: attention, and the
+# state-space (Mamba) and linear-attention (gated DeltaNet) layers that take its place in hybrid models
+_MIXER = re.compile(r"attention|mamba|mixer|deltanet|ssm", re.I)
+_FINAL_NORMS = ("norm", "final_layernorm", "final_layer_norm", "norm_f", "ln_f", "final_norm")
+
+
+def _prefixes(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:k]) for k in range(1, len(parts))]
+
+
+def _final_norm(model: nn.Module, blocks: str) -> str:
+    """The path of the norm the model applies after its blocks, found beside them: the only norm among the children
+    of the module that holds the blocks (Bamba's `final_layernorm`, Nemotron-H's `norm_f`), else the one with a
+    final norm's usual name (Gemma 4 also has `per_layer_projection_norm` there); "" when neither is found."""
+    owner = blocks.rpartition(".")[0]
+    children = dict(get_module(model, owner).named_children() if owner else model.named_children())
+    norms = [n for n, m in children.items() if "norm" in type(m).__name__.lower() and not isinstance(m, nn.ModuleList)]
+    name = norms[0] if len(norms) == 1 else next((n for n in _FINAL_NORMS if n in norms), "")
+    return f"{owner}.{name}" if owner and name else name
