@@ -18,6 +18,7 @@ The routers (`gate`, `router`, Qwen2-MoE's `shared_expert_gate`) stay in float: 
 """
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass
 
@@ -118,11 +119,35 @@ def _linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
     return layer
 
 
+# how a MoE block calls its fused experts module, by the names of the fused forward's arguments after the hidden
+# states: with each token's chosen experts and their weights (most families), or with nothing else (Llama 4: the
+# hidden states arrive stacked once per expert, [experts * tokens, hidden], each row already scaled by its router
+# score, which is 0 where the expert was not chosen)
+ROUTED = (("top_k_index", "top_k_weights"), ("router_indices", "routing_weights"),
+          ("selected_experts", "routing_weights"))
+STACKED = ()
+
+
+def expert_routing(module: nn.Module, name: str = "") -> tuple[str, ...]:
+    """The routing arguments of a fused experts module's forward (one of ROUTED, or STACKED). Raises ValueError naming
+    the module, the cause and the way out for a forward this module cannot reproduce."""
+    params = list(inspect.signature(type(module).forward).parameters.values())[2:]  # after self, hidden_states
+    names = tuple(p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    if names in ROUTED or names == STACKED:
+        return names
+    raise ValueError(f"{name or type(module).__name__}: {type(module).__name__}.forward takes {list(names)} besides "
+                     "the hidden states, a routing compress/moe.py does not reproduce (it knows the chosen experts "
+                     "with their weights, or Llama 4's stacked rows); leave this model in float, or describe the "
+                     "routing in compress/moe.py (ExpertLinears.forward)")
+
+
 class ExpertLinears(nn.ModuleList):
     """A fused experts module as one `Expert` per expert; same forward signature and result as the fused module's
-    eager forward: (hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]."""
+    eager forward: (hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H], or for Llama 4's
+    (`routing` STACKED) hidden_states [E * T, H] -> [E * T, H], where each expert computes only the rows routed to it
+    (the others are zero rows, which a bias-free expert maps to zero): its calibration sees only its tokens."""
 
-    def __init__(self, fused: nn.Module, layout: ExpertLayout):
+    def __init__(self, fused: nn.Module, layout: ExpertLayout, routing: tuple[str, ...] = ROUTED[0]):
         experts = []
         for e in range(layout.experts):
             t = split_expert(layout, {n: fused._parameters[n] for n in layout.fused_names()}, e)
@@ -130,7 +155,7 @@ class ExpertLinears(nn.ModuleList):
             experts.append(Expert(gate, _linear(t["up_proj.weight"], t.get("up_proj.bias")),
                                   _linear(t["down_proj.weight"], t.get("down_proj.bias"))))
         super().__init__(experts)
-        self.layout = layout
+        self.layout, self.routing = layout, routing
         for name in layout.fused_names():  # the fused module keeps its activation and gating, not its tensors
             del fused._parameters[name]
         self.__dict__["_fused"] = fused  # not a submodule: it holds no tensors now, only act_fn and _apply_gate
@@ -148,7 +173,14 @@ class ExpertLinears(nn.ModuleList):
             return fused.act_fn(gate) * up
         return apply(fused, gate_up)
 
-    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+        given = dict(zip(self.routing, args)) | kwargs
+        if len(args) > len(self.routing) or set(given) != set(self.routing):
+            raise TypeError(f"{type(self._fused).__name__} (as ExpertLinears) takes hidden_states and "
+                            f"{list(self.routing)}, got {len(args)} more positional and {sorted(kwargs)} by name")
+        if self.routing == STACKED:
+            return self._stacked(hidden_states)
+        top_k_index, top_k_weights = (given[n] for n in self.routing)
         out = torch.zeros_like(hidden_states)
         with torch.no_grad():
             hit = torch.unique(top_k_index).tolist()
@@ -158,12 +190,24 @@ class ExpertLinears(nn.ModuleList):
             if not 0 <= e < len(self):
                 raise IndexError(f"the router chose expert {e} of {len(self)}: its rows and the experts disagree")
             token, pos = torch.where(top_k_index == e)
-            x = hidden_states[token]
-            expert = self[e]
-            gate = expert.gate_proj(x) if self.layout.has_gate else None
-            y = expert.down_proj(self._activate(gate, expert.up_proj(x)))
+            y = self._expert(e, hidden_states[token])
             out.index_add_(0, token, (y * top_k_weights[token, pos, None]).to(out.dtype))
         return out
+
+    def _expert(self, e: int, x: Tensor) -> Tensor:
+        expert = self[e]
+        gate = expert.gate_proj(x) if self.layout.has_gate else None
+        return expert.down_proj(self._activate(gate, expert.up_proj(x)))
+
+    def _stacked(self, hidden_states: Tensor) -> Tensor:
+        x = hidden_states.view(len(self), -1, hidden_states.shape[-1])
+        out = torch.zeros_like(x)
+        for e in range(len(self)):
+            with torch.no_grad():
+                rows = torch.nonzero(x[e].ne(0).any(-1)).reshape(-1)  # the tokens routed to expert e
+            if rows.numel():
+                out[e].index_copy_(0, rows, self._expert(e, x[e, rows]).to(out.dtype))
+        return out.view(hidden_states.shape)
 
     def extra_repr(self) -> str:
         lay = self.layout
@@ -182,9 +226,14 @@ def unfuse_experts(model: nn.Module) -> list[str]:
         layout = expert_layout(module)
         if layout is None:
             continue
+        routing = expert_routing(module, name)
+        if routing == STACKED and layout.bias:
+            raise ValueError(f"{name}: {type(module).__name__} takes every token for every expert (its unrouted "
+                             "rows zero) and has biases, which turn zero rows into outputs: computing only the routed "
+                             "rows would change the model; leave this model in float, or route it in compress/moe.py")
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
-        setattr(owner, child, ExpertLinears(module, layout))
+        setattr(owner, child, ExpertLinears(module, layout, routing))
         found.append(name)
     return found
 

@@ -19,7 +19,8 @@ from compress.moe import unfuse_experts
 from compress.nn import QuantLinear, is_linear
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.scheme import scheme
-from tests.conftest import TINY_CONFIGS, TINY_MOE_CONFIGS, TINY_PER_LAYER_CONFIGS, make_tiny_model
+from tests.conftest import (TINY_CONFIGS, TINY_HYBRID_CONFIGS, TINY_MOE_CONFIGS, TINY_PER_LAYER_CONFIGS,
+                            make_tiny_model)
 
 FAMILIES = sorted(TINY_CONFIGS)
 N_LAYERS = 2  # every tiny config has num_hidden_layers=2
@@ -318,7 +319,7 @@ SHORT_WINDOW = 8  # local layers of these families attend to 8 tokens of the tes
 SHORT = PER_LAYER + ["gemma2", "gpt_oss"]
 
 
-@pytest.mark.parametrize("family", FAMILIES + sorted(TINY_MOE_CONFIGS) + PER_LAYER)
+@pytest.mark.parametrize("family", FAMILIES + sorted(TINY_MOE_CONFIGS) + PER_LAYER + sorted(TINY_HYBRID_CONFIGS))
 def test_blocks_called_as_the_runner_calls_them_give_the_models_logits(family):
     """Block 0's captured hidden states through every block, then the final norm and the head, are the model's own
     forward exactly: every argument the model passes each block reaches it again, by name, positional ones included
@@ -326,8 +327,10 @@ def test_blocks_called_as_the_runner_calls_them_give_the_models_logits(family):
     block gets its own: local and global layers get their own masks (windows longer than the local window: Gemma
     2/3/4, Cohere 2, EXAONE 4, gpt-oss), Gemma 3, Cohere 2 and Gemma 4 different rotary embeddings, Gemma 4 each
     layer its slice of the per-layer inputs, and its KV-sharing layers read the keys and values an earlier layer
-    wrote in the replay. Replayed with block 0's arguments, the windowed families are off. The logits are the model's
-    own head computation (Gemma's soft-capping, Cohere's logit_scale: final_logits)."""
+    wrote in the replay; hybrid stacks (Mamba, linear-attention, attention, dense and MoE blocks, of one class or
+    several) replay as they run, Llama 4's chunked and global layers with their own masks. Replayed with block 0's
+    arguments, the windowed families are off. The logits are the model's own head computation (Gemma's soft-capping,
+    Cohere's logit_scale, Falcon-H1's lm_head_multiplier: final_logits)."""
     overrides = {"sliding_window": SHORT_WINDOW} if family in SHORT else {}
     model = make_tiny_model(family, **overrides).float()
     unfuse_experts(model)
@@ -339,7 +342,7 @@ def test_blocks_called_as_the_runner_calls_them_give_the_models_logits(family):
     with torch.no_grad():
         logits = torch.cat([final_logits(model, h[None]) for h in got])
     torch.testing.assert_close(logits, _logits(model, ids).float(), rtol=0, atol=1e-5)
-    if family in SHORT:
+    if family in SHORT + ["llama4_text"]:  # Llama 4: 8-token chunks in layer 0, global attention in layer 1
         try:
             old = float((_final_hidden_by_blocks(model, ids, True) - _final_hidden(model, ids)).abs().max())
         except RuntimeError as e:  # Gemma 4's global layers (head_dim 32) cannot take the local rotary tables (16)

@@ -118,6 +118,7 @@ def prune_experts(model: nn.Module, keep: dict[str, list[int]]) -> None:
         nn.ModuleList.__init__(kept, [block[j] for j in idx])
         kept.layout = type(block.layout)(new, *[getattr(block.layout, f) for f in
                                                 ("has_gate", "concatenated", "transposed", "bias")])
+        kept.routing = block.routing
         kept.__dict__["_fused"] = block._fused
         _set_count(block._fused, old, new)
         _set_count(parent, old, new)
