@@ -134,3 +134,15 @@ def test_pareto_frontier_keeps_exactly_the_undominated_runs():
     speed = [{"run": "x", "decode_tok_s": 10.0, "ppl": 20.0}, {"run": "y", "decode_tok_s": 30.0, "ppl": 25.0},
              {"run": "z", "decode_tok_s": 20.0, "ppl": 26.0}]
     assert frontier(speed, "decode_tok_s", higher_x_better=True) == ["x", "y"]
+
+
+def test_a_head_dim_per_layer_is_averaged_not_refused():
+    """Gemma 4's global layers have their own head_dim (32 against 16 here), which transformers refuses to read from
+    the config as one value: the facts use the mean over the layers, so the KV bytes per token are the model's."""
+    from compress.evaluate.roofline import attention_dims
+
+    config = make_tiny_model("gemma4_text").config
+    assert [c.head_dim for c in config.per_layer_config] == [16, 32]
+    assert attention_dims(config) == (24, 2)
+    m = model_facts(config, params=1000)
+    assert m.kv_bytes_per_token(2) == 2 * 2 * (16 + 32) * 2  # K and V, 2 KV heads, both layers, 2 bytes

@@ -87,10 +87,22 @@ def model_facts(config, weight_bytes: int | None = None, params: int | None = No
     params = count_params(config) if params is None else params
     text = getattr(config, "text_config", config)
     heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim, kv_heads = attention_dims(text)
     return ModelFacts(params, 2 * params if weight_bytes is None else weight_bytes, text.num_hidden_layers, kv_heads,
                       head_dim, heads * head_dim)
+
+
+def attention_dims(text) -> tuple[int | float, int | float]:
+    """(head_dim, KV heads) of a text config; where they differ per layer (a heterogeneous config: Gemma 4's global
+    layers have their own head_dim, which transformers refuses to read globally), their means over the layers, so
+    that layers × KV heads × head_dim is the model's KV width when the KV heads are the same in every layer."""
+    heads = text.num_attention_heads
+    per_layer = getattr(text, "per_layer_config", None)
+    layers = list(per_layer) if per_layer else [text]
+    dims = [(getattr(c, "head_dim", None) or text.hidden_size // heads, getattr(c, "num_key_value_heads", None) or heads)
+            for c in layers]
+    head_dim, kv_heads = (sum(d[k] for d in dims) / len(dims) for k in (0, 1))
+    return tuple(int(v) if v == int(v) else v for v in (head_dim, kv_heads))
 
 
 def decode(m: ModelFacts, acc: Accelerator, batch: int = 1, context: int = 1024, kv_bytes: float = 2,

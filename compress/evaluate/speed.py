@@ -121,10 +121,10 @@ def _static_speed(model: nn.Module, ids: torch.Tensor, decode_tokens: int, repea
 def sweep_bytes(model: nn.Module, batch: int, context: int) -> int:
     """A generous estimate of the memory one sweep point needs beyond the weights: the KV cache and the prefill
     activations (about 16 hidden-size float32 vectors a token live at once, and the MLP's widest)."""
+    from .roofline import attention_dims
     cfg = getattr(model.config, "text_config", model.config)
     heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim, kv_heads = attention_dims(cfg)
     kv = 2 * cfg.num_hidden_layers * kv_heads * head_dim * 4
     width = max(cfg.hidden_size * 16, getattr(cfg, "intermediate_size", 0) * 3, heads * context)
     return batch * context * (kv + width * 4)
