@@ -107,15 +107,24 @@ def start_stages(model, plan: Plan) -> RunContext:
 
 
 def kept_in_float(model) -> list[str]:
-    """Weight-holding modules outside the linear layers (embeddings, norms, MoE routers): reported, never silent."""
+    """Weight-holding modules outside the linear layers (embeddings, norms, MoE routers), and the parameters of
+    recurrent layers besides their linears (Mamba's A_log, D, dt_bias, its convolution): reported, never silent."""
+    from .mixers import float_reason
     from .moe import ROUTER_REASON, router_names
     routers = router_names(model)
     kinds: dict[tuple[str, str], int] = {}
     for name, m in model.named_modules():
-        if is_linear(m) or not isinstance(getattr(m, "weight", None), torch.Tensor) or list(m.children()):
+        if is_linear(m):
             continue
-        why = ROUTER_REASON if name in routers else "weight-only integer schemes apply to linear layers"
-        kinds[type(m).__name__, why] = kinds.get((type(m).__name__, why), 0) + 1
+        if not list(m.children()) and isinstance(getattr(m, "weight", None), torch.Tensor):
+            why = ROUTER_REASON if name in routers else \
+                float_reason(m, "weight") or "weight-only integer schemes apply to linear layers"
+            kinds[type(m).__name__, why] = kinds.get((type(m).__name__, why), 0) + 1
+            continue
+        for p_name, _ in m.named_parameters(recurse=False):  # a recurrent layer's own (its children: above)
+            if why := float_reason(m, p_name):
+                key = (f"{type(m).__name__}.{p_name}", why)
+                kinds[key] = kinds.get(key, 0) + 1
     return [f"{n}× {k} ({why})" for (k, why), n in sorted(kinds.items())]
 
 

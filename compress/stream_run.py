@@ -172,6 +172,13 @@ class StreamedEval(BlockVisitor):
                 "compressed": [norm(h)[0, :-1] for h in self.comp.hidden]}
 
 
+def per_layer_inputs_quantized(plan) -> list[str]:
+    """The per-layer input projections (stages.quantize.PER_LAYER_INPUTS) a plan quantizes."""
+    from .stages.quantize import QuantPlan, is_per_layer_input
+    return [e.name for step in plan.steps if isinstance(step, QuantPlan) for e in step.quantized
+            if is_per_layer_input(e.name, plan.arch)]
+
+
 def open_source(recipe: Recipe, device: str) -> Streamed:
     spec = recipe.model
     kind, where = _classify(spec.source)
@@ -364,6 +371,11 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, 
     model, arch, tokenizer = streamed.model, streamed.arch, streamed.tokenizer
     n_params = parameters(model)
     plan = make_plan(model, arch, recipe.stages)
+    if inputs := per_layer_inputs_quantized(plan):
+        raise ValueError(f"{inputs[0]} is quantized by the recipe, but a streamed run carries the per-layer inputs it "
+                         "computes to its evaluation from the float layer (it is quantized after the pass), so the "
+                         "evaluation would not see the quantized layer: leave it out of `targets:` (float, the "
+                         "default), or run the model in memory (model.stream: false)")
     model_reports: dict = {}
     if any(s.whole_model and not s.after_calibration for s in recipe.stages):  # those that stream: auto_precision
         with timings("model_stages"):

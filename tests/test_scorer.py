@@ -86,6 +86,7 @@ def test_perplexity_on_the_embedded_model_equals_transformers_loss():
 HEAD_SCALED = {  # families whose causal-LM forward does more to the head's output than Gemma's soft-capping
     "cohere2": {},  # logits * logit_scale (0.0625 by default)
     "granite": {"logits_scaling": 4.0},  # logits / logits_scaling
+    "falcon_h1": {"lm_head_multiplier": 0.5},  # logits * lm_head_multiplier
 }
 
 

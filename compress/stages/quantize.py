@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from ..evaluate.fmt import num
 from ..arch import ArchSpec, get_module, set_module
+from ..mixers import float_linear_reason, float_reason
 from ..moe import EXPERT, ROUTER_REASON, any_expert, router_names
 from ..nn import QuantLinear, is_linear, kernel_for, linear_shape, linear_weight
 from ..observers import BlockObserver
@@ -368,6 +369,11 @@ def _matches(name: str, module: nn.Module, patterns: tuple[str, ...], lm_head: s
     return None
 
 
+def _named(name: str, module: nn.Module, targets: tuple[str, ...], lm_head: str) -> bool:
+    """Whether a target names layer `name` itself (its name or a `re:` pattern), not only its class."""
+    return any(t not in CLASS_TARGETS and _matches(name, module, (t,), lm_head) for t in targets)
+
+
 def plan_quantize(model: nn.Module, arch: ArchSpec, stage: QuantizeStage) -> QuantPlan:
     """Decide, for every linear layer, the scheme or the reason it stays in float. Raises on a
     layer the scheme cannot hold when stage.strict is set."""
@@ -383,8 +389,12 @@ def plan_quantize(model: nn.Module, arch: ArchSpec, stage: QuantizeStage) -> Qua
         in_features = entry.shape[1]
         if isinstance(module, QuantLinear):
             entry.reason = f"already quantized ({module.scheme.name})"
-        elif name in routers and _matches(name, module, stage.targets, arch.lm_head) in CLASS_TARGETS:
+        elif name in routers and not _named(name, module, stage.targets, arch.lm_head):
             entry.reason = ROUTER_REASON + " (name it in `targets:` to quantize it)"
+        elif recurrent := float_linear_reason(model, name):
+            entry.reason = recurrent
+        elif is_per_layer_input(name, arch) and not _named(name, module, stage.targets, arch.lm_head):
+            entry.reason = PER_LAYER_INPUT_REASON + " (name it in `targets:` to quantize it in a run held in memory)"
         elif not _matches(name, module, stage.targets, arch.lm_head):
             entry.reason = f"not matched by targets {list(stage.targets)}"
         elif pat := _matches(name, module, stage.ignore, arch.lm_head):
@@ -416,6 +426,18 @@ def plan_quantize(model: nn.Module, arch: ArchSpec, stage: QuantizeStage) -> Qua
 
 
 CLASS_TARGETS = (None, "Linear", "Conv1D")  # a target that names a module class, not a layer
+# linears outside the decoder blocks that compute inputs every block reads: Gemma 3n / 4's per_layer_model_projection
+# (each block's slice of the per-layer inputs). Quantized, they would change every block's inputs after the blocks
+# were calibrated on the float ones, and a streamed run carries the float ones to its evaluation (the layer is
+# quantized after the pass), so its evaluation would not see the quantized layer the in-memory run's does
+PER_LAYER_INPUTS = ("per_layer_model_projection",)
+PER_LAYER_INPUT_REASON = ("per-layer input projection outside the decoder blocks: every block reads its output, and the "
+                          "blocks are calibrated (and a streamed run evaluated) on its float output")
+
+
+def is_per_layer_input(name: str, arch: ArchSpec) -> bool:
+    """Whether linear `name` is a per-layer input projection (PER_LAYER_INPUTS) outside the decoder blocks."""
+    return name.rpartition(".")[2] in PER_LAYER_INPUTS and not name.startswith(arch.blocks + ".")
 
 
 def float_parameters(model: nn.Module, plan: QuantPlan, routers: set[str]) -> list[tuple[str, int, str]]:
@@ -444,6 +466,10 @@ def float_parameters(model: nn.Module, plan: QuantPlan, routers: set[str]) -> li
                 why = ROUTER_REASON
             elif "norm" in type(module).__name__.lower() or "norm" in mod_name.rsplit(".", 1)[-1]:
                 why = "normalisation weight: one value per channel"
+            elif isinstance(module, nn.Embedding):  # Gemma 3n / 4's per-layer input embedding
+                why = "embedding: a lookup table, not a matmul"
+            elif recurrent := float_reason(module, p_name):  # a Mamba / linear-attention layer's own parameters
+                why = recurrent
             else:
                 why = f"not a linear layer ({type(module).__name__}.{p_name})"
             out.append((full, p.numel(), why))
