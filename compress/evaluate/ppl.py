@@ -29,15 +29,24 @@ class TextScores:
     top1_agreement: float | None = None  # share of positions whose argmax equals the baseline's
 
 
-def _final_hidden(model: nn.Module, ids: Tensor) -> Tensor:
+def _final_hidden(model: nn.Module, ids: Tensor, arch=None) -> Tensor:
     """The final hidden states (after the final norm): the output of the module that holds the decoder blocks
-    (Llama 4's text model: its `base_model` is the causal-LM model itself)."""
-    out = _trunks(model)[0](input_ids=ids, use_cache=False)
+    (Llama 4's text model: its `base_model` is the causal-LM model itself). `arch`: the model's spec, if known."""
+    out = _trunks(model, arch)[0](input_ids=ids, use_cache=False)
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
-def _logits(model: nn.Module, hidden: Tensor) -> Tensor:
-    return final_logits(model, hidden)
+def _logits(model: nn.Module, hidden: Tensor, arch=None) -> Tensor:
+    return final_logits(model, hidden, arch=arch)
+
+
+def _arch(model: nn.Module):
+    """The model's spec, or None where no decoder blocks are found (its base model is then the trunk)."""
+    from ..arch import get_arch
+    try:
+        return get_arch(model)
+    except ValueError:
+        return None
 
 
 class _BaseOutput:
@@ -57,12 +66,9 @@ class _BaseOutput:
 def _trunks(model: nn.Module, arch=None) -> list[nn.Module]:
     """The modules between a causal-LM model and its decoder blocks (Llama: `model`; OPT: `model` and
     `model.decoder`, which OPTForCausalLM calls directly): what its forward may call for the final hidden states."""
-    if arch is None:
-        from ..arch import get_arch
-        try:
-            arch = get_arch(model)
-        except ValueError:  # no decoder blocks found: the base model is the trunk
-            return [getattr(model, "base_model", model)]
+    arch = arch or _arch(model)
+    if arch is None:  # no decoder blocks found: the base model is the trunk
+        return [getattr(model, "base_model", model)]
     if "." not in arch.blocks:  # the blocks sit on the model itself
         return [model]
     parts = arch.blocks.split(".")[:-1]
@@ -105,8 +111,9 @@ def final_logits(model: nn.Module, hidden: Tensor, head: nn.Module | None = None
 def score_windows(models: dict[str, nn.Module], windows: Tensor, baseline: str | None = None,
                   device: str = "cpu", progress: bool = True) -> dict[str, TextScores]:
     """Score each model on windows [n, seq_len]; with `baseline`, add KL and top-1 against it."""
-    final = {n: (lambda k, ids, m=m: _final_hidden(m, ids)[0, :-1]) for n, m in models.items()}
-    logits = {n: (lambda h, m=m: _logits(m, h)) for n, m in models.items()}
+    archs = {n: _arch(m) for n, m in models.items()}  # found once, not per window
+    final = {n: (lambda k, ids, m=m, a=archs[n]: _final_hidden(m, ids, a)[0, :-1]) for n, m in models.items()}
+    logits = {n: (lambda h, m=m, a=archs[n]: _logits(m, h, a)) for n, m in models.items()}
     return score_hidden(final, logits, windows, baseline, device, progress)
 
 
