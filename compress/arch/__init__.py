@@ -30,8 +30,10 @@ class ArchSpec:
 
 
 def get_module(root: nn.Module, path: str) -> nn.Module:
+    """The module at dotted `path` under `root` (`root` itself for ''; a scaling pair whose linears sit in both
+    the attention and the MLP of a parallel block compares the whole block's outputs)."""
     module = root
-    for part in path.split("."):
+    for part in path.split(".") if path else ():
         if not hasattr(module, part):
             raise AttributeError(f"{type(root).__name__} has no submodule {path!r} (stopped at {part!r})")
         module = getattr(module, part)
@@ -123,8 +125,8 @@ def _has(root: nn.Module, path: str) -> bool:
         return False
 
 
-def _generic(model: nn.Module, model_type: str | None) -> ArchSpec:
-    """Find the decoder blocks as the ModuleList with num_hidden_layers identical children."""
+def find_blocks(model: nn.Module, model_type: str | None) -> str:
+    """The path of the decoder blocks: the ModuleList with num_hidden_layers identical children."""
     n_layers = getattr(model.config, "num_hidden_layers", None)
     candidates = [
         name for name, m in model.named_modules()
@@ -132,22 +134,46 @@ def _generic(model: nn.Module, model_type: str | None) -> ArchSpec:
         and (n_layers is None or len(m) == n_layers)
         and len({type(c) for c in m}) == 1 and any(is_linear(x) for x in m[0].modules())
     ]
-    out = model.get_output_embeddings()
-    inp = model.get_input_embeddings()
-    if len(candidates) != 1 or out is None or inp is None:
+    if len(candidates) != 1 or model.get_output_embeddings() is None or model.get_input_embeddings() is None:
         raise ValueError(
             f"cannot find the decoder blocks of model_type {model_type!r} (candidates: {candidates or 'none'}). "
             "Add an entry to ARCH_TABLE in compress/arch/tables.py with blocks=, embed=, final_norm=, lm_head=, "
             "attention=, mlp= and norms= paths for this family.")
+    return candidates[0]
+
+
+def _generic(model: nn.Module, model_type: str | None) -> ArchSpec:
+    """Find the decoder blocks (find_blocks) and derive the AWQ scaling pairs from their structure (derive.py)."""
+    blocks = find_blocks(model, model_type)
     names = {id(m): n for n, m in model.named_modules()}
-    block = get_module(model, candidates[0])[0]
+    block = get_module(model, blocks)[0]
     linears = tuple(n for n, m in block.named_modules() if is_linear(m))
     norms = tuple(n for n, m in block.named_modules() if "norm" in type(m).__name__.lower())
     attn = tuple(n for n in linears if "attn" in n or "attention" in n)
-    return ArchSpec(
-        family=f"generic:{model_type}", blocks=candidates[0], embed=names[id(inp)],
-        final_norm="", lm_head=names[id(out)], attention=attn,
+    spec = ArchSpec(
+        family=f"generic:{model_type}", blocks=blocks, embed=names[id(model.get_input_embeddings())],
+        final_norm="", lm_head=names[id(model.get_output_embeddings())], attention=attn,
         mlp=tuple(n for n in linears if n not in attn), norms=norms,
-        awq_skip=(("all pairs", f"no scaling pairs are known for model_type {model_type!r}: add `awq=` to its "
-                                "entry in compress/arch/tables.py"),),
     )
+    return _with_derived_pairs(model, spec)
+
+
+def _with_derived_pairs(model: nn.Module, spec: ArchSpec) -> ArchSpec:
+    """`spec` with the scaling pairs derived from its blocks' structure and checked on the family's tiny model;
+    the pairs that cannot be used, and why, in awq_skip (inspect and the run's report say them)."""
+    from dataclasses import replace
+
+    from .derive import derive
+    model_type = spec.family.removeprefix("generic:")
+    try:
+        found = derive(model, spec.blocks)
+    except Exception as e:  # the tiny model of this family cannot be built or run: no pairs, and why
+        return replace(spec, awq_skip=(("all pairs", (
+            f"no scaling pairs are known for model_type {model_type!r}, and deriving them from its blocks' "
+            f"structure failed on its tiny model ({type(e).__name__}: {e}); add `awq=` to its entry in "
+            "compress/arch/tables.py")),))
+    skip = found.awq_skip
+    if not found.awq:
+        skip = (("all pairs", f"no function-preserving scaling pair was found in the blocks of model_type "
+                              f"{model_type!r} (the reasons per pair follow)"),) + skip
+    return replace(spec, awq=found.awq, awq_skip=skip, norm_offset=found.norm_offset, no_clip=found.no_clip)
