@@ -31,6 +31,9 @@ from ..moe import ROUTER_NAMES, ExpertLinears, any_expert
 from ..nn import is_linear
 from .tiny import VOCAB, tiny_config, tiny_model
 
+NOT_PRESERVING = ("not function-preserving: folding random scales into it changes the tiny model's logits by "
+                  "{moved:.1e} of their range (an op between them that does not commute with per-channel scales: a "
+                  "norm, a GELU, a clamp, an offset, or another reader of its output)")
 PRESERVED = 1e-4  # max |logits change| / max |logits| within which scaling counts as float rounding
 SEEN = 1e-3  # ... and beyond which scaling the linears' columns alone counts as a change the check can see
 NO_CLIP_LEAVES = ("q_proj", "k_proj", "query", "key", "qkv_proj", "query_key_value", "c_attn", "Wqkv", "W_pack")
@@ -259,9 +262,7 @@ class _Checker:
         if math.isnan(moved):
             return "it applies to no block of the family's tiny model"
         if not moved <= PRESERVED:
-            return (f"not function-preserving: folding random scales into it changes the tiny model's logits by "
-                    f"{moved:.1e} of their range (an op between them that does not commute with per-channel "
-                    f"scales: a norm, a GELU, a clamp, an offset, or another reader of its output)")
+            return NOT_PRESERVING.format(moved=moved)
         if not self.change(pair, offset, prev_too=False) > SEEN:
             return "the check cannot see it: the tiny model's logits do not depend on these linears"
         return None
@@ -341,6 +342,10 @@ def derive_from_model(model: nn.Module, blocks_path: str) -> Derived:
             if not is_linear(seen[prev].module):
                 offsets.setdefault(any_expert(prev), _norm_offset(seen[prev]))
 
+    # a block kind where some of an op's readers are not called (Gemma 4's KV-sharing layers leave k/v unused)
+    # sees a part of the pair another kind sees whole: the whole pair covers it
+    direct = {pair: order for pair, order in direct.items()
+              if not any(o[0] == pair[0] and set(pair[1]) < set(o[1]) for o in direct)}
     known = [o for o in offsets.values() if o is not None]
     norm_offset = max(set(known), key=known.count) if known else 0.0
     steps = [(order, [pair]) for pair, order in direct.items()] + list(indirect.values())
@@ -357,8 +362,9 @@ def derive_from_model(model: nn.Module, blocks_path: str) -> Derived:
             if len(tries) == 1:
                 skip.append((_label(*tries[0][:2]), reasons[0][1]))
             else:
-                skip.append((f"-> {tries[0][1][0]}", "no earlier linear's outputs reach it through ops that pass "
-                             "per-channel scales on; tried " + "; ".join(f"{p[0]}: {why}" for p, why in reasons)))
+                short = "; ".join(f"{p[0]}: {why.split(' (an op between')[0]}" for p, why in reasons)
+                skip.append((f"-> {tries[0][1][0]}", "no linear before it passes per-channel scales on to it (a "
+                             "norm, a GELU, a clamp or an offset between them); tried " + short))
     grouped: dict[tuple[str, str], list[str]] = {}  # linears beside each other that miss a pair for one reason
     for name, why in unread.items():
         grouped.setdefault((_parent(name), why), []).append(name)

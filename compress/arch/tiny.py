@@ -22,6 +22,7 @@ _SIZES: dict[str, Any] = {
     # width
     "hidden_size": HIDDEN, "n_embd": HIDDEN, "d_model": HIDDEN,
     "intermediate_size": 128, "ffn_dim": 128, "n_inner": 128, "ffn_hidden_size": 128, "intermediate_size_mlp": 128,
+    "word_embed_proj_dim": HIDDEN,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "moe_shared_expert_intermediate_size": 64,
     # heads: as many key/value heads as query heads, so that v -> o is a pair the check can try (a real model with
     # grouped heads skips it at run time, with that reason)
@@ -122,14 +123,26 @@ def tiny_config(config, overrides: dict | None = None):
     key, n = _layer_count(d)
     if key is not None:
         keep = _keep_layers(d, n)
+        # layers that read the keys and values of an earlier layer of their type (Gemma 3n/4's last
+        # num_kv_shared_layers): the kept layers twice, the second time sharing
+        shared = d.get("num_kv_shared_layers") or 0
+        twice = 0 < shared < n and keep < n
         for k, v in list(d.items()):
             if isinstance(v, (list, str)) and len(v) == n and k != key:
-                d[k] = [x for x in v if x < keep] if isinstance(v, list) and _is_index_list(v, n) else v[:keep]
+                if isinstance(v, list) and _is_index_list(v, n):
+                    d[k] = [x for x in v if x < keep] + ([x + keep for x in v if x < keep] if twice else [])
+                else:
+                    d[k] = v[:keep] * (2 if twice else 1)
             elif isinstance(v, list) and v and _is_index_list(v, n):  # indices of layers (mlp_only_layers)
-                d[k] = [x for x in v if x < keep]
+                d[k] = [x for x in v if x < keep] + ([x + keep for x in v if x < keep] if twice else [])
             elif isinstance(v, dict) and v and all(str(x).isdigit() for x in v):  # per layer index (Gemma 4)
                 d[k] = {x: _per_layer(y) for x, y in v.items() if int(x) < keep}
-        d[key] = keep
+                if twice:
+                    d[k] |= {str(int(x) + keep).zfill(len(str(x))) if isinstance(x, str) else x + keep: y
+                             for x, y in d[k].items()}
+        d[key] = keep * (2 if twice else 1)
+        if twice:
+            d["num_kv_shared_layers"] = keep
     for k in _TOKENS:
         v = d.get(k)
         if isinstance(v, int) and v >= VOCAB:
