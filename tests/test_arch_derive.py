@@ -10,7 +10,7 @@ import transformers
 
 from compress.arch import ArchSpec, block_pairs, get_arch
 from compress.arch import derive as derive_module
-from compress.arch.derive import derive_from_model
+from compress.arch.derive import blocks_path, derive_from_model
 from compress.arch.tables import ARCH_TABLE
 from compress.arch.tiny import tiny_config, tiny_model
 from compress.smoothing import apply_smoothing, out_channels, pair_skip_reason
@@ -24,9 +24,8 @@ BEYOND_TABLE = {"deepseek_v3": {("input_layernorm", frozenset({"self_attn.q_a_pr
 
 
 def _derived(family: str, **overrides):
-    from compress.arch import find_blocks
     model = tiny_model(tiny_config(transformers.AutoConfig.for_model(family), overrides))
-    return model, derive_from_model(model, find_blocks(model, family))
+    return model, derive_from_model(model, blocks_path(model))
 
 
 @pytest.mark.parametrize("family", sorted(ARCH_TABLE))
@@ -60,8 +59,7 @@ def test_table_families_keep_their_table_entry_and_derive_nothing(family, monkey
 
 def _change(model, pair, offset: float, prev_too: bool = True) -> float:
     from compress.arch.derive import _Checker
-    from compress.arch import find_blocks
-    blocks = model.get_submodule(find_blocks(model, model.config.model_type))
+    blocks = model.get_submodule(blocks_path(model))
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     return _Checker(model, blocks, ids).change(pair, offset, prev_too)
 

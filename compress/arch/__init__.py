@@ -125,8 +125,9 @@ def _has(root: nn.Module, path: str) -> bool:
         return False
 
 
-def find_blocks(model: nn.Module, model_type: str | None) -> str:
-    """The path of the decoder blocks: the ModuleList with num_hidden_layers identical children."""
+def _generic(model: nn.Module, model_type: str | None, derive_pairs: bool = True) -> ArchSpec:
+    """Find the decoder blocks as the ModuleList with num_hidden_layers identical children; the AWQ scaling pairs
+    derived from their structure (`derive_pairs`, _with_derived_pairs)."""
     n_layers = getattr(model.config, "num_hidden_layers", None)
     candidates = [
         name for name, m in model.named_modules()
@@ -134,28 +135,26 @@ def find_blocks(model: nn.Module, model_type: str | None) -> str:
         and (n_layers is None or len(m) == n_layers)
         and len({type(c) for c in m}) == 1 and any(is_linear(x) for x in m[0].modules())
     ]
-    if len(candidates) != 1 or model.get_output_embeddings() is None or model.get_input_embeddings() is None:
+    out = model.get_output_embeddings()
+    inp = model.get_input_embeddings()
+    if len(candidates) != 1 or out is None or inp is None:
         raise ValueError(
             f"cannot find the decoder blocks of model_type {model_type!r} (candidates: {candidates or 'none'}). "
             "Add an entry to ARCH_TABLE in compress/arch/tables.py with blocks=, embed=, final_norm=, lm_head=, "
             "attention=, mlp= and norms= paths for this family.")
-    return candidates[0]
-
-
-def _generic(model: nn.Module, model_type: str | None) -> ArchSpec:
-    """Find the decoder blocks (find_blocks) and derive the AWQ scaling pairs from their structure (derive.py)."""
-    blocks = find_blocks(model, model_type)
     names = {id(m): n for n, m in model.named_modules()}
-    block = get_module(model, blocks)[0]
+    block = get_module(model, candidates[0])[0]
     linears = tuple(n for n, m in block.named_modules() if is_linear(m))
     norms = tuple(n for n, m in block.named_modules() if "norm" in type(m).__name__.lower())
     attn = tuple(n for n in linears if "attn" in n or "attention" in n)
     spec = ArchSpec(
-        family=f"generic:{model_type}", blocks=blocks, embed=names[id(model.get_input_embeddings())],
-        final_norm="", lm_head=names[id(model.get_output_embeddings())], attention=attn,
+        family=f"generic:{model_type}", blocks=candidates[0], embed=names[id(inp)],
+        final_norm="", lm_head=names[id(out)], attention=attn,
         mlp=tuple(n for n in linears if n not in attn), norms=norms,
+        awq_skip=(("all pairs", f"no scaling pairs are known for model_type {model_type!r}: add `awq=` to its "
+                                "entry in compress/arch/tables.py"),),
     )
-    return _with_derived_pairs(model, spec)
+    return _with_derived_pairs(model, spec) if derive_pairs else spec
 
 
 def _with_derived_pairs(model: nn.Module, spec: ArchSpec) -> ArchSpec:
@@ -166,7 +165,7 @@ def _with_derived_pairs(model: nn.Module, spec: ArchSpec) -> ArchSpec:
     from .derive import derive
     model_type = spec.family.removeprefix("generic:")
     try:
-        found = derive(model, spec.blocks)
+        found = derive(model)
     except Exception as e:  # the tiny model of this family cannot be built or run: no pairs, and why
         return replace(spec, awq_skip=(("all pairs", (
             f"no scaling pairs are known for model_type {model_type!r}, and deriving them from its blocks' "

@@ -113,8 +113,9 @@ def _is_norm(name: str, module: nn.Module) -> bool:
 
 
 def _rows_of(x: Tensor, y: Tensor) -> bool:
-    """Whether x is y, or (flattened to rows of its last dimension) equal to y or made of y's rows (the tokens a
-    router sent to one expert)."""
+    """Whether x is y, or (flattened to rows of its last dimension) equal to y or made of y's rows: the tokens a
+    router sent to one expert, or those rows each times a number (Llama 4 weighs a token by its router score before
+    the expert: a per-token factor, which per-channel scales pass through)."""
     if x is y:
         return True
     if x.shape[-1] != y.shape[-1] or x.dtype != y.dtype or x.numel() == 0:
@@ -122,9 +123,19 @@ def _rows_of(x: Tensor, y: Tensor) -> bool:
     a, b = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
     if a.shape == b.shape and torch.equal(a, b):
         return True
-    if a.shape[0] > b.shape[0]:
+    if a.shape[0] > b.shape[0] * 4:
         return False
-    return bool((a[:, None, :] == b[None, :, :]).all(-1).any(-1).all())
+    if bool((a[:, None, :] == b[None, :, :]).all(-1).any(-1).all()):
+        return True
+    # rows proportional to y's rows (the zero rows of tokens not routed here included)
+    a, b = a.double(), b.double()
+    nonzero = a.abs().amax(-1) > 0
+    if not bool(nonzero.any()):
+        return False
+    unit_a = a[nonzero] / a[nonzero].norm(dim=-1, keepdim=True)
+    unit_b = b / b.norm(dim=-1, keepdim=True).clamp(min=1e-300)
+    cosine = (unit_a @ unit_b.T).abs().amax(-1)
+    return bool((cosine > 1 - 1e-6).all())
 
 
 def _routers(block: nn.Module) -> set[str]:
@@ -395,7 +406,7 @@ def _has_path(block: nn.Module, path: str) -> bool:
     return bool(resolve(block, path))
 
 
-def derive(model: nn.Module, blocks_path: str) -> Derived:
+def derive(model: nn.Module) -> Derived:
     """The pairs of `model`'s family, found and checked on its tiny model (built from its config with small
     sizes; the real weights are never needed, so a meta-device or streamed model works as well). Raises what
     building or running the tiny model raises."""
@@ -404,7 +415,7 @@ def derive(model: nn.Module, blocks_path: str) -> Derived:
         with torch.random.fork_rng(devices=[]):  # leave the caller's random stream as it was
             config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
             tiny = tiny_model(tiny_config(config))
-            _DERIVED[key] = derive_from_model(tiny, _blocks_of(tiny, config))
+            _DERIVED[key] = derive_from_model(tiny, blocks_path(tiny))
         while len(_DERIVED) > 32:
             _DERIVED.pop(next(iter(_DERIVED)))
     return _DERIVED[key]
@@ -414,6 +425,7 @@ def derive(model: nn.Module, blocks_path: str) -> Derived:
 _DERIVED: dict[tuple, Derived] = {}
 
 
-def _blocks_of(model: nn.Module, config) -> str:
-    from . import find_blocks
-    return find_blocks(model, getattr(config, "model_type", None))
+def blocks_path(model: nn.Module) -> str:
+    """Where a (tiny) model's decoder blocks are, found from its module tree as for a family without a table entry."""
+    from . import _generic
+    return _generic(model, getattr(model.config, "model_type", None), derive_pairs=False).blocks
