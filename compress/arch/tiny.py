@@ -158,10 +158,10 @@ def tiny_config(config, overrides: dict | None = None):
     return type(config)(**d)
 
 
-def tiny_model(config, model_class=None, seed: int = 0) -> nn.Module:
-    """A float32 model of `config` (already tiny) with eager attention, in eval mode, its fused experts unfused
-    (compress/moe.py), and every weight that initialises to one value (zeros, ones) given random values around
-    it, so that no module's output is trivially independent of its inputs."""
+def tiny_model(config, seed: int = 0) -> nn.Module:
+    """A float32 model of `config` (already tiny) on the CPU with eager attention, in eval mode, its fused experts
+    unfused (compress/moe.py), and every weight that initialises to one value (zeros, ones) given random values
+    around it, so that no module's output is trivially independent of its inputs."""
     from transformers import AutoModelForCausalLM
 
     from ..moe import unfuse_experts
@@ -169,11 +169,10 @@ def tiny_model(config, model_class=None, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     config = copy.deepcopy(config)
     config._attn_implementation = "eager"
-    if model_class is None:
-        model = AutoModelForCausalLM.from_config(config)
-    else:
-        model = model_class._from_config(config)
-    model = model.float().eval()
+    with torch.device("cpu"):  # also inside a caller's meta-device context
+        model = AutoModelForCausalLM.from_config(config).float().eval()
+    if any(p.is_meta for p in model.parameters()):
+        raise RuntimeError("the tiny model was built without weights (inside accelerate's init_empty_weights?)")
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():

@@ -131,8 +131,9 @@ def describe_pairs(plan: Plan, index: int, lines: list[str], searched: bool) -> 
     """`compress inspect`'s lines for a smoothing stage (AWQ, SmoothQuant): each pair scaled or skipped."""
     pairs = block0_pairs(plan, index)
     for prev, balance, inspect_name, reason in pairs:
+        compared = f"`{inspect_name}`" if inspect_name else "the whole block's"  # a parallel block's norm pair
         what = f"skipped: {reason}" if reason else \
-            f"scaled (search compares `{inspect_name}` outputs)" if searched else "scaled"
+            f"scaled (search compares {compared} outputs)" if searched else "scaled"
         lines.append(f"  {pair_label(prev, balance):<70} {what}")
     for pair, reason in plan.arch.awq_skip:
         lines.append(f"  {pair:<70} skipped: {reason}")
