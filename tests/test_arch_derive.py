@@ -184,3 +184,20 @@ def test_the_report_says_where_awq_only_clipped(monkeypatch):
     sections, log = _awq_run(make_tiny_model("llama", num_key_value_heads=4))
     assert sections["stages"][0]["summary"] is None and not [x for x in log if x.startswith("WARNING: AWQ")]
     assert sections["stages"][0]["unscaled"]["scaled"] == sections["stages"][0]["unscaled"]["pairs"] == 8
+
+
+def test_the_summary_counts_every_pair_slot_of_every_block():
+    """Pairs a block tried (scaled or skipped) and the family's pairs that could not be found at all (arch.awq_skip,
+    once per block) are the slots; the summary names each reason with the number of blocks it held in."""
+    from compress.stages.awq import pairs_summary, unscaled_pairs
+    blocks = [{"block": i, "pairs": [{"pair": "a -> b", "skipped": ""},
+                                     {"pair": "v -> o", "skipped": "grouped heads" if i else ""}]} for i in range(3)]
+    unscaled = unscaled_pairs(blocks, (("-> q", "reads the residual stream"),))
+    assert (unscaled["pairs"], unscaled["scaled"], unscaled["unscaled_blocks"]) == (9, 4, 0)
+    assert pairs_summary("AWQ: clipping only", unscaled) == (
+        "AWQ: clipping only on 5 of 9 scaling pairs, because: `-> q`: reads the residual stream (3 blocks); "
+        "`v -> o`: grouped heads (2 blocks)")
+    nothing = unscaled_pairs([{"block": 0, "pairs": []}], (("all pairs", "no pairs known"),))
+    assert pairs_summary("AWQ: clipping only", nothing) == \
+        "AWQ: clipping only on 1 of 1 scaling pairs; 1 of 1 blocks had no pair scaled, because: `all pairs`: no pairs known"
+    assert pairs_summary("AWQ", unscaled_pairs(blocks[:1], ())) is None
