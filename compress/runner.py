@@ -187,6 +187,9 @@ def compress_model(model, tokenizer, recipe: Recipe, plan: Plan, device: str, mo
         plan.stages[i].finalize(ctx, i)
     sections["stages"] = [model_reports[i] if i in model_reports else stage.report(ctx, i)
                           for i, stage in enumerate(plan.stages)]
+    for section in sections["stages"]:
+        if section.get("summary"):
+            log(f"WARNING: {section['summary']}")
     sections["kept_in_float"] = kept_in_float(model)
     return sections, samples
 

@@ -323,6 +323,11 @@ def test_run_with_awq_and_gptq_reports_pairs(tmp_path, model_dir, calib_file):
     assert len(report["stages"][0]["blocks"]) == 2 and len(report["stages"][0]["blocks"][0]["pairs"]) == 4
     md = (tmp_path / "out" / "report.md").read_text()
     assert "## Stage 0: awq" in md and "grouped-query attention" in md
+    # the pairs AWQ could not scale are in the report's summary (its header), not only in its stage section
+    header = md.split("\n## ")[0]
+    assert "- **AWQ: clipping only on 2 of 8 scaling pairs, because: `self_attn.v_proj -> self_attn.o_proj`: " \
+           "self_attn.v_proj has 32 outputs but self_attn.o_proj read [64] (grouped-query attention) (2 blocks)**" \
+           in header
     reloaded = load_compressed(tmp_path / "out")
     assert sum(isinstance(m, QuantLinear) for m in reloaded.modules()) == len(LINEARS)
 

@@ -31,8 +31,10 @@ class ArchSpec:
 
 
 def get_module(root: nn.Module, path: str) -> nn.Module:
+    """The module at dotted `path` under `root` (`root` itself for ''; a scaling pair whose linears sit in both
+    the attention and the MLP of a parallel block compares the whole block's outputs)."""
     module = root
-    for part in path.split("."):
+    for part in path.split(".") if path else ():
         if not hasattr(module, part):
             raise AttributeError(f"{type(root).__name__} has no submodule {path!r} (stopped at {part!r})")
         module = getattr(module, part)
@@ -124,10 +126,11 @@ def _has(root: nn.Module, path: str) -> bool:
         return False
 
 
-def _generic(model: nn.Module, model_type: str | None) -> ArchSpec:
+def _generic(model: nn.Module, model_type: str | None, derive_pairs: bool = True) -> ArchSpec:
     """Find the decoder blocks as the ModuleList with num_hidden_layers identical children, or, in a hybrid model
     whose layers are of several classes (Jamba: Mamba and attention layers), with num_hidden_layers children that
-    all hold linear layers. Linear, norm and final-norm paths are read from one block of each class."""
+    all hold linear layers. Linear, norm and final-norm paths are read from one block of each class; the AWQ
+    scaling pairs are derived from the blocks' structure (`derive_pairs`, _with_derived_pairs)."""
     n_layers = getattr(model.config, "num_hidden_layers", None)
     lists = [(name, m) for name, m in model.named_modules()
              if isinstance(m, nn.ModuleList) and not isinstance(m, ExpertLinears) and len(m) > 0
@@ -158,13 +161,14 @@ def _generic(model: nn.Module, model_type: str | None) -> ArchSpec:
             elif "norm" in type(m).__name__.lower():
                 norms[n] = None
     linears, norms, attn = tuple(linears), tuple(norms), tuple(attn)
-    return ArchSpec(
+    spec = ArchSpec(
         family=f"generic:{model_type}", blocks=candidates[0], embed=names[id(inp)],
         final_norm=_final_norm(model, candidates[0]), lm_head=names[id(out)], attention=attn,
         mlp=tuple(n for n in linears if n not in attn), norms=norms,
         awq_skip=(("all pairs", f"no scaling pairs are known for model_type {model_type!r}: add `awq=` to its "
                                 "entry in compress/arch/tables.py"),),
     )
+    return _with_derived_pairs(model, spec) if derive_pairs else spec
 
 
 # the token mixers whose linears a generic spec lists as `attention`, by module class: attention, and the
@@ -187,3 +191,24 @@ def _final_norm(model: nn.Module, blocks: str) -> str:
     norms = [n for n, m in children.items() if "norm" in type(m).__name__.lower() and not isinstance(m, nn.ModuleList)]
     name = norms[0] if len(norms) == 1 else next((n for n in _FINAL_NORMS if n in norms), "")
     return f"{owner}.{name}" if owner and name else name
+
+
+def _with_derived_pairs(model: nn.Module, spec: ArchSpec) -> ArchSpec:
+    """`spec` with the scaling pairs derived from its blocks' structure and checked on the family's tiny model;
+    the pairs that cannot be used, and why, in awq_skip (inspect and the run's report say them)."""
+    from dataclasses import replace
+
+    from .derive import derive
+    model_type = spec.family.removeprefix("generic:")
+    try:
+        found = derive(model)
+    except Exception as e:  # the tiny model of this family cannot be built or run: no pairs, and why
+        return replace(spec, awq_skip=(("all pairs", (
+            f"no scaling pairs are known for model_type {model_type!r}, and deriving them from its blocks' "
+            f"structure failed on its tiny model ({type(e).__name__}: {e}); add `awq=` to its entry in "
+            "compress/arch/tables.py")),))
+    skip = found.awq_skip
+    if not found.awq:
+        skip = (("all pairs", f"no function-preserving scaling pair was found in the blocks of model_type "
+                              f"{model_type!r} (the reasons per pair follow)"),) + skip
+    return replace(spec, awq=found.awq, awq_skip=skip, norm_offset=found.norm_offset, no_clip=found.no_clip)

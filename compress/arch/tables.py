@@ -2,7 +2,9 @@
 
 Paths are dotted attribute paths: `blocks`, `embed`, `final_norm`, `lm_head` from the model
 root; `attention`, `mlp` (linear layers) and `norms` relative to one decoder block.
-To support a new family, add one entry keyed by its `config.model_type`.
+To support a new family, add one entry keyed by its `config.model_type`. A family without an entry has its blocks
+found from the module tree and its `awq` pairs derived from their structure, each checked function-preserving on
+its tiny model (arch/derive.py); an entry is still the way to state pairs the derivation cannot find.
 
 `awq` lists the scaling pairs: (previous op, the linears that read its output, the module whose
 output the scale search compares). The previous op is a norm (its weight and bias are divided by

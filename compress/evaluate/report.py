@@ -341,6 +341,8 @@ def _header_lines(report: dict) -> list[str]:
                   f"fingerprint `{cal.get('fingerprint', '')[:16]}…`"]
         if isinstance(cal.get("replay"), list):  # "exact", or why replaying the blocks is not the model's forward
             lines += [f"- **calibration replay is not the model's own forward**: {why}" for why in cal["replay"]]
+    # what a stage did not do as asked (AWQ clipping only where no scaling pair could be used), said up front
+    lines += [f"- **{section['summary']}**" for section in report.get("stages", []) if section.get("summary")]
     proto = report.get("eval", {}).get("protocol")
     if proto:
         lines += [f"- perplexity: WikiText-2 {proto['split']}, rows joined with \"\\n\\n\", seq_len {proto['seq_len']}, "

@@ -88,15 +88,20 @@ class AWQStage(StageBase):
         ctx.records[index].append({"block": block.index, "pairs": [asdict(r) for r in results]})
 
     def report(self, ctx: RunContext, index: int) -> dict:
+        blocks = ctx.records.get(index, [])
+        unscaled = unscaled_pairs(blocks, ctx.arch.awq_skip)
         return {"index": index, "stage": "awq", "scheme": ctx.plan.target(index)[0].scheme.name,
                 "n_grid": self.n_grid, "search_samples": self.search_samples, "clip": self.clip,
                 "clip_to": self.clip_to, "quantized": 0,
-                "skipped": [], "blocks": ctx.records.get(index, [])}
+                "skipped": [], "blocks": blocks, "unscaled": unscaled,
+                "summary": pairs_summary("AWQ: clipping only" if self.clip else "AWQ: no scaling", unscaled)}
 
     @staticmethod
     def render(section: dict, models: dict) -> list[str]:
-        return ["", f"## Stage {section['index']}: awq (for {section['scheme']})", ""] + \
-            pair_table(section.get("blocks", []))
+        lines = ["", f"## Stage {section['index']}: awq (for {section['scheme']})", ""]
+        if section.get("summary"):
+            lines += [f"**{section['summary']}**", ""]
+        return lines + pair_table(section.get("blocks", [])) + unfound_lines(section.get("unscaled"))
 
 
 def block0_pairs(plan: Plan, index: int) -> list[tuple]:
@@ -126,8 +131,9 @@ def describe_pairs(plan: Plan, index: int, lines: list[str], searched: bool) -> 
     """`compress inspect`'s lines for a smoothing stage (AWQ, SmoothQuant): each pair scaled or skipped."""
     pairs = block0_pairs(plan, index)
     for prev, balance, inspect_name, reason in pairs:
+        compared = f"`{inspect_name}`" if inspect_name else "the whole block's"  # a parallel block's norm pair
         what = f"skipped: {reason}" if reason else \
-            f"scaled (search compares `{inspect_name}` outputs)" if searched else "scaled"
+            f"scaled (search compares {compared} outputs)" if searched else "scaled"
         lines.append(f"  {pair_label(prev, balance):<70} {what}")
     for pair, reason in plan.arch.awq_skip:
         lines.append(f"  {pair:<70} skipped: {reason}")
@@ -153,3 +159,45 @@ def pair_table(blocks: list[dict], what: str = "mean exponent r") -> list[str]:
         lines.append(f"| `{pair}` | {len(done)}/{len(rows)} | {num(ratio, '{:.2f}')} | {num(gain, '{:.3f}')} | "
                      f"{'; '.join(skipped) or '—'} |")
     return lines
+
+
+def unscaled_pairs(blocks: list[dict], arch_skips: tuple[tuple[str, str], ...]) -> dict:
+    """What a smoothing stage did not scale, for the report's summary: `pairs` (the pair instances of every block:
+    those its blocks tried, and the family's pairs that could not be found or used at all, arch.awq_skip, once per
+    block), `scaled`, `blocks` and `unscaled_blocks` (blocks where nothing was scaled), and `reasons`: [pair, why,
+    how many blocks], the family's first."""
+    n = len(blocks)
+    listed = [(p, why) for p, why in arch_skips if p != "all pairs"] or list(arch_skips)
+    reasons: dict[tuple[str, str], int] = {(p, why): n for p, why in listed} if n else {}
+    scaled = 0
+    unscaled_blocks = 0
+    for blk in blocks:
+        done = sum(not p["skipped"] for p in blk["pairs"])
+        scaled += done
+        unscaled_blocks += done == 0
+        for p in blk["pairs"]:
+            if p["skipped"]:
+                reasons[p["pair"], p["skipped"]] = reasons.get((p["pair"], p["skipped"]), 0) + 1
+    total = scaled + sum(reasons.values())
+    return {"pairs": total, "scaled": scaled, "blocks": n, "unscaled_blocks": unscaled_blocks,
+            "reasons": [[p, why, k] for (p, why), k in reasons.items()], "not_found": [list(x) for x in listed]}
+
+
+def pairs_summary(what: str, unscaled: dict) -> str | None:
+    """One line for the report's summary when some scaling pairs were not scaled: `what` on N of M pairs, because
+    ... (None when every pair was scaled, or there were no blocks)."""
+    if not unscaled["blocks"] or unscaled["scaled"] == unscaled["pairs"]:
+        return None
+    n, m = unscaled["pairs"] - unscaled["scaled"], unscaled["pairs"]
+    blocks = (f"; {unscaled['unscaled_blocks']} of {unscaled['blocks']} blocks had no pair scaled"
+              if unscaled["unscaled_blocks"] else "")
+    why = "; ".join(f"`{p}`: {reason}" + (f" ({k} blocks)" if k > 1 else "") for p, reason, k in unscaled["reasons"])
+    return f"{what} on {n} of {m} scaling pairs{blocks}, because: {why}"
+
+
+def unfound_lines(unscaled: dict | None) -> list[str]:
+    """The family's pairs that could not be found or used at all (arch.awq_skip), under the pair table."""
+    if not unscaled:
+        return []
+    return [""] + [f"- not scaled in any block: `{p}`: {why}" for p, why in unscaled.get("not_found", [])] \
+        if unscaled.get("not_found") else []

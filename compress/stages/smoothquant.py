@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 from ..quantizers.smoothquant import smoothquant_block
-from .awq import describe_pairs, pair_table
+from .awq import describe_pairs, pair_table, pairs_summary, unfound_lines, unscaled_pairs
 from .base import BlockState, Needs, Plan, RunContext, StageBase, next_target
 
 
@@ -60,11 +60,16 @@ class SmoothQuantStage(StageBase):
         ctx.records[index].append({"block": block.index, "pairs": [asdict(r) for r in results]})
 
     def report(self, ctx: RunContext, index: int) -> dict:
+        blocks = ctx.records.get(index, [])
+        unscaled = unscaled_pairs(blocks, ctx.arch.awq_skip)
         return {"index": index, "stage": "smoothquant", "alpha": self.alpha, "alpha_grid": list(self.alpha_grid),
-                "quantized": 0, "skipped": [], "blocks": ctx.records.get(index, [])}
+                "quantized": 0, "skipped": [], "blocks": blocks, "unscaled": unscaled,
+                "summary": pairs_summary("SmoothQuant: no smoothing", unscaled)}
 
     @staticmethod
     def render(section: dict, models: dict) -> list[str]:
         how = f"alpha searched over {section['alpha_grid']}" if section["alpha_grid"] else f"alpha {section['alpha']}"
-        return ["", f"## Stage {section['index']}: smoothquant ({how})", ""] + \
-            pair_table(section.get("blocks", []), "mean alpha")
+        lines = ["", f"## Stage {section['index']}: smoothquant ({how})", ""]
+        if section.get("summary"):
+            lines += [f"**{section['summary']}**", ""]
+        return lines + pair_table(section.get("blocks", []), "mean alpha") + unfound_lines(section.get("unscaled"))
