@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
-from .arch import block_pairs
+from .arch.paths import block_pairs
 from .moe import any_expert
 from .observers import InputStats
 

@@ -8,13 +8,18 @@ import pytest
 import torch
 import transformers
 
-from compress.arch import ArchSpec, block_pairs, get_arch
+from compress.arch import ArchSpec, _generic, block_pairs, get_arch
 from compress.arch import derive as derive_module
-from compress.arch.derive import blocks_path, derive_from_model
+from compress.arch.derive import derive_from_model
 from compress.arch.tables import ARCH_TABLE
 from compress.arch.tiny import tiny_config, tiny_model
 from compress.smoothing import apply_smoothing, out_channels, pair_skip_reason
 from tests.conftest import TINY_CONFIGS, TINY_MOE_CONFIGS, TINY_PER_LAYER_CONFIGS, make_tiny_model
+
+def blocks_path(model):
+    """Where a tiny model's decoder blocks are, as the generic spec finds them."""
+    return _generic(model, model.config.model_type, derive_pairs=False).blocks
+
 
 # what the derivation finds beyond a table entry: DeepSeek-V3's table skips its multi-head latent attention
 # ("not mapped yet"); the derivation maps it (the input norm -> q_a / kv_a, and the two low-rank norms -> q_b / kv_b)

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..moe import ExpertLinears
-from ..nn import attach_input_rotation, is_linear
+from ..nn import is_linear
+from .paths import _has, block_pairs, get_module, resolve, set_module  # noqa: F401 (the package's names)
 from .tables import ARCH_TABLE
 
 
@@ -28,30 +29,6 @@ class ArchSpec:
 
     def block_list(self, model: nn.Module) -> nn.ModuleList:
         return get_module(model, self.blocks)
-
-
-def get_module(root: nn.Module, path: str) -> nn.Module:
-    """The module at dotted `path` under `root` (`root` itself for ''; a scaling pair whose linears sit in both
-    the attention and the MLP of a parallel block compares the whole block's outputs)."""
-    module = root
-    for part in path.split(".") if path else ():
-        if not hasattr(module, part):
-            raise AttributeError(f"{type(root).__name__} has no submodule {path!r} (stopped at {part!r})")
-        module = getattr(module, part)
-    return module
-
-
-def set_module(root: nn.Module, path: str, new: nn.Module) -> None:
-    """Put `new` at `path`. A linear that rotates its input at run time (rotation.attach_input_rotation: the
-    weights were folded for it) passes its rotation on to the module that replaces it (a QuantLinear, AutoRound's
-    trainable copy), so no replacement can drop it."""
-    parent, _, name = path.rpartition(".")
-    owner = get_module(root, parent) if parent else root
-    old = getattr(owner, name, None)
-    rotation = getattr(old, "input_rotation", None)
-    if rotation is not None and getattr(new, "input_rotation", None) is None:
-        attach_input_rotation(new, rotation)
-    setattr(owner, name, new)
 
 
 def get_arch(model: nn.Module) -> ArchSpec:
@@ -75,55 +52,6 @@ def _check(model: nn.Module, spec: ArchSpec) -> None:
     if missing:
         raise ValueError(f"model_type {spec.family!r}: the architecture table in compress/arch/tables.py names "
                          f"modules this model lacks: {missing}. Fix that entry for this transformers version.")
-
-
-def resolve(block: nn.Module, path: str) -> list[str]:
-    """The names `path` stands for in `block`: itself, or with `*` (an expert index, `mlp.experts.*.up_proj`) one
-    per expert; [] where the block lacks it."""
-    if "*" not in path:
-        return [path] if _has(block, path) else []
-    head, _, tail = path.partition(".*.")
-    if not _has(block, head):
-        return []
-    names = [f"{head}.{e}.{tail}" for e in range(len(get_module(block, head)))]
-    return names if all(_has(block, n) for n in names) else []
-
-
-def block_pairs(block: nn.Module, pairs) -> list[tuple[str, tuple[str, ...], str, tuple[str, ...]]]:
-    """(previous op, balance linears, inspect module, followers) of each scaling pair as it applies to `block`.
-    A `*` in the previous op makes one pair per expert (the same index throughout); a `*` in the balance linears
-    only stands for all experts, and the block's routers beside them become followers: they read the same input,
-    so their input columns take the scales too (in float, never searched or quantized), and the routing is
-    unchanged. A pair whose modules the block lacks does not apply to it."""
-    from ..moe import ROUTER_NAMES
-    out = []
-    for prev, balance, inspect in pairs:
-        if "*" in prev:
-            prevs = resolve(block, prev)
-            for e, p in enumerate(prevs):
-                sub = [b.replace(".*.", f".{e}.") for b in balance]
-                if all(_has(block, b) for b in sub):
-                    out.append((p, tuple(sub), inspect.replace(".*.", f".{e}."), ()))
-            continue
-        names = [resolve(block, b) for b in balance]
-        if not _has(block, prev) or not all(names) or not _has(block, inspect):
-            continue
-        followers = []
-        for b in balance:
-            if "*" in b:
-                owner = b.partition(".*.")[0].rpartition(".")[0]
-                followers += [f"{owner}.{r}" if owner else r for r in ROUTER_NAMES
-                              if _has(block, f"{owner}.{r}" if owner else r)]
-        out.append((prev, tuple(n for group in names for n in group), inspect, tuple(dict.fromkeys(followers))))
-    return out
-
-
-def _has(root: nn.Module, path: str) -> bool:
-    try:
-        get_module(root, path)
-        return True
-    except AttributeError:
-        return False
 
 
 def _generic(model: nn.Module, model_type: str | None, derive_pairs: bool = True) -> ArchSpec:
@@ -201,7 +129,8 @@ def _with_derived_pairs(model: nn.Module, spec: ArchSpec) -> ArchSpec:
     from .derive import derive
     model_type = spec.family.removeprefix("generic:")
     try:
-        found = derive(model)
+        found = derive(model, lambda tiny: _generic(tiny, getattr(tiny.config, "model_type", None),
+                                                     derive_pairs=False).blocks)
     except Exception as e:  # the tiny model of this family cannot be built or run: no pairs, and why
         return replace(spec, awq_skip=(("all pairs", (
             f"no scaling pairs are known for model_type {model_type!r}, and deriving them from its blocks' "

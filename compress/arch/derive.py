@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -239,7 +240,7 @@ class _Checker:
     def change(self, pair, offset: float, prev_too: bool = True) -> float:
         """max |logits change| / max |logits| with the pair's scales folded (only the linears' columns scaled when
         not `prev_too`). Raises what folding raises (a previous op without per-channel weights)."""
-        from . import block_pairs
+        from .paths import block_pairs
         from ..smoothing import apply_smoothing, scale_inputs
         g = torch.Generator().manual_seed(0)
         try:
@@ -286,7 +287,7 @@ def _label(prev: str, balance) -> str:
 def derive_from_model(model: nn.Module, blocks_path: str) -> Derived:
     """The pairs of `model`, a tiny float32 model (eager attention, experts unfused), whose blocks are at
     `blocks_path`."""
-    from . import get_module
+    from .paths import get_module
     blocks = get_module(model, blocks_path)
     ids = torch.randint(0, min(VOCAB, model.get_input_embeddings().num_embeddings), (2, 24),
                         generator=torch.Generator().manual_seed(0))
@@ -402,20 +403,21 @@ def _unusable(prev: str, offsets: dict, norm_offset: float, block: nn.Module) ->
 
 
 def _has_path(block: nn.Module, path: str) -> bool:
-    from . import resolve
+    from .paths import resolve
     return bool(resolve(block, path))
 
 
-def derive(model: nn.Module) -> Derived:
+def derive(model: nn.Module, find_blocks: Callable[[nn.Module], str]) -> Derived:
     """The pairs of `model`'s family, found and checked on its tiny model (built from its config with small
-    sizes; the real weights are never needed, so a meta-device or streamed model works as well). Raises what
-    building or running the tiny model raises."""
+    sizes; the real weights are never needed, so a meta-device or streamed model works as well). `find_blocks`
+    gives the path of a model's decoder blocks (the generic spec's search: arch._generic). Raises what building or
+    running the tiny model raises."""
     key = (type(model).__name__, model.config.to_json_string(use_diff=False))
     if key not in _DERIVED:
         with torch.random.fork_rng(devices=[]):  # leave the caller's random stream as it was
             config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
             tiny = tiny_model(tiny_config(config))
-            _DERIVED[key] = derive_from_model(tiny, blocks_path(tiny))
+            _DERIVED[key] = derive_from_model(tiny, find_blocks(tiny))
         while len(_DERIVED) > 32:
             _DERIVED.pop(next(iter(_DERIVED)))
     return _DERIVED[key]
@@ -423,9 +425,3 @@ def derive(model: nn.Module) -> Derived:
 
 # derived pairs per (model class, config): get_arch is called many times for one model
 _DERIVED: dict[tuple, Derived] = {}
-
-
-def blocks_path(model: nn.Module) -> str:
-    """Where a (tiny) model's decoder blocks are, found from its module tree as for a family without a table entry."""
-    from . import _generic
-    return _generic(model, getattr(model.config, "model_type", None), derive_pairs=False).blocks

@@ -94,8 +94,8 @@ def final_logits(model: nn.Module, hidden: Tensor, head: nn.Module | None = None
         t.forward = lambda *args, **kwargs: _BaseOutput(h)
     if head_path is not None:
         model.set_submodule(head_path, head)
-    try:
-        out = model(inputs_embeds=h, use_cache=False)
+    try:  # forward(), not __call__: hooks others put on the model (a training loop's) must not see this stand-in call
+        out = model.forward(inputs_embeds=h, use_cache=False)
     finally:
         for t, f in zip(trunks, own_forwards):
             del t.forward
