@@ -439,3 +439,25 @@ def choose(costs: np.ndarray, nbytes: np.ndarray, budget: int, resolution: int |
         chosen[layer] = int(pick[layer, u])
         u -= int(size[layer, chosen[layer]])
     return chosen
+
+
+def grouped(costs: np.ndarray, nbytes: np.ndarray, groups: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """[G, S] costs and bytes of layer groups that take one option together: the sums over each group's layers, an
+    option unavailable (bytes -1) where it cannot hold one of them."""
+    costs, nbytes = np.asarray(costs, dtype=np.float64), np.asarray(nbytes, dtype=np.int64)
+    g_costs = np.stack([costs[g].sum(0) for g in groups])
+    g_bytes = np.stack([np.where((nbytes[g] < 0).any(0), -1, nbytes[g].sum(0)) for g in groups])
+    return g_costs, g_bytes
+
+
+def choose_grouped(costs: np.ndarray, nbytes: np.ndarray, budget: int, groups: list[list[int]],
+                   resolution: int | None = None) -> list[int]:
+    """`choose` with the layers of each group (indices into the rows) given one option together: the knapsack runs
+    over groups, each costing the sum of its layers."""
+    g_costs, g_bytes = grouped(costs, nbytes, groups)
+    picked = choose(g_costs, g_bytes, budget, resolution)
+    out = [0] * len(costs)
+    for group, p in zip(groups, picked):
+        for i in group:
+            out[i] = p
+    return out

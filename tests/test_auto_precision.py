@@ -2,6 +2,7 @@
 references, per-layer schemes in the quantize and AWQ stages, and `stage: auto_precision` through `compress run`."""
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -13,10 +14,11 @@ import torch
 import yaml
 
 from compress.arch import get_arch
+from compress.arch.fused import fused_groups
 from compress.fisher_blocks import blocks_problem
 from compress.moe import unfuse_experts
 from compress.nn import is_linear
-from compress.precision import AWQModel, choose, scheme_bytes, weight_error
+from compress.precision import AWQModel, choose, choose_grouped, scheme_bytes, weight_error
 from compress.sensitivity import measure_sensitivity
 from compress.quantizers.rtn import fake_quantize
 from compress.quantizers.gptq import quantize_gptq
@@ -51,6 +53,28 @@ def test_choice_equals_brute_force(seed):
     rows = np.arange(n_layers)
     assert nbytes[rows, got].sum() <= budget and (nbytes[rows, got] >= 0).all()
     assert costs[rows, got].sum() == pytest.approx(best, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_grouped_choice_equals_brute_force_over_tied_layers(seed):
+    """Layers of a fused group (q/k/v, gate/up) take one option: the optimum among the per-layer combinations that
+    give every group's layers the same option."""
+    rng = np.random.default_rng(seed)
+    nbytes = rng.integers(1, 40, size=(6, 3))
+    costs = rng.random((6, 3)) * (50 - nbytes)
+    groups = [[0, 1, 2], [3], [4, 5]]
+    tied = np.stack([nbytes[g].sum(0) for g in groups])  # [groups, options]
+    budget = int(tied.min(1).sum() + 0.4 * (tied.max(1).sum() - tied.min(1).sum()))
+    best = math.inf
+    for combo in itertools.product(range(3), repeat=6):
+        if all(len({combo[i] for i in g}) == 1 for g in groups):
+            rows = np.arange(6)
+            if nbytes[rows, combo].sum() <= budget:
+                best = min(best, costs[rows, combo].sum())
+    got = choose_grouped(costs, nbytes, budget, groups, resolution=budget)
+    assert all(len({got[i] for i in g}) == 1 for g in groups)
+    assert nbytes[np.arange(6), got].sum() <= budget
+    assert costs[np.arange(6), got].sum() == pytest.approx(best, rel=1e-12)
 
 
 def test_default_resolution_fits_and_is_within_the_rounding_of_the_optimum():
@@ -417,6 +441,9 @@ def test_run_quantizes_each_layer_in_the_scheme_chosen_within_the_budget(run_aut
     assert len({v for v in section["assignment"].values()}) >= 2  # mixed
     assert section["counts"][INT5.name] >= 1  # so int5 is stored, reloaded and counted to the byte below
     assert quantize["layers"] == section["assignment"]  # the quantize stage stored what was chosen
+    groups = fused_groups(section["assignment"])  # q/k/v and gate/up of each block: one scheme each (vLLM fuses them)
+    assert section["groups"] == len(groups) == 8 and section["fused_groups"]
+    assert all(len({section["assignment"][n] for n in g}) == 1 for g in groups)
     from compress.models import load_compressed
     model = load_compressed(out)
     from compress.nn import QuantLinear

@@ -34,10 +34,10 @@ CALIBRATION = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_
 FP8_BLOCK32 = scheme("fp8_e4m3", "block", 32, act=FP8_BLOCK.act)  # tiny model: 64 / 128 not divisible by 128
 
 
-def quantized(sch, family: str = "llama", kv: bool = False) -> torch.nn.Module:
+def quantized(sch, family: str = "llama", kv: bool = False, layer_schemes=()) -> torch.nn.Module:
     """A tiny model quantized by the block-by-block runner (static activation scales need calibration)."""
     model = make_tiny_model(family)
-    arch, stage = get_arch(model), QuantizeStage(scheme=sch)
+    arch, stage = get_arch(model), QuantizeStage(scheme=sch, layer_schemes=tuple(layer_schemes))
     plan = plan_quantize(model, arch, stage)
 
     def observe(_i, _prefix, block):
@@ -242,10 +242,48 @@ def test_int5_to_int7_export_dense_and_reload_as_our_checkpoint(dtype, tmp_path)
     assert torch.equal(a[name].qtensor().codes(), b[name].qtensor().codes())
 
 
+def _row_stream(unsigned: torch.Tensor, bits: int, words: int) -> bytes:
+    """One row's codes as compressed-tensors packs them: a little-endian bit stream cut into int32 words."""
+    from tests.reference.naive import naive_pack
+    stream = naive_pack(unsigned.tolist(), bits)
+    return (stream + bytes(4 * words))[:4 * words]
+
+
+@pytest.mark.parametrize("dtype,symmetric", [("int2", True), ("int3", False), ("int3", True), ("int5", False),
+                                             ("int6", False), ("int7", True), ("int8", False)])
+def test_compressed_tensors_any_width_packs_densely_and_reloads(dtype, symmetric, tmp_path):
+    """int2 ... int8 weights in compressed-tensors' pack-quantized layout (vLLM 0.32 reads every width 2-8): each row
+    a dense little-endian bit stream of the codes + 2^(b-1) (a code may straddle two words), checked against a naive
+    bit stream; compressed-tensors' own unpacker gives our codes back bit for bit; transformers reloads the model."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    bits = int(dtype[3:])
+    model = quantized(scheme(dtype, "group", 16, symmetric, scale_dtype="bfloat16"))  # the file's scale dtype
+    out = export(model, "compressed-tensors", tmp_path)
+    weights = quant_config(out)["config_groups"]["group_0"]["weights"]
+    assert (weights["num_bits"], weights["symmetric"], weights["group_size"]) == (bits, symmetric, 16)
+    stored, half = tensors(out), 1 << (bits - 1)
+    for name, m in model.named_modules():
+        if not isinstance(m, QuantLinear):
+            continue
+        qt, packed = m.qtensor(), stored[f"{name}.weight_packed"]
+        unsigned = qt.codes().int() + (half if symmetric else 0)
+        assert packed.shape == (m.out_features, -(-m.in_features * bits // 32))
+        for r in (0, m.out_features - 1):
+            assert packed[r].numpy().tobytes() == _row_stream(unsigned[r], bits, packed.shape[1])
+        codes = unpack_from_int32(packed, bits, torch.Size(stored[f"{name}.weight_shape"].tolist()))
+        assert torch.equal(codes.int() + half, unsigned)
+        assert torch.equal(stored[f"{name}.weight_scale"].float(), qt.scale.float())
+        if not symmetric:
+            zp = unpack_from_int32(stored[f"{name}.weight_zero_point"], bits, torch.Size(qt.scale.shape), packed_dim=0)
+            assert torch.equal(zp.int() + half, qt.zero_point.int())
+    _, reloaded = load_export(out)
+    assert compare_logits(model_logits(model, WINDOWS), model_logits(reloaded, WINDOWS))["kl"] < KL_BAR
+
+
 @pytest.mark.parametrize("fmt,sch,family,words", [
     ("gptq", scheme("int3", "group", 16), "llama", "4- or 8-bit"),
     ("gptq", scheme("int5", "group", 16, False), "llama", "4- or 8-bit"),
-    ("compressed-tensors", scheme("int6", "group", 16, False), "llama", "6-bit weight-only checkpoints from no kernel"),
     ("awq", scheme("int5", "group", 16, False), "llama", "4-bit integer weights only"),
     ("awq", scheme("int8", "channel"), "llama", "4-bit"),
     ("compressed-tensors", LLM_INT8, "llama", "LLM.int8"),
@@ -259,6 +297,20 @@ def test_unsupported_combinations_fail_before_writing(fmt, sch, family, words, t
     with pytest.raises(ExportError, match=words):
         export(model, fmt, tmp_path)
     assert list(tmp_path.iterdir()) == []  # not even a temporary folder
+
+
+@pytest.mark.parametrize("other", [scheme("int8", "channel"), None])
+def test_a_fused_group_split_across_schemes_is_refused_where_engines_fuse_it(other, tmp_path):
+    """vLLM loads q/k/v as one module with one scheme: k in another scheme (or in float) cannot be served from a
+    compressed-tensors, AWQ or GPTQ checkpoint, and the refusal names the group and the fixes; `dense` takes it."""
+    from compress.stages.quantize import LayerScheme
+    model = quantized(scheme("int4", "group", 16), layer_schemes=[LayerScheme("re:.*layers\\.0\\..*k_proj", other)])
+    for fmt in ("compressed-tensors", "awq", "gptq"):
+        with pytest.raises(ExportError, match=r"model\.layers\.0\.self_attn\.\{q_proj,k_proj,v_proj\} hold .*"
+                                              r"one fused module.*fused_groups"):
+            export(model, fmt, tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    export(model, "dense", tmp_path)
 
 
 def test_unknown_format_names_the_choices(tmp_path):

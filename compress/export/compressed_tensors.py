@@ -1,9 +1,10 @@
 """compressed-tensors checkpoints, as vLLM, SGLang and transformers read them.
 
 Three on-disk formats, one per kind of layer (names from compressed_tensors.config.CompressionFormat):
-  pack-quantized   weight-only int4 / int8: `weight_packed` int32 [N, K*b/32] (codes + 2^(b-1), packed
-                   along K), `weight_scale` [N, K/G] or [N, 1], `weight_shape` int64 [2], and for
-                   asymmetric grids `weight_zero_point` packed along N (int32 [N*b/32, K/G]).
+  pack-quantized   weight-only int2 ... int8: `weight_packed` int32 [N, ceil(K*b/32)] (codes + 2^(b-1), packed
+                   densely along K, a code may straddle two words: compressed-tensors' pack_to_int32),
+                   `weight_scale` [N, K/G] or [N, 1], `weight_shape` int64 [2], and for asymmetric grids
+                   `weight_zero_point` packed along N (int32 [ceil(N*b/32), K/G]).
   int-quantized    W8A8 int8: `weight` int8 [N, K], `weight_scale` [N, 1] (or [1]), static `input_scale` [1].
   float-quantized  fp8 e4m3: `weight` float8_e4m3fn [N, K], `weight_scale` [N, 1] / [1] / [N/B, K/B], static
                    `input_scale` [1].
@@ -31,7 +32,7 @@ from ..nn import QuantLinear
 from ..scheme import QuantScheme
 from .awq import fractional_zero_problem
 from ..shards import MAX_SHARD_BYTES
-from .hf import (config_dtype, conv1d_problems, float_linears, float_tensors, kv_modules, quant_layers,
+from .hf import (config_dtype, conv1d_problems, float_linears, fused_problems, float_tensors, kv_modules, quant_layers,
                  quantized_head, resident, resident_layers, write_hf)
 
 FORMATS = {"pack": "pack-quantized", "int": "int-quantized", "float": "float-quantized",
@@ -78,10 +79,6 @@ def scheme_problem(scheme: QuantScheme) -> str | None:
         return None
     if (why := fractional_zero_problem(scheme, "compressed-tensors")) is not None:
         return why
-    if scheme.bits not in (4, 8):
-        return f"vLLM serves {scheme.bits}-bit weight-only checkpoints from no kernel; use int4 or int8"
-    if scheme.bits == 8 and not scheme.symmetric:
-        return "vLLM's weight-only kernels take zero points for 4-bit weights only; set symmetric: true for int8"
     if scheme.granularity not in ("group", "channel"):
         return "weight-only int checkpoints are per group or per channel; set granularity: group or channel"
     return None
@@ -110,7 +107,7 @@ def problems(model: nn.Module) -> list[str]:
         _library()
     except ImportError as exc:
         return [str(exc)]
-    out = conv1d_problems(model, "compressed-tensors")
+    out = conv1d_problems(model, "compressed-tensors") + fused_problems(model, "compressed-tensors")
     if not quant_layers(model) and not kv_modules(model):
         out.append("no layer is quantized; export `dense` for a float model")
     out += [f"{n} ({m.scheme.name}): {why}" for n, m in quant_layers(model).items()

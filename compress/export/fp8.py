@@ -21,8 +21,8 @@ from torch import nn
 from .._version import __version__
 from ..nn import QuantLinear
 from ..shards import MAX_SHARD_BYTES
-from .hf import (config_dtype, conv1d_problems, float_linears, float_tensors, head_problems, kv_modules,
-                 quant_layers, resident, resident_layers, write_hf)
+from .hf import (config_dtype, conv1d_problems, float_linears, float_tensors, fused_problems, head_problems,
+                 kv_modules, quant_layers, resident, resident_layers, write_hf)
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 
@@ -42,7 +42,7 @@ def layer_problem(m: QuantLinear) -> str | None:
 
 
 def problems(model: nn.Module) -> list[str]:
-    out = conv1d_problems(model, "fp8")
+    out = conv1d_problems(model, "fp8") + fused_problems(model, "fp8")
     layers = quant_layers(model)
     if not layers:
         out.append("no layer is quantized; quantize with an fp8 scheme (recipes/fp8_dynamic.yaml) first")

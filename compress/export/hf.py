@@ -68,6 +68,25 @@ def quantized_head(model: nn.Module) -> str | None:
     return next(n for n, m in model.named_modules() if m is head)
 
 
+def fused_problems(model: nn.Module, fmt: str) -> list[str]:
+    """Layers an engine fuses into one module (q/k/v, gate/up, a MoE block's experts: arch/fused.py) that the model
+    holds in different schemes, or partly in float: vLLM refuses or misreads such a checkpoint."""
+    from ..arch.fused import fused_groups, fused_label
+    from ..nn import LINEAR_TYPES
+
+    schemes = {n: m.scheme.name if isinstance(m, QuantLinear) else "float" for n, m in model.named_modules()
+               if isinstance(m, (QuantLinear, *LINEAR_TYPES))}
+    out = []
+    for group in fused_groups(schemes):
+        held = sorted({schemes[n] for n in group})
+        if len(held) > 1:
+            out.append(f"{fused_label(group)} hold {' / '.join(held)}: vLLM loads them as one fused module with one "
+                       f"scheme, so a {fmt} checkpoint cannot split them; give them one scheme (auto_precision's "
+                       "fused_groups: true, the default, or one layer_schemes entry for all of them), or export "
+                       "`dense` / gguf-* (our own checkpoint keeps per-layer schemes too)")
+    return out
+
+
 def head_problems(model: nn.Module, why: str) -> list[str]:
     """A quantized lm_head (tied_lm_head: untie, or an untied model with lm_head not ignored) in a format whose
     loaders keep the output projection in float: refused, since its tensors would be unreadable or dropped."""
@@ -213,7 +232,7 @@ def _single_scheme(model: nn.Module, fmt: str) -> list[str]:
 
 def awq_problems(model: nn.Module) -> list[str]:
     from .awq import awq_problem
-    return conv1d_problems(model, "awq") + _single_scheme(model, "awq") + \
+    return conv1d_problems(model, "awq") + _single_scheme(model, "awq") + fused_problems(model, "awq") + \
         per_layer_problems(model, _layer_check(awq_problem)) + \
         head_problems(model, "AWQ loaders keep the output projection in float (transformers adds it to "
                       "modules_to_not_convert; vLLM's AWQ quantizes linear layers only), so its packed tensors would "
@@ -235,7 +254,8 @@ def gptq_problems(model: nn.Module) -> list[str]:
     def check(m: QuantLinear) -> str | None:
         return _layer_check(gptq_problem)(m) or gptq_zero_problem(m)
 
-    return conv1d_problems(model, "gptq") + _single_scheme(model, "gptq") + per_layer_problems(model, check) + \
+    return conv1d_problems(model, "gptq") + _single_scheme(model, "gptq") + fused_problems(model, "gptq") + \
+        per_layer_problems(model, check) + \
         head_problems(model, "this exporter writes GPTQ configs with `lm_head: false` (the loaders keep "
                       "the output projection in float) and not GPTQModel's quantized-head layout")
 

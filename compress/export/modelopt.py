@@ -28,8 +28,8 @@ from torch import nn
 from .._version import __version__
 from ..nn import QuantLinear
 from ..shards import MAX_SHARD_BYTES
-from .hf import config_dtype, conv1d_problems, float_linears, float_tensors, kv_modules, quant_layers, \
-    resident_layers, write_hf
+from .hf import config_dtype, conv1d_problems, float_linears, float_tensors, fused_problems, kv_modules, \
+    quant_layers, resident_layers, write_hf
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 
@@ -50,7 +50,7 @@ def layer_problem(m: QuantLinear) -> str | None:
 
 
 def problems(model: nn.Module) -> list[str]:
-    out = conv1d_problems(model, "modelopt-nvfp4")
+    out = conv1d_problems(model, "modelopt-nvfp4") + fused_problems(model, "modelopt-nvfp4")
     layers = quant_layers(model)
     if not layers:
         out.append("no layer is quantized; quantize with NVFP4 or NVFP4A16 (recipes/nvfp4.yaml) first")

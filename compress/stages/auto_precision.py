@@ -16,8 +16,9 @@ from tqdm.auto import tqdm
 from ..arch import ArchSpec, block_pairs
 from ..data import calibration_windows
 from ..nn import linear_shape
-from ..precision import (ERROR_METHODS, AWQModel, FLOAT, SENSITIVITIES, budget_problem, choose, option_bytes,
-                         option_name)
+from ..arch.fused import fused_groups
+from ..precision import (ERROR_METHODS, AWQModel, FLOAT, SENSITIVITIES, budget_problem, choose_grouped, grouped,
+                         option_bytes, option_name)
 from ..quantizers import get_quantizer
 from ..scheme import W4A16_ASYM_G64, W8A16, QuantScheme
 from ..sensitivity import measure_sensitivity
@@ -67,6 +68,7 @@ class AutoPrecisionStage(StageBase):
     n_samples: int = 8
     seq_len: int | None = None
     seed: int = 0
+    fused_groups: bool = True
 
     def __post_init__(self):
         given = [k for k in ("bits_per_weight", "bytes", "bytes_of") if getattr(self, k) is not None]
@@ -158,7 +160,9 @@ class AutoPrecisionStage(StageBase):
         shapes = [linear_shape(ctx.model.get_submodule(n)) for n in names]
         numel = np.array([o * i for o, i in shapes], dtype=np.int64)
         budget = self._budget(names, shapes)
-        if (why := budget_problem(option_bytes(shapes, self.options), budget)) is not None:
+        groups = self._groups(names)
+        if (why := budget_problem(grouped(np.zeros((len(names), len(self.options))), option_bytes(shapes, self.options),
+                                          groups)[1], budget)) is not None:
             raise ValueError(f"stage {index} (auto_precision): {why}")  # before the sensitivity pass, not after
         seq_len = self.seq_len or ctx.calibration.seq_len
         ctx.log(f"stage {index}: auto_precision — {self.sensitivity} sensitivity of {len(names)} layers to "
@@ -190,7 +194,7 @@ class AutoPrecisionStage(StageBase):
                 bar.close()
         seconds = time.perf_counter() - t0
         costs = sens.costs[self.sensitivity]
-        picked = choose(costs, sens.nbytes, budget)
+        picked = choose_grouped(costs, sens.nbytes, budget, groups)
         rows = np.arange(len(names))
         chosen_bytes = int(sens.nbytes[rows, picked].sum())
         predicted = {k: float(c[rows, picked].sum()) for k, c in sens.costs.items()}
@@ -205,6 +209,7 @@ class AutoPrecisionStage(StageBase):
         return {"index": index, "stage": "auto_precision", "sensitivity": self.sensitivity,
                 "error_method": self.error_method, "driver": sens.driver, "threads": threads,
                 "menu": list(sens.options), "layers": len(names), "weights": int(numel.sum()),
+                "groups": len(groups), "fused_groups": self.fused_groups,
                 "budget_bytes": int(budget), "budget_bits_per_weight": float(budget * 8 / numel.sum()),
                 "bytes": chosen_bytes, "bits_per_weight": float(chosen_bytes * 8 / numel.sum()),
                 "predicted": predicted, "uniform": uniform, "seconds": seconds, "tokens": sens.tokens,
@@ -212,6 +217,13 @@ class AutoPrecisionStage(StageBase):
                 "assignment": assignment, "table": sens.to_dict(),
                 "layer_schemes": [{"layer": n, "scheme": None if options[o] is None else options[o].to_dict()}
                                   for n, o in assignment.items()]}
+
+    def _groups(self, names: list[str]) -> list[list[int]]:
+        """Row indices of the layers that take one scheme together (each layer alone when fused_groups is off)."""
+        if not self.fused_groups:
+            return [[i] for i in range(len(names))]
+        index = {n: i for i, n in enumerate(names)}
+        return [[index[n] for n in g] for g in fused_groups(names)]
 
     @staticmethod
     def _awq_stage(stages: tuple, index: int):
@@ -265,7 +277,7 @@ class AutoPrecisionStage(StageBase):
                  f"{section['tokens']:,} calibration tokens in "
                  f"{section['seconds']:.0f} s ({_DRIVERS.get(section.get('driver'), 'whole-model passes')}): "
                  f"**{section['bits_per_weight']:.3f} bits per weight** "
-                 f"({section['bytes']:,} bytes).", "",
+                 f"({section['bytes']:,} bytes){_grouping(section)}.", "",
                  f"Predicted cost (sum over layers of the {kind} sensitivity of the chosen schemes): "
                  f"{section['predicted'][kind]:.4g}" +
                  (f"; measured KL of the quantized model: {measured:.4g} nats per token." if measured is not None
@@ -279,6 +291,14 @@ class AutoPrecisionStage(StageBase):
         lines += ["", "| layer | scheme |", "|---|---|"]
         lines += [f"| `{n}` | {o} |" for n, o in section["assignment"].items()]
         return lines
+
+
+def _grouping(section: dict) -> str:
+    if "groups" not in section:  # a report written before fused groups
+        return ""
+    if not section["fused_groups"]:
+        return "; every layer chose alone (fused_groups: false)"
+    return f"; {section['groups']} groups: the layers a serving engine fuses (q/k/v, gate/up, experts) took one scheme"
 
 
 __all__ = ["AutoPrecisionStage", "DEFAULT_MENU", "FLOAT", "MENU_INT8_TO_INT3"]
