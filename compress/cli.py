@@ -279,11 +279,13 @@ def cmd_export(args) -> int:
         out = Path(args.output) if args.output else run_dir / "exports" / fmt
         streamed = open_compressed(run_dir) if native else None
         model, tokenizer = (streamed.model, streamed.tokenizer) if native else (whole.model, whole.tokenizer)
-        export_model(model, tokenizer, fmt, out, meta, overwrite=args.overwrite,
-                     source_gguf=source if source and source.endswith(".gguf") else None,
-                     max_shard_bytes=int(args.max_shard_gb * 10 ** 9),
-                     parts=stream_parts(streamed) if native else None)
+        record = export_model(model, tokenizer, fmt, out, meta, overwrite=args.overwrite,
+                              source_gguf=source if source and source.endswith(".gguf") else None,
+                              max_shard_bytes=int(args.max_shard_gb * 10 ** 9),
+                              parts=stream_parts(streamed) if native else None)
         print(f"{fmt}: wrote {out}")
+        for note in record.get("notes") or []:
+            print(f"  note: {note}")
         if args.verify:  # the comparison needs the whole model
             whole = whole or load_model(str(run_dir))
             _print_verify(fmt, verify_export(out, whole.model, _verify_windows(whole.tokenizer, args.windows,

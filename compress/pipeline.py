@@ -28,12 +28,13 @@ from .runner import (Timings, check_output, compress_model, run_header, set_thre
                      write_run_report)
 
 
-def planned_model(model, plan: Plan, offered: tuple[QuantScheme, ...] = (), target: int | None = None) \
-        -> torch.nn.Module:
+def planned_model(model, plan: Plan, offered: tuple[QuantScheme, ...] = (), target: int | None = None,
+                  together: bool = False) -> torch.nn.Module:
     """A meta-device copy of `model` with the planned QuantLinear layers: what the export checks see before
     any weight is quantized. A tied lm_head planned with tied_lm_head: untie is untied in the copy's config
     too, as apply_quantize will do to the model. `offered`: schemes an auto_precision menu may give the layers of
-    stage `target` at run time, dealt out in turn to those that can hold them (one scheme: every such layer takes it)."""
+    stage `target` at run time, dealt out in turn to those that can hold them (one scheme: every such layer takes it),
+    by fused group when `together` (auto_precision's fused_groups)."""
     import copy
 
     entries = [(j, e) for j, (stage, step) in enumerate(zip(plan.stages, plan.steps)) if stage.stores_weights
@@ -43,10 +44,20 @@ def planned_model(model, plan: Plan, offered: tuple[QuantScheme, ...] = (), targ
         for c in {id(c): c for c in (config, config.get_text_config())}.values():
             c.tie_word_embeddings = False
     schemes = {}
-    for k, (j, e) in enumerate(entries):
+    turn = _turns([e.name for _, e in entries], together)
+    for j, e in entries:
         held = [o for o in offered if fits(e.shape, o)] if j == target else []
-        schemes[e.name] = held[k % len(held)] if held else e.scheme
+        schemes[e.name] = held[turn[e.name] % len(held)] if held else e.scheme
     return quantized_skeleton(config, schemes)
+
+
+def _turns(names: list[str], together: bool) -> dict[str, int]:
+    """Each layer's turn in dealing out a menu: its own index, or its fused group's (q/k/v, gate/up, a MoE block's
+    experts: one scheme each when the stage keeps them together)."""
+    if not together:
+        return {n: k for k, n in enumerate(names)}
+    from .arch.fused import fused_groups
+    return {n: k for k, group in enumerate(fused_groups(names)) for n in group}
 
 
 def check_formats(model, plan: Plan, formats: tuple[str, ...]) -> None:
@@ -78,7 +89,9 @@ def _check_offered(model, plan: Plan, fmt: str, index: int, offered: tuple[Quant
         if problems := export_problems(planned_model(model, plan, (scheme,), target), fmt):
             raise ExportError(f"cannot export to {fmt}: {where} may give layers {scheme.name}, which {fmt} cannot "
                               f"hold ({problems[0]}); remove it from that menu, or {fix}")
-    if len(offered) > 1 and (problems := export_problems(planned_model(model, plan, offered, target), fmt)):
+    together = getattr(plan.stages[index], "fused_groups", False)
+    if len(offered) > 1 and (problems := export_problems(planned_model(model, plan, offered, target, together),
+                                                         fmt)):
         raise ExportError(f"cannot export to {fmt}: {where} gives layers different schemes of its menu, and a "
                           f"{fmt} checkpoint cannot mix them ({problems[0]}); export compressed-tensors, or {fix}")
 

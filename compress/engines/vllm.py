@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -70,9 +71,11 @@ def run(request: EngineRequest, timeout: float = 3600) -> EngineAnswer:
         except subprocess.TimeoutExpired:
             return EngineAnswer(loads=False, error=f"vLLM did not answer within {timeout:.0f} s")
         log = proc.stdout + proc.stderr
-        if not ans.is_file():
+        if not ans.is_file():  # the engine itself crashed (a signal from a kernel, a C++ abort)
             tail = "\n".join(log.strip().splitlines()[-15:])
-            return EngineAnswer(loads=False, error=f"vLLM's worker exited with {proc.returncode}:\n{tail}")
+            how = f"killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0 else \
+                f"exited with {proc.returncode}"
+            return EngineAnswer(loads=False, error=f"vLLM's worker {how} before answering; its log ends:\n{tail}")
         data = json.loads(ans.read_text())
     return answer_from(data, log, request)
 

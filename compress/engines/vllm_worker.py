@@ -27,7 +27,8 @@ def _error_line(exc: BaseException) -> str:
     """The innermost cause's message: vLLM wraps loader errors several times."""
     while exc.__cause__ is not None:
         exc = exc.__cause__
-    text = str(exc).strip().splitlines()
+    text = [line.strip() for line in str(exc).strip().splitlines()
+            if line.strip() and "errors.pydantic.dev" not in line]  # pydantic ends with a link, not the reason
     return f"{type(exc).__name__}: {text[-1] if text else ''}"[:2000]
 
 
@@ -38,6 +39,24 @@ def _top(entry: dict) -> int:
 
 def _w4a8_layers(model) -> int:
     return sum(bool(getattr(m, "use_w4a8", False)) for m in model.modules())
+
+
+def _serve(llm, SamplingParams, request: dict, answer: dict) -> None:
+    """Score the windows (prompt log-probabilities), then decode the prompts greedily, timed."""
+    score = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": w} for w in request["windows"]], score, use_tqdm=False)
+    answer["prompt_logprobs"], answer["top1"] = [], []
+    for w, out in zip(request["windows"], outs):
+        entries = out.prompt_logprobs[1:]  # position 0 has no prediction
+        answer["prompt_logprobs"].append([e[t].logprob for e, t in zip(entries, w[1:])])
+        answer["top1"].append([_top(e) for e in entries])
+    greedy = SamplingParams(max_tokens=request["max_new_tokens"], temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in request["prompts"]], greedy, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    answer["greedy"] = [list(o.outputs[0].token_ids) for o in outs]
+    answer["decode"] = {"tokens": sum(len(g) for g in answer["greedy"]), "seconds": seconds,
+                        "sequences": len(outs)}
 
 
 def main(request_path: str, answer_path: str) -> int:
@@ -67,20 +86,12 @@ def main(request_path: str, answer_path: str) -> int:
         open(answer_path, "w").write(json.dumps(answer))
         return 0
 
-    score = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
-    outs = llm.generate([{"prompt_token_ids": w} for w in request["windows"]], score, use_tqdm=False)
-    answer["prompt_logprobs"], answer["top1"] = [], []
-    for w, out in zip(request["windows"], outs):
-        entries = out.prompt_logprobs[1:]  # position 0 has no prediction
-        answer["prompt_logprobs"].append([e[t].logprob for e, t in zip(entries, w[1:])])
-        answer["top1"].append([_top(e) for e in entries])
-    greedy = SamplingParams(max_tokens=request["max_new_tokens"], temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in request["prompts"]], greedy, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    answer["greedy"] = [list(o.outputs[0].token_ids) for o in outs]
-    answer["decode"] = {"tokens": sum(len(g) for g in answer["greedy"]), "seconds": seconds,
-                        "sequences": len(outs)}
+    try:
+        _serve(llm, SamplingParams, request, answer)
+    except Exception as exc:  # loaded, then failed to compute: the checkpoint is not served either
+        answer["loads"] = False
+        answer["error"] = f"loaded, then its first forward failed: {_error_line(exc)}"
+        answer["traceback"] = traceback.format_exc()[-4000:]
     open(answer_path, "w").write(json.dumps(answer))
     return 0
 

@@ -137,6 +137,8 @@ def export_model(model: nn.Module, tokenizer, name: str, out: str | Path, meta: 
     try:
         sharding = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
         report = exporter.write(model, tokenizer, tmp, source_gguf=source_gguf, parts=parts, **sharding)
+        from ..engines.notes import serving_notes
+        report["notes"] = list(report.get("notes") or []) + serving_notes(model, name)
         record = {"format": name, "loaders": exporter.loaders, "compress_version": __version__, **(meta or {}),
                   **report}
         (tmp / EXPORT_META).write_text(json.dumps(record, indent=2, default=str))
