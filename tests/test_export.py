@@ -341,6 +341,11 @@ def test_export_records_provenance_and_copies_tokenizer(tmp_path):
     record = json.loads((out / "export.json").read_text())
     assert record["format"] == "compressed-tensors" and record["compress_version"] == __version__
     assert record["recipe_sha256"] == "ab" * 32 and "vLLM" in record["loaders"]
+    import compressed_tensors
+    import transformers
+    assert record["written_with"]["transformers"] == transformers.__version__
+    assert record["written_with"]["compressed-tensors"] == compressed_tensors.__version__
+    assert record["engines_checked"]["vllm"].startswith("0.32")
     assert len(record["layers"]) == 14 and all("exactly" in v for v in record["layers"].values())
     assert (out / "generation_config.json").exists()
     tok = AutoTokenizer.from_pretrained(out)

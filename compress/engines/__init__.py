@@ -8,47 +8,7 @@ vLLM runs in its own interpreter (its virtual environment: `--engine-python`), l
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine cannot be started here (not installed, wrong interpreter): the message says how to get it."""
-
-
-@dataclass(frozen=True)
-class EngineRequest:
-    folder: str                     # the export folder
-    windows: list[list[int]]        # token ids scored position by position
-    prompts: list[list[int]]        # token ids continued greedily
-    max_new_tokens: int = 32
-    dtype: str = "bfloat16"         # the engine's compute dtype
-    env: dict = field(default_factory=dict)  # engine settings (environment variables), e.g. VLLM_CPU_INT4_W4A8=0
-    python: str | None = None       # the engine's interpreter, where it runs in its own environment
-
-
-@dataclass
-class EngineAnswer:
-    loads: bool
-    error: str | None = None
-    version: str | None = None
-    method: str | None = None       # the quantization method the engine picked for the checkpoint
-    kernels: list[str] = field(default_factory=list)  # what its log says it runs the layers with
-    logprobs: list[list[float]] = field(default_factory=list)  # per window: log p(next token), positions 1..T-1
-    top1: list[list[int]] = field(default_factory=list)        # per window: its most likely next token
-    greedy: list[list[int]] = field(default_factory=list)      # per prompt: the new tokens
-    tokens_per_s: float | None = None
-    load_s: float | None = None
-    notes: list[str] = field(default_factory=list)  # settings of the engine that change the model, and why
-
-
-@dataclass(frozen=True)
-class Engine:
-    name: str
-    formats: Callable[[str], str | None]  # export format -> why this engine does not serve it (None: it does)
-    run: Callable[[EngineRequest], EngineAnswer]
-    # settings that undo an engine default which changed the model in this answer (None: there is none)
-    plain_env: Callable[[EngineAnswer], dict | None] = lambda answer: None
+from .base import CHECKED_WITH, Engine, EngineAnswer, EngineRequest, EngineUnavailable
 
 
 def _registry() -> dict[str, Engine]:
@@ -65,3 +25,7 @@ def get_engine(name: str) -> Engine:
     if name not in ENGINE_NAMES:
         raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")
     return _registry()[name]
+
+
+__all__ = ["CHECKED_WITH", "ENGINE_NAMES", "Engine", "EngineAnswer", "EngineRequest", "EngineUnavailable",
+           "get_engine"]

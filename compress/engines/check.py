@@ -79,10 +79,11 @@ def summary(answer: EngineAnswer, figures: dict | None) -> dict:
 
 def engine_check(folder: str | Path, model: nn.Module, windows: Tensor, prompts: list[list[int]], engine: str,
                  max_new_tokens: int = 32, dtype: str = "bfloat16", env: dict | None = None,
-                 python: str | None = None, reference_figures=None) -> dict:
+                 python: str | None = None, reference_figures=None, also: dict | None = None) -> dict:
     """Load `folder` in `engine` and compare it with `model` (the run's model). Where the engine's default settings
     change the model (vLLM CPU's W4A8), the result also holds a second run with them off, under `plain`.
-    `reference_figures`: (logp, top, greedy) of `model` computed once by the caller for several exports."""
+    `reference_figures`: (logp, top, greedy) of `model` computed once by the caller for several exports. `also`:
+    other references, {name: (logp, top)} (e.g. the model with float activations), compared under `vs`."""
     record = json.loads((Path(folder) / "export.json").read_text())
     chosen = get_engine(engine)
     if (why := chosen.formats(record["format"])) is not None:
@@ -92,6 +93,9 @@ def engine_check(folder: str | Path, model: nn.Module, windows: Tensor, prompts:
     answer = chosen.run(request)
     result = {"engine": engine, "format": record["format"],
               **summary(answer, compare(answer, logp, top, ours) if answer.loads else None)}
+    if answer.loads and also:
+        result["vs"] = {name: {k: v for k, v in compare(answer, *ref, ours).items() if k != "greedy_match"}
+                        for name, ref in also.items()}
     if answer.loads and (plain := chosen.plain_env(answer)) is not None:
         second = chosen.run(replace(request, env={**request.env, **plain}))
         result["plain"] = {"env": plain, **summary(second, compare(second, logp, top, ours) if second.loads

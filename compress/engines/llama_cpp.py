@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import EngineAnswer, EngineRequest, EngineUnavailable
+from .base import EngineAnswer, EngineRequest, EngineUnavailable
 
 
 def format_problem(fmt: str) -> str | None:

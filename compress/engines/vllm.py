@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import EngineAnswer, EngineRequest, EngineUnavailable
+from .base import EngineAnswer, EngineRequest, EngineUnavailable
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 INSTALL = ("install vLLM in its own virtual environment (CPU build: python -m venv ~/vllm && ~/vllm/bin/pip install "

@@ -119,6 +119,19 @@ def export_problems(model: nn.Module, name: str) -> list[str]:
     return problems
 
 
+def library_versions() -> dict[str, str]:
+    """The versions of the libraries whose formats and loaders an export follows (those installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for package in ("torch", "transformers", "compressed-tensors", "safetensors", "gguf"):
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
 def export_model(model: nn.Module, tokenizer, name: str, out: str | Path, meta: dict | None = None,
                  overwrite: bool = False, source_gguf: str | None = None, max_shard_bytes: int | None = None,
                  parts=None) -> dict:
@@ -139,8 +152,9 @@ def export_model(model: nn.Module, tokenizer, name: str, out: str | Path, meta: 
         report = exporter.write(model, tokenizer, tmp, source_gguf=source_gguf, parts=parts, **sharding)
         from ..engines.notes import serving_notes
         report["notes"] = list(report.get("notes") or []) + serving_notes(model, name)
-        record = {"format": name, "loaders": exporter.loaders, "compress_version": __version__, **(meta or {}),
-                  **report}
+        from ..engines.base import CHECKED_WITH
+        record = {"format": name, "loaders": exporter.loaders, "compress_version": __version__,
+                  "written_with": library_versions(), "engines_checked": CHECKED_WITH, **(meta or {}), **report}
         (tmp / EXPORT_META).write_text(json.dumps(record, indent=2, default=str))
         if out.exists():
             shutil.rmtree(out)
