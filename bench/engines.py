@@ -135,6 +135,35 @@ def bars(row: dict, floor: dict | None) -> dict:
             "greedy_equal_to_dense": [sum(1 for _ in _prefix(a, b)) for a, b in zip(best["greedy"], floor["greedy"])]}
 
 
+def tie_gaps(rows: list[dict], new_tokens: int) -> None:
+    """Where a quantized export's greedy tokens leave its run's dense export's, how close the two tokens are in our
+    float32 model at that step (log p of the dense export's token minus the quantized export's, given the common
+    prefix): a near tie is one bf16 rounding can flip. Adds `greedy_gaps` (nats, None where no divergence)."""
+    import torch
+    from compress.engines.check import prompt_ids
+    from compress.models import load_model
+
+    for name in dict.fromkeys(r["run"] for r in rows):
+        mine = [r for r in rows if r["run"] == name and (r.get("bars") or {}).get("greedy_equal_to_dense")]
+        if not mine:
+            continue
+        dense = next(r for r in rows if r["run"] == name and r["format"] in ("dense", "gguf-f16"))
+        loaded = load_model(str(RUNS_DIR / slug(name)))
+        prompts = prompt_ids(loaded.tokenizer)
+        for r in mine:
+            best = r["plain"] if r.get("plain", {}).get("loads") else r
+            gaps = []
+            for p, n, a, b in zip(prompts, r["bars"]["greedy_equal_to_dense"], dense["greedy"], best["greedy"]):
+                if n >= min(len(a), len(b), new_tokens):
+                    gaps.append(None)
+                    continue
+                with torch.no_grad():
+                    logits = loaded.model.forward(input_ids=torch.tensor([p + a[:n]])).logits[0, -1].float()
+                logp = torch.log_softmax(logits, -1)
+                gaps.append(float(logp[a[n]] - logp[b[n]]))
+            r["bars"]["greedy_gaps"] = gaps
+
+
 def _prefix(a, b):
     for x, y in zip(a, b):
         if x != y:
@@ -171,7 +200,7 @@ def bench_run(name: str, args) -> list[dict]:
         else:
             row = engine_check(folder, loaded.model, windows, prompts, engine, args.new_tokens,
                                python=args.python if engine == "vllm" else None, reference_figures=figures,
-                               also=also)
+                               also=also, timeout=args.timeout)
         row = {"run": name, "kl_vs_original": kl, **probe, **row}
         if fmt in ("dense", "gguf-f16"):
             floors[engine] = row
@@ -187,7 +216,8 @@ def _fig(r: dict) -> str:
 
 def table(rows: list[dict]) -> list[str]:
     lines = ["| run | export | engine: loads? method, kernel | mean abs dlogp / top-1 (engine defaults) | "
-             "... W4A8 off | vs dense: dlogp ratio, top-1 delta, greedy tokens = dense's | tokens/s |",
+             "... W4A8 off | vs dense: dlogp ratio, top-1 delta, greedy tokens = dense's (where they part: our model's "
+             "log p gap between the two tokens) | tokens/s |",
              "|---|---|---|---|---|---|---:|"]
     for r in rows:
         if not r["loads"]:
@@ -197,8 +227,9 @@ def table(rows: list[dict]) -> list[str]:
         kernels = "; ".join(sorted({k.split(" for ")[0] for k in r.get("kernels") or []})) or "–"
         plain = r.get("plain")
         b = r.get("bars") or {}
-        vs = "floor" if not b else (f"{b['dlogp_ratio']:.2f}x, {b['top1_delta']:+.3f}, "
-                                    f"{'/'.join(map(str, b['greedy_equal_to_dense']))}")
+        gaps = [f"{n} (gap {g:.3f})" if g is not None else str(n)
+                for n, g in zip(b.get("greedy_equal_to_dense", []), b.get("greedy_gaps") or [None] * 3)]
+        vs = "floor" if not b else f"{b['dlogp_ratio']:.2f}x, {b['top1_delta']:+.3f}, {' / '.join(gaps)}"
         lines.append(f"| {r['run']} | {r['format']} | {r['engine']}: {r.get('method') or 'float'}, {kernels} | "
                      f"{_fig(r)} | {_fig(plain) if plain and plain['loads'] else '–'} | {vs} | "
                      f"{r['tokens_per_s']:.1f} |")
@@ -221,6 +252,9 @@ def main(argv=None) -> int:
     p.add_argument("--windows", type=int, default=WINDOWS)
     p.add_argument("--seq-len", type=int, default=SEQ_LEN)
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    p.add_argument("--timeout", type=float, default=900, help="seconds an engine may take per export (default 900)")
+    p.add_argument("--tabulate", action="store_true",
+                   help="only tabulate the results file (adding the greedy tie gaps), running no engine")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "engines.json"))
     p.add_argument("--docs", default=str(ROOT / "docs" / "engines.md"))
     args = p.parse_args(argv)
@@ -229,6 +263,14 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown runs {unknown}; choose from {list(RUNS)}")
     out = Path(args.out)
+    if args.tabulate:
+        data = json.loads(out.read_text())
+        tie_gaps(data["rows"], data["meta"]["new_tokens"])
+        out.write_text(json.dumps(data, indent=1, default=str))
+        lines = table(data["rows"])
+        print("\n".join(lines))
+        write_docs(Path(args.docs), data["meta"], lines)
+        return 0
     # a --select run replaces its runs' rows in the results file and keeps the others
     kept = [r for r in (json.loads(out.read_text())["rows"] if out.is_file() and args.select else [])
             if r["run"] not in names and r["run"] in RUNS]
@@ -245,6 +287,7 @@ def main(argv=None) -> int:
             "seq_len": args.seq_len, "new_tokens": args.new_tokens,
             "versions": sorted({f"{r['engine']} {r['version']}" for r in rows if r.get("version")}),
             "command": "python bench/engines.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    tie_gaps(rows, args.new_tokens)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
     lines = table(rows)
     print("\n".join(lines))

@@ -145,7 +145,8 @@ def test_vllm_serves_exports_of_a_tiny_model(tmp_path):
     assert dense["loads"] and ct["loads"] and gptq["loads"], rows
     assert dense["method"] is None and ct["method"] == "compressed-tensors" and gptq["method"] in ("gptq", "auto_gptq")
     # a random tiny model's next-token distribution is nearly flat: the engine's bf16 floor is 6e-4 nats here
-    # (dense), and the engine's int8 activations (W4A8) add their own rounding. The 10% bar is measured on SmolLM2
+    # (dense), and the engine's int8 activations (W4A8) add their own rounding. The 10% bar is measured on
+    # SmolLM2
     # (bench/engines.py, docs/engines.md)
     assert dense["mean_abs_dlogp"] < 0.005 and dense["greedy_match"] == [8, 8]
     for r in (ct, gptq):
@@ -193,4 +194,5 @@ def test_bench_measures_each_export_against_its_runs_dense_export():
     ct["bars"] = b
     lines = table([dense, ct, refused])
     assert "| r | compressed-tensors | vllm: compressed-tensors, K |" in lines[3]
-    assert "1.05x, -0.005, 3/1" in lines[3] and lines[4].endswith("**no**: ValueError: sym=False | – | – | – | – |")
+    assert "1.05x, -0.005, 3 / 1" in lines[3]
+    assert lines[4].endswith("**no**: ValueError: sym=False | – | – | – | – |")

@@ -22,6 +22,7 @@ class EngineRequest:
     dtype: str = "bfloat16"         # the engine's compute dtype
     env: dict = field(default_factory=dict)  # engine settings (environment variables), e.g. VLLM_CPU_INT4_W4A8=0
     python: str | None = None       # the engine's interpreter, where it runs in its own environment
+    timeout: float = 3600           # seconds before an engine that has not answered is reported as such
 
 
 @dataclass

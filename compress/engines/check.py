@@ -79,7 +79,8 @@ def summary(answer: EngineAnswer, figures: dict | None) -> dict:
 
 def engine_check(folder: str | Path, model: nn.Module, windows: Tensor, prompts: list[list[int]], engine: str,
                  max_new_tokens: int = 32, dtype: str = "bfloat16", env: dict | None = None,
-                 python: str | None = None, reference_figures=None, also: dict | None = None) -> dict:
+                 python: str | None = None, reference_figures=None, also: dict | None = None,
+                 timeout: float = 3600) -> dict:
     """Load `folder` in `engine` and compare it with `model` (the run's model). Where the engine's default settings
     change the model (vLLM CPU's W4A8), the result also holds a second run with them off, under `plain`.
     `reference_figures`: (logp, top, greedy) of `model` computed once by the caller for several exports. `also`:
@@ -89,7 +90,8 @@ def engine_check(folder: str | Path, model: nn.Module, windows: Tensor, prompts:
     if (why := chosen.formats(record["format"])) is not None:
         return {"engine": engine, "format": record["format"], "loads": False, "error": why, "served": False}
     logp, top, ours = reference_figures or (*reference(model, windows), greedy(model, prompts, max_new_tokens))
-    request = EngineRequest(str(folder), windows.tolist(), prompts, max_new_tokens, dtype, dict(env or {}), python)
+    request = EngineRequest(str(folder), windows.tolist(), prompts, max_new_tokens, dtype, dict(env or {}), python,
+                            timeout)
     answer = chosen.run(request)
     result = {"engine": engine, "format": record["format"],
               **summary(answer, compare(answer, logp, top, ours) if answer.loads else None)}

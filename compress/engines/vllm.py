@@ -57,7 +57,7 @@ def engine_env(request: EngineRequest) -> dict:
     return env
 
 
-def run(request: EngineRequest, timeout: float = 3600) -> EngineAnswer:
+def run(request: EngineRequest) -> EngineAnswer:
     python = interpreter(request.python)
     longest = max(len(x) for x in request.windows + [p for p in request.prompts]) + request.max_new_tokens
     payload = {"model": str(Path(request.folder).resolve()), "dtype": request.dtype, "max_model_len": longest + 8,
@@ -67,9 +67,10 @@ def run(request: EngineRequest, timeout: float = 3600) -> EngineAnswer:
         req.write_text(json.dumps(payload))
         try:
             proc = subprocess.run([python, str(WORKER), str(req), str(ans)], env=engine_env(request),
-                                  capture_output=True, text=True, timeout=timeout)
+                                  capture_output=True, text=True, timeout=request.timeout)
         except subprocess.TimeoutExpired:
-            return EngineAnswer(loads=False, error=f"vLLM did not answer within {timeout:.0f} s")
+            return EngineAnswer(loads=False, error=f"vLLM did not answer within {request.timeout:.0f} s (loaded or "
+                                                  "not: a kernel this slow is not a way to serve it)")
         log = proc.stdout + proc.stderr
         if not ans.is_file():  # the engine itself crashed (a signal from a kernel, a C++ abort)
             tail = "\n".join(log.strip().splitlines()[-15:])
