@@ -69,15 +69,20 @@ def run(request: EngineRequest) -> EngineAnswer:
             proc = subprocess.run([python, str(WORKER), str(req), str(ans)], env=engine_env(request),
                                   capture_output=True, text=True, timeout=request.timeout)
         except subprocess.TimeoutExpired:
-            return EngineAnswer(loads=False, error=f"vLLM did not answer within {request.timeout:.0f} s (loaded or "
-                                                  "not: a kernel this slow is not a way to serve it)")
+            loaded = json.loads(ans.read_text()) if ans.is_file() else {}
+            where = f"loaded it (method {loaded.get('quantization')}) but " if loaded.get("loads") else ""
+            return EngineAnswer(loads=False, version=loaded.get("version"), method=loaded.get("quantization"),
+                                error=f"vLLM {where}did not score {len(request.windows)} windows and decode within "
+                                      f"{request.timeout:.0f} s: a kernel this slow does not serve the model")
         log = proc.stdout + proc.stderr
-        if not ans.is_file():  # the engine itself crashed (a signal from a kernel, a C++ abort)
+        data = json.loads(ans.read_text()) if ans.is_file() else {}
+        if proc.returncode != 0:  # the engine itself crashed (a signal from a kernel, a C++ abort)
             tail = "\n".join(log.strip().splitlines()[-15:])
             how = f"killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0 else \
                 f"exited with {proc.returncode}"
-            return EngineAnswer(loads=False, error=f"vLLM's worker {how} before answering; its log ends:\n{tail}")
-        data = json.loads(ans.read_text())
+            when = "after loading the checkpoint" if data.get("loads") else "before answering"
+            return EngineAnswer(loads=False, version=data.get("version"), method=data.get("quantization"),
+                                error=f"vLLM's worker {how} {when}; its log ends:\n{tail}")
     return answer_from(data, log, request)
 
 
