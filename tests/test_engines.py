@@ -16,7 +16,7 @@ from compress.engines import vllm as vllm_engine
 from compress.engines.check import compare, engine_check, greedy, matching_prefix, reference
 from compress.engines.report import engine_lines
 from compress.export import export_model
-from compress.scheme import FP8, scheme
+from compress.scheme import FP8, MXFP4A16, scheme
 from tests.conftest import make_tiny_model
 from tests.test_export import quantized
 from tests.tiny_tokenizer import byte_bpe_tokenizer, make_tiny_tokenizer
@@ -91,6 +91,7 @@ def test_a_missing_vllm_names_how_to_install_it(tmp_path, monkeypatch):
     ("gptq", scheme("int4", "group", 64, symmetric=False), ["VLLM_CPU_INT4_W4A8=0", "refuses asymmetric GPTQ"]),
     ("compressed-tensors", scheme("int3", "group", 16, symmetric=False), ["refuses these 3-bit layers"]),
     ("compressed-tensors", FP8, ["no static fp8"]),
+    ("compressed-tensors", MXFP4A16, ["no NVFP4 / MXFP4 kernel"]),
     ("dense", scheme("int4", "group", 16), []),
 ])
 def test_exports_say_what_vllm_does_with_them(fmt, sch, says, tmp_path):

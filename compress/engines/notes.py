@@ -18,6 +18,9 @@ GPTQ_ASYM = ("vLLM refuses asymmetric GPTQ checkpoints in every build (AutoGPTQC
 CPU_NO_STATIC_FP8 = ("vLLM's CPU build has no static fp8 activation kernel (_C::static_scaled_fp8_quant is not "
                      "built); it serves these layers on a GPU only (compute capability 8.9+)")
 
+CPU_NO_FP4 = ("vLLM's CPU build has no NVFP4 / MXFP4 kernel (\"Marlin FP4 not available\", \"Failed to find a kernel "
+              "that can implement\"): these layers serve on a GPU only")
+
 
 def vllm_notes(model: nn.Module, fmt: str) -> list[str]:
     from ..export.hf import quant_layers
@@ -35,6 +38,8 @@ def vllm_notes(model: nn.Module, fmt: str) -> list[str]:
         notes.append(GPTQ_ASYM)
     if any(s.is_float and not s.is_micro and s.act is not None and not s.act.dynamic for s in schemes):
         notes.append(CPU_NO_STATIC_FP8)
+    if fmt in ("compressed-tensors", "modelopt-nvfp4") and any(s.is_micro and s.dtype == "fp4_e2m1" for s in schemes):
+        notes.append(CPU_NO_FP4)
     return notes
 
 
