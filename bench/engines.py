@@ -9,7 +9,7 @@ within 0.01, greedy continuations equal to the dense export's for >= 16 tokens o
 default changes the model (vLLM CPU's int8 activations for int4 layers), both are shown.
 
     python bench/engines.py --python ~/vllm/bin/python           # about 30 minutes on 2 cores
-    python bench/engines.py --python ~/vllm/bin/python --select "int4 g64 sym" --reuse
+    python bench/engines.py --python ~/vllm/bin/python --select "int4 g64 sym;W8A8 SmoothQuant" --reuse
 Writes bench/results/engines.json (rows as they complete) and docs/engines.md.
 """
 from __future__ import annotations
@@ -120,8 +120,10 @@ def export(run_dir: Path, fmt: str) -> tuple[Path, str | None]:
     out = run_dir / "exports" / fmt
     proc = subprocess.run([sys.executable, "-m", "compress", "export", str(run_dir), "--format", fmt, "--overwrite"],
                           capture_output=True, text=True, cwd=ROOT)
-    if proc.returncode != 0:
-        return out, (proc.stderr.strip().splitlines() or ["export failed"])[-1]
+    if proc.returncode != 0:  # "compress export: error: cannot export to F:" then one problem a line
+        lines = [line.strip() for line in proc.stderr.strip().splitlines()]
+        start = next((i for i, line in enumerate(lines) if "error:" in line), len(lines) - 1)
+        return out, " ".join(lines[start:start + 2]) or "export failed"
     return out, None
 
 
@@ -136,9 +138,9 @@ def bars(row: dict, floor: dict | None) -> dict:
 
 
 def tie_gaps(rows: list[dict], new_tokens: int) -> None:
-    """Where a quantized export's greedy tokens leave its run's dense export's, how close the two tokens are in our
-    float32 model at that step (log p of the dense export's token minus the quantized export's, given the common
-    prefix): a near tie is one bf16 rounding can flip. Adds `greedy_gaps` (nats, None where no divergence)."""
+    """Where a quantized export's greedy tokens leave its run's dense export's (same engine), how close the two tokens
+    are in our float32 model at that step (|log p| difference, given the common prefix): a near tie is one bf16
+    rounding can flip. Adds `greedy_gaps` (nats, None where no divergence)."""
     import torch
     from compress.engines.check import prompt_ids
     from compress.models import load_model
@@ -147,10 +149,11 @@ def tie_gaps(rows: list[dict], new_tokens: int) -> None:
         mine = [r for r in rows if r["run"] == name and (r.get("bars") or {}).get("greedy_equal_to_dense")]
         if not mine:
             continue
-        dense = next(r for r in rows if r["run"] == name and r["format"] in ("dense", "gguf-f16"))
+        floors = {r["engine"]: r for r in rows if r["run"] == name and r["format"] in ("dense", "gguf-f16")}
         loaded = load_model(str(RUNS_DIR / slug(name)))
         prompts = prompt_ids(loaded.tokenizer)
         for r in mine:
+            dense = floors[r["engine"]]
             best = r["plain"] if r.get("plain", {}).get("loads") else r
             gaps = []
             for p, n, a, b in zip(prompts, r["bars"]["greedy_equal_to_dense"], dense["greedy"], best["greedy"]):
@@ -160,7 +163,7 @@ def tie_gaps(rows: list[dict], new_tokens: int) -> None:
                 with torch.no_grad():
                     logits = loaded.model.forward(input_ids=torch.tensor([p + a[:n]])).logits[0, -1].float()
                 logp = torch.log_softmax(logits, -1)
-                gaps.append(float(logp[a[n]] - logp[b[n]]))
+                gaps.append(abs(float(logp[a[n]] - logp[b[n]])))
             r["bars"]["greedy_gaps"] = gaps
 
 
@@ -247,7 +250,7 @@ def table(rows: list[dict]) -> list[str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--python", help="vLLM's interpreter (its own virtual environment); default COMPRESS_VLLM_PYTHON")
-    p.add_argument("--select", help="comma-separated run names (default: all)")
+    p.add_argument("--select", help="run names separated by semicolons (default: all)")
     p.add_argument("--reuse", action="store_true", help="reuse runs/engines/* that already exist")
     p.add_argument("--windows", type=int, default=WINDOWS)
     p.add_argument("--seq-len", type=int, default=SEQ_LEN)
@@ -258,7 +261,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "engines.json"))
     p.add_argument("--docs", default=str(ROOT / "docs" / "engines.md"))
     args = p.parse_args(argv)
-    names = list(RUNS) if not args.select else [n.strip() for n in args.select.split(",")]
+    names = list(RUNS) if not args.select else [n.strip() for n in args.select.split(";")]
     unknown = [n for n in names if n not in RUNS]
     if unknown:
         p.error(f"unknown runs {unknown}; choose from {list(RUNS)}")
