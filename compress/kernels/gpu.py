@@ -183,17 +183,21 @@ def _direct(x: Tensor, operand: Tensor) -> bool:
 def linear_w4a16(p: W4A16, x: Tensor, bias: Tensor | None, splits: int = 0) -> Tensor:
     """The layer on the W4A16 kernel; `splits`: split-K count (0: chosen for the device, ops.w4a16_gemm)."""
     from . import ops
-    x2 = x.reshape(-1, p.k)
+    return _packed_linear(p, x.reshape(-1, p.k), x.shape, bias, splits, ops.launch_w4a16, ops.w4a16_gemm)
+
+
+def _packed_linear(p: W4A16, x2: Tensor, shape, bias: Tensor | None, splits: int, launch, checked) -> Tensor:
+    """x2 [M, K] through a W4A16 kernel: `launch` directly where the operands are already right, else the checked
+    op (a bad splits value takes it too, and its message names the problem); out [*shape[:-1], N]."""
     if p.k_padded != p.k:  # zero columns meet the zero weight columns pack_w4a16 appended
         x2 = F.pad(x2, (0, p.k_padded - p.k))
     x2 = x2.contiguous()
-    # a bad splits value takes the checked op, whose message names it
-    gemm = ops.launch_w4a16 if _direct(x2, p.wq) and x2.dtype == p.scales.dtype and \
-        0 <= splits <= p.k_padded // 128 else ops.w4a16_gemm
+    gemm = launch if _direct(x2, p.wq) and x2.dtype == p.scales.dtype and 0 <= splits <= p.k_padded // 128 \
+        else checked
     y = gemm(x2, p.wq, p.scales, p.zeros, p.n, p.group_size, splits)
     if bias is not None:
         y = y + bias.to(y.dtype)
-    return y.reshape(*x.shape[:-1], p.n)
+    return y.reshape(*shape[:-1], p.n)
 
 
 V2_ENV = "COMPRESS_W4A16_V2"  # "1": offer the decode kernel to the dispatcher (bench/gpu_check.py sets it)
@@ -217,15 +221,7 @@ def linear_w4a16_v2(p: W4A16, x: Tensor, bias: Tensor | None, splits: int = 0) -
     x2 = x.reshape(-1, p.k)
     if x2.shape[0] > MAX_ROWS:
         return linear_w4a16(p, x, bias)
-    if p.k_padded != p.k:
-        x2 = F.pad(x2, (0, p.k_padded - p.k))
-    x2 = x2.contiguous()
-    gemm = ops.launch_w4a16_v2 if _direct(x2, p.wq) and x2.dtype == p.scales.dtype and \
-        0 <= splits <= p.k_padded // 128 else ops.w4a16_gemm_v2
-    y = gemm(x2, p.wq, p.scales, p.zeros, p.n, p.group_size, splits)
-    if bias is not None:
-        y = y + bias.to(y.dtype)
-    return y.reshape(*x.shape[:-1], p.n)
+    return _packed_linear(p, x2, x.shape, bias, splits, ops.launch_w4a16_v2, ops.w4a16_gemm_v2)
 
 
 # ---- W4A16, large batches: dequantize into scratch, then cuBLAS ------------------------------------------------
