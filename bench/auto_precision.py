@@ -40,9 +40,9 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
 
 def sensitivity(n_fisher: int, n_kl: int, threads: int, kl_blocks: list[int]) -> dict:
     from compress.arch import get_arch
-    from compress.data import TextSource, calibration_windows
-    from compress.models import load_model
-    from compress.sensitivity import measure_sensitivity
+    from compress.calibrate.data import TextSource, calibration_windows
+    from compress.model.load import load_model
+    from compress.precision.sensitivity import measure_sensitivity
     from compress.stages.auto_precision import MENU_INT8_TO_INT3  # the menu these figures were measured with
     from compress.stages.quantize import QuantizeStage, plan_quantize
 
@@ -92,9 +92,9 @@ def one_driver(driver: str, error_method: str, n_windows: int, out: Path) -> Non
     import resource
 
     from compress.arch import get_arch
-    from compress.data import TextSource, calibration_windows
-    from compress.models import load_model
-    from compress.sensitivity import measure_sensitivity
+    from compress.calibrate.data import TextSource, calibration_windows
+    from compress.model.load import load_model
+    from compress.precision.sensitivity import measure_sensitivity
     from compress.stages.auto_precision import MENU_INT8_TO_INT3  # the menu these figures were measured with
     from compress.stages.quantize import QuantizeStage, plan_quantize
 
@@ -117,7 +117,7 @@ def one_driver(driver: str, error_method: str, n_windows: int, out: Path) -> Non
 
 
 def drivers(n_windows: int, methods: list[str]) -> dict:
-    from compress.precision import choose
+    from compress.precision.mixed import choose
     rows, tmp = [], Path("/tmp")
     for method in methods:
         got = {}

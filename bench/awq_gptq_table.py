@@ -240,8 +240,8 @@ def compress_all(out_root: Path, only: list[str], jobs: int = 1, reuse: bool = F
 
 def score_all(info: dict, max_windows: int) -> dict:
     from compress.evaluate.ppl import score_windows
-    from compress.evaluate.report import eval_windows
-    from compress.models import load_compressed, load_model
+    from compress.pipeline.report import eval_windows
+    from compress.model.load import load_compressed, load_model
 
     torch.set_num_threads(2)
     base = load_model("default")
@@ -255,7 +255,7 @@ def score_all(info: dict, max_windows: int) -> dict:
 
 def linear_bits(model) -> dict:
     """Stored bytes of the quantized linears (codes, scales, zero points) and bits per weight over them."""
-    from compress.nn import QuantLinear
+    from compress.core.nn import QuantLinear
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if not layers:
         return {}

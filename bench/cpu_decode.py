@@ -30,11 +30,11 @@ from compress.arch import get_arch  # noqa: E402
 from compress.evaluate.speed import measure_speed  # noqa: E402
 from compress.kernels import cpu  # noqa: E402
 from compress.kernels.dispatch import install_dispatch, plan_dispatch, summary  # noqa: E402
-from compress.models import load_model  # noqa: E402
-from compress.nn import QuantLinear  # noqa: E402
-from compress.qtensor import QuantizedTensor  # noqa: E402
+from compress.model.load import load_model  # noqa: E402
+from compress.core.nn import QuantLinear  # noqa: E402
+from compress.core.qtensor import QuantizedTensor  # noqa: E402
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize  # noqa: E402
-from compress.scheme import scheme  # noqa: E402
+from compress.core.scheme import scheme  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "cpu_decode.json"
 PREFILL, DECODE, ROUNDS = 128, 64, 5

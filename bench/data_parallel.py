@@ -2,7 +2,7 @@
 
 The same recipe three ways, each in a fresh process with nothing else running: one process on one thread, one
 process on two threads, and `torchrun --nproc-per-node 2 -m compress run` with one thread per process (each takes
-every 2nd calibration window; Hessians all-reduced before each block's GPTQ, compress/distributed.py). Wall time,
+every 2nd calibration window; Hessians all-reduced before each block's GPTQ, compress/calibrate/distributed.py). Wall time,
 the run's own timings, and whether the results agree (perplexity, block errors). Results go to
 bench/results/data_parallel.json.
 

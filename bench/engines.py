@@ -82,7 +82,7 @@ def make_moe(folder: Path) -> Path:
         return folder
     import torch
     import transformers
-    from compress.models import load_model
+    from compress.model.load import load_model
 
     tokenizer = load_model("default").tokenizer
     config = transformers.Qwen2MoeConfig(
@@ -143,7 +143,7 @@ def tie_gaps(rows: list[dict], new_tokens: int) -> None:
     rounding can flip. Adds `greedy_gaps` (nats, None where no divergence)."""
     import torch
     from compress.engines.check import prompt_ids
-    from compress.models import load_model
+    from compress.model.load import load_model
 
     for name in dict.fromkeys(r["run"] for r in rows):
         mine = [r for r in rows if r["run"] == name and (r.get("bars") or {}).get("greedy_equal_to_dense")]
@@ -176,9 +176,9 @@ def _prefix(a, b):
 
 def bench_run(name: str, args) -> list[dict]:
     from compress.engines.check import engine_check, greedy, prompt_ids, reference
-    from compress.evaluate.report import eval_windows
+    from compress.pipeline.report import eval_windows
     from compress.export.verify import float_activations
-    from compress.models import load_model
+    from compress.model.load import load_model
 
     model_name, stages, formats, evaluate = RUNS[name]
     run_dir = compress_run(name, model_name, stages, evaluate, args.reuse)

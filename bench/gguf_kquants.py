@@ -44,7 +44,7 @@ VARIANTS = {
 
 
 def load():
-    from compress.models import default_model_path, load_model
+    from compress.model.load import default_model_path, load_model
 
     loaded = load_model("default")
     return loaded.model.eval(), loaded.tokenizer, str(default_model_path())
@@ -52,7 +52,7 @@ def load():
 
 def calibration(model, tok) -> dict:
     """The calibration statistics both sides use (computed once, by the `calib` step)."""
-    from compress.data import TextSource, calibration_windows
+    from compress.calibrate.data import TextSource, calibration_windows
     from compress.export.gguf_calib import calibration_stats
 
     ids = calibration_windows(TextSource(), tok, model, CALIB, SEQ, 0)
@@ -129,7 +129,7 @@ def step(name: str) -> dict:
 
 
 def evaluate() -> dict:
-    from compress.evaluate.report import eval_windows
+    from compress.pipeline.report import eval_windows
     from compress.export.gguf import iter_llama_cpp_logits
 
     model, tok, _ = load()
@@ -181,7 +181,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
-              "model": "SmolLM2-135M-Instruct (compress.default_model: its Q4_1 GGUF, dequantized = our float model)",
+              "model": "SmolLM2-135M-Instruct (compress.model.default_model: its Q4_1 GGUF, dequantized = our float model)",
               "calibration": f"{CALIB} windows x {SEQ} tokens of WikiText-2 validation, seed 0",
               "held_out": f"WikiText-2 test, first {WINDOWS} windows of {SEQ} tokens",
               "calibration_step": results["calib"], "rows": rows,

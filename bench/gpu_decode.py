@@ -77,10 +77,10 @@ sys.path.insert(0, str(ROOT))
 
 from compress.arch import get_arch  # noqa: E402
 from compress.kernels.dispatch import KERNELS as CPU_KERNELS, clear_dispatch, install_kernel, registry  # noqa: E402
-from compress.lean_decode import fuse_projections  # noqa: E402
-from compress.nn import QuantLinear  # noqa: E402
-from compress.scheme import FP8_DYNAMIC, W4A16, QuantScheme  # noqa: E402
-from compress.serving.cuda_graph import StepTimer, percentile  # noqa: E402
+from compress.serving.lean_decode import fuse_projections  # noqa: E402
+from compress.core.nn import QuantLinear  # noqa: E402
+from compress.core.scheme import FP8_DYNAMIC, W4A16, QuantScheme  # noqa: E402
+from compress.kernels.cuda_graph import StepTimer, percentile  # noqa: E402
 from compress.serving.static_decode import StaticDecoder  # noqa: E402
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize  # noqa: E402
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from compress.arch import get_arch  # noqa: E402
 from compress.kernels.dispatch import install_dispatch, plan_dispatch, summary  # noqa: E402
-from compress.scheme import FP8_DYNAMIC, W4A16  # noqa: E402
+from compress.core.scheme import FP8_DYNAMIC, W4A16  # noqa: E402
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
@@ -53,7 +53,7 @@ BOUND = {"W4A16 g128 asym": 1e-2, "FP8_DYNAMIC": 2e-2}
 def layer_errors(model, ids) -> dict[str, float]:
     """Each QuantLinear's output on its dispatched kernel against its reference path, on the inputs this forward
     gives it (a hook runs the layer again with the dispatch removed)."""
-    from compress.nn import QuantLinear
+    from compress.core.nn import QuantLinear
     errors, hooks = {}, []
 
     busy = set()  # the reference call below runs the hooks too

@@ -97,7 +97,7 @@ LOG_TAIL = 200_000  # characters of each child's output kept in the log
 BARS_S = {"embedded/awq_int4/auto": 60.0, "large/gptq_int4/resident": 180.0, "large/gptq_int4/streamed": 180.0}
 ESTIMATE_S = {"recipe": 45.0, "build": 60.0, "large": 200.0}  # what a job must have left to start (H100 guesses)
 
-# SmolLM2-135M-Instruct's config as transformers reads it from the GGUF file (compress.models.load_config("default"))
+# SmolLM2-135M-Instruct's config as transformers reads it from the GGUF file (compress.model.load.load_config("default"))
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
                rope_parameters={"rope_theta": 100000.0, "rope_type": "default"}, tie_word_embeddings=True,
@@ -157,7 +157,7 @@ def digest_tensor(digest, name: str, t) -> None:
 def build_random(folder: Path, fields: dict, tokenizer: Path) -> dict:
     """The random model of `fields` (random_tensors) as a float32 safetensors folder with the tokenizer's files.
     Returns its sha256 (digest_tensor), parameter count and build seconds."""
-    from compress.shards import ShardWriter
+    from compress.export.shards import ShardWriter
 
     t = time.perf_counter()
     tmp = folder.with_name(folder.name + ".building")
@@ -186,7 +186,7 @@ def build_large(folder: Path, fields: dict, tokenizer: Path, device: str) -> dic
     import torch
     from transformers import AutoModelForCausalLM
 
-    from compress.shards import ShardWriter
+    from compress.export.shards import ShardWriter
 
     t = time.perf_counter()
     with torch.device("meta"):
@@ -246,8 +246,8 @@ def prepare(carry: Path, wheels: bool = True, gguf: bool = True) -> dict:
     file in two halves. Returns the bytes of each part."""
     from transformers import AutoTokenizer
 
-    from compress.data import find_data_dir
-    from compress.default_model import default_model_path
+    from compress.calibrate.data import find_data_dir
+    from compress.model.default_model import default_model_path
 
     carry.mkdir(parents=True, exist_ok=True)
     path = default_model_path()
@@ -277,7 +277,7 @@ def prepare(carry: Path, wheels: bool = True, gguf: bool = True) -> dict:
 
 def join_gguf(carry: Path, work: Path) -> Path | None:
     """The embedded model's GGUF from the two carried halves, checked against its pinned sha256 (None: no halves)."""
-    from compress.default_model import GGUF_NAME, GGUF_SHA256, sha256
+    from compress.model.default_model import GGUF_NAME, GGUF_SHA256, sha256
 
     parts = [carry / "gguf.part1", carry / "gguf.part2"]
     if not all(p.is_file() for p in parts):
@@ -359,7 +359,7 @@ def worker(job: dict, out_dir: Path) -> dict:
     if job["kind"] == "build":
         row = build_large(Path(job["folder"]), job["fields"], Path(job["tokenizer"]), job["device"])
     else:
-        from compress.pipeline import run
+        from compress.pipeline.resident import run
         from compress.recipe import load_recipe
 
         recipe = load_recipe(ROOT / "recipes" / f"{job['recipe']}.yaml",
@@ -520,7 +520,7 @@ def environment(args, work: Path, log) -> tuple[dict, dict]:
             env["PYTHONPATH"] = os.pathsep.join([site, str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     if not os.environ.get("COMPRESS_DATA_DIR") and (carry / "data" / "wikitext-2-raw").is_dir():
         env["COMPRESS_DATA_DIR"] = os.environ["COMPRESS_DATA_DIR"] = str(carry / "data")
-    from compress.data import find_data_dir
+    from compress.calibrate.data import find_data_dir
     data = find_data_dir()
     if data is None:
         raise FileNotFoundError(f"no WikiText-2: set COMPRESS_DATA_DIR or carry {carry}/data (--prepare writes it)")
@@ -540,7 +540,7 @@ def environment(args, work: Path, log) -> tuple[dict, dict]:
             tokenizer = work / "tokenizer-smollm2"  # extracted here when the GGUF file is (the CPU reference)
             from transformers import AutoTokenizer
 
-            from compress.default_model import default_model_path
+            from compress.model.default_model import default_model_path
             try:
                 gguf = default_model_path(fetch=False)
             except FileNotFoundError as exc:
@@ -563,7 +563,7 @@ def environment(args, work: Path, log) -> tuple[dict, dict]:
             try:
                 gguf = join_gguf(carry, work)
                 if gguf is None:
-                    from compress.default_model import default_model_path
+                    from compress.model.default_model import default_model_path
                     gguf = default_model_path(fetch=False)
                 env["COMPRESS_DEFAULT_GGUF"] = str(gguf)
                 sources["embedded"] = "default"
@@ -607,7 +607,7 @@ def write_reference(path: Path, rows: list[dict], sources: dict, argv: list[str]
 
 
 def _cpu_bf16() -> bool:
-    from compress.nn import cpu_has_bf16
+    from compress.core.nn import cpu_has_bf16
     return cpu_has_bf16()
 
 

@@ -22,12 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from compress.arch import get_arch, get_module, set_module  # noqa: E402
 from compress.evaluate.ppl import score_windows  # noqa: E402
-from compress.evaluate.report import eval_windows  # noqa: E402
-from compress.models import load_model  # noqa: E402
-from compress.nn import QuantLinear, is_linear  # noqa: E402
+from compress.pipeline.report import eval_windows  # noqa: E402
+from compress.model.load import load_model  # noqa: E402
+from compress.core.nn import QuantLinear, is_linear  # noqa: E402
 from compress.quantizers import quantize_rtn  # noqa: E402
 from compress.quantizers.hqq import quantize_hqq  # noqa: E402
-from compress.scheme import QuantScheme  # noqa: E402
+from compress.core.scheme import QuantScheme  # noqa: E402
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -19,9 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from compress.kernels.reference import linear_llm_int8, linear_w8a8_int8  # noqa: E402
+from compress.core.reference import linear_llm_int8, linear_w8a8_int8  # noqa: E402
 from compress.quantizers.rtn import quantize_rtn  # noqa: E402
-from compress.scheme import FP8_DYNAMIC, LLM_INT8, W8A8  # noqa: E402
+from compress.core.scheme import FP8_DYNAMIC, LLM_INT8, W8A8  # noqa: E402
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (4096, 4096)]  # (N, K)
 

@@ -3,7 +3,7 @@ residual window) on the embedded model at 2048 tokens of context: WikiText-2 tes
 cache on the README's windows, bytes per cached token, and the roofline's largest batch before and after.
 
 Every window is one forward of 2048 tokens whose attention reads the cache as a KIVI engine would hold it when
-each query is decoded (compress/kv_quant.py: exact, tested against token-by-token decoding), so the perplexity is
+each query is decoded (compress/kv/kivi.py: exact, tested against token-by-token decoding), so the perplexity is
 that of generating over the quantized cache. Weights stay float32: the cost measured is the cache's alone.
 
     python bench/kv_cache_table.py [--max-windows 8] [--out bench/results/kv_cache_table.json]
@@ -11,7 +11,7 @@ that of generating over the quantized cache. Weights stay float32: the cost meas
 
 --scaled: the caches with one calibrated tensor scale per layer for keys and one for values (max |k| and max |v|
 over 16 x 512 tokens of WikiText-2 validation): fp8 e4m3 (what vLLM serves with k_scale / v_scale) and NVFP4
-(e2m1 in blocks of 16 channels with e4m3 block scales under that tensor scale; compress/kv_cache.py).
+(e2m1 in blocks of 16 channels with e4m3 block scales under that tensor scale; compress/kv/cache.py).
 """
 from __future__ import annotations
 
@@ -29,13 +29,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `compress` from a checkout, installed or not
 
-from compress.data import sequential_windows, tokenize_joined, wikitext2_rows  # noqa: E402
+from compress.calibrate.data import sequential_windows, tokenize_joined, wikitext2_rows  # noqa: E402
 from compress.evaluate.memory import serving_bytes  # noqa: E402
 from compress.evaluate.ppl import _final_hidden, _logits, score_hidden  # noqa: E402
-from compress.evaluate.roofline import get_accelerator, max_batch, model_facts  # noqa: E402
-from compress.kv_cache import attach_kv_quant, use_kv_attention  # noqa: E402
-from compress.kv_quant import KVQuant  # noqa: E402
-from compress.models import load_model  # noqa: E402
+from compress.serving.roofline import get_accelerator, max_batch, model_facts  # noqa: E402
+from compress.kv.cache import attach_kv_quant, use_kv_attention  # noqa: E402
+from compress.kv.kivi import KVQuant  # noqa: E402
+from compress.model.load import load_model  # noqa: E402
 
 CONFIGS = {"float (bf16 cache)": None,
            "int8 KIVI g32, residual 128": KVQuant(8, 32, 128),
@@ -126,7 +126,7 @@ SCALED = {"float (bf16 cache)": None, "fp8 e4m3, calibrated per layer": "fp8_e4m
 def scaled_caches(loaded, windows, args) -> None:
     import copy
 
-    from compress.kv_cache import KV_BYTES, attention_modules, recording_kv, set_kv_scales
+    from compress.kv.cache import KV_BYTES, attention_modules, recording_kv, set_kv_scales
 
     base = loaded.model
     calib = sequential_windows(tokenize_joined(wikitext2_rows("validation"), loaded.tokenizer), 512, 16)

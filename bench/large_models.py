@@ -54,7 +54,7 @@ def llama_config(shape: tuple, max_positions: int = 4096):
     """(LlamaConfig of `shape` = (hidden, MLP, blocks, heads, KV heads) with SmolLM2's vocabulary, its tokenizer)."""
     from transformers import AutoTokenizer, LlamaConfig
 
-    from compress.default_model import default_model_path
+    from compress.model.default_model import default_model_path
 
     hidden, inter, layers, heads, kv = shape
     gguf = default_model_path()
@@ -71,7 +71,7 @@ def build(name: str, folder: Path) -> int:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from compress.shards import ShardWriter
+    from compress.export.shards import ShardWriter
 
     config, tokenizer = llama_config(SIZES[name])
     with init_empty_weights():
@@ -152,7 +152,7 @@ def run_one(model: Path, recipe: str, overrides: list[str], out: Path, log: Path
 RELOAD = """
 import json, sys, time, tempfile, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from compress.data import eval_windows
+from compress.calibrate.data import eval_windows
 folder, cap, n, seq = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 torch.set_num_threads(2)
 t = time.perf_counter()

@@ -5,7 +5,7 @@ and the time to prefill a 1024-token prompt, per weight scheme, for the embedded
 Decode at small batch is bandwidth-bound, so it follows the bytes; prefill is compute-bound, so it follows the
 matmul precision: fp4 e2m1 activations (NVFP4, MXFP4) run at Blackwell's fp4 rate (9 PFLOP/s dense, twice fp8),
 8-bit ones (fp8, MXFP8) at the fp8 rate, weight-only schemes at bf16. Hopper has no fp4 tensor cores: an fp4 scheme
-runs at its fp8 rate there. Ceilings: datasheet bandwidth and peak (compress/plan.py, compress/evaluate/roofline.py,
+runs at its fp8 rate there. Ceilings: datasheet bandwidth and peak (compress/serving/planner.py, compress/serving/roofline.py,
 whose B200 entry cites the DGX B200 datasheet).
 
     python bench/microscale_roofline.py [--out bench/results/microscale_roofline.json]
@@ -22,8 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from compress import plan as P  # noqa: E402
-from compress.evaluate.roofline import get_accelerator  # noqa: E402
+from compress.serving import planner as P  # noqa: E402
+from compress.serving.roofline import get_accelerator  # noqa: E402
 
 SCHEMES = ("bf16", "fp8", "mxfp8", "int4-g64", "nvfp4a16", "nvfp4", "mxfp4")  # plan.WEIGHTS names
 ACCELERATORS = ("H100-SXM", "B200")
@@ -34,7 +34,7 @@ CONTEXT, PROMPT = 1024, 1024
 def shape(name: str) -> P.ModelShape:
     if name in P.BUILTIN:
         return P.builtin_shape(name)
-    from compress.models import load_model
+    from compress.model.load import load_model
 
     return P.shape_from_config(load_model(name, "auto", "cpu").model.config, "SmolLM2-135M (default)")
 

@@ -70,7 +70,7 @@ def quiet_speed(folders: list[Path]) -> dict[str, dict]:
 
     sys.path.insert(0, str(ROOT))
     from compress.evaluate.speed import measure_speed
-    from compress.models import load_model
+    from compress.model.load import load_model
 
     torch.set_num_threads(1)
     out = {}

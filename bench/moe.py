@@ -40,7 +40,7 @@ def build(folder: Path) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig
 
-    from compress.default_model import default_model_path
+    from compress.model.default_model import default_model_path
 
     gguf = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

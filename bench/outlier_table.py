@@ -107,9 +107,9 @@ def compress_all(out_root: Path, variant: str, only: list[str], reuse: bool) -> 
 def score_variant(info: dict, variant: str, max_windows: int, with_bnb: bool) -> dict:
     from compress.arch import get_arch
     from compress.evaluate.ppl import score_windows
-    from compress.evaluate.report import eval_windows, llm_int8_float_share
-    from compress.models import load_compressed, load_model
-    from compress.outliers import PlantSpec, plant_outliers
+    from compress.pipeline.report import eval_windows, llm_int8_float_share
+    from compress.model.load import load_compressed, load_model
+    from compress.transforms.outliers import PlantSpec, plant_outliers
     from tests.reference.bnb_llm_int8 import to_bitsandbytes_int8
 
     def baseline():

@@ -17,7 +17,7 @@ DESCRIPTION = (f"WikiText-2 {SPLIT}, the first {WINDOWS} windows of {SEQ_LEN} to
 
 def windows(tokenizer):
     """The protocol's token windows [WINDOWS, SEQ_LEN]."""
-    from compress.evaluate.report import eval_windows
+    from compress.pipeline.report import eval_windows
     return eval_windows(tokenizer, SPLIT, SEQ_LEN, WINDOWS)
 
 

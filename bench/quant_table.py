@@ -25,10 +25,10 @@ from bench import protocol  # noqa: E402
 from compress.arch import get_arch  # noqa: E402
 from compress.evaluate.memory import peak_rss_bytes, weight_bytes  # noqa: E402
 from compress.evaluate.ppl import score_windows  # noqa: E402
-from compress.evaluate.report import eval_windows  # noqa: E402
-from compress.models import load_model  # noqa: E402
+from compress.pipeline.report import eval_windows  # noqa: E402
+from compress.model.load import load_model  # noqa: E402
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize  # noqa: E402
-from compress.scheme import scheme  # noqa: E402
+from compress.core.scheme import scheme  # noqa: E402
 
 CONFIGS = {
     "int8 absmax per-channel": scheme("int8", "channel", symmetric=True),

@@ -1,5 +1,5 @@
 """Roofline predictions on an H100 SXM for SmolLM2-135M and its compressed versions (no GPU needed: bytes and
-FLOPs from each model, bandwidth and peaks from the datasheet table in compress/evaluate/roofline.py).
+FLOPs from each model, bandwidth and peaks from the datasheet table in compress/serving/roofline.py).
 
 Reads the run folders of bench/export_table.py (run that first). Writes bench/results/roofline_table.json.
 
@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `compress` from a checkout, installed or not
 
 from compress.evaluate.memory import serving_bytes  # noqa: E402
-from compress.evaluate.roofline import ACCELERATORS, model_facts, roofline  # noqa: E402
-from compress.kv_cache import kv_layers  # noqa: E402
-from compress.models import load_model  # noqa: E402
+from compress.serving.roofline import ACCELERATORS, model_facts, roofline  # noqa: E402
+from compress.kv.cache import kv_layers  # noqa: E402
+from compress.model.load import load_model  # noqa: E402
 MODELS = {"baseline (bf16)": "default", "int8 g32": "runs/export_int8_g32_sym__rtn",
           "int4 g32 (GPTQ)": "runs/export_int4_g32_sym__gptq", "fp8 static + fp8 KV cache": "runs/export_fp8_static___fp8_kv_cache"}
 ACCELERATOR, CONTEXT, BATCHES = "H100-SXM", 1024, (1, 16, 64)

@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from compress.arch import get_arch  # noqa: E402
-from compress.nn import QuantLinear  # noqa: E402
-from compress.runner import compress_model  # noqa: E402
+from compress.core.nn import QuantLinear  # noqa: E402
+from compress.pipeline.calibration import compress_model  # noqa: E402
 from compress.recipe import load_recipe  # noqa: E402
 from compress.stages import make_plan  # noqa: E402
 from tests.conftest import make_tiny_model  # noqa: E402

@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))  # `compress` from a checkout, installed or not
 
 from compress.evaluate.memory import serving_bytes  # noqa: E402
 from compress.evaluate.speculation import SELF_DRAFT, int4_copy, roofline_rows  # noqa: E402
-from compress.models import load_model  # noqa: E402
+from compress.model.load import load_model  # noqa: E402
 
 
 def main() -> None:

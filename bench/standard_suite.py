@@ -28,11 +28,11 @@ sys.path.insert(0, str(ROOT))
 
 from compress.arch import get_arch  # noqa: E402
 from compress.evaluate.pareto import write as write_pareto  # noqa: E402
-from compress.evaluate.report import evaluate_models, write_report  # noqa: E402
-from compress.models import load_model  # noqa: E402
+from compress.pipeline.report import evaluate_models, write_report  # noqa: E402
+from compress.model.load import load_model  # noqa: E402
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize  # noqa: E402
 from compress.recipe import from_dict  # noqa: E402
-from compress.scheme import scheme  # noqa: E402
+from compress.core.scheme import scheme  # noqa: E402
 
 RUNS = {"int8 g32 (RTN)": "runs/export_int8_g32_sym__rtn", "int4 g32 (GPTQ)": "runs/export_int4_g32_sym__gptq",
         "int4 g32 (AWQ)": "runs/export_int4_g32_asym__awq", "fp8 + fp8 KV cache": "runs/export_fp8_static___fp8_kv_cache",

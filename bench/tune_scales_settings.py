@@ -38,12 +38,12 @@ def parse_setting(text: str) -> dict:
 
 def main() -> None:
     from compress.arch import get_arch
-    from compress.data import fingerprint
+    from compress.calibrate.data import fingerprint
     from compress.evaluate.ppl import score_windows
-    from compress.evaluate.report import eval_windows
-    from compress.models import load_compressed, load_model
+    from compress.pipeline.report import eval_windows
+    from compress.model.load import load_compressed, load_model
     from compress.recipe import build, load_recipe
-    from compress.runner import calibration_samples
+    from compress.pipeline.calibration import calibration_samples
     from compress.stages.base import ModelStageContext
     from compress.stages.tune_scales import TuneScalesStage
 

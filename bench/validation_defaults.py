@@ -86,8 +86,8 @@ def compress_all(root: Path, only: list[str], reuse: bool) -> dict:
 
 def score_all(info: dict) -> dict:
     from compress.evaluate.ppl import score_windows
-    from compress.evaluate.report import eval_windows
-    from compress.models import load_compressed, load_model
+    from compress.pipeline.report import eval_windows
+    from compress.model.load import load_compressed, load_model
 
     torch.set_num_threads(2)
     base = load_model("default")

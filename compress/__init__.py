@@ -1,13 +1,14 @@
 """compress: quantize, prune and distill Hugging Face causal LMs, and score what it cost.
 
 Importing the package changes nothing in the process (no environment variables, no torch import): the names below
-load on first use. The `compress` command sets its own process defaults in cli.py.
+load on first use. The `compress` command sets its own process defaults in cli/commands.py.
 """
 from ._version import __version__
 
 __all__ = ["__version__", "QuantScheme", "QuantizedTensor", "PRESETS", "quantize_rtn", "load_recipe", "run"]
 
-_LAZY = {"QuantScheme": "scheme", "PRESETS": "scheme", "QuantizedTensor": "qtensor", "quantize_rtn": "quantizers"}
+_LAZY = {"QuantScheme": "core.scheme", "PRESETS": "core.scheme", "QuantizedTensor": "core.qtensor",
+         "quantize_rtn": "quantizers"}
 
 
 def __getattr__(name: str):
@@ -23,5 +24,5 @@ def load_recipe(path, overrides=()):
 
 
 def run(recipe, **kwargs):
-    from .pipeline import run as _run
+    from .pipeline.resident import run as _run
     return _run(recipe, **kwargs)

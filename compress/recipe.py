@@ -16,10 +16,10 @@ from typing import Any, Literal
 
 import yaml
 
-from .data import TextSource
-from .outliers import PlantSpec
+from .calibrate.data import TextSource
+from .transforms.outliers import PlantSpec
 from .resources import find_recipe, resource_dir
-from .scheme import PRESETS, QuantScheme, get_preset
+from .core.scheme import PRESETS, QuantScheme, get_preset
 from .stages import STAGES
 
 
@@ -115,13 +115,13 @@ class EvalSpec:
     speculative_prompts: int = 2
     speculative_prompt_tokens: int = 128
     speculative_new_tokens: int = 32
-    # roofline predictions (compress/evaluate/roofline.py) on these accelerators, at this context and batches
+    # roofline predictions (compress/serving/roofline.py) on these accelerators, at this context and batches
     accelerators: tuple[str, ...] = ("H100-SXM",)
     roofline_context: int = 1024
     roofline_batches: tuple[int, ...] = (1, 16, 64)
 
     def __post_init__(self):
-        from .data import parse_split
+        from .calibrate.data import parse_split
         parse_split(self.split)
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0 (0 = all cores), got {self.threads}")
@@ -131,7 +131,7 @@ class EvalSpec:
         check_tasks(self.tasks)
         if self.task_limit is not None and self.task_limit < 1:
             raise ValueError(f"task_limit must be >= 1 or null, got {self.task_limit}")
-        from .evaluate.roofline import get_accelerator
+        from .serving.roofline import get_accelerator
         for name in self.accelerators:
             get_accelerator(name)
         if any(not 1 <= k <= 64 for k in self.speculative):

@@ -7,11 +7,19 @@ and a built wheel find them wherever they are installed.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 BUNDLED = PACKAGE_DIR / "_bundled"
 NAMES = ("recipes", "calib", "eval")
+ENV_CACHE = "COMPRESS_CACHE"
+
+
+def cache_dir() -> Path:
+    """Where compress keeps what it downloads or builds (the embedded model, compiled CPU kernels): $COMPRESS_CACHE,
+    else ~/.cache/compress."""
+    return Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "compress").expanduser()
 
 
 def resource_dir(name: str) -> Path:

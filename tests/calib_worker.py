@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from safetensors.torch import save_file  # noqa: E402
 
-from compress.distributed import reduce_stats, share, start  # noqa: E402
-from compress.observers import BlockObserver  # noqa: E402
+from compress.calibrate.distributed import reduce_stats, share, start  # noqa: E402
+from compress.calibrate.observers import BlockObserver  # noqa: E402
 from tests.conftest import make_tiny_model  # noqa: E402
 
 LINEARS = ["gate_proj", "up_proj", "down_proj"]
@@ -33,7 +33,7 @@ MOE_LINEARS = [f"experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_p
 
 def moe_block():
     """Block 0's MoE MLP of the tiny gpt-oss, unfused, and its inputs: expert 3 reached by the even windows only."""
-    from compress.moe import unfuse_experts
+    from compress.arch.moe import unfuse_experts
     model = make_tiny_model("gpt_oss")
     unfuse_experts(model)
     mlp = model.model.layers[0].mlp

@@ -133,7 +133,7 @@ def tiny_llama():
 
 
 def shared_data_dir() -> Path | None:
-    from compress.data import find_data_dir
+    from compress.calibrate.data import find_data_dir
     return find_data_dir()
 
 

@@ -117,7 +117,7 @@ def replay_error(model, arch, ids) -> float:
     """max |a block's output replayed - its output in the model's own forward| over every block (each replayed as
     the runner calls it, with its own captured arguments, on the replayed outputs of the block before), relative to
     the largest output."""
-    from compress.blockwise import block_forward, capture_block_inputs
+    from compress.calibrate.blockwise import block_forward, capture_block_inputs
     blocks = arch.block_list(model)
     own: list[list[torch.Tensor]] = [[] for _ in blocks]
     hooks = [b.register_forward_hook(lambda m, a, out, i=i: own[i].append(out[0] if isinstance(out, tuple) else out))
@@ -145,7 +145,7 @@ def replay_error(model, arch, ids) -> float:
 def applicable_pairs(model, arch, quantized: set[str]) -> tuple[int, int]:
     """(pairs AWQ could scale, pair instances in all) over every block, for the layers the plan quantizes."""
     from compress.arch import block_pairs
-    from compress.smoothing import pair_skip_reason
+    from compress.transforms.smoothing import pair_skip_reason
     usable = total = 0
     for i, block in enumerate(arch.block_list(model)):
         prefix = f"{arch.blocks}.{i}."
@@ -163,7 +163,7 @@ def run_method(family: str, method: str, calib_file, replay: bool = True, run: b
     that is measured with `run` false)."""
     from compress.arch import get_arch
     from compress.recipe import from_dict
-    from compress.runner import compress_model
+    from compress.pipeline.calibration import compress_model
     from compress.stages import make_plan
     from tests.tiny_tokenizer import make_tiny_tokenizer
 
@@ -194,7 +194,7 @@ def run_method(family: str, method: str, calib_file, replay: bool = True, run: b
             row.pairs = awq["unscaled"]["scaled"]
             row.pair_slots = awq["unscaled"]["pairs"]
             row.summary = awq.get("summary") or ""
-        from compress.nn import QuantLinear
+        from compress.core.nn import QuantLinear
         done = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
         missing = {e.name for e in step.quantized} - done
         if missing:

@@ -22,7 +22,7 @@ import torch
 torch.set_num_threads(1)  # two OpenMP threads stall on the 2-core CI machines
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from compress.distill import distill  # noqa: E402
+from compress.distill.kd import distill  # noqa: E402
 from compress.stages.distill import DistillStage  # noqa: E402
 from tests.conftest import make_tiny_model  # noqa: E402
 

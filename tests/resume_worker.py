@@ -8,8 +8,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from compress.cli import main  # noqa: E402
-from compress.stream_run import StreamedBlocks  # noqa: E402
+from compress.cli.commands import main  # noqa: E402
+from compress.pipeline.streamed import StreamedBlocks  # noqa: E402
 
 if __name__ == "__main__":
     crash_at, args = int(sys.argv[1]), sys.argv[2:]

@@ -13,7 +13,7 @@ from compress.arch import derive as derive_module
 from compress.arch.derive import derive_from_model
 from compress.arch.tables import ARCH_TABLE
 from compress.arch.tiny import tiny_config, tiny_model
-from compress.smoothing import apply_smoothing, out_channels, pair_skip_reason
+from compress.transforms.smoothing import apply_smoothing, out_channels, pair_skip_reason
 from tests.conftest import TINY_CONFIGS, TINY_MOE_CONFIGS, TINY_PER_LAYER_CONFIGS, make_tiny_model
 
 def blocks_path(model):
@@ -54,7 +54,7 @@ def test_table_families_keep_their_table_entry_and_derive_nothing(family, monkey
     """A table family's spec is its entry, exactly as before (the derivation never runs for it: the quantized
     tensors of the 15 test families were compared with main's, bit for bit, for AWQ, GPTQ, AWQ+GPTQ and
     SmoothQuant)."""
-    from compress.moe import unfuse_experts
+    from compress.arch.moe import unfuse_experts
     monkeypatch.setattr(derive_module, "derive", lambda *a: pytest.fail("derived pairs for a table family"))
     model = make_tiny_model(family)
     unfuse_experts(model)  # as load_model does
@@ -150,7 +150,7 @@ def test_deriving_leaves_the_callers_random_stream_alone():
 
 def _awq_run(model):
     from compress.recipe import from_dict
-    from compress.runner import compress_model
+    from compress.pipeline.calibration import compress_model
     from compress.stages import make_plan
     from tests.tiny_tokenizer import make_tiny_tokenizer
     recipe = from_dict({"model": "unused", "calibration": {"kind": "self", "n_samples": 2, "seq_len": 16},
@@ -166,7 +166,7 @@ def test_the_report_says_where_awq_only_clipped(monkeypatch):
     """Where pairs cannot be scaled the run says so in its summary and log, with the reasons: OLMo 2 (no norm before
     its attention and MLP, grouped v -> o) scales 2 of 8 pair slots; a family whose pairs cannot be derived at
     all scales none, and the summary says why; with every pair scaled (4 key/value heads) nothing is said."""
-    from compress.evaluate.report import _header_lines
+    from compress.pipeline.report import _header_lines
 
     sections, log = _awq_run(tiny_model(tiny_config(transformers.AutoConfig.for_model("olmo2"),
                                                     {"num_key_value_heads": 2})))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from compress.arch.fused import fused_groups, fused_label
-from compress.moe import unfuse_experts
-from compress.nn import is_linear
+from compress.arch.moe import unfuse_experts
+from compress.core.nn import is_linear
 from tests.conftest import make_tiny_model
 
 

@@ -15,15 +15,15 @@ import yaml
 
 from compress.arch import get_arch
 from compress.arch.fused import fused_groups
-from compress.fisher_blocks import blocks_problem
-from compress.moe import unfuse_experts
-from compress.nn import is_linear
-from compress.precision import AWQModel, choose, choose_grouped, scheme_bytes, weight_error
-from compress.sensitivity import measure_sensitivity
+from compress.precision.fisher_blocks import blocks_problem
+from compress.arch.moe import unfuse_experts
+from compress.core.nn import is_linear
+from compress.precision.mixed import AWQModel, choose, choose_grouped, scheme_bytes, weight_error
+from compress.precision.sensitivity import measure_sensitivity
 from compress.quantizers.rtn import fake_quantize
 from compress.quantizers.gptq import quantize_gptq
 from compress.recipe import RecipeError, from_dict, to_plain
-from compress.scheme import W4A16_ASYM_G64, W8A16, scheme
+from compress.core.scheme import W4A16_ASYM_G64, W8A16, scheme
 from compress.stages.quantize import LayerScheme, QuantizeStage, apply_quantize, plan_quantize
 from tests.conftest import TINY_CONFIGS, TINY_MOE_CONFIGS, make_tiny_model
 from tests.reference.naive_precision import (awq_layer_reference, brute_force_choice, fisher_token_by_token,
@@ -356,8 +356,8 @@ def test_layer_schemes_round_trip_through_a_recipe():
 def test_awq_searches_each_layer_for_its_own_scheme():
     """AWQ on a block whose MLP layers are int2 and the rest int8 folds other scales than AWQ for uniform int8, and
     the same as uniform int8 when every layer is int8 by layer_schemes."""
-    from compress.blockwise import run_blockwise
-    from compress.runner import StagePass, start_stages
+    from compress.calibrate.blockwise import run_blockwise
+    from compress.pipeline.calibration import StagePass, start_stages
     from compress.stages import make_plan
     from compress.stages.awq import AWQStage
 
@@ -409,7 +409,7 @@ def run_auto(tmp_path_factory, request):
     """`compress run` of auto_precision (fisher, 4.5 bits per weight, menu int8 / int4 g16 / int2 g16 / int5 g16; sensitivity to
     round-to-nearest's, GPTQ's, or AWQ then GPTQ's weight errors) then GPTQ on the tiny llama (after an awq stage
     for awq_gptq); returns (output folder, report)."""
-    from compress.cli import main
+    from compress.cli.commands import main
     from tests.test_cli import N_SAMPLES, SEQ_LEN, _recipe, make_tiny_tokenizer, word_text
 
     root = tmp_path_factory.mktemp("auto")
@@ -444,9 +444,9 @@ def test_run_quantizes_each_layer_in_the_scheme_chosen_within_the_budget(run_aut
     groups = fused_groups(section["assignment"])  # q/k/v and gate/up of each block: one scheme each (vLLM fuses them)
     assert section["groups"] == len(groups) == 8 and section["fused_groups"]
     assert all(len({section["assignment"][n] for n in g}) == 1 for g in groups)
-    from compress.models import load_compressed
+    from compress.model.load import load_compressed
     model = load_compressed(out)
-    from compress.nn import QuantLinear
+    from compress.core.nn import QuantLinear
     stored = sum(m.qtensor().nbytes for m in model.modules() if isinstance(m, QuantLinear))
     assert stored == section["bytes"]
     md = (out / "report.md").read_text()
@@ -460,7 +460,7 @@ def test_run_quantizes_each_layer_in_the_scheme_chosen_within_the_budget(run_aut
 def test_the_resolved_recipe_reproduces_the_choice_without_measuring(run_auto):
     """recipe.resolved.yaml less its auto_precision stage quantizes every layer as the run did, to the byte; kept
     as it is, it is refused with that fix named."""
-    from compress.cli import main
+    from compress.cli.commands import main
     out, report, recipe, root = run_auto
     resolved = yaml.safe_load((out / "recipe.resolved.yaml").read_text())
     with pytest.raises(RecipeError, match="already has layer_schemes"):

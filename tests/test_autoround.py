@@ -7,16 +7,16 @@ import torch
 from torch import nn
 
 from compress.arch import get_arch
-from compress.blockwise import run_blockwise
-from compress.distributed import check_stages
-from compress.moe import unfuse_experts
-from compress.nn import QuantLinear
+from compress.calibrate.blockwise import run_blockwise
+from compress.calibrate.distributed import check_stages
+from compress.arch.moe import unfuse_experts
+from compress.core.nn import QuantLinear
 from compress.quantizers.autoround import (AutoRoundOptions, BlockSamples, Rounding, fake_quant, finish, qparams,
                                            tune_block)
 from compress.quantizers.rtn import quantize_rtn
 from compress.recipe import from_dict
-from compress.runner import StagePass, start_stages
-from compress.scheme import QuantScheme
+from compress.pipeline.calibration import StagePass, start_stages
+from compress.core.scheme import QuantScheme
 from compress.stages.base import make_plan
 from compress.stages.quantize import QuantizeStage
 
@@ -207,7 +207,7 @@ def test_options_are_validated_and_several_processes_refused():
 def test_the_memory_plan_counts_the_block_tuning():
     from transformers import LlamaConfig
 
-    from compress.memory_plan import model_size, plan_memory, tuning_bytes
+    from compress.pipeline.memory_plan import model_size, plan_memory, tuning_bytes
     config = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                          vocab_size=32000)
     recipe = from_dict({"model": "unused", "calibration": {"kind": "self", "n_samples": 16, "seq_len": 512},

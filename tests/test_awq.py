@@ -7,17 +7,17 @@ import torch
 from torch import nn
 
 from compress.arch import get_arch
-from compress.blockwise import run_blockwise
-from compress.nn import QuantLinear
-from compress.runner import StagePass, start_stages
+from compress.calibrate.blockwise import run_blockwise
+from compress.core.nn import QuantLinear
+from compress.pipeline.calibration import StagePass, start_stages
 from compress.stages import make_plan
 from compress.quantizers import quantize_rtn
-from compress.primitives import shrink_range
+from compress.core.primitives import shrink_range
 from compress.quantizers.awq import clip_factor, search_clip, search_scales
 from compress.quantizers.rtn import fake_quantize
-from compress.smoothing import apply_smoothing, in_weight, out_channels
+from compress.transforms.smoothing import apply_smoothing, in_weight, out_channels
 from compress.recipe import from_dict
-from compress.scheme import scheme
+from compress.core.scheme import scheme
 from tests.conftest import TINY_CONFIGS, make_tiny_model
 
 

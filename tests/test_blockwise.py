@@ -12,13 +12,13 @@ import transformers
 from torch import nn
 
 from compress.arch import ArchSpec, get_arch, get_module
-from compress.blockwise import (BlockInputs, ReplayWarning, block_forward, capture_block_inputs, relative_error,
+from compress.calibrate.blockwise import (BlockInputs, ReplayWarning, block_forward, capture_block_inputs, relative_error,
                                 run_blockwise)
 from compress.evaluate.ppl import final_logits
-from compress.moe import unfuse_experts
-from compress.nn import QuantLinear, is_linear
+from compress.arch.moe import unfuse_experts
+from compress.core.nn import QuantLinear, is_linear
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
-from compress.scheme import scheme
+from compress.core.scheme import scheme
 from tests.conftest import (TINY_CONFIGS, TINY_HYBRID_CONFIGS, TINY_MOE_CONFIGS, TINY_PER_LAYER_CONFIGS,
                             make_tiny_model)
 
@@ -197,7 +197,7 @@ def compress_tiny(model: nn.Module, stages: list[dict], tmp_path, n_samples: int
     """What `compress run` does to a loaded model (the calibration pass and the stages, compress_model) on word-text
     calibration windows; returns the report's sections."""
     from compress.recipe import from_dict
-    from compress.runner import compress_model
+    from compress.pipeline.calibration import compress_model
     from compress.stages import make_plan
     from tests.tiny_tokenizer import make_tiny_tokenizer, word_text
 
@@ -246,7 +246,7 @@ def test_calibration_windows_longer_than_the_sliding_window_run_every_method(fam
 def test_activations_spilled_to_disk_give_the_same_model_bit_for_bit(family, tmp_path):
     """calibration.offload: disk keeps the pass's activations in memory-mapped files: the same block errors and the
     same quantized tensors as in memory, and the files are in the folder while the pass runs."""
-    from compress.runner import compress_model
+    from compress.pipeline.calibration import compress_model
     from compress.recipe import from_dict
     from compress.stages import make_plan
     from tests.tiny_tokenizer import make_tiny_tokenizer
@@ -285,8 +285,8 @@ def test_spilled_activations_live_in_three_files_of_the_expected_size(tmp_path):
 def test_calibration_dtype_auto_is_bfloat16_only_where_it_is_native():
     """auto: bfloat16 on CUDA and on CPUs with bf16 instructions; float32 on the others, where torch emulates bf16
     matmuls (7x slower than float32 on an AVX2 EPYC); an explicit setting is kept."""
-    from compress.nn import cpu_has_bf16
-    from compress.runner import calibration_dtype
+    from compress.core.nn import cpu_has_bf16
+    from compress.pipeline.calibration import calibration_dtype
 
     assert calibration_dtype("auto", "cuda") == "bfloat16"
     assert calibration_dtype("auto", "cpu") == ("bfloat16" if cpu_has_bf16() else "float32")
@@ -388,9 +388,9 @@ def test_where_every_block_got_block_0s_arguments_the_quantized_tensors_are_unch
     """On families whose blocks all get equal arguments, GPTQ through the runner with every block's own arguments
     gives the tensors and block errors that replaying block 0's arguments gave (the capture before issue 45), bit
     for bit (tensor digests of GPTQ, AWQ and AutoRound on all 15 tiny families were also compared with main's)."""
-    from compress.blockwise import BlockArguments
+    from compress.calibrate.blockwise import BlockArguments
     from compress.recipe import from_dict
-    from compress.runner import compress_model
+    from compress.pipeline.calibration import compress_model
     from compress.stages import make_plan
     from tests.tiny_tokenizer import make_tiny_tokenizer
 
@@ -502,6 +502,6 @@ def test_what_a_replay_cannot_reproduce_is_said_not_silent(loop, says):
     with pytest.warns(ReplayWarning, match=says):
         run_blockwise(model, TOY_ARCH, _samples(2, 5), lambda *a: None, progress=False, notes=notes)
     assert notes == problems
-    from compress.evaluate.report import _header_lines  # compress_model puts the notes in calibration.replay
+    from compress.pipeline.report import _header_lines  # compress_model puts the notes in calibration.replay
     assert f"- **calibration replay is not the model's own forward**: {notes[0]}" in \
         _header_lines({"calibration": {"n_samples": 2, "replay": notes}})

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from compress.cli import main
-from compress.models import load_compressed
-from compress.nn import QuantLinear
+from compress.cli.commands import main
+from compress.model.load import load_compressed
+from compress.core.nn import QuantLinear
 from tests.conftest import make_tiny_model, requires_data
 from tests.tiny_tokenizer import make_tiny_tokenizer, word_text
 
@@ -509,7 +509,7 @@ def test_a_plan_that_fails_on_the_pruned_shapes_fails_before_distillation(tmp_pa
 
 def test_a_run_that_fails_after_distillation_resumes_from_its_checkpoint(tmp_path, model_dir, calib_file, capsys,
                                                                         monkeypatch):
-    import compress.pipeline
+    import compress.pipeline.resident
 
     recipe = _minitron_recipe(model_dir, calib_file, tmp_path / "out",
                               {"stage": "quantize", "method": "rtn", "scheme": {"dtype": "int4", "group_size": 32}})
@@ -522,7 +522,7 @@ def test_a_run_that_fails_after_distillation_resumes_from_its_checkpoint(tmp_pat
         raise RuntimeError("simulated crash after distillation")
 
     with monkeypatch.context() as patch:
-        patch.setattr(compress.pipeline, "compress_model", crash)
+        patch.setattr(compress.pipeline.resident, "compress_model", crash)
         assert main(["run", str(path), "--no-progress"]) == 2
     assert "simulated crash" in capsys.readouterr().err
     checkpoints = tmp_path / "out.work" / "distill-1" / "checkpoints"
@@ -578,7 +578,7 @@ def test_export_and_verify_commands_on_a_finished_run(tmp_path, recipe_file, cap
 
 
 def test_report_predicts_serving_on_the_accelerators_asked_for(tmp_path, model_dir, calib_file):
-    from compress.evaluate.roofline import ACCELERATORS, decode, model_facts
+    from compress.serving.roofline import ACCELERATORS, decode, model_facts
 
     recipe = _recipe(model_dir, calib_file, tmp_path / "out")
     recipe["eval"].update(accelerators=["H100-SXM", "RTX-4090"], roofline_context=256, roofline_batches=[1, 8])

@@ -12,11 +12,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from compress.evaluate.speculation import int4_copy
 from compress.kernels import cpu_rows
 from compress.kernels.cpu_rows import RowsUnavailable, has_vnni, load, rows_linear, rows_reason
-from compress.lean_decode import LeanStream, fuse_projections, use_rows
-from compress.nn import QuantLinear
+from compress.serving.lean_decode import LeanStream, fuse_projections, use_rows
+from compress.core.nn import QuantLinear
 from compress.quantizers.rtn import quantize_rtn
-from compress.scheme import FP8_W8A16, QuantScheme, W4A16_ASYM_G64, W8A8, W8A16
-from compress.speculative import generate_plain, generate_speculative
+from compress.core.scheme import FP8_W8A16, QuantScheme, W4A16_ASYM_G64, W8A8, W8A16
+from compress.serving.speculative import generate_plain, generate_speculative
 
 try:
     LIB = load()

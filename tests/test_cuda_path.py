@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compress.nn import QuantLinear
-from compress.runner import Timings
-from compress.scheme import QuantScheme, get_preset
+from compress.core.nn import QuantLinear
+from compress.pipeline.calibration import Timings
+from compress.core.scheme import QuantScheme, get_preset
 
 
 def test_phase_timings_wait_for_the_gpu(monkeypatch):

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from compress.data import (TextSource, fingerprint, find_data_dir, load_texts, random_windows, sample_from_model,
+from compress.calibrate.data import (TextSource, fingerprint, find_data_dir, load_texts, random_windows, sample_from_model,
                            sequential_windows, wikitext2_rows)
 from tests.conftest import make_tiny_model, requires_data
 
@@ -84,7 +84,7 @@ def test_wikitext_rows_reencode_to_the_pinned_file():
 
 
 def test_wikitext2_percent_slices_partition_the_split():
-    from compress.data import parse_split
+    from compress.calibrate.data import parse_split
 
     assert parse_split("validation[:50%]") == ("validation", 0, 50)
     assert parse_split("validation[50%:]") == ("validation", 50, 100)
@@ -96,7 +96,7 @@ def test_wikitext2_percent_slices_partition_the_split():
 
 @requires_data
 def test_wikitext2_halves_rejoin_to_the_whole_split():
-    from compress.data import wikitext2_rows
+    from compress.calibrate.data import wikitext2_rows
 
     whole, first, second = (wikitext2_rows(s) for s in ("validation", "validation[:50%]", "validation[50%:]"))
     assert first + second == whole and abs(len(first) - len(second)) <= 1

@@ -16,9 +16,9 @@ from compress.kernels import dispatch
 from compress.kernels.dispatch import (FLOAT_COPY, REFERENCE, TAIL, install_dispatch, plan_dispatch, summary,
                                        use_dispatch)
 from compress.kernels.kernel import Kernel
-from compress.nn import QuantLinear
-from compress.qtensor import QuantizedTensor
-from compress.scheme import scheme
+from compress.core.nn import QuantLinear
+from compress.core.qtensor import QuantizedTensor
+from compress.core.scheme import scheme
 
 GEN = torch.Generator().manual_seed(7)
 

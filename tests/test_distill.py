@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compress.distill import distill, kd_loss, lr_at, native_bf16
+from compress.distill.kd import distill, kd_loss, lr_at, native_bf16
 from compress.stages.distill import DistillStage
 from tests.conftest import TINY_CONFIGS, make_tiny_model
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from compress.pipeline import run
+from compress.pipeline.resident import run
 from compress.recipe import load_recipe
 from tests.conftest import requires_data
 

@@ -16,7 +16,7 @@ from compress.engines import vllm as vllm_engine
 from compress.engines.check import compare, engine_check, greedy, matching_prefix, reference
 from compress.engines.report import engine_lines
 from compress.export import export_model
-from compress.scheme import FP8, MXFP4A16, scheme
+from compress.core.scheme import FP8, MXFP4A16, scheme
 from tests.conftest import make_tiny_model
 from tests.test_export import quantized
 from tests.tiny_tokenizer import byte_bpe_tokenizer, make_tiny_tokenizer

@@ -12,14 +12,14 @@ import torch
 from safetensors import safe_open
 
 from compress.arch import get_arch
-from compress.blockwise import run_blockwise
+from compress.calibrate.blockwise import run_blockwise
 from compress.export import ExportError, export_model
 from compress.export.verify import compare_logits, load_export, model_logits, verify_export
-from compress.kv_cache import attention_modules, restore_attention, set_kv_scales, use_kv_attention
-from compress.nn import QuantLinear
-from compress.observers import BlockObserver
+from compress.kv.cache import attention_modules, restore_attention, set_kv_scales, use_kv_attention
+from compress.core.nn import QuantLinear
+from compress.calibrate.observers import BlockObserver
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
-from compress.scheme import FP8, FP8_BLOCK, FP8_DYNAMIC, LLM_INT8, W8A8, W8A8_STATIC, scheme
+from compress.core.scheme import FP8, FP8_BLOCK, FP8_DYNAMIC, LLM_INT8, W8A8, W8A8_STATIC, scheme
 from tests.conftest import make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
@@ -229,7 +229,7 @@ def test_int5_to_int7_export_dense_and_reload_as_our_checkpoint(dtype, tmp_path)
     """The widths mixed precision adds between int4 and int8: no serving format packs them, so `dense` writes
     their dequantized weights, and our own checkpoint keeps the packed codes (reloaded to the bit)."""
     from transformers import AutoModelForCausalLM
-    from compress.models import load_compressed, save_compressed
+    from compress.model.load import load_compressed, save_compressed
 
     model = quantized(scheme(dtype, "group", 16, False))
     out = export(model, "dense", tmp_path)
@@ -353,7 +353,7 @@ def test_export_records_provenance_and_copies_tokenizer(tmp_path):
 
 
 def test_input_model_folder_is_not_modified(tmp_path):
-    from compress.models import load_model, save_compressed
+    from compress.model.load import load_model, save_compressed
 
     src = tmp_path / "run"
     save_compressed(quantized(scheme("int4", "group", 16)), make_tiny_tokenizer(), src, {})
@@ -376,7 +376,7 @@ def test_config_names_the_architecture_even_when_the_source_had_none(fmt, sch, t
 
 
 def test_saved_run_names_the_architecture(tmp_path):
-    from compress.models import save_compressed
+    from compress.model.load import save_compressed
 
     save_compressed(quantized(scheme("int4", "group", 16)), make_tiny_tokenizer(), tmp_path / "run", {})
     assert json.loads((tmp_path / "run" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]

@@ -18,9 +18,9 @@ from transformers import AwqConfig, GPTQConfig
 
 from compress.export.awq import awq_config, awq_problem, awq_tensors
 from compress.export.gptq import gptq_config, gptq_problem, gptq_tensors
-from compress.qtensor import QuantizedTensor
+from compress.core.qtensor import QuantizedTensor
 from compress.quantizers.rtn import quantize_rtn
-from compress.scheme import FP8, FP8_DYNAMIC, FP8_W8A16, W8A8, W8A16, scheme
+from compress.core.scheme import FP8, FP8_DYNAMIC, FP8_W8A16, W8A8, W8A16, scheme
 
 SPEC_AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 

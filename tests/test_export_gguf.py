@@ -11,7 +11,7 @@ import transformers
 from compress.arch import get_arch
 from compress.export.gguf import GGUF_TYPES, gguf_problems, llama_cpp_logits, load_llama_cpp, write_gguf
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
-from compress.scheme import W8A8, scheme
+from compress.core.scheme import W8A8, scheme
 from tests.conftest import make_tiny_model
 from tests.tiny_tokenizer import CHAT_TEMPLATE, byte_bpe_tokenizer
 
@@ -215,7 +215,7 @@ def test_tiny_moe_runs_in_llama_cpp_with_every_expert(tmp_path, family):
     does) is refused."""
     from tests.conftest import TINY_MOE_CONFIGS
 
-    from compress.moe import unfuse_experts
+    from compress.arch.moe import unfuse_experts
 
     config = TINY_MOE_CONFIGS[family]()
     if family == "qwen3_moe":
@@ -331,7 +331,7 @@ def test_missing_llama_cpp_says_what_to_install(tmp_path, monkeypatch):
 def smollm2_int8(tmp_path_factory):
     """SmolLM2-135M-Instruct quantized int8 symmetric g32 (Q8_0's grid), exported to Q8_0 with the tokenizer of
     the .gguf it came from; two 128-token windows of real text and our model's logits on them."""
-    from compress.models import default_model_path, load_model
+    from compress.model.load import default_model_path, load_model
 
     loaded = load_model("default")
     model, tok = loaded.model, loaded.tokenizer

@@ -10,7 +10,7 @@ import torch
 
 from compress.export import ExportError, export_model
 from compress.export.verify import verify_export
-from compress.scheme import MXFP4, MXFP4A16, MXFP8, MXFP8A16, NVFP4, NVFP4A16, ActScheme, QuantScheme
+from compress.core.scheme import MXFP4, MXFP4A16, MXFP8, MXFP8A16, NVFP4, NVFP4A16, ActScheme, QuantScheme
 from dataclasses import replace
 from tests.test_export import KL_BAR, WINDOWS, export, quant_config, quantized, tensors
 from tests.tiny_tokenizer import make_tiny_tokenizer

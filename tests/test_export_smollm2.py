@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 from compress.arch import get_arch
 from compress.export import export_model
 from compress.export.verify import compare_logits, export_logits, model_logits
-from compress.nn import QuantLinear
+from compress.core.nn import QuantLinear
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
-from compress.scheme import QuantScheme, scheme
+from compress.core.scheme import QuantScheme, scheme
 from tests.conftest import requires_data
 from tests.test_export_awq_gptq import unpack_awq, unpack_gptq
 from tests.test_export_gguf import HF_TO_GGUF, decode, heads_for, read_tensors, unpermute_rows
@@ -53,8 +53,8 @@ class Embedded:
     """The float model, two WikiText-2 test windows of 256 tokens, and quantized copies made on demand."""
 
     def __init__(self):
-        from compress.evaluate.report import eval_windows
-        from compress.models import default_model_path, load_model
+        from compress.pipeline.report import eval_windows
+        from compress.model.load import default_model_path, load_model
 
         loaded = load_model("default")
         self.float, self.tokenizer, self.gguf = loaded.model, loaded.tokenizer, str(default_model_path())

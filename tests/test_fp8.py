@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from compress.nn import QuantLinear
-from compress.primitives import cast_fp8, fake_quantize_activation
+from compress.core.nn import QuantLinear
+from compress.core.primitives import cast_fp8, fake_quantize_activation
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.quantizers.rtn import quantize_rtn
-from compress.scheme import FP8, FP8_BLOCK, FP8_DYNAMIC, FP8_E5M2_DYNAMIC, FP8_W8A16, ActScheme, QuantScheme, scheme
+from compress.core.scheme import FP8, FP8_BLOCK, FP8_DYNAMIC, FP8_E5M2_DYNAMIC, FP8_W8A16, ActScheme, QuantScheme, scheme
 from tests.reference.naive_8bit import fp8_table, naive_cast_fp8, naive_fp8_weight
 from tests.conftest import make_tiny_model
 
@@ -79,8 +79,8 @@ def test_dynamic_per_token_activations_match_rowwise_reference():
 
 def test_static_activation_scale_is_calibrated_and_used(tiny_llama):
     from compress.arch import get_arch
-    from compress.blockwise import run_blockwise
-    from compress.observers import BlockObserver
+    from compress.calibrate.blockwise import run_blockwise
+    from compress.calibrate.observers import BlockObserver
 
     stage = QuantizeStage(scheme=FP8)
     arch = get_arch(tiny_llama)
@@ -131,7 +131,7 @@ def test_outside_blocks_a_static_scheme_is_a_clear_error(tiny_llama):
 @pytest.mark.parametrize("sch", [FP8_W8A16, FP8_DYNAMIC, FP8_E5M2_DYNAMIC])
 def test_fp8_model_saves_real_float8_tensors_and_reloads(tmp_path, tiny_llama, sch):
     from compress.arch import get_arch
-    from compress.models import load_compressed, save_compressed
+    from compress.model.load import load_compressed, save_compressed
 
     stage = QuantizeStage(scheme=sch)
     apply_quantize(tiny_llama, plan_quantize(tiny_llama, get_arch(tiny_llama), stage), stage)

@@ -235,7 +235,7 @@ def test_int4_codes_go_exactly_into_the_32_weight_fallback_types(tmp_path):
 
     from compress.arch import get_arch
     from compress.export.gguf import LINEARS, write_gguf
-    from compress.scheme import scheme
+    from compress.core.scheme import scheme
     from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
     from tests.conftest import make_tiny_model
     from tests.tiny_tokenizer import byte_bpe_tokenizer
@@ -277,7 +277,7 @@ def test_int4_layers_on_k_grids_are_requantized_with_the_imatrix(tmp_path, calib
 
     from compress.arch import get_arch
     from compress.export.gguf import write_gguf
-    from compress.scheme import scheme
+    from compress.core.scheme import scheme
     from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
     from tests.tiny_tokenizer import byte_bpe_tokenizer
 
@@ -350,11 +350,11 @@ def test_export_model_calibrates_k_quant_exports(tmp_path, monkeypatch):
 
 
 def test_k_quant_export_without_calibration_text_says_so(tmp_path, monkeypatch):
-    import compress.data
+    import compress.calibrate.data
     from compress.export import export_model
     from tests.tiny_tokenizer import byte_bpe_tokenizer
 
-    monkeypatch.setattr(compress.data, "find_data_dir", lambda: None)
+    monkeypatch.setattr(compress.calibrate.data, "find_data_dir", lambda: None)
     record = export_model(kquant_model(layers=2, tied=True), byte_bpe_tokenizer(), "gguf-q4_k_m", tmp_path / "m")
     assert "without an importance matrix, as llama-quantize without --imatrix" in record["calibration"]
     assert "method" not in record["tensors"]["blk.0.attn_q.weight"]

@@ -6,7 +6,7 @@ import torch
 
 from compress.quantizers import quantize_rtn
 from compress.quantizers.gptq import GPTQConfig, SingularHessianError, quantize_gptq
-from compress.scheme import scheme
+from compress.core.scheme import scheme
 from tests.reference.naive import naive_quantize
 from tests.reference.naive_gptq import naive_gptq
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from compress.nn import QuantLinear
-from compress.scheme import W4A16
+from compress.core.nn import QuantLinear
+from compress.core.scheme import W4A16
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -87,7 +87,7 @@ def test_each_recipe_is_compared_with_its_cpu_run_within_ten_percent():
 
 
 def test_the_embedded_model_is_joined_from_its_two_halves_and_checked(tmp_path, monkeypatch):
-    import compress.default_model as dm
+    import compress.model.default_model as dm
 
     blob = bytes(range(256)) * 1000
     (tmp_path / "gguf.part1").write_bytes(blob[:1000])

@@ -8,7 +8,7 @@ import pytest
 
 from compress.arch import get_arch
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
-from compress.scheme import scheme
+from compress.core.scheme import scheme
 from tests.conftest import make_tiny_model, requires_data, shared_data_dir
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
@@ -83,7 +83,7 @@ def test_unknown_task_names_the_known_ones():
 
 
 def test_without_data_or_hub_the_error_names_the_setting(monkeypatch):
-    monkeypatch.setattr("compress.data.find_data_dir", lambda: None)
+    monkeypatch.setattr("compress.calibrate.data.find_data_dir", lambda: None)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(RuntimeError, match="COMPRESS_DATA_DIR"):

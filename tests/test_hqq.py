@@ -10,13 +10,13 @@ import torch
 
 from compress.arch import get_arch
 from compress.export import ExportError, check_export, export_model
-from compress.models import load_compressed, save_compressed
-from compress.nn import QuantLinear
+from compress.model.load import load_compressed, save_compressed
+from compress.core.nn import QuantLinear
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.quantizers import QUANTIZERS, get_quantizer, quantize_rtn
 from compress.quantizers.hqq import HQQOptions, quantize_hqq
 from compress.recipe import RecipeError, load_recipe
-from compress.scheme import QuantScheme
+from compress.core.scheme import QuantScheme
 from tests.conftest import make_tiny_model
 from tests.reference.naive_hqq import naive_hqq
 from tests.tiny_tokenizer import make_tiny_tokenizer

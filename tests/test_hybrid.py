@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from compress.arch import get_arch
-from compress.mixers import CONV, READ_AS_WEIGHT, RECURRENT
-from compress.moe import ROUTER_REASON, ExpertLinears, STACKED, expert_routing, moe_blocks, router_names, unfuse_experts
-from compress.nn import QuantLinear, is_linear
-from compress.scheme import QuantScheme
+from compress.arch.mixers import CONV, READ_AS_WEIGHT, RECURRENT
+from compress.arch.moe import ROUTER_REASON, ExpertLinears, STACKED, expert_routing, moe_blocks, router_names, unfuse_experts
+from compress.core.nn import QuantLinear, is_linear
+from compress.core.scheme import QuantScheme
 from compress.stages.quantize import PER_LAYER_INPUT_REASON, QuantizeStage, plan_quantize
 from tests.conftest import TINY_HYBRID_CONFIGS, make_tiny_model
 from tests.test_blockwise import METHODS, compress_tiny
@@ -135,7 +135,7 @@ def test_llama4_experts_see_only_their_routed_tokens():
 
 
 class _OddExperts(nn.Module):
-    """Fused experts whose forward routes by arguments compress/moe.py does not know."""
+    """Fused experts whose forward routes by arguments compress/arch/moe.py does not know."""
 
     def __init__(self, bias: bool = False):
         super().__init__()
@@ -160,7 +160,7 @@ def test_experts_routed_in_an_unknown_way_are_refused_naming_the_layer_the_cause
     holder = nn.Module()
     holder.experts = _OddExperts()
     with pytest.raises(ValueError, match=r"^experts: _OddExperts\.forward takes \['expert_size'\].*leave this model "
-                                         r"in float, or describe the routing in compress/moe.py"):
+                                         r"in float, or describe the routing in compress/arch/moe.py"):
         unfuse_experts(holder)
     holder.experts = _StackedExperts(bias=True)
     with pytest.raises(ValueError, match=r"^experts: _StackedExperts takes every token for every expert .* biases"):
@@ -183,7 +183,7 @@ def test_a_heterogeneous_stack_is_found_and_named():
 def test_a_per_layer_input_projection_named_in_targets_is_quantized_in_memory_and_refused_streamed(tmp_path):
     """Gemma 4's per_layer_model_projection stays float by default (listed); named in `targets:` it is quantized in a
     run held in memory, and a streamed run refuses it up front: its evaluation would see the float layer."""
-    from compress.pipeline import run
+    from compress.pipeline.resident import run
     from compress.recipe import from_dict
     from tests.tiny_tokenizer import make_tiny_tokenizer
 

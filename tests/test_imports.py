@@ -87,3 +87,54 @@ def test_importing_the_package_changes_nothing_in_the_process():
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+# The packages by role, lowest first: a module imports only from its own layer or lower ones (docs/architecture.md).
+# A name is a subpackage of compress, or a top-level module written in full.
+LAYERS = (
+    ("compress._version", "compress.resources", "compress.threads"),  # what every package may use
+    ("core",),             # the numbers: scheme, primitives, packed tensors, QuantLinear, the reference matmuls
+    ("kernels",),          # fast paths of the reference ops
+    ("arch",),             # one record per model family
+    ("calibrate", "prune", "kv"),
+    ("transforms",),       # function-preserving rewrites (rotation, smoothing)
+    ("quantizers",),       # weight methods
+    ("serving",),          # decode loops, speculative decoding, capacity planner, roofline
+    ("evaluate",),         # perplexity, KL, lm-eval, memory, speed
+    ("export",),           # serving formats (and the shards they are written in)
+    ("model",),            # where models come from: hub, folder, GGUF, our own checkpoints, streamed blocks
+    ("engines",),          # an export run by the engine itself
+    ("precision",),        # mixed precision: sensitivities and the knapsack
+    ("distill",),          # training after compression
+    ("stages",),           # recipe stages: they compose everything below
+    ("pipeline", "compress.recipe"),
+    ("cli", "compress", "compress.__main__"),
+)
+
+
+def layer_of(module: str) -> int:
+    parts = module.split(".")
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            if module == name or (not name.startswith("compress") and len(parts) > 1 and parts[1] == name):
+                return i
+    raise AssertionError(f"{module} is in no layer: add its package to LAYERS (and to docs/architecture.md)")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if layer_of(b) > layer_of(a))
+
+
+def test_no_package_imports_a_higher_one():
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_layer_check_sees_an_upward_import():
+    graph = import_graph()
+    graph["compress.core.scheme"] = graph["compress.core.scheme"] | {"compress.pipeline.resident"}
+    assert upward_imports(graph) == ["compress.core.scheme -> compress.pipeline.resident"]
+
+
+def test_top_level_keeps_what_every_package_uses():
+    top = sorted(p.stem for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 6, top

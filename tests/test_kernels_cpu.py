@@ -16,10 +16,10 @@ from compress.arch import get_arch
 from compress.kernels import cpu, dispatch, gpu, ops, prepack
 from compress.kernels.dispatch import (REFERENCE, clear_dispatch, install_dispatch, plan_dispatch, summary,
                                        use_dispatch)
-from compress.nn import QuantLinear
-from compress.qtensor import QuantizedTensor
+from compress.core.nn import QuantLinear
+from compress.core.qtensor import QuantizedTensor
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
-from compress.scheme import ActScheme, scheme
+from compress.core.scheme import ActScheme, scheme
 
 from .conftest import make_tiny_model
 
@@ -28,7 +28,7 @@ GEN = torch.Generator().manual_seed(1234)
 
 def rand_qt(s, n: int, k: int) -> QuantizedTensor:
     """A random quantized weight of scheme s (codes over the whole grid, positive scales, random zero points)."""
-    from compress.primitives import scale_shape
+    from compress.core.primitives import scale_shape
     shape = scale_shape(s, n, k)
     if s.symmetric:
         q = torch.randint(s.qmin, s.qmax + 1, (n, k), generator=GEN)
@@ -323,7 +323,7 @@ def test_fp8_paths_match_the_reference_on_cpu(k):
     s = scheme("fp8_e4m3", "channel", None, True, act=ActScheme("fp8_e4m3", "token"))
     n = 64
     w = torch.randn(n, k, generator=GEN)
-    from compress.primitives import compute_qparams, cast_fp8
+    from compress.core.primitives import compute_qparams, cast_fp8
     scale, _ = compute_qparams(w, s)
     qt = QuantizedTensor.from_codes(cast_fp8(w / scale, "fp8_e4m3"), scale, None, s)
     layer = QuantLinear.from_module(torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16), qt)
@@ -368,8 +368,8 @@ def test_float_copy_only_when_asked_and_measured():
 
 
 def test_inspect_shows_a_models_dispatch(tmp_path, capsys):
-    from compress.cli import main
-    from compress.models import save_compressed
+    from compress.cli.commands import main
+    from compress.model.load import save_compressed
     model = quantized_tiny("llama", scheme("int4", "group", 32, False))
     from tests.tiny_tokenizer import make_tiny_tokenizer
     save_compressed(model, make_tiny_tokenizer(), tmp_path / "m", {"source": "tiny"})
@@ -382,7 +382,7 @@ def test_inspect_shows_a_models_dispatch(tmp_path, capsys):
 
 
 def test_report_names_the_dispatch_and_keeps_accuracy_on_the_reference_path():
-    from compress.evaluate.report import evaluate_models
+    from compress.pipeline.report import evaluate_models
     from compress.recipe import EvalSpec
     model = quantized_tiny("llama", scheme("int4", "group", 32, True))
     spec = EvalSpec(perplexity=False, prefill_tokens=8, decode_tokens=2, speed_repeats=1)

@@ -13,9 +13,9 @@ import torch
 from compress.kernels import build, gpu, ops, prepack
 from compress.kernels.prepack import (DEQUANT_ROW_WORDS, emulate_w4a16_dequant, prepack_w4a16, w4a16_dequant_supported,
                                       w4a16_reference)
-from compress.nn import QuantLinear
-from compress.qtensor import QuantizedTensor
-from compress.scheme import ActScheme, scheme
+from compress.core.nn import QuantLinear
+from compress.core.qtensor import QuantizedTensor
+from compress.core.scheme import ActScheme, scheme
 
 SOURCE = build.CUDA_DIR / "dequant.cu"
 GEN = torch.Generator().manual_seed(44)
@@ -139,7 +139,7 @@ def test_dequant_op_passes_opcheck_and_checks_inputs():
 # ---- the dispatcher entries, on CPU (the ops' reference paths; torch._scaled_mm runs on CPU) -----------------
 
 def _w4_layer(n: int, k: int, g: int, asym: bool, bias: bool = True) -> QuantLinear:
-    from compress.primitives import scale_shape
+    from compress.core.primitives import scale_shape
     s = scheme("int4", "channel", None, not asym) if g == -1 else scheme("int4", "group", g, not asym)
     shape = scale_shape(s, n, k)
     lo, hi = (0, 15) if asym else (s.qmin, s.qmax)
@@ -176,7 +176,7 @@ def test_dequant_cublas_entry_matches_the_layer(k, g, asym):
 
 
 def _fp8_layer(n: int, k: int, granularity: str, static: bool) -> QuantLinear:
-    from compress.primitives import cast_fp8, compute_qparams
+    from compress.core.primitives import cast_fp8, compute_qparams
     act = ActScheme("fp8_e4m3", "tensor", dynamic=False) if static else ActScheme("fp8_e4m3", "token")
     s = scheme("fp8_e4m3", granularity, None, True, act=act)
     w = torch.randn(n, k, generator=GEN)

@@ -11,10 +11,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from compress.arch import get_arch
-from compress.kv_cache import fake_quantize_kv, recording_kv, restore_attention, set_kv_scales, use_kv_attention
-from compress.primitives import cast_fp8
+from compress.kv.cache import fake_quantize_kv, recording_kv, restore_attention, set_kv_scales, use_kv_attention
+from compress.core.primitives import cast_fp8
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
-from compress.scheme import FP8_DYNAMIC
+from compress.core.scheme import FP8_DYNAMIC
 from tests.conftest import TINY_CONFIGS, make_tiny_model
 
 _CAPTURED: list = []
@@ -107,7 +107,7 @@ def test_scales_are_applied_in_the_forward():
 
 
 def test_kv_run_saves_scales_and_reloads_them(tmp_path):
-    from compress.models import load_compressed, save_compressed
+    from compress.model.load import load_compressed, save_compressed
 
     model = make_tiny_model("llama")
     stage = QuantizeStage(scheme=FP8_DYNAMIC)
@@ -128,7 +128,7 @@ def test_kv_run_saves_scales_and_reloads_them(tmp_path):
 # ---------------------------------------------------------------- NVFP4 KV cache (issue 21)
 
 def test_nvfp4_kv_is_blockwise_e2m1_under_the_layer_tensor_scale():
-    from compress import microscale as mx
+    from compress.core import microscale as mx
 
     torch.manual_seed(0)
     t = torch.randn(2, 4, 16, 32) * torch.logspace(-1, 1, 32)  # [B, H, S, D]
@@ -145,7 +145,7 @@ def test_nvfp4_kv_is_blockwise_e2m1_under_the_layer_tensor_scale():
 
 def test_nvfp4_kv_run_applies_saves_reloads_and_exports_refuse(tmp_path):
     from compress.export import ExportError, export_model
-    from compress.models import load_compressed, save_compressed
+    from compress.model.load import load_compressed, save_compressed
     from compress.stages.kv_cache import KVCacheStage
 
     model = make_tiny_model("llama")

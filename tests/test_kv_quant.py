@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compress.kv_cache import attach_kv_quant, restore_attention, use_kv_attention
-from compress.kv_quant import KVQuant, kivi_attention, quantize_keys, quantize_values
+from compress.kv.cache import attach_kv_quant, restore_attention, use_kv_attention
+from compress.kv.kivi import KVQuant, kivi_attention, quantize_keys, quantize_values
 from tests.conftest import make_tiny_model, run_tiny_recipe
 
 
@@ -123,7 +123,7 @@ def test_a_recipe_stage_applies_it_and_the_checkpoint_keeps_it(tmp_path):
     import json
 
     from compress.export import ExportError, check_export
-    from compress.models import load_compressed
+    from compress.model.load import load_compressed
     from compress.stages.kv_cache import KVCacheStage
 
     out = run_tiny_recipe(tmp_path, [{"stage": "kv_cache", "dtype": "int4", "group": 16, "residual": 16}],

@@ -7,8 +7,8 @@ import torch
 from transformers import (AutoModelForCausalLM, GemmaConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config)
 
 from compress.evaluate.speculation import int4_copy
-from compress.lean_decode import LeanStream, lean_problem
-from compress.speculative import generate_plain, generate_speculative, make_stream
+from compress.serving.lean_decode import LeanStream, lean_problem
+from compress.serving.speculative import generate_plain, generate_speculative, make_stream
 
 SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256)
@@ -86,7 +86,7 @@ def test_speculative_greedy_on_the_lean_path_equals_plain_decoding():
 def test_fused_projections_compute_what_the_separate_ones_did(quantized):
     """q/k/v and gate/up fused into one linear each: the same logits on the lean path (3 matmuls a block) and through
     transformers' forward (the Slices), float or int4 (Qwen2: q/k/v biases)."""
-    from compress.lean_decode import Slice, fuse_projections
+    from compress.serving.lean_decode import Slice, fuse_projections
 
     model = tiny(Qwen2Config, hidden_size=128, intermediate_size=256, initializer_range=0.2)
     if quantized:

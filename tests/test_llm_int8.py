@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from compress.arch import get_arch
-from compress.kernels.reference import linear_bitsandbytes, linear_llm_int8, linear_w8a8_int8, outlier_columns
-from compress.nn import QuantLinear
-from compress.outliers import PlantSpec, plant_outliers
-from compress.primitives import activation_qparams, fake_quantize_activation, quantize_activation
+from compress.core.reference import linear_bitsandbytes, linear_llm_int8, linear_w8a8_int8, outlier_columns
+from compress.core.nn import QuantLinear
+from compress.transforms.outliers import PlantSpec, plant_outliers
+from compress.core.primitives import activation_qparams, fake_quantize_activation, quantize_activation
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.quantizers.rtn import quantize_rtn
-from compress.scheme import (LLM_INT8, LLM_INT8_BNB, LLM_INT8_STATIC, W8A8, W8A8_ASYM, W8A8_STATIC, ActScheme,
+from compress.core.scheme import (LLM_INT8, LLM_INT8_BNB, LLM_INT8_STATIC, W8A8, W8A8_ASYM, W8A8_STATIC, ActScheme,
                              QuantScheme)
 from tests.conftest import make_tiny_model
 from tests.reference.naive_8bit import naive_int8_per_token, naive_llm_int8

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from compress.cli import main
-from compress.memory_plan import GB, model_size, plan_memory
+from compress.cli.commands import main
+from compress.pipeline.memory_plan import GB, model_size, plan_memory
 from compress.recipe import from_dict
 
 LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -52,8 +52,8 @@ def test_a_7b_model_at_float32_is_refused_on_24_gb_and_bfloat16_is_the_fix():
 
 
 def test_loading_at_another_dtype_holds_the_largest_shard(tmp_path):
-    from compress.memory_plan import conversion_bytes
-    from compress.models import checkpoint_files, load_config
+    from compress.pipeline.memory_plan import conversion_bytes
+    from compress.model.load import checkpoint_files, load_config
     from tests.conftest import make_tiny_model
 
     make_tiny_model("llama").to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="50KB")
@@ -127,7 +127,7 @@ def test_inspect_plans_a_70b_model_on_the_meta_device(llama70b_config_only, caps
 
 
 def test_activations_that_do_not_fit_go_to_disk_before_the_model_is_streamed():
-    from compress.stream_run import choose_plan
+    from compress.pipeline.streamed import choose_plan
 
     recipe = from_dict({"model": {"source": "unused"}, "stages": [{"stage": "quantize", "method": "gptq",
                                                                    "scheme": "W4A16"}],
@@ -148,7 +148,7 @@ def test_mixed_precision_on_a_70b_model_is_planned_block_by_block():
     """auto_precision's sensitivity pass holds one block, every block's input per window and, with GPTQ's errors,
     one block's Hessians and solutions: streamed, a 70B model's pass plans under 22 GB, its largest part being the
     kept states ((80 + 1) blocks × 4 windows × 512 tokens × 8192 × bfloat16, twice with the kept gradients)."""
-    from compress.stream_run import stream_blockers
+    from compress.pipeline.streamed import stream_blockers
 
     stages = [{"stage": "auto_precision", "bytes_of": "W4A16_ASYM_G64", "n_samples": 4, "error_method": "gptq"},
               {"stage": "quantize", "method": "gptq", "scheme": "W4A16_ASYM_G64"}]

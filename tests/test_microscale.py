@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from compress import microscale as mx
-from compress.primitives import compute_qparams, fake_quantize_activation, global_scale, quantize_affine
-from compress.qtensor import QuantizedTensor
+from compress.core import microscale as mx
+from compress.core.primitives import compute_qparams, fake_quantize_activation, global_scale, quantize_affine
+from compress.core.qtensor import QuantizedTensor
 from compress.quantizers.rtn import quantize_rtn
-from compress.scheme import MXFP4, MXFP4A16, MXFP8, MXFP8A16, NVFP4, NVFP4A16, W4A4_INT, ActScheme, QuantScheme
+from compress.core.scheme import MXFP4, MXFP4A16, MXFP8, MXFP8A16, NVFP4, NVFP4A16, W4A4_INT, ActScheme, QuantScheme
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 

@@ -9,11 +9,11 @@ from safetensors import safe_open
 from torch import nn
 
 from compress.arch import get_arch
-from compress.models import COMPRESS_META, load_compressed, load_model, save_compressed
-from compress.shards import SINGLE as WEIGHTS
-from compress.nn import QuantLinear
+from compress.model.load import COMPRESS_META, load_compressed, load_model, save_compressed
+from compress.export.shards import SINGLE as WEIGHTS
+from compress.core.nn import QuantLinear
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
-from compress.scheme import scheme
+from compress.core.scheme import scheme
 from tests.conftest import make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer, word_text
 

@@ -10,13 +10,13 @@ import torch
 import yaml
 
 from compress.arch import get_arch
-from compress.cli import main
-from compress.models import load_compressed, load_model
-from compress.moe import ROUTER_REASON, ExpertLinears, moe_blocks, router_names, unfuse_experts
-from compress.nn import QuantLinear
+from compress.cli.commands import main
+from compress.model.load import load_compressed, load_model
+from compress.arch.moe import ROUTER_REASON, ExpertLinears, moe_blocks, router_names, unfuse_experts
+from compress.core.nn import QuantLinear
 from compress.quantizers import quantize_rtn
 from compress.quantizers.rtn import RTNOptions
-from compress.scheme import QuantScheme
+from compress.core.scheme import QuantScheme
 from compress.stages.quantize import QuantizeStage, plan_quantize
 
 from .conftest import TINY_CONFIGS, TINY_MOE_CONFIGS, make_tiny_model
@@ -160,7 +160,7 @@ def test_scales_folded_before_the_experts_leave_the_model_and_its_routing_unchan
     without them the routing moves and the logits change."""
     import dataclasses
 
-    from compress.smoothing import fold_scales, usable_pairs
+    from compress.transforms.smoothing import fold_scales, usable_pairs
 
     def folded(with_followers: bool) -> torch.Tensor:
         model = make_tiny_model(family)
@@ -216,7 +216,7 @@ def test_inspect_shows_the_experts_and_the_memory_plan_counts_them(tmp_path, cap
     with the reason, and what else stays float; the memory plan's model size counts every expert's weights."""
     from transformers import AutoConfig
 
-    from compress.memory_plan import model_size
+    from compress.pipeline.memory_plan import model_size
 
     folder = _write_model(tmp_path / "model", "mixtral")
     recipe = {"model": {"source": str(folder)},
@@ -243,7 +243,7 @@ def test_exports_use_the_hub_names_and_reload_with_plain_transformers(tmp_path, 
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from compress.models import _compressed_tensors_kwargs
+    from compress.model.load import _compressed_tensors_kwargs
 
     folder = _write_model(tmp_path / "model", family)
     experts = _run(tmp_path, folder, "rtn")["stages"][0]["experts"]  # RTN needs no data, yet counts the tokens

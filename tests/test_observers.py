@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from compress.arch import get_arch
-from compress.blockwise import block_forward, capture_block_inputs
-from compress.nn import is_linear
-from compress.observers import BlockObserver
+from compress.calibrate.blockwise import block_forward, capture_block_inputs
+from compress.core.nn import is_linear
+from compress.calibrate.observers import BlockObserver
 from compress.quantizers.awq import awq_block
 from compress.stages.awq import AWQStage
-from compress.scheme import scheme
+from compress.core.scheme import scheme
 from tests.conftest import make_tiny_model
 
 

@@ -10,9 +10,9 @@ import yaml
 from compress.arch import get_arch, get_module
 from compress.arch.tables import ROTATE_TABLE
 from compress.export import ExportError, check_export
-from compress.rotation import (OnlineHadamard, hadamard, hadamard_factors, online_rotations, rotate_mlp_inputs,
+from compress.transforms.rotation import (OnlineHadamard, hadamard, hadamard_factors, online_rotations, rotate_mlp_inputs,
                                rotate_model)
-from compress.smoothing import pair_skip_reason
+from compress.transforms.smoothing import pair_skip_reason
 
 from .conftest import TINY_CONFIGS, make_tiny_model
 
@@ -87,10 +87,10 @@ def test_hooks_and_observers_see_the_rotated_input():
 
 
 def _rotated_and_quantized(method: str, tmp_path=None):
-    from compress.blockwise import run_blockwise
-    from compress.model_stages import run_model_stages
+    from compress.calibrate.blockwise import run_blockwise
+    from compress.pipeline.model_stages import run_model_stages
     from compress.recipe import from_dict
-    from compress.runner import StagePass, start_stages
+    from compress.pipeline.calibration import StagePass, start_stages
     from compress.stages.base import make_plan
 
     model = make_tiny_model("llama")
@@ -111,7 +111,7 @@ def _rotated_and_quantized(method: str, tmp_path=None):
 
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
 def test_quantized_layers_keep_the_rotation(method):
-    from compress.nn import QuantLinear
+    from compress.core.nn import QuantLinear
     from compress.stages.rotate import RotateStage
 
     model, ids, before, report = _rotated_and_quantized(method)
@@ -129,7 +129,7 @@ def test_quantized_layers_keep_the_rotation(method):
 
 
 def test_the_compress_checkpoint_holds_the_rotation(tmp_path):
-    from compress.models import load_compressed, save_compressed
+    from compress.model.load import load_compressed, save_compressed
 
     model, ids, _, _ = _rotated_and_quantized("rtn")
     save_compressed(model, None, tmp_path / "m", {}, save_dtype="float32")
@@ -150,7 +150,7 @@ def test_exports_refuse_the_online_hadamard_with_the_fix(fmt):
 
 
 def test_a_recipe_with_formats_is_refused_before_any_work(tmp_path):
-    from compress.pipeline import check_formats
+    from compress.pipeline.resident import check_formats
     from compress.recipe import from_dict
     from compress.stages.base import make_plan
 

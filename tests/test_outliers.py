@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from compress.arch import get_arch
-from compress.outliers import PlantSpec, plant_outliers
+from compress.transforms.outliers import PlantSpec, plant_outliers
 from tests.conftest import TINY_CONFIGS, make_tiny_model
 
 

@@ -10,9 +10,9 @@ from dataclasses import replace
 import pytest
 import transformers
 
-from compress import plan as P
-from compress import plan_cmd
-from compress.evaluate.roofline import ACCELERATORS, decode, max_batch, model_facts, prefill_seconds
+from compress.serving import planner as P
+from compress.cli.commands import plan as plan_cmd
+from compress.serving.roofline import ACCELERATORS, decode, max_batch, model_facts, prefill_seconds
 from compress.prune.minitron import count_params
 
 H100 = ACCELERATORS["H100-SXM"]
@@ -167,7 +167,7 @@ def test_hybrid_local_global_layers_read_from_a_config_and_counted():
 
 
 def test_bits_per_weight_count_codes_scales_and_zero_points(llama13):
-    from compress.scheme import W4A16, W4A16_ASYM_G64, W8A16
+    from compress.core.scheme import W4A16, W4A16_ASYM_G64, W8A16
 
     assert P.bits_per_weight(None, 5120) == 16
     assert P.bits_per_weight(W4A16, 5120) == 4 + 16 / 128
@@ -239,7 +239,7 @@ def test_cli_plans_a_builtin_model_and_writes_json(tmp_path, capsys):
 
 
 def test_nvfp4_on_blackwell_counts_e4m3_scales_and_prefills_at_the_fp4_rate():
-    from compress.evaluate.roofline import ACCELERATORS
+    from compress.serving.roofline import ACCELERATORS
 
     b200 = ACCELERATORS["B200"]
     assert P.bits_per_weight(P.weight_scheme("nvfp4"), 4096) == 4.5  # e2m1 + an e4m3 scale per 16

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compress.primitives import compute_qparams, dequantize_affine, quantize_affine
+from compress.core.primitives import compute_qparams, dequantize_affine, quantize_affine
 from compress.quantizers import get_quantizer, quantize_rtn
-from compress.scheme import PRESETS, QuantScheme, get_preset, scheme
+from compress.core.scheme import PRESETS, QuantScheme, get_preset, scheme
 from tests.reference.naive import naive_dequantize, naive_quantize
 
 SHAPES = [(1, 64), (7, 128), (33, 576), (64, 1536)]

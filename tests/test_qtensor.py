@@ -6,10 +6,10 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from compress.nn import QuantLinear, linear_weight
-from compress.qtensor import pack_codes, unpack_codes
+from compress.core.nn import QuantLinear, linear_weight
+from compress.core.qtensor import pack_codes, unpack_codes
 from compress.quantizers import quantize_rtn
-from compress.scheme import scheme
+from compress.core.scheme import scheme
 from tests.reference.naive import naive_pack
 
 
@@ -48,11 +48,11 @@ def test_quantized_tensor_round_trip(sch, shape):
     qt = quantize_rtn(w, sch)
     assert qt.shape == shape
     codes = qt.codes()
-    from compress.primitives import compute_qparams, quantize_affine
+    from compress.core.primitives import compute_qparams, quantize_affine
     scale, zero = compute_qparams(w, sch)
     assert torch.equal(codes, quantize_affine(w, scale, zero, sch).to(torch.int32))
     # dequantize() (the fast forward path) equals the generic affine map on the unpacked codes
-    from compress.primitives import dequantize_affine
+    from compress.core.primitives import dequantize_affine
     assert torch.equal(qt.dequantize(), dequantize_affine(codes, qt.scale, qt.zero_point, sch))
 
 

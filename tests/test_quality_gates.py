@@ -18,9 +18,9 @@ import torch
 
 from compress.arch import get_arch
 from compress.evaluate.ppl import score_windows
-from compress.evaluate.report import eval_windows
-from compress.nn import QuantLinear
-from compress.runner import compress_model
+from compress.pipeline.report import eval_windows
+from compress.core.nn import QuantLinear
+from compress.pipeline.calibration import compress_model
 from compress.stages import make_plan
 from compress.recipe import load_recipe
 from tests.conftest import requires_data
@@ -45,7 +45,7 @@ def scores():
 
 def compress_and_score(runs: dict = RUNS):
     """Each recipe on a copy of the float model; all of them scored in one pass over the held-out windows."""
-    from compress.models import load_model
+    from compress.model.load import load_model
 
     loaded = load_model("default")
     base, tokenizer = loaded.model, loaded.tokenizer

@@ -8,14 +8,14 @@ from torch import nn
 
 from compress.arch import get_arch
 from compress.export import ExportError, export_model
-from compress.models import load_compressed, save_compressed
-from compress.nn import QuantLinear
-from compress.pipeline import planned_model
+from compress.model.load import load_compressed, save_compressed
+from compress.core.nn import QuantLinear
+from compress.pipeline.resident import planned_model
 from compress.stages import Plan, RunContext, make_plan
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.quantizers.rtn import quantize_rtn
 from compress.recipe import Recipe, RecipeError, from_dict
-from compress.scheme import scheme
+from compress.core.scheme import scheme
 from tests.conftest import make_tiny_model
 
 INT8_CHANNEL = scheme("int8", "channel")
@@ -198,7 +198,7 @@ def test_gguf_writes_the_untied_head_as_output_weight_exactly(sch, qtype, tmp_pa
 
 @pytest.mark.slow  # loading SmolLM2 from its GGUF takes ~22 s on the 2-core CI machine
 def test_smollm2_int8_head_keeps_next_token_predictions():
-    from compress.models import load_model
+    from compress.model.load import load_model
     from tests.test_export_gguf import PARAGRAPH  # real English prose, ~270 SmolLM2 tokens
 
     loaded = load_model("default")
@@ -223,7 +223,7 @@ def test_smollm2_int8_head_keeps_next_token_predictions():
 # ---------------------------------------------------------------- the whole run
 
 def _run_recipe(tmp_path, formats: list[str]) -> dict:
-    from compress.pipeline import run
+    from compress.pipeline.resident import run
     from tests.tiny_tokenizer import make_tiny_tokenizer, word_text
 
     folder = tmp_path / "tiny-llama"

@@ -14,7 +14,7 @@ from compress.arch import get_arch
 from compress.stages.quantize import plan_quantize
 from compress.recipe import RecipeError, from_dict, load_recipe
 from compress.resources import resource_dir
-from compress.scheme import PRESETS, W4A16_G64
+from compress.core.scheme import PRESETS, W4A16_G64
 from tests.conftest import make_tiny_model
 
 RECIPES = sorted(resource_dir("recipes").glob("*.yaml"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from compress.evaluate.roofline import ACCELERATORS, decode, get_accelerator, max_batch, model_facts, prefill_seconds
+from compress.serving.roofline import ACCELERATORS, decode, get_accelerator, max_batch, model_facts, prefill_seconds
 from tests.conftest import make_tiny_model
 
 
@@ -81,10 +81,10 @@ def test_blackwell_runs_fp4_at_twice_its_fp8_rate_and_others_fall_back():
 
 def test_the_report_roofline_assumes_the_activations_precision():
     from compress.arch import get_arch
-    from compress.evaluate.report import matmul_compute
+    from compress.pipeline.report import matmul_compute
     from dataclasses import replace
 
-    from compress.scheme import NVFP4, get_preset
+    from compress.core.scheme import NVFP4, get_preset
     from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 
     assert matmul_compute(make_tiny_model("llama")) == "bf16"
@@ -109,9 +109,9 @@ def test_weights_that_do_not_fit_give_no_batch():
 def test_serving_bytes_count_floats_at_bf16_and_quantized_layers_as_stored():
     from compress.arch import get_arch
     from compress.evaluate.memory import serving_bytes
-    from compress.nn import QuantLinear
+    from compress.core.nn import QuantLinear
     from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
-    from compress.scheme import scheme
+    from compress.core.scheme import scheme
     from tests.conftest import make_tiny_model
 
     model = make_tiny_model("llama")  # float32 in memory, tied embedding counted once
@@ -139,7 +139,7 @@ def test_pareto_frontier_keeps_exactly_the_undominated_runs():
 def test_a_head_dim_per_layer_is_averaged_not_refused():
     """Gemma 4's global layers have their own head_dim (32 against 16 here), which transformers refuses to read from
     the config as one value: the facts use the mean over the layers, so the KV bytes per token are the model's."""
-    from compress.evaluate.roofline import attention_dims
+    from compress.serving.roofline import attention_dims
 
     config = make_tiny_model("gemma4_text").config
     assert [c.head_dim for c in config.per_layer_config] == [16, 32]

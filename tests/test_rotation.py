@@ -1,4 +1,4 @@
-"""The residual-stream rotation (compress/rotation.py, stage `rotate`): Hadamard matrices, the float function
+"""The residual-stream rotation (compress/transforms/rotation.py, stage `rotate`): Hadamard matrices, the float function
 unchanged on every family it applies to, clear refusals elsewhere, and a quantize stage after it."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import torch
 
 from compress.arch import get_arch
 from compress.arch.tables import ROTATE_TABLE
-from compress.blockwise import run_blockwise
+from compress.calibrate.blockwise import run_blockwise
 from compress.recipe import from_dict
-from compress.rotation import hadamard, random_rotation, rotate_model
-from compress.runner import StagePass, start_stages
+from compress.transforms.rotation import hadamard, random_rotation, rotate_model
+from compress.pipeline.calibration import StagePass, start_stages
 from compress.stages.base import make_plan
 from compress.stages.rotate import RotateStage
 
@@ -64,7 +64,7 @@ def test_the_float_function_is_unchanged(family, kind):
 
 def test_without_the_output_rotation_the_function_changes():
     """The check above can fail: rotating the readers but not the writers breaks the model."""
-    import compress.rotation as rot
+    import compress.transforms.rotation as rot
     model = make_tiny_model("qwen2").double()
     ids = torch.randint(0, 256, (2, 12))
     with torch.no_grad():
@@ -96,7 +96,7 @@ def test_rotate_must_come_first_and_kinds_are_checked():
 
 def test_rotated_then_quantized_by_gptq():
     """The recipe's stages in order: rotate (whole model), then GPTQ block by block on the rotated model."""
-    from compress.model_stages import run_model_stages
+    from compress.pipeline.model_stages import run_model_stages
 
     model = make_tiny_model("llama")
     arch = get_arch(model)

@@ -11,7 +11,7 @@ import torch
 from compress.arch import get_arch
 from compress.evaluate.ppl import score_windows
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
-from compress.scheme import scheme
+from compress.core.scheme import scheme
 from tests.conftest import TINY_CONFIGS, make_tiny_model, requires_data
 
 
@@ -71,8 +71,8 @@ def test_kl_and_top1_equal_a_plain_implementation(family):
 @pytest.mark.slow  # 26 s: test_perplexity_equals_transformers_loss checks the same on every tiny family by default
 @requires_data
 def test_perplexity_on_the_embedded_model_equals_transformers_loss():
-    from compress.evaluate.report import eval_windows
-    from compress.models import load_model
+    from compress.pipeline.report import eval_windows
+    from compress.model.load import load_model
 
     loaded = load_model("default")
     windows = eval_windows(loaded.tokenizer, "test", 512, 2)

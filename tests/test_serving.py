@@ -14,11 +14,11 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Con
 from compress.arch import get_arch
 from compress.evaluate.speed import _static_speed
 from compress.kernels import dispatch
-from compress.lean_decode import fuse_projections
-from compress.scheme import W4A16, FP8_DYNAMIC
+from compress.serving.lean_decode import fuse_projections
+from compress.core.scheme import W4A16, FP8_DYNAMIC
 from compress.serving import (HostSync, StaticDecoder, capture_problem, greedy_generate, no_host_sync,
                               static_problem)
-from compress.serving.cuda_graph import percentile
+from compress.kernels.cuda_graph import percentile
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 
 SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -191,8 +191,8 @@ def test_install_kernel_forces_one_kernel_and_lists_what_it_refuses():
 def test_dynamic_fp8_layers_fuse_and_keep_their_tokens():
     """fp8 weights with per-token dynamic activations fuse (q/k/v, gate/up): each token's scale comes from the input
     the fused layers share, so the fused model decodes the same tokens; static activation scales stay apart."""
-    from compress.lean_decode import fuse_linears
-    from compress.nn import QuantLinear
+    from compress.serving.lean_decode import fuse_linears
+    from compress.core.nn import QuantLinear
 
     model = tiny(LlamaConfig)
     stage = QuantizeStage(scheme=FP8_DYNAMIC, ignore=("lm_head",))

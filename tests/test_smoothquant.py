@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from compress.arch import get_arch
-from compress.blockwise import run_blockwise
-from compress.observers import BlockObserver
-from compress.outliers import PlantSpec, plant_outliers
+from compress.calibrate.blockwise import run_blockwise
+from compress.calibrate.observers import BlockObserver
+from compress.transforms.outliers import PlantSpec, plant_outliers
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.quantizers.smoothquant import smoothing_scales, smoothquant_block
 from compress.stages.smoothquant import SmoothQuantStage
 from compress.recipe import RecipeError, from_dict
-from compress.scheme import W8A8
+from compress.core.scheme import W8A8
 from tests.conftest import make_tiny_model
 from tests.reference.naive_8bit import naive_smoothing_scales
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from compress import speculative as spec
+from compress.serving import speculative as spec
 from tests.conftest import make_tiny_model, requires_data, run_tiny_recipe
 
 P = torch.tensor([0.40, 0.30, 0.15, 0.10, 0.05])  # the draft's distribution
@@ -200,8 +200,8 @@ def test_adaptive_verify_cost_is_learned_per_length():
 
 def test_int4_copy_quantizes_a_copy_and_reports_what_it_kept():
     from compress.evaluate.speculation import int4_copy
-    from compress.nn import QuantLinear
-    from compress.scheme import W4A16_ASYM_G64
+    from compress.core.nn import QuantLinear
+    from compress.core.scheme import W4A16_ASYM_G64
 
     model = make_tiny_model("llama")
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -250,7 +250,7 @@ def test_measure_draft_reports_each_length_and_checks_greedy_outputs():
 def test_speculate_command_writes_its_measurement(tmp_path, capsys):
     import json
 
-    from compress.cli import main
+    from compress.cli.commands import main
     from tests.tiny_tokenizer import make_tiny_tokenizer
 
     folder = tmp_path / "tiny"

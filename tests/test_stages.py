@@ -13,9 +13,9 @@ import pytest
 
 import compress
 from compress.arch import get_arch
-from compress.evaluate.report import render_markdown
-from compress.nn import QuantLinear
-from compress.runner import compress_model
+from compress.pipeline.report import render_markdown
+from compress.core.nn import QuantLinear
+from compress.pipeline.calibration import compress_model
 from compress.recipe import from_dict, to_plain
 from compress.stages import STAGES, StageBase, make_plan
 from compress.stages.base import Needs

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from compress.export import ExportError, export_model
-from compress.models import load_compressed
-from compress.pipeline import run
+from compress.model.load import load_compressed
+from compress.pipeline.resident import run
 from compress.recipe import from_dict
-from compress.shards import read_safetensors, shard_files
-from compress.streaming import open_compressed, stream_parts
+from compress.export.shards import read_safetensors, shard_files
+from compress.model.streaming import open_compressed, stream_parts
 from tests.conftest import make_tiny_model, requires_data
 from tests.tiny_tokenizer import byte_bpe_tokenizer
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from compress.blockwise import BlockVisitor
-from compress.pipeline import run
+from compress.calibrate.blockwise import BlockVisitor
+from compress.pipeline.resident import run
 from compress.recipe import from_dict
-from compress.shards import INDEX, SINGLE, ShardReader, ShardWriter, read_safetensors, shard_files
-from compress.streaming import open_streamed
+from compress.export.shards import INDEX, SINGLE, ShardReader, ShardWriter, read_safetensors, shard_files
+from compress.model.streaming import open_streamed
 from tests.conftest import make_tiny_model, requires_data
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
@@ -95,7 +95,7 @@ def test_a_streamed_model_computes_what_transformers_loads(tmp_path, family):
     mixtures of experts read expert by expert under the checkpoint's names (Mixtral's block_sparse_moe.experts.{e}.w1,
     Qwen2-MoE's shared expert, DeepSeek-V3's dense first block and routing bias; gpt-oss's fused, transposed,
     interleaved tensors sliced per expert)."""
-    from compress.models import load_model
+    from compress.model.load import load_model
 
     folder, _ = _folder(tmp_path, family)
     reference = load_model(str(folder), "float32", "cpu").model
@@ -119,7 +119,7 @@ def test_a_checkpoint_missing_tensors_is_refused_naming_the_fix(tmp_path):
     for f in shard_files(folder):
         f.unlink()
     (folder / INDEX).unlink()
-    from compress.shards import write_safetensors
+    from compress.export.shards import write_safetensors
     write_safetensors(folder, state)
     with pytest.raises(ValueError, match=r"lacks tensors.*down_proj.*model.stream: false"):
         open_streamed("folder", str(folder), torch.float32)
@@ -202,10 +202,10 @@ class _CountResident(BlockVisitor):
 
 @requires_data
 def test_only_one_block_is_in_memory_at_a_time_and_the_output_reloads(tmp_path):
-    from compress.models import load_compressed
-    from compress.runner import compress_model
+    from compress.model.load import load_compressed
+    from compress.pipeline.calibration import compress_model
     from compress.stages.base import make_plan
-    from compress.stream_run import StreamedBlocks
+    from compress.pipeline.streamed import StreamedBlocks
 
     folder, _ = _folder(tmp_path, "llama")
     model = make_tiny_model("llama")
@@ -234,7 +234,7 @@ def test_only_one_block_is_in_memory_at_a_time_and_the_output_reloads(tmp_path):
     ({"eval": {"tasks": ["piqa"]}}, "eval.tasks"),
 ])
 def test_what_cannot_stream_is_refused_with_the_way_out(tmp_path, extra, words):
-    from compress.stream_run import stream_blockers
+    from compress.pipeline.streamed import stream_blockers
 
     folder, _ = _folder(tmp_path, "llama")
     base = {"model": {"source": str(folder), "stream": "always"},
@@ -251,7 +251,7 @@ def test_what_cannot_stream_is_refused_with_the_way_out(tmp_path, extra, words):
 def test_each_stage_says_whether_it_streams(tmp_path):
     """stream_blockers asks every stage (StageBase.stream_problem): a prune acts on the whole model; auto_precision
     streams with fisher and refuses with kl; each refusal names its way out."""
-    from compress.stream_run import stream_blockers
+    from compress.pipeline.streamed import stream_blockers
 
     folder, _ = _folder(tmp_path, "llama")
 
@@ -291,7 +291,7 @@ def test_the_embedded_model_streamed_from_safetensors_equals_in_memory(tmp_path)
     """SmolLM2-135M's real weights (the default model, written once as a bf16 safetensors folder, as a hub
     checkpoint is), int4 RTN at float32: same tensors, perplexity, KL, top-1 and block errors streamed as in memory
     (GPTQ, AWQ and the other families are compared on the tiny models above)."""
-    from compress.models import load_model
+    from compress.model.load import load_model
 
     loaded = load_model("default", "bfloat16", "cpu")
     loaded.model.save_pretrained(tmp_path / "smollm2")
@@ -313,8 +313,8 @@ def _gguf_tensors_equal_transformers(path: str) -> int:
     """Every tensor of the GGUF file at `path` read on its own equals transformers' whole conversion; their count."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from compress.gguf_source import gguf_tensor_source
-    from compress.models import model_skeleton
+    from compress.model.gguf_source import gguf_tensor_source
+    from compress.model.load import model_skeleton
 
     _, _, skeleton = model_skeleton(path)
     source = gguf_tensor_source(path, skeleton)
@@ -329,9 +329,9 @@ def test_a_gguf_file_is_read_tensor_by_tensor_as_transformers_converts_it(tmp_pa
     """A tiny Llama (4 heads, 2 KV heads) written as q8_0 GGUF: every tensor dequantized on its own, Llama's q/k
     permutation undone, equals transformers' whole conversion bit for bit; an architecture whose conversion is not
     per tensor is not read this way (the streamed run then converts it whole, `open_streamed`)."""
-    from compress import gguf_source
+    from compress.model import gguf_source
     from compress.export.gguf import write_gguf
-    from compress.models import model_skeleton
+    from compress.model.load import model_skeleton
     from tests.tiny_tokenizer import byte_bpe_tokenizer
 
     path = str(tmp_path / "tiny.gguf")
@@ -344,7 +344,7 @@ def test_a_gguf_file_is_read_tensor_by_tensor_as_transformers_converts_it(tmp_pa
 @pytest.mark.slow  # 24 s: transformers converts the whole file for the comparison
 def test_the_embedded_gguf_file_is_read_tensor_by_tensor_as_transformers_converts_it():
     """SmolLM2's Q4_1 file: all 272 tensors equal transformers' whole conversion bit for bit."""
-    from compress.default_model import default_model_path
+    from compress.model.default_model import default_model_path
 
     assert _gguf_tensors_equal_transformers(str(default_model_path())) == 272
 
@@ -370,7 +370,7 @@ def _four_blocks(tmp_path, family="llama"):
 def test_a_killed_streamed_run_resumes_at_its_block_and_ends_bit_for_bit(tmp_path, monkeypatch, recipe, crash_at,
                                                                          family):
     from compress.arch.tables import ARCH_TABLE
-    from compress.stream_run import StreamedBlocks
+    from compress.pipeline.streamed import StreamedBlocks
 
     if family == "gemma3_text":  # no table entry yet (issue 45 item 2); a streamed run needs its final norm's path
         monkeypatch.setitem(ARCH_TABLE, family, _gemma2_layout())
@@ -404,7 +404,7 @@ def test_a_killed_streamed_run_resumes_at_its_block_and_ends_bit_for_bit(tmp_pat
 
 
 def test_resume_refuses_a_changed_recipe(tmp_path, monkeypatch):
-    from compress.stream_run import StreamCheckpoint
+    from compress.pipeline.streamed import StreamCheckpoint
 
     folder = tmp_path / "stream"
     folder.mkdir()
@@ -458,7 +458,7 @@ def test_a_killed_two_process_run_resumes_bit_for_bit(tmp_path):
     run, bit for bit; resuming on another number of processes is refused."""
     import yaml
 
-    from compress.stream_run import StreamCheckpoint
+    from compress.pipeline.streamed import StreamCheckpoint
 
     folder = _four_blocks(tmp_path)
     recipe = {"model": {"source": str(folder), "stream": "always", "dtype": "float32"}, "stages": RECIPES["gptq"],
@@ -560,8 +560,8 @@ def test_mixed_precision_streamed_chooses_what_the_in_memory_run_chooses(tmp_pat
 def test_a_resumed_streamed_run_reuses_its_mixed_precision_choice(tmp_path, monkeypatch):
     """A streamed run with auto_precision killed in its calibration pass resumes there without measuring again (the
     choice is read from OUTPUT.work/stream/model_stages.json) and ends as the uninterrupted run, bit for bit."""
-    import compress.fisher_blocks as fisher_blocks
-    from compress.stream_run import StreamedBlocks
+    import compress.precision.fisher_blocks as fisher_blocks
+    from compress.pipeline.streamed import StreamedBlocks
 
     folder = _four_blocks(tmp_path)
     stages = [{"stage": "auto_precision", "menu": ["W8A16", INT4, {**INT4, "dtype": "int2"}], "bits_per_weight": 4.5,

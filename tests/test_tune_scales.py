@@ -12,14 +12,14 @@ import torch
 import yaml
 from torch import nn
 
-from compress.distill import distill
+from compress.distill.kd import distill
 from compress.arch import get_arch
-from compress.models import load_compressed
-from compress.nn import QuantLinear, is_linear, linear_weight
+from compress.model.load import load_compressed
+from compress.core.nn import QuantLinear, is_linear, linear_weight
 from compress.quantizers.rtn import quantize_rtn
 from compress.recipe import RecipeError, load_recipe
-from compress.scale_tuning import scale_gains, tunable_layers
-from compress.scheme import FP8, MXFP4A16, W8A8, QuantScheme
+from compress.distill.scale_tuning import scale_gains, tunable_layers
+from compress.core.scheme import FP8, MXFP4A16, W8A8, QuantScheme
 from compress.stages.distill import DistillStage
 from compress.stages.tune_scales import TuneScalesStage
 from tests.conftest import TINY_CONFIGS, make_tiny_model, run_tiny_recipe
@@ -167,9 +167,9 @@ def test_recipe_rules(tmp_path, stages, calibration, message):
 def test_memory_plan_counts_the_teacher_and_a_streamed_run_refuses_it():
     import transformers
 
-    from compress.memory_plan import plan_memory
+    from compress.pipeline.memory_plan import plan_memory
     from compress.recipe import from_dict
-    from compress.stream_run import stream_blockers
+    from compress.pipeline.streamed import stream_blockers
 
     data = {"model": "default", "calibration": "wikitext2",
             "stages": [QUANTIZE, {"stage": "tune_scales", "batch_size": 2}]}

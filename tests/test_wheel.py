@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from compress.data import find_data_dir
+from compress.calibrate.data import find_data_dir
 from tests.conftest import make_tiny_model, requires_data
 from tests.tiny_tokenizer import make_tiny_tokenizer
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..moe import ExpertLinears
-from ..nn import is_linear
+from .moe import ExpertLinears
+from ..core.nn import is_linear
 from .paths import _has, block_pairs, get_module, resolve, set_module  # noqa: F401 (the package's names)
 from .tables import ARCH_TABLE
 

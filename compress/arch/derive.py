@@ -28,8 +28,8 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from ..moe import ROUTER_NAMES, ExpertLinears, any_expert
-from ..nn import is_linear
+from .moe import ROUTER_NAMES, ExpertLinears, any_expert
+from ..core.nn import is_linear
 from .tiny import VOCAB, tiny_config, tiny_model
 
 NOT_PRESERVING = ("not function-preserving: folding random scales into it changes the tiny model's logits by "
@@ -153,12 +153,12 @@ def _routers(block: nn.Module) -> set[str]:
 
 
 def _out_width(m: nn.Module) -> int | None:
-    from ..nn import linear_shape
+    from ..core.nn import linear_shape
     return linear_shape(m)[0] if is_linear(m) else None
 
 
 def _in_width(m: nn.Module) -> int:
-    from ..nn import linear_shape
+    from ..core.nn import linear_shape
     return linear_shape(m)[1]
 
 
@@ -241,7 +241,7 @@ class _Checker:
         """max |logits change| / max |logits| with the pair's scales folded (only the linears' columns scaled when
         not `prev_too`). Raises what folding raises (a previous op without per-channel weights)."""
         from .paths import block_pairs
-        from ..smoothing import apply_smoothing, scale_inputs
+        from ..core.fold import apply_smoothing, scale_inputs
         g = torch.Generator().manual_seed(0)
         try:
             applied = False

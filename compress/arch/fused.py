@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from ..moe import EXPERT
+from .moe import EXPERT
 
 # leaf names fused together when they sit side by side in one module (vLLM's packed_modules_mapping entries)
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"), ("in_proj_qkvz", "in_proj_ba"))

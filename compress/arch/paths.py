@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..nn import attach_input_rotation
+from ..core.nn import attach_input_rotation
 
 
 def get_module(root: nn.Module, path: str) -> nn.Module:
@@ -49,7 +49,7 @@ def block_pairs(block: nn.Module, pairs) -> list[tuple[str, tuple[str, ...], str
     only stands for all experts, and the block's routers beside them become followers: they read the same input,
     so their input columns take the scales too (in float, never searched or quantized), and the routing is
     unchanged. A pair whose modules the block lacks does not apply to it."""
-    from ..moe import ROUTER_NAMES
+    from .moe import ROUTER_NAMES
     out = []
     for prev, balance, inspect in pairs:
         if "*" in prev:
@@ -78,3 +78,31 @@ def _has(root: nn.Module, path: str) -> bool:
         return True
     except AttributeError:
         return False
+
+
+def is_tied(model: nn.Module, head_name: str) -> bool:
+    """Whether the head shares the input embedding's weight (tie_word_embeddings)."""
+    head = get_module(model, head_name)
+    return bool(getattr(model.config, "tie_word_embeddings", False)) and \
+        getattr(head, "weight", None) is model.get_input_embeddings().weight
+
+
+def untie_lm_head(model: nn.Module, head_name: str) -> None:
+    """Give lm_head its own float copy of the embedding matrix and mark the model untied everywhere transformers
+    looks when it re-ties (transformers 5.x): `tie_word_embeddings` on the config, on `get_text_config()` (composite
+    models keep it there) and on every nested PreTrainedModel's config (`tie_weights()` re-reads each of them), and
+    the cached `all_tied_weights_keys` mapping that `tie_weights(recompute_mapping=False)` and the loaders read.
+    Without the config change, load_compressed's `tie_weights()` would point lm_head back at the embedding."""
+    head, embed = get_module(model, head_name), model.get_input_embeddings()
+    if head.weight is embed.weight:
+        head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=embed.weight.requires_grad)
+    configs = [model.config]
+    if hasattr(model.config, "get_text_config"):
+        configs.append(model.config.get_text_config())
+    configs += [m.config for m in model.modules() if m is not model and hasattr(m, "all_tied_weights_keys")]
+    for config in configs:
+        if getattr(config, "tie_word_embeddings", False):
+            config.tie_word_embeddings = False
+    for m in model.modules():
+        if hasattr(m, "all_tied_weights_keys") and hasattr(m, "get_expanded_tied_weights_keys"):
+            m.all_tied_weights_keys = m.get_expanded_tied_weights_keys(all_submodels=True)

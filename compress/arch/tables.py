@@ -28,7 +28,7 @@ _LLAMA = dict(
     norms=("input_layernorm", "post_attention_layernorm"),
     awq=_LLAMA_AWQ, no_clip=("self_attn.q_proj", "self_attn.k_proj"),
 )
-# Mixture-of-experts families (compress/moe.py turns their fused expert tensors into experts.{e}.gate_proj, up_proj,
+# Mixture-of-experts families (compress/arch/moe.py turns their fused expert tensors into experts.{e}.gate_proj, up_proj,
 # down_proj). `*` in an awq pair stands for every expert of the block: the norm before the MoE block scales all
 # experts' gate/up (and a shared expert's) jointly, its router's input columns follow in float (routing unchanged);
 # each expert's up_proj -> down_proj is a pair of its own. A pair whose modules a block lacks (DeepSeek-V3's first
@@ -150,7 +150,7 @@ PRUNE_TABLE: dict[str, dict] = {
         config=dict(intermediate="n_inner", layers="n_layer")),
 }
 
-# Residual-stream rotation (compress/rotation.py, stage `rotate`): the linears that write into the residual stream
+# Residual-stream rotation (compress/transforms/rotation.py, stage `rotate`): the linears that write into the residual stream
 # (their outputs are rotated); the readers are the `awq` pairs whose previous op is a norm (its gain is folded into
 # them first). A string: why the family cannot be rotated.
 _WRITERS = ("self_attn.o_proj", "mlp.down_proj")

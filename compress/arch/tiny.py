@@ -160,11 +160,11 @@ def tiny_config(config, overrides: dict | None = None):
 
 def tiny_model(config, seed: int = 0) -> nn.Module:
     """A float32 model of `config` (already tiny) on the CPU with eager attention, in eval mode, its fused experts
-    unfused (compress/moe.py), and every weight that initialises to one value (zeros, ones) given random values
+    unfused (compress/arch/moe.py), and every weight that initialises to one value (zeros, ones) given random values
     around it, so that no module's output is trivially independent of its inputs."""
     from transformers import AutoModelForCausalLM
 
-    from ..moe import unfuse_experts
+    from .moe import unfuse_experts
 
     torch.manual_seed(seed)
     config = copy.deepcopy(config)

@@ -4,9 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-# the engine versions whose loaders the export layouts were last run against (bench/engines.py, docs/engines.md);
-# export.json records them beside the library versions it was written with
-CHECKED_WITH = {"vllm": "0.32.0 (CPU build)", "llama.cpp": "llama-cpp-python 0.3.36"}
+from ..export.notes import CHECKED_WITH  # noqa: F401  (the export records it; engines name it)
 
 
 class EngineUnavailable(RuntimeError):

@@ -93,7 +93,7 @@ def evaluate_tasks(models: dict[str, nn.Module], tokenizer, tasks, limit: int | 
     """Score every model on `tasks` with the same harness settings. Against the baseline: the difference with its
     standard error (`vs_baseline`; reports show this), and the ratio (`recovery`, compressed ÷ baseline, inverted
     for perplexities: kept in the JSON, not shown, since a ratio of two noisy scores hides the noise)."""
-    from ..data import DATA_ENV, find_data_dir
+    from ..calibrate.data import DATA_ENV, find_data_dir
 
     check_tasks(tasks)
     lm_eval = _harness()

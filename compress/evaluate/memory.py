@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..nn import QuantLinear, is_linear, linear_shape
+from ..core.nn import QuantLinear, is_linear, linear_shape
 
 
 def _tensors(model: nn.Module, meta: bool = False):

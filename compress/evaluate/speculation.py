@@ -13,12 +13,12 @@ import time
 import torch
 from torch import nn
 
-from ..speculative import (acceptance_rate, expected_tokens, generate_plain, generate_speculative,
-                           roofline_speedup)
+from ..serving.speculative import (acceptance_rate, expected_tokens, generate_plain, generate_speculative,
+        roofline_speedup)
 from ..arch import set_module
-from ..lean_decode import fuse_projections, lean_problem
-from ..nn import QuantLinear, is_linear, native_bf16
-from ..scheme import W4A16_ASYM_G64, W8A16, QuantScheme
+from ..serving.lean_decode import fuse_projections, lean_problem
+from ..core.nn import QuantLinear, is_linear, native_bf16
+from ..core.scheme import W4A16_ASYM_G64, W8A16, QuantScheme
 
 SELF_DRAFT = "self-int4"
 
@@ -84,7 +84,7 @@ class VocabSubsetHead(nn.Module):
 def frequent_tokens(tokenizer, n: int, split: str = "validation") -> torch.Tensor:
     """The `n` token ids most frequent in WikiText-2 `split` (validation: the calibration split, never the test
     text the prompts come from), then the lowest ids (a BPE vocabulary's earliest merges) if fewer occur."""
-    from ..data import tokenize_joined, wikitext2_rows
+    from ..calibrate.data import tokenize_joined, wikitext2_rows
 
     ids = tokenize_joined(wikitext2_rows(split), tokenizer)[0]
     vocab = len(tokenizer)
@@ -112,7 +112,7 @@ def subset_head(model: nn.Module, ids: torch.Tensor, scheme: QuantScheme | None 
 
 def wikitext_prompts(tokenizer, n: int, length: int, split: str = "test") -> list[list[int]]:
     """`n` prompts of `length` tokens: the starts of evenly spaced stretches of WikiText-2 `split`."""
-    from ..data import tokenize_joined, wikitext2_rows
+    from ..calibrate.data import tokenize_joined, wikitext2_rows
 
     ids = tokenize_joined(wikitext2_rows(split), tokenizer)[0]  # [T]
     if ids.numel() < n * length:
@@ -238,7 +238,7 @@ def roofline_rows(result: dict, target_config, draft_config, accelerators=("H100
     """The roofline's speed-up at each measured α and K, on each accelerator, with the weights as a GPU server holds
     them (quantized layers as stored, every float tensor in bf16: a float32 target on this CPU would otherwise make
     any draft look cheap)."""
-    from .roofline import get_accelerator, model_facts
+    from ..serving.roofline import get_accelerator, model_facts
 
     t = model_facts(target_config, weight_bytes=result["target_serving_bytes"])
     d = model_facts(draft_config, weight_bytes=result["draft_serving_bytes"])

@@ -7,7 +7,6 @@ host-synchronized calls would time Python more than the kernels); prefill stays 
 says which ran, and why not the graph where it did not."""
 from __future__ import annotations
 
-import inspect
 import statistics
 
 import psutil
@@ -16,7 +15,8 @@ import time
 import torch
 from torch import nn
 
-from ..nn import QuantLinear
+from ..core.nn import QuantLinear
+from ..serving.hf_forward import cache_kwarg as _cache_kwarg, last_logits_kwarg as _last_logits_kwarg
 
 
 def kernel_name(model: nn.Module) -> str:
@@ -30,11 +30,6 @@ def kernel_name(model: nn.Module) -> str:
     return "; ".join(f"{k} ({n} layers)" for k, n in sorted(kinds.items()))
 
 
-def _cache_kwarg(model: nn.Module) -> str:
-    """transformers 5.x calls the KV cache `cache`; 4.x called it `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def _cache(out):
     return out.cache if hasattr(out, "cache") else out.past_key_values
 
@@ -42,12 +37,6 @@ def _cache(out):
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-
-
-def _last_logits_kwarg(model: nn.Module) -> dict:
-    """Prefill needs the last position's logits only (a server samples from them): skip the rest when the model
-    can, so a batch × context × vocabulary logits tensor is never built."""
-    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 @torch.no_grad()
@@ -93,7 +82,7 @@ def measure_speed(model: nn.Module, vocab_size: int, prefill_tokens: int = 512, 
 def _static_speed(model: nn.Module, ids: torch.Tensor, decode_tokens: int, repeats: int, device: str) -> dict:
     """measure_speed on the static decode loop: prefill eager (synchronized), decode as `decode_tokens` steps timed
     with CUDA events, replays of one captured graph (or eager steps, when capture failed: `decode_mode` says so)."""
-    from ..serving.cuda_graph import percentile
+    from ..kernels.cuda_graph import percentile
     from ..serving.static_decode import StaticDecoder
 
     batch, prefill_tokens = ids.shape
@@ -121,7 +110,7 @@ def _static_speed(model: nn.Module, ids: torch.Tensor, decode_tokens: int, repea
 def sweep_bytes(model: nn.Module, batch: int, context: int) -> int:
     """A generous estimate of the memory one sweep point needs beyond the weights: the KV cache and the prefill
     activations (about 16 hidden-size float32 vectors a token live at once, and the MLP's widest)."""
-    from .roofline import attention_dims
+    from ..serving.roofline import attention_dims
     cfg = getattr(model.config, "text_config", model.config)
     heads = cfg.num_attention_heads
     head_dim, kv_heads = attention_dims(cfg)

@@ -99,7 +99,7 @@ def check_export(model: nn.Module, name: str) -> Exporter:
 
 def export_problems(model: nn.Module, name: str) -> list[str]:
     """Why this model cannot be written as `name` (empty: it can), each with the way out."""
-    from ..rotation import online_rotation_problem
+    from ..transforms.rotation import online_rotation_problem
 
     exporter = get_exporter(name)
     problems = exporter.problems(model)
@@ -111,7 +111,7 @@ def export_problems(model: nn.Module, name: str) -> list[str]:
                     "run time; export a run without that stage (or with the fp8 kv_cache, whose scales they load)"] \
             + problems
     if name != "dense":
-        from ..moe import hub_names
+        from ..arch.moe import hub_names
         if hub_names(model).fused:
             problems = [f"{type(model).__name__} checkpoints store each MoE block's experts as fused 3-D tensors, "
                         f"which the {name} format has no layout for (its loaders read per-expert quantized "
@@ -150,9 +150,8 @@ def export_model(model: nn.Module, tokenizer, name: str, out: str | Path, meta: 
     try:
         sharding = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
         report = exporter.write(model, tokenizer, tmp, source_gguf=source_gguf, parts=parts, **sharding)
-        from ..engines.notes import serving_notes
+        from .notes import CHECKED_WITH, serving_notes
         report["notes"] = list(report.get("notes") or []) + serving_notes(model, name)
-        from ..engines.base import CHECKED_WITH
         record = {"format": name, "loaders": exporter.loaders, "compress_version": __version__,
                   "written_with": library_versions(), "engines_checked": CHECKED_WITH, **(meta or {}), **report}
         (tmp / EXPORT_META).write_text(json.dumps(record, indent=2, default=str))

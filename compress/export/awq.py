@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..qtensor import QuantizedTensor
-from ..scheme import QuantScheme
+from ..core.qtensor import QuantizedTensor
+from ..core.scheme import QuantScheme
 
 PACK = 8  # 4-bit codes per int32
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # field i of a word holds column AWQ_ORDER[i] of its 8 columns

@@ -28,10 +28,10 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from ..nn import QuantLinear
-from ..scheme import QuantScheme
+from ..core.nn import QuantLinear
+from ..core.scheme import QuantScheme
 from .awq import fractional_zero_problem
-from ..shards import MAX_SHARD_BYTES
+from .shards import MAX_SHARD_BYTES
 from .hf import (config_dtype, conv1d_problems, float_linears, fused_problems, float_tensors, kv_modules, quant_layers,
                  quantized_head, resident, resident_layers, write_hf)
 

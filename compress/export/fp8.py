@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from .._version import __version__
-from ..nn import QuantLinear
-from ..shards import MAX_SHARD_BYTES
+from ..core.nn import QuantLinear
+from .shards import MAX_SHARD_BYTES
 from .hf import (config_dtype, conv1d_problems, float_linears, float_tensors, fused_problems, head_problems,
                  kv_modules, quant_layers, resident, resident_layers, write_hf)
 

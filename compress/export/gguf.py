@@ -34,9 +34,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..moe import ExpertLinears
-from ..nn import QuantLinear, linear_shape, linear_weight
-from ..qtensor import QuantizedTensor
+from ..arch.moe import ExpertLinears
+from ..core.nn import QuantLinear, linear_shape, linear_weight
+from ..core.qtensor import QuantizedTensor
 from .gguf_kquants import BLOCK_BYTES as KQ_BLOCK_BYTES, pack_q5_0, pack_q5_1, quantize as quantize_kquant
 from .gguf_mix import BLOCK as MIX_BLOCK, K_FORMATS, tensor_type
 from .hf import resident

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..nn import QuantLinear
+from ..core.nn import QuantLinear
 
 
 @torch.no_grad()
@@ -57,7 +57,7 @@ def export_calibration(model: nn.Module, tokenizer) -> tuple[dict, str]:
     for every layer and Hessians where a linear layer is still float (GPTQ onto the GGUF grid). Returns
     (write_gguf keyword arguments, the note for the report); without local WikiText-2 the statistics are empty and
     the note says the file was quantized as llama-quantize does without --imatrix."""
-    from ..data import TextSource, calibration_windows, find_data_dir
+    from ..calibrate.data import TextSource, calibration_windows, find_data_dir
 
     if tokenizer is None or find_data_dir() is None:
         return {}, ("no calibration text (WikiText-2 under COMPRESS_DATA_DIR) or tokenizer: quantized without an "

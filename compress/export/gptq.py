@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..qtensor import QuantizedTensor
-from ..scheme import QuantScheme
+from ..core.qtensor import QuantizedTensor
+from ..core.scheme import QuantScheme
 from .awq import common_problem, pack_int32_fields
 
 

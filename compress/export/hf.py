@@ -12,10 +12,10 @@ from typing import Callable, Iterable
 import torch
 from torch import Tensor, nn
 
-from ..nn import QuantLinear
-from ..qtensor import QuantizedTensor
-from ..moe import checkpoint_tensors, hub_names, router_names
-from ..shards import MAX_SHARD_BYTES, ShardWriter
+from ..core.nn import QuantLinear
+from ..core.qtensor import QuantizedTensor
+from ..arch.moe import checkpoint_tensors, hub_names, router_names
+from .shards import MAX_SHARD_BYTES, ShardWriter
 
 # transformers models whose linear layers are GPT-2 style Conv1D ([in, out] weights): quantized formats
 # are read into nn.Linear-shaped modules, so their quantized layers have nowhere to go.
@@ -41,7 +41,7 @@ def resident_layers(model: nn.Module) -> dict[str, QuantLinear]:
 def float_linears(model: nn.Module) -> list[str]:
     """Linear layers left in float, and a MoE model's routers (serving stacks run them as linear layers), under the
     checkpoint's names: they go into a quantized config's `ignore` list."""
-    from ..nn import LINEAR_TYPES
+    from ..core.nn import LINEAR_TYPES
     names = hub_names(model)
     routers = router_names(model)
     return [names.module(n) for n, m in model.named_modules() if isinstance(m, LINEAR_TYPES) or n in routers]
@@ -72,7 +72,7 @@ def fused_problems(model: nn.Module, fmt: str) -> list[str]:
     """Layers an engine fuses into one module (q/k/v, gate/up, a MoE block's experts: arch/fused.py) that the model
     holds in different schemes, or partly in float: vLLM refuses or misreads such a checkpoint."""
     from ..arch.fused import fused_groups, fused_label
-    from ..nn import LINEAR_TYPES
+    from ..core.nn import LINEAR_TYPES
 
     schemes = {n: m.scheme.name if isinstance(m, QuantLinear) else "float" for n, m in model.named_modules()
                if isinstance(m, (QuantLinear, *LINEAR_TYPES))}

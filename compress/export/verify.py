@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ..moe import unfuse_experts
-from ..shards import read_safetensors, read_tensor, tensor_names
+from ..arch.moe import unfuse_experts
+from .shards import read_safetensors, read_tensor, tensor_names
 from . import EXPORT_META
 
 # compressed-tensors' microscaling formats: its compressed-mode CPU forward runs them in bfloat16 whatever the
@@ -75,8 +75,8 @@ def _dense_from_tensors(folder: Path, dequantize_layer) -> nn.Module:
 def apply_kv_scales(model: nn.Module, folder: Path, record: dict) -> bool:
     """Quantize the reloaded model's KV cache with the fp8 scales stored in the export, as vLLM does when it
     serves it (transformers reads the weights but leaves these scales unused). True when there were any."""
-    from ..kv_cache import set_kv_scales, use_kv_attention
-    from ..scheme import FP8_MAX
+    from ..kv.cache import set_kv_scales, use_kv_attention
+    from ..core.scheme import FP8_MAX
 
     layers = record.get("kv_cache_layers") or []
     if not layers:
@@ -126,7 +126,7 @@ def _without_offloading(model: nn.Module) -> nn.Module:
 
 def input_scales_match(folder: Path, source: nn.Module) -> bool | None:
     """Whether every static input scale in the export equals the source's (None: there are none)."""
-    from ..nn import QuantLinear
+    from ..core.nn import QuantLinear
 
     static = {n: m.input_scale for n, m in source.named_modules()
               if isinstance(m, QuantLinear) and m.input_scale is not None}
@@ -230,7 +230,7 @@ def export_logits(folder: str | Path, windows: Tensor) -> tuple[str, Tensor]:
 @contextlib.contextmanager
 def float_activations(model: nn.Module):
     """Run `model`'s quantized layers with float inputs (weights stay quantized) inside the block."""
-    from ..nn import QuantLinear
+    from ..core.nn import QuantLinear
 
     layers = [(m, m.scheme) for m in model.modules() if isinstance(m, QuantLinear) and m.scheme.act is not None]
     try:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..qtensor import QuantizedTensor
+from ..core.qtensor import QuantizedTensor
 
 INT4PACK_GROUPS = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts
 FAST_DTYPES = (torch.bfloat16, torch.float16)

@@ -59,7 +59,7 @@ def _compiler() -> str | None:
 
 
 def library_path() -> Path:
-    from ..default_model import cache_dir
+    from ..resources import cache_dir
 
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / f"cpu_rows-{key}.so"
@@ -178,7 +178,7 @@ def c_linear(r: RowsLinear | None) -> CLinear:
 
 def rows_reason(module: nn.Module) -> str | None:
     """Why `module` cannot run on the few-row kernels (None: it can)."""
-    from ..nn import QuantLinear
+    from ..core.nn import QuantLinear
 
     if getattr(module, "input_rotation", None) is not None:
         return "rotates its input at run time"

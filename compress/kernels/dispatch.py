@@ -149,7 +149,7 @@ def _time_graph(fn: Callable[[], Tensor], repeats: int, flush: Tensor | None) ->
     """Capture `fn` (after checking eagerly that it is capture-safe: serving/cuda_graph.capture_problem) and time
     `repeats` replays with CUDA events, `flush` read before each replay, outside the graph and the timed interval.
     Raises when the call cannot be captured."""
-    from ..serving.cuda_graph import HostSync, capture, capture_problem, time_replays
+    from .cuda_graph import HostSync, capture, capture_problem, time_replays
     problem = capture_problem(fn)
     if problem:
         raise HostSync(problem)
@@ -276,7 +276,7 @@ def plan_dispatch(model: nn.Module, batch_sizes=BATCH_SIZES, measure: bool = Tru
     range is nearest). Either way, rows above the largest bucket go to the first usable kernel meant for every larger
     size when the largest bucket's kernel is not (an extra bucket up to TAIL). A kernel whose prepare or run raises
     while being measured is dropped from the candidates and listed with the error among the kernels not used."""
-    from ..nn import QuantLinear, kernel_for
+    from ..core.nn import QuantLinear, kernel_for
 
     kernels = registry(float_copy and measure) if kernels is None else kernels
     gen = torch.Generator().manual_seed(seed)
@@ -349,7 +349,7 @@ def plan_dispatch(model: nn.Module, batch_sizes=BATCH_SIZES, measure: bool = Tru
 def install_dispatch(model: nn.Module, report: DispatchReport) -> None:
     """Give every QuantLinear of a group `report` planned its LayerDispatch (kernel operands prepared per layer, once
     per distinct prepare function); layers of other groups stay on the reference path."""
-    from ..nn import QuantLinear
+    from ..core.nn import QuantLinear
     for m in model.modules():
         if isinstance(m, QuantLinear) and _key(m) in report.choices:
             buckets, dtype = report.choices[_key(m)]
@@ -363,7 +363,7 @@ def install_kernel(model: nn.Module, name: str, dtype: torch.dtype,
     """Put kernel `name` on every QuantLinear of `model` that it accepts, at every batch size, unmeasured: what a
     benchmark comparing kernels does, forcing each in turn. Returns the layers left on the reference path, with
     the kernel's reason. Raises ValueError when no kernel has that name (naming those that do exist)."""
-    from ..nn import QuantLinear
+    from ..core.nn import QuantLinear
     kernels = registry() if kernels is None else kernels
     if name not in kernels:
         raise ValueError(f"no kernel named {name!r}; registered: {', '.join(kernels)}")
@@ -393,7 +393,7 @@ def use_dispatch(model: nn.Module, report: DispatchReport):
 
 def clear_dispatch(model: nn.Module) -> None:
     """Back to the reference path everywhere (drops the prepared operands)."""
-    from ..nn import QuantLinear
+    from ..core.nn import QuantLinear
     for m in model.modules():
         if isinstance(m, QuantLinear):
             m.dispatch = None
@@ -408,7 +408,7 @@ def _float_dtype(model: nn.Module) -> torch.dtype:
 
 def summary(model: nn.Module) -> str:
     """The kernels the model's quantized layers use, counted by plan (for the report's kernel column)."""
-    from ..nn import QuantLinear, kernel_for
+    from ..core.nn import QuantLinear, kernel_for
     kinds: dict[str, int] = {}
     for m in model.modules():
         if isinstance(m, QuantLinear):

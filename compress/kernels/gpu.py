@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from ..qtensor import QuantizedTensor
+from ..core.qtensor import QuantizedTensor
 from .kernel import Kernel
 
 FP8_MAX = 448.0

@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from ..moe import ROUTER_NAMES, ExpertLinears, moe_blocks
+from ..arch.moe import ROUTER_NAMES, ExpertLinears, moe_blocks
 
 Score = Literal["reap", "frequency"]
 COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # config / module attributes holding E

@@ -14,9 +14,9 @@ from typing import Any, Callable
 
 from torch import Tensor
 
-from ..observers import InputStats
-from ..qtensor import QuantizedTensor
-from ..scheme import QuantScheme
+from ..calibrate.observers import InputStats
+from ..core.qtensor import QuantizedTensor
+from ..core.scheme import QuantScheme
 from .autoround import AutoRoundOptions, autoround_problem, quantize_autoround_layer, tune_block
 from .gptq import GPTQConfig, gptq_problem, quantize_gptq_layer
 from .hqq import HQQOptions, hqq_problem, quantize_hqq

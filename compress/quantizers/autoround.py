@@ -31,10 +31,10 @@ import torch
 from torch import Tensor, nn
 
 from ..arch import get_module, set_module
-from ..blockwise import _first
-from ..primitives import group_view, scale_shape, ungroup
-from ..qtensor import QuantizedTensor
-from ..scheme import QuantScheme
+from ..calibrate.blockwise import _first
+from ..core.primitives import group_view, scale_shape, ungroup
+from ..core.qtensor import QuantizedTensor
+from ..core.scheme import QuantScheme
 
 V_RANGE = 0.5  # a weight may round to either neighbour on the grid, nothing further
 CLIP_RANGE = (0.0, 1.0)  # α, β only shrink the range (auto-round's bounds)

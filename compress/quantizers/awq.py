@@ -19,11 +19,11 @@ import torch
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
-from ..distributed import all_windows, mean_over_ranks, total_over_ranks
-from ..primitives import group_range, group_view
-from ..scheme import QuantScheme
-from ..smoothing import (replay_dtype, PairResult, fold_scales, in_weight, pooled_stats, replay, replay_autocast,
-                         usable_pairs)
+from ..calibrate.distributed import all_windows, mean_over_ranks, total_over_ranks
+from ..core.primitives import group_range, group_view
+from ..core.scheme import QuantScheme
+from ..transforms.smoothing import (replay_dtype, PairResult, fold_scales, in_weight, pooled_stats, replay,
+        replay_autocast, usable_pairs)
 from .rtn import fake_quantize
 
 

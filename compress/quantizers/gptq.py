@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..primitives import FP8_DTYPES, cast_float, compute_qparams, global_scale, group_view, shrink_range
-from ..qtensor import QuantizedTensor
-from ..scheme import QuantScheme, replace_granularity
+from ..core.primitives import FP8_DTYPES, cast_float, compute_qparams, global_scale, group_view, shrink_range
+from ..core.qtensor import QuantizedTensor
+from ..core.scheme import QuantScheme, replace_granularity
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..primitives import group_view, scale_shape, ungroup
-from ..qtensor import QuantizedTensor
-from ..scheme import QuantScheme
+from ..core.primitives import group_view, scale_shape, ungroup
+from ..core.qtensor import QuantizedTensor
+from ..core.scheme import QuantScheme
 
 
 @dataclass(frozen=True)

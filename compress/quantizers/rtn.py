@@ -5,9 +5,9 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from ..primitives import compute_qparams, dequantize_affine, global_scale, quantize_affine
-from ..qtensor import QuantizedTensor
-from ..scheme import QuantScheme
+from ..core.primitives import compute_qparams, dequantize_affine, global_scale, quantize_affine
+from ..core.qtensor import QuantizedTensor
+from ..core.scheme import QuantScheme
 
 
 @dataclass(frozen=True)

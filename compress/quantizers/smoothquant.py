@@ -19,10 +19,10 @@ import torch
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
-from ..distributed import mean_over_ranks, total_over_ranks
-from ..primitives import fake_quantize_activation
-from ..scheme import QuantScheme
-from ..smoothing import PairResult, fold_scales, in_weight, pooled_stats, replay, usable_pairs
+from ..calibrate.distributed import mean_over_ranks, total_over_ranks
+from ..core.primitives import fake_quantize_activation
+from ..core.scheme import QuantScheme
+from ..transforms.smoothing import PairResult, fold_scales, in_weight, pooled_stats, replay, usable_pairs
 from .rtn import fake_quantize
 
 MIN_SCALE = 1e-5

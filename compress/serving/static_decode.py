@@ -27,8 +27,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from ..lean_decode import lean_problem
-from .cuda_graph import StepTimer, capture, capture_problem
+from .lean_decode import lean_problem
+from ..kernels.cuda_graph import StepTimer, capture, capture_problem
 
 GRAPH = "CUDA graph replays (static KV cache)"
 EAGER = "eager steps (static KV cache)"

@@ -1,4 +1,4 @@
-"""The `auto_precision` stage: mixed precision under a byte budget (compress/precision.py). Before calibration it
+"""The `auto_precision` stage: mixed precision under a byte budget (compress/precision/mixed.py). Before calibration it
 measures every targeted layer's sensitivity to each scheme of a menu, chooses one scheme per layer by a knapsack
 within the budget, and writes the choice into the next `quantize` stage as its `layer_schemes`, which then quantizes
 each layer in its own scheme by that stage's method (RTN, GPTQ, AutoRound, ...; an `awq` stage in between searches
@@ -14,15 +14,15 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..arch import ArchSpec, block_pairs
-from ..data import calibration_windows
-from ..nn import linear_shape
+from ..calibrate.data import calibration_windows
+from ..core.nn import linear_shape
 from ..arch.fused import fused_groups
-from ..precision import (ERROR_METHODS, AWQModel, FLOAT, SENSITIVITIES, budget_problem, choose_grouped, grouped,
-                         option_bytes, option_name)
+from ..precision.mixed import (ERROR_METHODS, AWQModel, FLOAT, SENSITIVITIES, budget_problem, choose_grouped, grouped,
+        option_bytes, option_name)
 from ..quantizers import get_quantizer
-from ..scheme import W4A16_ASYM_G64, W8A16, QuantScheme
-from ..sensitivity import measure_sensitivity
-from ..smoothing import pair_skip_reason
+from ..core.scheme import W4A16_ASYM_G64, W8A16, QuantScheme
+from ..precision.sensitivity import measure_sensitivity
+from ..transforms.smoothing import pair_skip_reason
 from ..threads import cpu_threads
 from .base import ModelStageContext, Plan, StageBase, next_target
 from .quantize import LayerScheme, plan_quantize

@@ -7,9 +7,9 @@ from typing import ClassVar
 
 from ..quantizers.awq import awq_block
 from ..arch import block_pairs
-from ..moe import any_expert
-from ..smoothing import pair_label, pair_skip_reason
-from ..scheme import QuantScheme
+from ..arch.moe import any_expert
+from ..transforms.smoothing import pair_label, pair_skip_reason
+from ..core.scheme import QuantScheme
 from ..evaluate.fmt import num
 from .base import BlockState, Needs, Plan, RunContext, StageBase, next_target
 

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
 from ..arch import ArchSpec
-from ..observers import BlockObserver
+from ..calibrate.observers import BlockObserver
 from ..quantizers import LayerInputs
 
 
@@ -155,6 +156,12 @@ class RunContext:
     @property
     def arch(self) -> ArchSpec:
         return self.plan.arch
+
+
+def work_dir(out: Path) -> Path:
+    """Checkpoints live beside the output (which only appears, renamed, at the very end) so that a crashed
+    run can `--resume`; the folder is removed after a successful run."""
+    return out.parent / f"{out.name}.work"
 
 
 @dataclass

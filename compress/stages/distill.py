@@ -9,11 +9,12 @@ from typing import ClassVar, Literal
 import torch
 from torch import nn
 
-from ..data import TextSource, eval_windows, load_texts, sample_from_model, sequential_windows, tokenize_joined
-from ..distill import distill
+from ..calibrate.data import (TextSource, eval_windows, load_texts, sample_from_model, sequential_windows,
+        tokenize_joined)
+from ..distill.kd import distill
 from ..evaluate.fmt import num
-from ..model_stages import work_dir, world
-from .base import ModelStageContext, Plan, StageBase
+from ..calibrate.distributed import world
+from .base import ModelStageContext, Plan, StageBase, work_dir
 
 
 @dataclass(frozen=True)

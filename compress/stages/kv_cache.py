@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from ..distributed import max_over_ranks
-from ..kv_cache import attach_kv_quant, attention_modules, kv_layers, recording_kv, set_kv_scales, use_kv_attention
-from ..kv_quant import KVQuant
-from ..scheme import FP8_MAX
+from ..calibrate.distributed import max_over_ranks
+from ..kv.cache import attach_kv_quant, attention_modules, kv_layers, recording_kv, set_kv_scales, use_kv_attention
+from ..kv.kivi import KVQuant
+from ..core.scheme import FP8_MAX
 from .base import BlockState, Plan, RunContext, StageBase
 
 

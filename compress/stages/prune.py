@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..arch import ArchSpec
-from ..data import calibration_windows
+from ..calibrate.data import calibration_windows
 from ..prune.importance import Agg
 from ..prune.minitron import AXES, TargetShape, count_params, minitron_prune, resolve_shape, shaped_config
 from .base import ModelStageContext, Plan, StageBase
@@ -102,7 +102,7 @@ class PruneStage(StageBase):
         return [line], line.strip()
 
     def run_model(self, ctx: ModelStageContext, index: int) -> dict:
-        from ..rotation import online_rotations
+        from ..transforms.rotation import online_rotations
         if online_rotations(ctx.model):
             raise ValueError(f"stage {index} (prune): the MLP's down projections rotate their input at run time "
                              "(rotate.online_hadamard: true); cutting MLP channels would cut through that rotation. "

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from ..arch import ArchSpec
-from ..data import calibration_windows
-from ..moe import moe_blocks, unfuse_experts
+from ..calibrate.data import calibration_windows
+from ..arch.moe import moe_blocks, unfuse_experts
 from ..prune.experts import COUNT_KEYS, expert_scores, kept_experts, prune_experts
 from .base import ModelStageContext, Plan, StageBase
 

@@ -13,13 +13,14 @@ from torch import Tensor, nn
 
 from ..evaluate.fmt import num
 from ..arch import ArchSpec, get_module, set_module
-from ..mixers import float_linear_reason, float_reason
-from ..moe import EXPERT, ROUTER_REASON, any_expert, router_names
-from ..nn import QuantLinear, is_linear, kernel_for, linear_shape, linear_weight
-from ..observers import BlockObserver
+from ..arch.mixers import float_linear_reason, float_reason
+from ..arch.moe import EXPERT, ROUTER_REASON, any_expert, router_names
+from ..arch.paths import is_tied, untie_lm_head
+from ..core.nn import QuantLinear, is_linear, kernel_for, linear_shape, linear_weight
+from ..calibrate.observers import BlockObserver
 from ..quantizers import LayerInputs, build_options, get_quantizer
-from ..scheme import W4A16_G64, QuantScheme
-from ..smoothing import pooled_stats
+from ..core.scheme import W4A16_G64, QuantScheme
+from ..transforms.smoothing import pooled_stats
 from .base import BlockState, Needs, Plan, RunContext, StageBase
 
 COMMON_GROUP_SIZES = (16, 32, 64, 128, 256)
@@ -379,7 +380,7 @@ def plan_quantize(model: nn.Module, arch: ArchSpec, stage: QuantizeStage) -> Qua
     layer the scheme cannot hold when stage.strict is set."""
     plan = QuantPlan()
     routers = router_names(model)
-    tied = _is_tied(model, arch.lm_head)
+    tied = is_tied(model, arch.lm_head)
     for name, module in model.named_modules():
         if not is_linear(module):
             continue
@@ -476,33 +477,6 @@ def float_parameters(model: nn.Module, plan: QuantPlan, routers: set[str]) -> li
     return out
 
 
-def _is_tied(model: nn.Module, head_name: str) -> bool:
-    head = get_module(model, head_name)
-    return bool(getattr(model.config, "tie_word_embeddings", False)) and \
-        getattr(head, "weight", None) is model.get_input_embeddings().weight
-
-
-def untie_lm_head(model: nn.Module, head_name: str) -> None:
-    """Give lm_head its own float copy of the embedding matrix and mark the model untied everywhere transformers
-    looks when it re-ties (transformers 5.x): `tie_word_embeddings` on the config, on `get_text_config()` (composite
-    models keep it there) and on every nested PreTrainedModel's config (`tie_weights()` re-reads each of them), and
-    the cached `all_tied_weights_keys` mapping that `tie_weights(recompute_mapping=False)` and the loaders read.
-    Without the config change, load_compressed's `tie_weights()` would point lm_head back at the embedding."""
-    head, embed = get_module(model, head_name), model.get_input_embeddings()
-    if head.weight is embed.weight:
-        head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=embed.weight.requires_grad)
-    configs = [model.config]
-    if hasattr(model.config, "get_text_config"):
-        configs.append(model.config.get_text_config())
-    configs += [m.config for m in model.modules() if m is not model and hasattr(m, "all_tied_weights_keys")]
-    for config in configs:
-        if getattr(config, "tie_word_embeddings", False):
-            config.tie_word_embeddings = False
-    for m in model.modules():
-        if hasattr(m, "all_tied_weights_keys") and hasattr(m, "get_expanded_tied_weights_keys"):
-            m.all_tied_weights_keys = m.get_expanded_tied_weights_keys(all_submodels=True)
-
-
 @torch.no_grad()
 def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, prefix: str | None = None,
                    observer: BlockObserver | None = None, input_divisor: dict | None = None,
@@ -528,7 +502,7 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
         module = get_module(model, entry.name)
         if isinstance(module, QuantLinear):
             continue
-        untied = entry.untie and _is_tied(model, entry.name)
+        untied = entry.untie and is_tied(model, entry.name)
         w = linear_weight(module).detach()
         rel = entry.name[len(prefix) + 1:] if prefix else entry.name
         stats = None if observer is None else observer.stats.get(rel)

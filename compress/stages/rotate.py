@@ -1,4 +1,4 @@
-"""The `rotate` stage: a random rotation of the residual stream folded into the weights (compress/rotation.py), before
+"""The `rotate` stage: a random rotation of the residual stream folded into the weights (compress/transforms/rotation.py), before
 calibration, so that the quantize stages after it see incoherent weights; the float model's function is unchanged."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 from torch import nn
 
 from ..arch import ArchSpec, get_module
-from ..rotation import rotation_problem
+from ..transforms.rotation import rotation_problem
 from .base import ModelStageContext, Plan, StageBase
 
 KINDS = ("hadamard", "orthogonal")
@@ -46,7 +46,7 @@ class RotateStage(StageBase):
         text = (f"\nstage {index}: rotate the residual stream ({self.kind}, order {d}, seed {self.seed}), folded "
                 "into the embedding, every block's input and output projections and the head")
         if self.online_hadamard:
-            from ..rotation import hadamard_factors, mlp_out_name
+            from ..transforms.rotation import hadamard_factors, mlp_out_name
             name = mlp_out_name(arch)
             if name is None or not isinstance(get_module(arch.block_list(model)[0], name), nn.Linear):
                 raise ValueError(f"stage {index} (rotate): online_hadamard needs the MLP's down projection as an "
@@ -60,12 +60,12 @@ class RotateStage(StageBase):
         return [plan.steps[index]], plan.steps[index].strip()
 
     def run_model(self, ctx: ModelStageContext, index: int) -> dict:
-        from ..rotation import rotate_model
+        from ..transforms.rotation import rotate_model
 
         ctx.log(f"stage {index}: rotate — the residual stream, folded into the weights ...")
         section = {"index": index, "stage": "rotate", **rotate_model(ctx.model, ctx.arch, self.kind, self.seed)}
         if self.online_hadamard:
-            from ..rotation import rotate_mlp_inputs
+            from ..transforms.rotation import rotate_mlp_inputs
             section |= rotate_mlp_inputs(ctx.model, ctx.arch, self.seed)
         return section
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from ..data import eval_windows
-from ..distill import distill
-from ..model_stages import work_dir, world
-from ..scale_tuning import scale_gains, tunable_layers
-from .base import ModelStageContext, Plan, StageBase
+from ..calibrate.data import eval_windows
+from ..distill.kd import distill
+from ..calibrate.distributed import world
+from ..distill.scale_tuning import scale_gains, tunable_layers
+from .base import ModelStageContext, Plan, StageBase, work_dir
 from .distill import DistillStage, _render
 
 

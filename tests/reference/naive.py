@@ -1,7 +1,7 @@
 """Deliberately naive reference quantizers: explicit loops over rows and groups, scalar math.
 
 compress/ never imports this. Arithmetic is float32 like the library (so codes match exactly);
-the loops and per-element rounding are written out independently of compress/primitives.py.
+the loops and per-element rounding are written out independently of compress/core/primitives.py.
 """
 from __future__ import annotations
 

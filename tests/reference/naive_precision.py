@@ -1,4 +1,4 @@
-"""Plain references for mixed precision (compress/precision.py), written for clarity, not speed: the knapsack by
+"""Plain references for mixed precision (compress/precision/mixed.py), written for clarity, not speed: the knapsack by
 trying every combination, the Fisher sensitivity token by token in float64 with a model copy per layer and option,
 and the measured KL with the weight itself replaced."""
 from __future__ import annotations
@@ -34,7 +34,7 @@ def fisher_token_by_token(model, ids, name, quantized_weight, seed=0):
     the implementation (one window at a time), g_t the gradient of the sampled labels' summed log-loss at the
     layer's output (autograd on that output tensor, kept with retain_grad), δy_t = (Q(W) − W) x_t one token at a
     time in float64."""
-    from compress.nn import linear_weight
+    from compress.core.nn import linear_weight
 
     gen = torch.Generator().manual_seed(seed)
     module = model.get_submodule(name)

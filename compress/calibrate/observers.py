@@ -1,0 +1,156 @@
+"""Statistics collected by hooks during a block's float forward, kept apart from the solvers.
+
+One `BlockObserver` per decoder block watches the linear layers (input |x| mean and max per channel,
+Hessian X^T X, a few kept inputs) and the AWQ "inspect" modules (their call arguments for the
+first samples, to replay them). Linears that read the very same tensor (q/k/v, gate/up) share one
+set of statistics, so the Hessian of a shared input is accumulated once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class InputStats:
+    """Per-input-channel statistics of one linear layer's input."""
+
+    abs_sum: Tensor | None = None  # [K] sum of |x| over tokens
+    abs_max: Tensor | None = None  # [K] max of |x| over tokens
+    hessian: Tensor | None = None  # [K, K] sum of x x^T over tokens (float32)
+    tokens: int = 0
+    kept: list[Tensor] = field(default_factory=list)  # inputs of the first samples, [T, K] each
+    kept_at: list[int] = field(default_factory=list)  # the sample each kept input came from (a MoE expert skips some)
+
+    @property
+    def abs_mean(self) -> Tensor:
+        return self.abs_sum / max(self.tokens, 1)
+
+    def hessian_mean(self, divisor: Tensor | None = None) -> Tensor:
+        """H = 2/n sum x x^T, the GPTQ Hessian of ||W X - W' X||^2. Where an earlier stage (AWQ, SmoothQuant) has
+        since divided the layer's inputs by s per channel (`divisor`), the inputs it sees now are x / s and their
+        Hessian is H / (s s^T)."""
+        h = self.hessian * (2.0 / max(self.tokens, 1))
+        return h if divisor is None else h / (divisor[:, None] * divisor[None, :])
+
+    def input_absmax(self, divisor: Tensor | None = None) -> Tensor:
+        """max |x| per input channel, of the inputs as the layer sees them now (x / s after a smoothing stage)."""
+        return self.abs_max if divisor is None else self.abs_max / divisor
+
+
+@dataclass
+class Call:
+    args: tuple
+    kwargs: dict
+
+
+class BlockObserver:
+    """Attach hooks to a block; after the float forward, read `stats[name]` and `calls[name]`."""
+
+    def __init__(self, block: nn.Module, linears: list[str], inspect: list[str], *, abs_mean: bool,
+                 hessian: bool, keep_samples: int, abs_max: bool = False, kv: tuple[str, ...] = ()):
+        self.block, self.linears, self.inspect = block, linears, inspect
+        self.want_abs, self.want_hessian, self.keep = abs_mean, hessian, keep_samples
+        self.want_max = abs_max
+        # attention modules whose key/value maxima the kv_cache attention wrapper records: name -> [k, v]
+        self.kv_absmax: dict[str, list[float]] = {n: [0.0, 0.0] for n in kv}
+        self.stats: dict[str, InputStats] = {}
+        self.calls: dict[str, list[Call]] = {n: [] for n in inspect}
+        self._sample = -1
+        self._dtype: torch.dtype | None = None
+        self._seen: list[tuple[Tensor, str]] = []  # inputs of the current sample and their first reader
+        self._handles: list = []
+
+    def empty_stats(self, linear: nn.Module) -> InputStats:
+        """Statistics of no input (zeros of the shapes this observer gathers): what a process contributes for a
+        layer it saw nothing of (a MoE expert no token of its windows was routed to) when the ranks' are summed."""
+        from ..core.nn import linear_shape
+        k = linear_shape(linear)[1]
+        device = next(linear.parameters()).device  # where the other ranks' statistics of it are: reduced together
+        zeros = torch.zeros(k, dtype=torch.float32, device=device)
+        return InputStats(abs_sum=zeros.clone() if self.want_abs else None,
+                          abs_max=zeros.clone() if self.want_max else None,
+                          hessian=torch.zeros(k, k, dtype=torch.float32, device=device) if self.want_hessian else None)
+
+    def __enter__(self) -> "BlockObserver":
+        self._handles.append(self.block.register_forward_pre_hook(self._new_sample))
+        for name, record in self.kv_absmax.items():
+            self.block.get_submodule(name).kv_record = record
+        for name in self.linears:
+            mod = self.block.get_submodule(name)
+            self._handles.append(mod.register_forward_hook(self._linear_hook(name)))
+        for name in self.inspect:
+            mod = self.block.get_submodule(name)
+            self._handles.append(mod.register_forward_pre_hook(self._inspect_hook(name), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name in self.kv_absmax:
+            self.block.get_submodule(name).kv_record = None
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _new_sample(self, _module, args) -> None:
+        self._sample += 1
+        self._seen = []
+        self._dtype = args[0].dtype if args and isinstance(args[0], Tensor) else None  # the residual stream's
+
+    def _linear_hook(self, name: str):
+        def hook(_module, args, _output):
+            x = args[0]
+            # The same tensor object feeds several linears (q/k/v): share one InputStats. Holding the
+            # reference until the next sample also stops its memory being reused by a later input.
+            first = next((n for t, n in self._seen if t is x), None)
+            if first is not None:
+                self.stats[name] = self.stats[first]
+                return
+            self._seen.append((x, name))
+            # statistics in float32 even when the pass runs under bfloat16 autocast (a bf16 X^T X over thousands
+            # of tokens is not even positive definite)
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                self._accumulate(self.stats.setdefault(name, InputStats()), x)
+        return hook
+
+    def _accumulate(self, st: InputStats, x: Tensor) -> None:
+        x2 = x.detach().reshape(-1, x.shape[-1])  # [T, K], in the pass's dtype; sums accumulate in float32
+        if self.want_abs or self.want_max:
+            a = x2.abs()
+        if self.want_abs:
+            s = a.sum(dim=0, dtype=torch.float32)
+            st.abs_sum = s if st.abs_sum is None else st.abs_sum + s
+        if self.want_max:
+            m = a.amax(dim=0).float()
+            st.abs_max = m if st.abs_max is None else torch.maximum(st.abs_max, m)
+        if self.want_hessian or self._sample < self.keep:
+            x2 = x2.float()
+        if self.want_hessian:
+            h = x2.T @ x2  # [K, K]
+            st.hessian = h if st.hessian is None else st.hessian.add_(h)
+        if self._sample < self.keep:
+            st.kept.append(x2)
+            st.kept_at.append(self._sample)
+        st.tokens += x2.shape[0]
+
+    def _inspect_hook(self, name: str):
+        def hook(_module, args, kwargs):
+            if self._sample < self.keep:
+                # a float32 block observed under bfloat16 autocast passes some bf16 tensors: keep them in the
+                # block's own dtype (that of its input; lossless), so a replay outside autocast runs too
+                self.calls[name].append(Call(_to_dtype(args, self._dtype), _to_dtype(dict(kwargs), self._dtype)))
+        return hook
+
+
+def _to_dtype(value, dtype):
+    """Floating tensors in a (nested) call argument, cast to `dtype` (None: as they are)."""
+    if dtype is None:
+        return value
+    if isinstance(value, Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_dtype(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_dtype(v, dtype) for k, v in value.items()}
+    return value

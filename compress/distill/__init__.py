@@ -1,0 +1,1 @@
+"""Training after compression: knowledge distillation (Minitron repair), its sharded state (FSDP2), scale tuning."""

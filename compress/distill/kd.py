@@ -1,0 +1,312 @@
+"""Knowledge-distillation repair (Minitron style): train a pruned student to match its teacher.
+
+Loss per micro-batch: T**2 * KL(teacher || student) on T-softened next-token distributions at every
+position, plus optionally `hidden_weight` * MSE(final hidden states) / Var(teacher hidden).
+Runs on Hugging Face accelerate: one process, or DDP under `accelerate launch` (gloo on CPU); with `fsdp: true`
+under torchrun / `accelerate launch`, student and teacher are sharded over the processes (torch FSDP2, fsdp.py).
+Data order is a pure function of (seed, step): step s takes rows_per_step rows of a seeded
+per-epoch permutation and gives each (micro-batch, process) its own slice, so a resumed run
+trains on exactly the rows an uninterrupted run would have.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from ..evaluate.ppl import score_hidden, score_windows
+
+STATE_FILE = "distill_state.json"  # written last, so a checkpoint folder without it is incomplete
+# changing these between a run and its resume would silently change what is trained
+_RESUME_FIXED = ("batch_size", "grad_accum", "seq_len", "lr", "min_lr", "warmup_steps", "weight_decay",
+                 "temperature", "hidden_weight", "max_grad_norm", "seed")
+
+
+def kd_loss(student_logits: Tensor, teacher_logits: Tensor, temperature: float) -> Tensor:
+    """Forward KL(teacher || student) on softened distributions, mean over tokens, times T**2."""
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(f"student logits {tuple(student_logits.shape)} != teacher logits "
+                         f"{tuple(teacher_logits.shape)}; student and teacher need the same vocabulary")
+    s = F.log_softmax(student_logits.float().flatten(0, -2) / temperature, dim=-1)  # [tokens, V]
+    t = F.log_softmax(teacher_logits.detach().float().flatten(0, -2) / temperature, dim=-1)
+    return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature ** 2
+
+
+def lr_at(step: int, cfg) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warm-up 0 -> lr, cosine lr -> min_lr at steps - 1."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - 1 - cfg.warmup_steps))
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _step_rows(step: int, n_rows: int, cfg, process: int, processes: int) -> Tensor:
+    """Row indices [grad_accum, batch_size] that `process` trains on at `step`."""
+    per_step = cfg.batch_size * cfg.grad_accum * processes
+    steps_per_epoch = n_rows // per_step
+    epoch, k = divmod(step, steps_per_epoch)
+    perm = torch.randperm(n_rows, generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
+    rows = perm[k * per_step:(k + 1) * per_step].view(cfg.grad_accum, processes, cfg.batch_size)
+    return rows[:, process]
+
+
+def native_bf16() -> bool:
+    """bf16 matmuls in hardware: a CUDA GPU that supports them, or a CPU with AMX or AVX512-BF16 (elsewhere
+    bf16 autocast on CPU is emulated and slower than float32)."""
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    cpu = getattr(torch, "cpu", None)
+    return bool(getattr(cpu, "_is_amx_tile_supported", lambda: False)()
+                or getattr(cpu, "_is_avx512_bf16_supported", lambda: False)())
+
+
+def _new_accelerator(cfg):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    # AcceleratorState is a process-wide singleton that refuses a second, different mixed_precision;
+    # clear it (PartialState, which owns the process group, stays) so distill can run twice in a process.
+    AcceleratorState._reset_state(reset_partial_state=False)
+    cuda = torch.cuda.is_available()
+    mp = cfg.mixed_precision
+    if mp == "auto":
+        mp = "bf16" if native_bf16() else "no"
+    return Accelerator(mixed_precision=mp, gradient_accumulation_steps=cfg.grad_accum, cpu=not cuda)
+
+
+def _set_checkpointing(model: nn.Module, on: bool) -> None:
+    """Activation checkpointing (non-reentrant, so DDP works); transformers 5 renamed the gradient_* methods."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable() if on else model.activation_checkpointing_disable()
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def _restore_forward(model: nn.Module) -> None:
+    """Undo the autocast patch accelerate's prepare puts on model.forward under mixed precision.
+
+    Not accelerator.unwrap_model(keep_fp32_wrapper=False): accelerate 1.15 then unwraps every __wrapped__
+    layer, HF's @can_return_tuple included, and model(..., return_dict=False) breaks afterwards.
+    """
+    original = model.__dict__.pop("_original_forward", None)
+    if original is not None and getattr(original, "__func__", None) is type(model).forward:
+        del model.forward  # back to the class's method
+    elif original is not None:
+        model.forward = original
+
+
+def _micro_loss(model: nn.Module, teacher: nn.Module, ids: Tensor, cfg, teacher_autocast=None) -> Tensor:
+    """One micro-batch's loss: KD on the logits (+ the hidden-state MSE). The teacher runs without gradients, under
+    `teacher_autocast()` where the student's own forward was patched for mixed precision by accelerate's prepare."""
+    with torch.no_grad(), (teacher_autocast() if teacher_autocast is not None else contextlib.nullcontext()):
+        t_out = teacher(input_ids=ids, output_hidden_states=cfg.hidden_weight > 0, use_cache=False)
+    s_out = model(input_ids=ids, output_hidden_states=cfg.hidden_weight > 0, use_cache=False)
+    loss = kd_loss(s_out.logits, t_out.logits, cfg.temperature)
+    if cfg.hidden_weight > 0:
+        t_h, s_h = t_out.hidden_states[-1].float(), s_out.hidden_states[-1].float()
+        loss = loss + cfg.hidden_weight * F.mse_loss(s_h, t_h) / t_h.var().clamp_min(1e-12)
+    return loss
+
+
+def _latest_checkpoint(work_dir: Path) -> Path | None:
+    done = sorted(p.parent for p in (work_dir / "checkpoints").glob(f"step-*/{STATE_FILE}"))
+    return done[-1] if done else None
+
+
+def distill(student: nn.Module, teacher: nn.Module, train_ids: Tensor, cfg, work_dir: Path, *,
+            eval_ids: Tensor | None = None, resume: bool = False, accelerator=None,
+            progress: bool = True, log=print) -> dict:
+    """Distill `teacher` into `student` in place; return throughput and the recovery curve.
+
+    A passed `accelerator` must have gradient_accumulation_steps == cfg.grad_accum and nothing else
+    prepared; distill releases what it prepared (accelerator.free_memory()) before returning.
+    """
+    work_dir = Path(work_dir)
+    if train_ids.ndim != 2 or train_ids.dtype != torch.long or train_ids.shape[1] != cfg.seq_len:
+        raise ValueError(f"train_ids is {train_ids.dtype} {tuple(train_ids.shape)}; distill needs int64 "
+                         f"windows [N, seq_len={cfg.seq_len}] (cut the text into seq_len windows or set seq_len)")
+    if cfg.hidden_weight > 0 and student.config.hidden_size != teacher.config.hidden_size:
+        raise ValueError(f"hidden_weight={cfg.hidden_weight} needs equal hidden sizes, but student has "
+                         f"{student.config.hidden_size} and teacher {teacher.config.hidden_size}; "
+                         f"set hidden_weight: 0 (width-pruned students match logits only)")
+    acc = accelerator if accelerator is not None else _new_accelerator(cfg)
+    if acc.gradient_accumulation_steps != cfg.grad_accum:
+        raise ValueError(f"accelerator accumulates {acc.gradient_accumulation_steps} micro-batches but "
+                         f"grad_accum={cfg.grad_accum}; create it with gradient_accumulation_steps={cfg.grad_accum}")
+    if acc._models or acc._optimizers:  # save_state would checkpoint those too, and load_state mismatch
+        raise ValueError("the accelerator already holds prepared objects; pass a fresh Accelerator "
+                         "or call accelerator.free_memory() first")
+    main, processes = acc.is_main_process, acc.num_processes
+    say = log if main else (lambda *_: None)
+    rows_per_step = cfg.batch_size * cfg.grad_accum * processes
+    if train_ids.shape[0] < rows_per_step:
+        raise ValueError(f"{train_ids.shape[0]} training windows, but one step needs batch_size * grad_accum * "
+                         f"processes = {rows_per_step}; add windows or lower batch_size/grad_accum")
+    tokens_per_step = rows_per_step * cfg.seq_len
+
+    trainable = [p for p in student.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError("the student has no parameter with requires_grad=True (a copy of a frozen teacher?); "
+                         "call student.requires_grad_(True) before distill")
+    teacher.eval().requires_grad_(False).to(acc.device)
+    fsdp = bool(getattr(cfg, "fsdp", False))
+    sharded = fsdp and processes > 1
+    if fsdp and processes == 1:
+        say("distill: fsdp asks to shard over processes, and this is one process: training unsharded")
+    had_input_grads_hook = hasattr(student, "_require_grads_hook")  # transformers 5 adds one with checkpointing
+    if cfg.gradient_checkpointing:
+        _set_checkpointing(student, True)
+    student.train()
+    teach = teacher
+    if sharded:  # FSDP2: the copies train, the originals are released until gather_into (fsdp.py)
+        from .fsdp import gather_into, load_local, save_local, shard
+
+        model, teach = shard(student, acc.device), shard(teacher, acc.device)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr,
+                                  betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    # Not prepared: accelerate's scheduler wrapper steps num_processes times per step; its state goes in STATE_FILE.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg) / cfg.lr)
+    if not sharded:
+        model, optimizer = acc.prepare(student, optimizer)
+
+    step, curve, seconds, teacher_scores, resumed_from = 0, [], 0.0, None, None
+    if resume:
+        ckpt = _latest_checkpoint(work_dir)
+        if ckpt is None:
+            raise FileNotFoundError(f"resume=True but {work_dir / 'checkpoints'} holds no complete checkpoint "
+                                    f"(step-*/{STATE_FILE}); run without resume")
+        state = json.loads((ckpt / STATE_FILE).read_text())
+        changed = [k for k in _RESUME_FIXED if state["config"][k] != getattr(cfg, k)]
+        if state.get("sharded") != ("fsdp" if sharded else None):
+            changed.append("fsdp")
+        if changed or state["processes"] != processes:
+            raise ValueError(f"{ckpt} was written with other {changed or 'processes'} than this run; "
+                             f"resume with the same settings or start a new work_dir")
+        scheduler.load_state_dict(state["scheduler"])
+        if sharded:
+            load_local(ckpt, acc.process_index, model, optimizer)
+            # the optimizer's own state_dict, which accelerate restores, would carry the learning rate
+            for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr
+        else:
+            acc.load_state(str(ckpt))
+        step = resumed_from = state["step"]
+        curve, seconds, teacher_scores = state["curve"], state["seconds"], state["teacher"]
+        say(f"distill: resumed from {ckpt} at step {step}/{cfg.steps}")
+
+    def evaluate(loss_sum: Tensor, n: int) -> None:
+        nonlocal teacher_scores
+        mean_loss = float(acc.reduce(loss_sum, "mean")) / n if n else None  # collective: all ranks
+        point = {"step": step, "tokens": step * tokens_per_step, "seconds": round(seconds, 3),
+                 "ppl": None, "kl": None, "train_loss": mean_loss}
+        if eval_ids is not None and (main or sharded):  # a sharded model's forward needs every process
+            raw = (model if sharded else acc.unwrap_model(model)).eval()
+            if sharded:  # through each root forward (FSDP gathers units only inside it): one window's whole logits
+                def whole(m):
+                    return lambda k, ids: m(input_ids=ids, use_cache=False).logits[0, :-1].float()
+
+                scores = score_hidden({"teacher": whole(teach), "student": whole(raw)},
+                                      {"teacher": lambda x: x, "student": lambda x: x}, eval_ids,
+                                      baseline="teacher", device=str(acc.device), progress=False)
+            else:
+                scores = score_windows({"teacher": teach, "student": raw}, eval_ids, baseline="teacher",
+                                       device=str(acc.device), progress=False)
+            raw.train()
+            point["ppl"], point["kl"] = scores["student"].ppl, scores["student"].kl
+            teacher_scores = teacher_scores or {"ppl": scores["teacher"].ppl, "nll": scores["teacher"].nll,
+                                                "tokens": scores["teacher"].tokens}
+        curve.append(point)
+        say(f"distill step {step}/{cfg.steps}: " + ", ".join(
+            f"{k} {v:.4g}" for k, v in point.items() if k != "step" and v is not None))
+        acc.wait_for_everyone()
+
+    def checkpoint() -> None:
+        folder = work_dir / "checkpoints" / f"step-{step:06d}"
+        if sharded:  # every process its own shards
+            save_local(folder, acc.process_index, model, optimizer)
+        else:
+            acc.save_state(str(folder))  # model as safetensors; optimizer, RNG and step counter from accelerate
+        acc.wait_for_everyone()  # all written before the state file commits the checkpoint
+        if main:
+            state = {"step": step, "curve": curve, "tokens": step * tokens_per_step, "seconds": seconds,
+                     "teacher": teacher_scores, "processes": processes, "scheduler": scheduler.state_dict(),
+                     "sharded": "fsdp" if sharded else None,
+                     "config": asdict(cfg)}
+            (folder / STATE_FILE).write_text(json.dumps(state, indent=1))
+            for old in sorted((work_dir / "checkpoints").glob("step-*"))[:-cfg.keep_checkpoints]:
+                shutil.rmtree(old)
+        acc.wait_for_everyone()
+
+    start_step = step
+    if step == 0:
+        evaluate(torch.zeros((), device=acc.device), 0)
+    say(f"distill: {cfg.steps - step} steps x {rows_per_step} windows x {cfg.seq_len} tokens on {processes} "
+        f"process(es), mixed precision {acc.mixed_precision}")
+    bar = tqdm(total=cfg.steps, initial=step, desc="distill", unit="step", disable=not (progress and main))
+    loss_sum, n_loss = torch.zeros((), device=acc.device), 0
+    while step < cfg.steps:
+        t0 = time.perf_counter()
+        for k, rows in enumerate(_step_rows(step, train_ids.shape[0], cfg, acc.process_index, processes)):
+            ids = train_ids[rows].to(acc.device)  # [batch_size, seq_len]
+            if sharded:  # gradients reduce-scattered at every micro-batch, so they stay sharded in between
+                with acc.autocast():
+                    loss = _micro_loss(model, teach, ids, cfg)
+                (loss / cfg.grad_accum).backward()  # what acc.backward does inside acc.accumulate
+                if k == cfg.grad_accum - 1:
+                    torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad()
+            else:
+                with acc.accumulate(model):
+                    loss = _micro_loss(model, teach, ids, cfg, acc.autocast)
+                    acc.backward(loss)
+                    if acc.sync_gradients:
+                        acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad()
+            loss_sum += loss.detach().float() / cfg.grad_accum
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        step, n_loss = step + 1, n_loss + 1
+        seconds += time.perf_counter() - t0
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{lr:.2e}")
+        if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+            evaluate(loss_sum, n_loss)
+            loss_sum, n_loss = torch.zeros((), device=acc.device), 0
+        if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+            checkpoint()
+    bar.close()
+
+    if sharded:  # the originals refilled with the trained values, on every process
+        gather_into(student, model)
+        gather_into(teacher, teach)
+        del model, teach, optimizer, trainable
+    else:
+        _restore_forward(student)
+    student.eval()
+    if cfg.gradient_checkpointing:
+        _set_checkpointing(student, False)
+        if not had_input_grads_hook and hasattr(student, "_require_grads_hook"):
+            student.disable_input_require_grads()
+    acc.wait_for_everyone()
+    acc.free_memory()
+    tokens = step * tokens_per_step
+    if step > start_step:
+        say(f"distill: {step - start_step} steps in {seconds:.1f} s training time, "
+            f"{tokens / max(seconds, 1e-9):.0f} tokens/s")
+    return {"steps": step, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
+            "processes": processes, "sharded": "fsdp" if sharded else None,
+            "mixed_precision": acc.mixed_precision, "curve": curve,
+            "teacher": teacher_scores, "resumed_from": resumed_from, "config": asdict(cfg)}

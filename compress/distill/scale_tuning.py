@@ -1,0 +1,69 @@
+"""Scale tuning: a quantized model's scales trained end to end while its integer codes stay as they were rounded
+(EfficientQAT's E2E-QP, Chen et al. 2024, section 3.3), here by distillation from the original model (distill.py).
+
+Each tuned QuantLinear's scale s [out, groups] is read as s * exp(g) while tuning, g a float32 gain of the scale's
+shape that starts at 0 (a multiplicative gain, so that one learning rate suits every layer whatever its scales'
+magnitude, and no scale changes sign). The codes and the zero points are untouched, so the checkpoint keeps its
+format, its size and every export; only the scale values change.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+from ..core.nn import QuantLinear
+
+
+class ScaleGain(nn.Module):
+    """The parametrization s -> s * exp(gain), computed in float32."""
+
+    def __init__(self, shape: torch.Size):
+        super().__init__()
+        self.gain = nn.Parameter(torch.zeros(shape, dtype=torch.float32))
+
+    def forward(self, scale: Tensor) -> Tensor:
+        return scale.float() * torch.exp(self.gain)
+
+
+def tunable_layers(model: nn.Module) -> tuple[list[str], dict[str, str]]:
+    """(names of the QuantLinears whose scales can be tuned, {name: why not} for the others)."""
+    names, skipped = [], {}
+    for name, m in model.named_modules():
+        if not isinstance(m, QuantLinear):
+            continue
+        if m.scheme.act is not None:
+            skipped[name] = f"{m.scheme.name}: its activations are quantized too (the int8 matmul has no gradient)"
+        elif m.scheme.is_micro:
+            skipped[name] = f"{m.scheme.name}: its block scales are encoded ({m.scheme.scale_dtype}); a tuned value " \
+                            "would be rounded back to that grid"
+        else:
+            names.append(name)
+    return names, skipped
+
+
+@contextlib.contextmanager
+def scale_gains(model: nn.Module, names: list[str]):
+    """Within the block, the scales of the QuantLinears `names` read as scale * exp(gain); yields the gains (the
+    only parameters that require gradients: the rest of the model is frozen). On exit each scale becomes its tuned
+    value in its own dtype (also after an error: the model is left as tuned so far)."""
+    modules = dict(model.named_modules())
+    model.requires_grad_(False)
+    gains = []
+    for name in names:
+        m = modules[name]
+        # unsafe: the parametrized scale is float32 while the stored one keeps the scheme's scale_dtype (float16)
+        parametrize.register_parametrization(m, "scale", ScaleGain(m.scale.shape).to(m.scale.device), unsafe=True)
+        gains.append(m.parametrizations.scale[0].gain)
+    try:
+        yield gains
+    finally:
+        for name in names:
+            m = modules[name]
+            with torch.no_grad():
+                tuned = m.scale
+            stored = m.parametrizations.scale.original
+            parametrize.remove_parametrizations(m, "scale", leave_parametrized=False)
+            m.scale = tuned.to(stored.dtype)

@@ -1,0 +1,2 @@
+"""Where models come from: the hub, a local folder, a GGUF file, the embedded default, weights streamed from disk
+block by block, sharded safetensors."""

@@ -1,0 +1,255 @@
+"""What the in-memory run (pipeline.py) and the streamed run (stream_run.py) share: the calibration pass with the
+block stages (`compress_model`), the report's header and files, and the output folder written under a temporary name
+and renamed into place at the end."""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from .._version import __version__
+from ..calibrate.distributed import (active, check_stages, local_keep, reduce_stats, share, start as start_processes,
+        world)
+from ..arch import block_pairs
+from ..calibrate.blockwise import run_blockwise
+from ..calibrate.data import calibration_windows, fingerprint
+from ..evaluate.plots import plot_recovery
+from .report import write_report
+from ..core.nn import QuantLinear, is_linear, native_bf16
+from ..calibrate.observers import BlockObserver
+from ..recipe import Recipe, to_plain
+from ..stages.base import BlockState, Plan, RunContext
+from ..threads import set_threads
+
+
+def check_output(out: Path, overwrite: bool) -> None:
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"output folder {out} exists; pass --overwrite (or output.overwrite: true) to replace it, "
+                              "or choose another output.dir")
+
+
+def calibration_dtype(setting: str, device: str) -> str:
+    """The dtype of the calibration pass's matmuls: `calibration.dtype`, with auto resolved for this machine."""
+    if setting != "auto":
+        return setting
+    return "bfloat16" if native_bf16(str(device).split(":")[0]) else "float32"
+
+
+def calibration_samples(recipe: Recipe, model, tokenizer) -> tuple[torch.Tensor, dict]:
+    cal = recipe.calibration
+    samples = calibration_windows(cal.source(), tokenizer, model, cal.n_samples, cal.seq_len, cal.seed)
+    info = {k: v for k, v in asdict(cal).items() if v not in (None, ())}
+    info.update(fingerprint=fingerprint(samples), tokens=int(samples.numel()))
+    return samples, info
+
+
+class StagePass:
+    """The block stages of a plan inside the calibration pass: per block, what to observe during its float forward
+    (the statistics the stages' `needs` ask for, of the layers the plan quantizes, plus each stage's own
+    `observing`), then each stage's `on_block` in recipe order."""
+
+    def __init__(self, ctx: RunContext):
+        self.ctx = ctx
+        self.stages = [(i, ctx.plan.stages[i]) for i in ctx.plan.block_stages]
+        self.needs = ctx.plan.needs()
+        self.observed = ctx.plan.observed_layers()  # only the layers a stage will use statistics of
+
+    def observe(self, i: int, prefix: str, block) -> "_Observing":
+        linears = [n for n, m in block.named_modules() if n and is_linear(m) and not isinstance(m, QuantLinear)
+                   and f"{prefix}.{n}" in self.observed]
+        observer = None
+        if linears and self.needs.any:
+            nd = self.needs
+            inspect = sorted({p[2] for p in block_pairs(block, self.ctx.arch.awq)}) if nd.replay_samples else []
+            # with several processes, each keeps its own windows among the first replay_samples of all windows
+            keep = local_keep(nd.replay_samples, *world()) if active() else nd.replay_samples
+            observer = BlockObserver(block, linears, inspect, abs_mean=nd.abs_mean, hessian=nd.hessian,
+                                     keep_samples=keep, abs_max=nd.abs_max)
+        state = BlockState(i, prefix, block, observer)
+        return _Observing(state, ([observer] if observer is not None else []) +
+                          [stage.observing(state, k) for k, stage in self.stages])
+
+    def on_block(self, _i: int, _prefix: str, _block, _inputs, observing: "_Observing") -> None:
+        if observing.state.observer is not None and active():  # every rank: all ranks' windows
+            reduce_stats(observing.state.observer)
+        for k, stage in self.stages:
+            stage.on_block(self.ctx, observing.state, k)
+
+
+class _Observing:
+    """The context managers active during one block's float forward, and the block's state for the stages."""
+
+    def __init__(self, state: BlockState, contexts: list):
+        self.state, self.contexts = state, contexts
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> "_Observing":
+        for c in self.contexts:
+            self._stack.enter_context(c)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.__exit__(*exc)
+
+
+def start_stages(model, plan: Plan) -> RunContext:
+    """The run context, after each block stage's `begin` (before the calibration pass, or instead of it)."""
+    ctx = RunContext(model, plan)
+    for i in plan.block_stages:
+        plan.stages[i].begin(ctx, i)
+    return ctx
+
+
+def kept_in_float(model) -> list[str]:
+    """Weight-holding modules outside the linear layers (embeddings, norms, MoE routers), and the parameters of
+    recurrent layers besides their linears (Mamba's A_log, D, dt_bias, its convolution): reported, never silent."""
+    from ..arch.mixers import float_reason
+    from ..arch.moe import ROUTER_REASON, router_names
+    routers = router_names(model)
+    kinds: dict[tuple[str, str], int] = {}
+    for name, m in model.named_modules():
+        if is_linear(m):
+            continue
+        if not list(m.children()) and isinstance(getattr(m, "weight", None), torch.Tensor):
+            why = ROUTER_REASON if name in routers else \
+                float_reason(m, "weight") or "weight-only integer schemes apply to linear layers"
+            kinds[type(m).__name__, why] = kinds.get((type(m).__name__, why), 0) + 1
+            continue
+        for p_name, _ in m.named_parameters(recurse=False):  # a recurrent layer's own (its children: above)
+            if why := float_reason(m, p_name):
+                key = (f"{type(m).__name__}.{p_name}", why)
+                kinds[key] = kinds.get(key, 0) + 1
+    return [f"{n}× {k} ({why})" for (k, why), n in sorted(kinds.items())]
+
+
+def compress_model(model, tokenizer, recipe: Recipe, plan: Plan, device: str, model_reports: dict | None = None,
+                   progress: bool = True, log=print, spill_dir: Path | None = None, blocks=None,
+                   visitors: tuple = (), checkpoint=None) -> tuple[dict, torch.Tensor | None]:
+    """The recipe's calibration pass and block stages, applied to `model` in place (the whole-model stages, prune
+    and distill, have run before). Returns the report's `calibration`, `block_errors`, `stages` and `kept_in_float`
+    sections, and the calibration windows (None without a calibration pass). `blocks` (a streamed model's block
+    source, see blockwise.run_blockwise) makes the pass run even without calibration data: the stages then act on
+    each block as it is read, and `visitors` ride along. `checkpoint` (stream_run.StreamCheckpoint) saves the pass
+    after every block and resumes it at the block where an interrupted run stopped."""
+    model_reports = model_reports or {}
+    sections: dict = {}
+    samples = None
+    ctx = start_stages(model, plan)
+    start, restore = 0, None
+    if checkpoint is not None:
+        start, restore = checkpoint.bind(ctx), checkpoint.restore
+        visitors = (*visitors, checkpoint)
+    calibrate = recipe.calibration is not None and bool(plan.block_stages)
+    if calibrate or blocks is not None:
+        if calibrate:
+            log("preparing calibration data ...")
+            samples, sections["calibration"] = calibration_samples(recipe, model, tokenizer)
+            set_threads(recipe.calibration.threads)
+            rank, size = start_processes(device)
+            if size > 1:
+                check_stages(plan)
+                sections["calibration"]["processes"] = size
+                log(f"data-parallel calibration: process {rank} of {size} takes every {size}th window")
+            dtype = calibration_dtype(recipe.calibration.dtype, device)
+            sections["calibration"]["compute_dtype"] = dtype
+            log(f"calibrating block by block on {device} ({samples.shape[0]} × {samples.shape[1]} tokens, "
+                f"{dtype} matmuls, {torch.get_num_threads()} threads) ...")
+        else:
+            log(f"compressing block by block on {device} (no calibration data) ...")
+        stage_pass = StagePass(ctx)
+        spill = calibrate and recipe.calibration.offload == "disk"
+        with contextlib.ExitStack() as stack:
+            if spill:  # memory-mapped activations, removed after the pass
+                if spill_dir is not None:
+                    spill_dir.mkdir(parents=True, exist_ok=True)
+                spill_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=spill_dir, prefix=".spill-")))
+                log(f"calibration activations spill to {spill_dir}")
+            mine = share(samples, rank, size) if calibrate and size > 1 else samples
+            replay: list[str] = []
+            errors = run_blockwise(
+                model, plan.arch, mine, stage_pass.on_block, device=device, progress=progress,
+                observe=stage_pass.observe, compute_dtype=getattr(torch, dtype) if calibrate
+                else None, spill_dir=spill_dir if spill else None, blocks=blocks, visitors=visitors, start=start,
+                restore=restore, notes=replay)
+        if calibrate:
+            sections["block_errors"] = errors
+            sections["calibration"]["replay"] = replay or "exact"  # the blocks saw the model's own forward's inputs
+            for line in replay:
+                log(f"WARNING: calibration replay is not the model's own forward: {line}")
+        ctx.calibrated = True
+    for i in plan.block_stages:  # the whole model (what lies outside the blocks; all of it without calibration)
+        plan.stages[i].finalize(ctx, i)
+    sections["stages"] = [model_reports[i] if i in model_reports else stage.report(ctx, i)
+                          for i, stage in enumerate(plan.stages)]
+    for section in sections["stages"]:
+        if section.get("summary"):
+            log(f"WARNING: {section['summary']}")
+    sections["kept_in_float"] = kept_in_float(model)
+    return sections, samples
+
+
+def write_run_report(report: dict, folder: Path) -> None:
+    """report.json, report.md, and a recovery-curve plot for each stage section that has one (distill)."""
+    write_report(report, folder)
+    for section in report["stages"]:
+        if any(p.get("ppl") is not None for p in section.get("curve") or ()):
+            plot_recovery(section, folder / f"recovery_curve_stage{section['index']}.png")
+
+
+def device_sync() -> None:
+    """Wait for the GPU's queued work (a no-op without CUDA, or before it is first used): a phase's time includes
+    the kernels it launched, not only their launching."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+class Timings(dict):
+    """Seconds per phase of a run: `with timings("load"): ...` (not recorded when `when` is false), the GPU's queued
+    work finished at both ends."""
+
+    @contextlib.contextmanager
+    def __call__(self, key: str, when: bool = True):
+        device_sync()
+        t = time.perf_counter()
+        yield
+        device_sync()
+        if when:
+            self[key] = time.perf_counter() - t
+
+
+def run_header(recipe: Recipe, loaded, model, arch, n_params: int, device: str, planted) -> dict:
+    """The report's provenance: compress version, time, the recipe as written and as resolved, the model."""
+    return {
+        "compress_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "recipe": {"path": recipe.path, "sha256": recipe.sha256, "overrides": list(recipe.overrides),
+                   "text": recipe.text, "resolved": to_plain(recipe, skip=("path", "text", "sha256", "overrides"))},
+        "model": {"source": loaded.source, "kind": loaded.kind, "family": arch.family, "parameters": n_params,
+                  "parameters_after": sum(p.numel() for p in model.parameters()),
+                  "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "device": device,
+                  "threads": torch.get_num_threads(), "planted_outliers": planted},
+    }
+
+
+@contextlib.contextmanager
+def staged_output(out: Path):
+    """A temporary folder beside `out`, renamed into place when the block completes; removed on any error or
+    Ctrl-C, so a failed run never leaves a half-written output (nor replaces an existing one)."""
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,291 @@
+"""`compress run`: load -> plan -> calibrate block by block -> apply stages -> save -> evaluate -> report.
+
+State is passed explicitly; the output folder is written under a temporary name and renamed into
+place at the end, so a crash or Ctrl-C never leaves a half-written output.
+"""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import torch
+
+from .._version import __version__
+from ..arch import get_arch
+from ..evaluate.memory import folder_bytes
+from .report import evaluate_models
+from .memory_plan import MemoryPlan, conversion_bytes
+from ..model.load import (checkpoint_files, load_compressed, load_config, load_model, quantized_skeleton,
+        resolve_device, resolve_dtype, save_compressed)
+from ..transforms.outliers import plant_outliers
+from .model_stages import run_after_stages, run_model_stages, work_dir, world
+from ..precision.mixed import fits
+from ..recipe import Recipe
+from ..core.scheme import QuantScheme
+from ..stages.base import Plan, make_plan, next_target
+from .calibration import Timings, check_output, compress_model, run_header, set_threads, staged_output, write_run_report
+
+
+def planned_model(model, plan: Plan, offered: tuple[QuantScheme, ...] = (), target: int | None = None,
+                  together: bool = False) -> torch.nn.Module:
+    """A meta-device copy of `model` with the planned QuantLinear layers: what the export checks see before
+    any weight is quantized. A tied lm_head planned with tied_lm_head: untie is untied in the copy's config
+    too, as apply_quantize will do to the model. `offered`: schemes an auto_precision menu may give the layers of
+    stage `target` at run time, dealt out in turn to those that can hold them (one scheme: every such layer takes it),
+    by fused group when `together` (auto_precision's fused_groups)."""
+    import copy
+
+    entries = [(j, e) for j, (stage, step) in enumerate(zip(plan.stages, plan.steps)) if stage.stores_weights
+               for e in step.quantized]
+    config = copy.deepcopy(model.config)
+    if any(e.untie for _, e in entries):
+        for c in {id(c): c for c in (config, config.get_text_config())}.values():
+            c.tie_word_embeddings = False
+    schemes = {}
+    turn = _turns([e.name for _, e in entries], together)
+    for j, e in entries:
+        held = [o for o in offered if fits(e.shape, o)] if j == target else []
+        schemes[e.name] = held[turn[e.name] % len(held)] if held else e.scheme
+    return quantized_skeleton(config, schemes)
+
+
+def _turns(names: list[str], together: bool) -> dict[str, int]:
+    """Each layer's turn in dealing out a menu: its own index, or its fused group's (q/k/v, gate/up, a MoE block's
+    experts: one scheme each when the stage keeps them together)."""
+    if not together:
+        return {n: k for k, n in enumerate(names)}
+    from ..arch.fused import fused_groups
+    return {n: k for k, group in enumerate(fused_groups(names)) for n in group}
+
+
+def check_formats(model, plan: Plan, formats: tuple[str, ...]) -> None:
+    from ..export import ExportError, check_export, get_exporter
+    online = [s for s in plan.stages if getattr(s, "online_hadamard", False)]
+    if formats and online:
+        raise ExportError(f"cannot export to {', '.join(formats)}: the rotate stage's online_hadamard rotates every "
+                          "MLP down projection's input at run time, which none of these formats' loaders "
+                          f"({'; '.join(get_exporter(f).loaders for f in formats)}) apply. Drop output.formats "
+                          "(the compress checkpoint in OUTPUT/model holds it: `compress eval`, `compress verify`), or "
+                          "set rotate.online_hadamard: false")
+    if formats:
+        meta = planned_model(model, plan)
+        for fmt in formats:
+            check_export(meta, fmt)
+            for i, stage in enumerate(plan.stages):
+                _check_offered(model, plan, fmt, i, stage.schemes_offered())
+
+
+def _check_offered(model, plan: Plan, fmt: str, index: int, offered: tuple[QuantScheme, ...]) -> None:
+    """Refuse, before anything runs, the schemes a stage may give the next quantize stage's layers at run time
+    (auto_precision's menu) that `fmt` cannot hold: each alone, then all of them mixed across the layers."""
+    from ..export import ExportError, export_problems
+
+    target = next_target(plan.stages, index)
+    where = f"`stages.{index}` ({plan.stages[index].name})"
+    fix = f"drop {fmt} from output.formats (the compress checkpoint and `dense` hold every scheme and any mix)"
+    for scheme in offered:
+        if problems := export_problems(planned_model(model, plan, (scheme,), target), fmt):
+            raise ExportError(f"cannot export to {fmt}: {where} may give layers {scheme.name}, which {fmt} cannot "
+                              f"hold ({problems[0]}); remove it from that menu, or {fix}")
+    together = getattr(plan.stages[index], "fused_groups", False)
+    if len(offered) > 1 and (problems := export_problems(planned_model(model, plan, offered, target, together),
+                                                         fmt)):
+        raise ExportError(f"cannot export to {fmt}: {where} gives layers different schemes of its menu, and a "
+                          f"{fmt} checkpoint cannot mix them ({problems[0]}); export compressed-tensors, or {fix}")
+
+
+def verify_windows(recipe: Recipe, tokenizer, samples: torch.Tensor | None) -> tuple[torch.Tensor | None, str]:
+    """Token windows the exports are compared on: WikiText-2 (the eval split) where it is available, else the
+    calibration windows (both renderings of one model are compared, so held-out text is not essential)."""
+    from ..calibrate.data import find_data_dir
+    from .report import eval_windows
+
+    n = recipe.output.verify_windows
+    if not n:
+        return None, "not verified (output.verify_windows: 0)"
+    if find_data_dir() is not None:
+        return eval_windows(tokenizer, recipe.eval.split, recipe.eval.seq_len, n), f"WikiText-2 {recipe.eval.split}"
+    if samples is not None:
+        return samples[:n], "calibration windows (no local WikiText-2)"
+    raise FileNotFoundError("verifying the exports needs text: the shared data folder (COMPRESS_DATA_DIR) or a "
+                            "calibration set; or set output.verify_windows: 0")
+
+
+def write_exports(model, tokenizer, tmp: Path, out: Path, recipe: Recipe, source: str, windows, text: str,
+                  log, device: str = "cpu") -> list[dict]:
+    """Each format of output.formats into OUTPUT/exports/<format>/ (written from `model` where it is: the CPU after
+    the evaluation), reloaded and compared on `device` when asked."""
+    from ..export import export_model
+    from ..export.verify import verify_export
+
+    # compared with the model as saved beside them (float tensors at output.save_dtype, as the exports store
+    # them), which is also what `compress verify` reloads later
+    source = load_compressed(tmp, next(model.parameters()).dtype) if windows is not None and \
+        recipe.output.save_model else model
+    if windows is not None and source is not model:
+        source.to(device)  # verify_export runs the export's reload where the source is
+    exports = []
+    for fmt in recipe.output.formats:
+        log(f"exporting {fmt} ...")
+        folder = tmp / "exports" / fmt
+        folder.parent.mkdir(exist_ok=True)
+        record = export_model(model, tokenizer, fmt, folder, {
+            "recipe_sha256": recipe.sha256, "recipe": recipe.text, "source_model": str(out.resolve()),
+            "original_model": source}, source_gguf=source if str(source).endswith(".gguf") else None,
+            max_shard_bytes=recipe.output.max_shard_bytes)
+        entry = {"format": fmt, "folder": f"exports/{fmt}", "loaders": record["loaders"],
+                 "bytes": folder_bytes(folder), "notes": record.get("notes", [])}
+        if windows is not None:
+            log(f"verifying {fmt}: reloading it and comparing predictions on {windows.shape[0]} windows ...")
+            entry["verify"] = {**verify_export(folder, source, windows), "text": text}
+        exports.append(entry)
+    return exports
+
+
+def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) -> dict:
+    """Run the recipe. `resume` continues a crashed run: its distill stage from its newest checkpoint, or a streamed
+    run (model.stream) at the block where it stopped."""
+    out = Path(recipe.output.dir)
+    check_output(out, recipe.output.overwrite)
+    device = resolve_device(recipe.model.device)
+    set_threads(recipe.model.threads)
+    memory, recipe, streamed = check_memory(recipe, device, log)  # before any weight is read: refuse what cannot fit
+    if streamed:
+        from .streamed import run_streamed
+        return run_streamed(recipe, progress, log, memory, resume)
+    timings = Timings()
+    with timings("load"):
+        log(f"loading model {recipe.model.source!r} ...")
+        loaded, planted = load_source(recipe, device)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    n_params = sum(p.numel() for p in model.parameters())
+    # strict-mode errors and impossible exports surface here, on the shapes after pruning, before any heavy work
+    plan = make_plan(model, get_arch(model), recipe.stages)
+    check_formats(plan.model, plan, recipe.output.formats)
+    with timings("prune_distill", any(s.whole_model and not s.after_calibration for s in recipe.stages)):
+        model_reports, before_distill, stages = run_model_stages(model, tokenizer, get_arch(model), recipe, out,
+                                                                 resume, progress, log)
+    if model_reports:  # planned again on the model as pruned and distilled, with the stages as they resolved them
+        recipe = dataclasses.replace(recipe, stages=stages)
+        plan = make_plan(model, get_arch(model), recipe.stages, model_stages_done=True)
+        check_formats(model, plan, recipe.output.formats)
+    report = run_header(recipe, loaded, model, plan.arch, n_params, device, planted)
+    report["memory_plan"] = memory.to_dict()
+    with timings("compress"):
+        sections, samples = compress_model(model, tokenizer, recipe, plan, device, model_reports, progress, log,
+                                           spill_dir=out.parent)
+    if world()[0] != 0:  # torchrun / `accelerate launch`: the other processes helped distill and calibrate
+        return {}
+    with timings("tune", any(s.after_calibration for s in recipe.stages)):
+        def teacher():  # the original, reloaded only when such a stage runs
+            return load_source(recipe, device)[0].model
+
+        for i, section in run_after_stages(model, tokenizer, recipe, samples, teacher, out, progress, log).items():
+            sections["stages"][i] = section
+    report.update(sections)
+    set_threads(recipe.model.threads)
+    with staged_output(out) as tmp:
+        report.update(save_and_evaluate(recipe, loaded, model, before_distill, plan.arch, samples, device, tmp, out,
+                                        timings, progress, log))
+        write_run_report(report, tmp)
+    shutil.rmtree(work_dir(out), ignore_errors=True)  # distillation checkpoints: the run finished
+    log(f"wrote {out}/report.md")
+    return report
+
+
+class NotEnoughMemory(RuntimeError):
+    pass
+
+
+def check_memory(recipe: Recipe, device: str, log) -> tuple[MemoryPlan, Recipe, bool]:
+    """The run's memory plan from the model's config (memory_plan.py), logged; the recipe to run (its calibration
+    activations moved to disk when only that makes it fit) and whether to stream the model block by block
+    (stream_run.choose_plan). Raises NotEnoughMemory, naming the settings that would make it fit, when the
+    predicted peak exceeds what the machine has (unless model.check_memory is false)."""
+    from .streamed import choose_plan
+
+    spec = recipe.model
+    config = load_config(spec.source, spec.revision, spec.trust_remote_code)
+    dtype = resolve_dtype(spec.dtype, device)
+    memory, recipe, stream, notes = choose_plan(recipe, config, dtype, device,
+                                                conversion_bytes(checkpoint_files(spec.source), config, dtype))
+    for line in notes + memory.lines():
+        log(line)
+    if spec.check_memory and (why := memory.problem(recipe)):
+        raise NotEnoughMemory(why)
+    return memory, recipe, stream
+
+
+def load_source(recipe: Recipe, device: str):
+    """The recipe's model (and its planted outliers, a benchmark aid: see outliers.py)."""
+    spec = recipe.model
+    loaded = load_model(spec.source, spec.dtype, device, spec.revision, spec.trust_remote_code)
+    planted = plant_outliers(loaded.model, get_arch(loaded.model), spec.plant_outliers) if spec.plant_outliers \
+        else None
+    return loaded, planted
+
+
+def save_and_evaluate(recipe: Recipe, loaded, model, before_distill, arch, samples, device: str, tmp: Path, out: Path,
+                      timings: Timings, progress: bool, log) -> dict:
+    """Save the compressed model into `tmp`, evaluate it beside the baseline (and the pruned model before
+    distillation), write the exports, then the report; returns the report sections added here."""
+    report: dict = {}
+    if recipe.output.save_model:
+        with timings("save"):
+            log("saving the compressed model ...")
+            save_compressed(model, loaded.tokenizer, tmp, {"compress_version": __version__,
+                                                           "recipe_sha256": recipe.sha256, "recipe": recipe.text,
+                                                           "source": loaded.source}, recipe.output.save_dtype,
+                            recipe.output.max_shard_bytes)
+    with timings("eval"):
+        baseline = None
+        if recipe.eval.baseline:  # reloaded rather than copied up front: keeps the calibration pass's peak low
+            log("reloading the original model as the baseline ...")
+            baseline = load_source(recipe, device)[0].model
+        log("evaluating ...")
+        models = {"baseline": baseline} if baseline is not None else {}
+        if before_distill is not None:
+            models["pruned"] = before_distill  # the same windows before and after distillation
+        models["compressed"] = model
+        on_device(models, device)
+        report["eval"] = evaluate_models(models, loaded.tokenizer, recipe.eval, device,
+                                         baseline="baseline" if baseline is not None else None, progress=progress)
+    report["memory"] = {"checkpoint_bytes": folder_bytes(tmp) if recipe.output.save_model else None,
+                        "baseline_checkpoint_bf16_bytes": _bf16_bytes(baseline or model)}
+    models.pop("baseline", None)
+    del baseline  # freed, not moved back
+    on_device(models, "cpu")  # the exporters read the compressed model from host memory; device memory is freed
+    del models
+    if recipe.output.formats:
+        with timings("export"):
+            windows, text = verify_windows(recipe, loaded.tokenizer, samples)
+            report["exports"] = write_exports(model, loaded.tokenizer, tmp, out, recipe, loaded.source, windows,
+                                              text, log, device)
+    report["timings"] = dict(timings)
+    (tmp / "recipe.yaml").write_text(recipe.text or recipe.resolved_yaml())
+    (tmp / "recipe.resolved.yaml").write_text(recipe.resolved_yaml())
+    return report
+
+
+def on_device(models: dict, device: str) -> None:
+    """Move each model to `device` (in place; tied weights stay tied). The calibration pass hands every block back
+    to the CPU after its turn and the baseline is loaded there, so a CUDA run's evaluation moves them to the GPU
+    first, and the compressed model back afterwards; the caching allocator's free blocks go back to the device."""
+    for m in models.values():
+        if m is not None:
+            m.to(device)
+    if torch.device(device).type == "cpu" and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _bf16_bytes(model) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * 2
+    return total
+
+
+__all__ = ["run", "compress_model", "make_plan"]
