@@ -11,7 +11,7 @@ import pytest
 import transformers
 
 from compress.serving import planner as P
-from compress.cli.commands import plan as plan_cmd
+from compress.cli import plan as plan_cmd
 from compress.serving.roofline import ACCELERATORS, decode, max_batch, model_facts, prefill_seconds
 from compress.prune.minitron import count_params
 

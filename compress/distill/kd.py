@@ -123,6 +123,195 @@ def _latest_checkpoint(work_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
+def _check_inputs(student: nn.Module, teacher: nn.Module, train_ids: Tensor, cfg) -> None:
+    if train_ids.ndim != 2 or train_ids.dtype != torch.long or train_ids.shape[1] != cfg.seq_len:
+        raise ValueError(f"train_ids is {train_ids.dtype} {tuple(train_ids.shape)}; distill needs int64 "
+                         f"windows [N, seq_len={cfg.seq_len}] (cut the text into seq_len windows or set seq_len)")
+    if cfg.hidden_weight > 0 and student.config.hidden_size != teacher.config.hidden_size:
+        raise ValueError(f"hidden_weight={cfg.hidden_weight} needs equal hidden sizes, but student has "
+                         f"{student.config.hidden_size} and teacher {teacher.config.hidden_size}; "
+                         f"set hidden_weight: 0 (width-pruned students match logits only)")
+
+
+def _check_accelerator(acc, cfg, n_rows: int) -> None:
+    if acc.gradient_accumulation_steps != cfg.grad_accum:
+        raise ValueError(f"accelerator accumulates {acc.gradient_accumulation_steps} micro-batches but "
+                         f"grad_accum={cfg.grad_accum}; create it with gradient_accumulation_steps={cfg.grad_accum}")
+    if acc._models or acc._optimizers:  # save_state would checkpoint those too, and load_state mismatch
+        raise ValueError("the accelerator already holds prepared objects; pass a fresh Accelerator "
+                         "or call accelerator.free_memory() first")
+    rows_per_step = cfg.batch_size * cfg.grad_accum * acc.num_processes
+    if n_rows < rows_per_step:
+        raise ValueError(f"{n_rows} training windows, but one step needs batch_size * grad_accum * "
+                         f"processes = {rows_per_step}; add windows or lower batch_size/grad_accum")
+
+
+class _Training:
+    """One distillation in progress: the prepared (or sharded) student and teacher, the optimizer and schedule, and
+    what a checkpoint keeps (step, recovery curve, training seconds, the teacher's scores)."""
+
+    def __init__(self, student: nn.Module, teacher: nn.Module, cfg, acc, work_dir: Path, log):
+        self.student, self.teacher, self.cfg, self.acc, self.work_dir = student, teacher, cfg, acc, work_dir
+        self.main, self.processes = acc.is_main_process, acc.num_processes
+        self.say = log if self.main else (lambda *_: None)
+        self.rows_per_step = cfg.batch_size * cfg.grad_accum * self.processes
+        self.tokens_per_step = self.rows_per_step * cfg.seq_len
+        self.step, self.curve, self.seconds, self.teacher_scores, self.resumed_from = 0, [], 0.0, None, None
+        self.trainable = [p for p in student.parameters() if p.requires_grad]
+        if not self.trainable:
+            raise ValueError("the student has no parameter with requires_grad=True (a copy of a frozen teacher?); "
+                             "call student.requires_grad_(True) before distill")
+        self._prepare()
+
+    def _prepare(self) -> None:
+        cfg, acc = self.cfg, self.acc
+        self.teacher.eval().requires_grad_(False).to(acc.device)
+        fsdp = bool(getattr(cfg, "fsdp", False))
+        self.sharded = fsdp and self.processes > 1
+        if fsdp and self.processes == 1:
+            self.say("distill: fsdp asks to shard over processes, and this is one process: training unsharded")
+        self.had_input_grads_hook = hasattr(self.student, "_require_grads_hook")  # transformers 5 adds one
+        if cfg.gradient_checkpointing:
+            _set_checkpointing(self.student, True)
+        self.student.train()
+        self.teach = self.teacher
+        if self.sharded:  # FSDP2: the copies train, the originals are released until gather_into (fsdp.py)
+            from .fsdp import shard
+
+            self.model, self.teach = shard(self.student, acc.device), shard(self.teacher, acc.device)
+            self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=cfg.lr,
+                                           betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        # Not prepared: accelerate's scheduler wrapper steps num_processes times per step; its state goes in
+        # STATE_FILE.
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_at(s, cfg) / cfg.lr)
+        if not self.sharded:
+            self.model, self.optimizer = acc.prepare(self.student, self.optimizer)
+
+    def resume(self) -> None:
+        cfg, work_dir = self.cfg, self.work_dir
+        ckpt = _latest_checkpoint(work_dir)
+        if ckpt is None:
+            raise FileNotFoundError(f"resume=True but {work_dir / 'checkpoints'} holds no complete checkpoint "
+                                    f"(step-*/{STATE_FILE}); run without resume")
+        state = json.loads((ckpt / STATE_FILE).read_text())
+        changed = [k for k in _RESUME_FIXED if state["config"][k] != getattr(cfg, k)]
+        if state.get("sharded") != ("fsdp" if self.sharded else None):
+            changed.append("fsdp")
+        if changed or state["processes"] != self.processes:
+            raise ValueError(f"{ckpt} was written with other {changed or 'processes'} than this run; "
+                             f"resume with the same settings or start a new work_dir")
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.sharded:
+            from .fsdp import load_local
+
+            load_local(ckpt, self.acc.process_index, self.model, self.optimizer)
+            # the optimizer's own state_dict, which accelerate restores, would carry the learning rate
+            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+                group["lr"] = lr
+        else:
+            self.acc.load_state(str(ckpt))
+        self.step = self.resumed_from = state["step"]
+        self.curve, self.seconds, self.teacher_scores = state["curve"], state["seconds"], state["teacher"]
+        self.say(f"distill: resumed from {ckpt} at step {self.step}/{cfg.steps}")
+
+    def _scores(self, eval_ids: Tensor) -> dict:
+        acc = self.acc
+        raw = (self.model if self.sharded else acc.unwrap_model(self.model)).eval()
+        if self.sharded:  # through each root forward (FSDP gathers units only inside it): one window's whole logits
+            def whole(m):
+                return lambda k, ids: m(input_ids=ids, use_cache=False).logits[0, :-1].float()
+
+            scores = score_hidden({"teacher": whole(self.teach), "student": whole(raw)},
+                                  {"teacher": lambda x: x, "student": lambda x: x}, eval_ids,
+                                  baseline="teacher", device=str(acc.device), progress=False)
+        else:
+            scores = score_windows({"teacher": self.teach, "student": raw}, eval_ids, baseline="teacher",
+                                   device=str(acc.device), progress=False)
+        raw.train()
+        return scores
+
+    def evaluate(self, loss_sum: Tensor, n: int, eval_ids: Tensor | None) -> None:
+        acc = self.acc
+        mean_loss = float(acc.reduce(loss_sum, "mean")) / n if n else None  # collective: all ranks
+        point = {"step": self.step, "tokens": self.step * self.tokens_per_step, "seconds": round(self.seconds, 3),
+                 "ppl": None, "kl": None, "train_loss": mean_loss}
+        if eval_ids is not None and (self.main or self.sharded):  # a sharded model's forward needs every process
+            scores = self._scores(eval_ids)
+            point["ppl"], point["kl"] = scores["student"].ppl, scores["student"].kl
+            self.teacher_scores = self.teacher_scores or {"ppl": scores["teacher"].ppl, "nll": scores["teacher"].nll,
+                                                          "tokens": scores["teacher"].tokens}
+        self.curve.append(point)
+        self.say(f"distill step {self.step}/{self.cfg.steps}: " + ", ".join(
+            f"{k} {v:.4g}" for k, v in point.items() if k != "step" and v is not None))
+        acc.wait_for_everyone()
+
+    def checkpoint(self) -> None:
+        acc, work_dir = self.acc, self.work_dir
+        folder = work_dir / "checkpoints" / f"step-{self.step:06d}"
+        if self.sharded:  # every process its own shards
+            from .fsdp import save_local
+
+            save_local(folder, acc.process_index, self.model, self.optimizer)
+        else:
+            acc.save_state(str(folder))  # model as safetensors; optimizer, RNG and step counter from accelerate
+        acc.wait_for_everyone()  # all written before the state file commits the checkpoint
+        if self.main:
+            state = {"step": self.step, "curve": self.curve, "tokens": self.step * self.tokens_per_step,
+                     "seconds": self.seconds, "teacher": self.teacher_scores, "processes": self.processes,
+                     "scheduler": self.scheduler.state_dict(), "sharded": "fsdp" if self.sharded else None,
+                     "config": asdict(self.cfg)}
+            (folder / STATE_FILE).write_text(json.dumps(state, indent=1))
+            for old in sorted((work_dir / "checkpoints").glob("step-*"))[:-self.cfg.keep_checkpoints]:
+                shutil.rmtree(old)
+        acc.wait_for_everyone()
+
+    def train_step(self, train_ids: Tensor, loss_sum: Tensor) -> Tensor:
+        """One optimizer step over grad_accum micro-batches, each adding its share of the step's loss to `loss_sum`
+        (in place); returns the last micro-batch's loss."""
+        cfg, acc, model = self.cfg, self.acc, self.model
+        for k, rows in enumerate(_step_rows(self.step, train_ids.shape[0], cfg, acc.process_index, self.processes)):
+            ids = train_ids[rows].to(acc.device)  # [batch_size, seq_len]
+            if self.sharded:  # gradients reduce-scattered at every micro-batch, so they stay sharded in between
+                with acc.autocast():
+                    loss = _micro_loss(model, self.teach, ids, cfg)
+                (loss / cfg.grad_accum).backward()  # what acc.backward does inside acc.accumulate
+                if k == cfg.grad_accum - 1:
+                    torch.nn.utils.clip_grad_norm_(self.trainable, cfg.max_grad_norm)
+                    self.optimizer.step()
+                    self.optimizer.zero_grad()
+            else:
+                with acc.accumulate(model):
+                    loss = _micro_loss(model, self.teach, ids, cfg, acc.autocast)
+                    acc.backward(loss)
+                    if acc.sync_gradients:
+                        acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                    self.optimizer.step()
+                    self.optimizer.zero_grad()
+            loss_sum += loss.detach().float() / cfg.grad_accum
+        return loss
+
+    def finish(self) -> None:
+        """The originals hold the trained values (gathered from the shards, on every process), in eval mode, with
+        what training switched on switched off again."""
+        student, acc = self.student, self.acc
+        if self.sharded:
+            from .fsdp import gather_into
+
+            gather_into(student, self.model)
+            gather_into(self.teacher, self.teach)
+            del self.model, self.teach, self.optimizer, self.trainable
+        else:
+            _restore_forward(student)
+        student.eval()
+        if self.cfg.gradient_checkpointing:
+            _set_checkpointing(student, False)
+            if not self.had_input_grads_hook and hasattr(student, "_require_grads_hook"):
+                student.disable_input_require_grads()
+        acc.wait_for_everyone()
+        acc.free_memory()
+
+
 def distill(student: nn.Module, teacher: nn.Module, train_ids: Tensor, cfg, work_dir: Path, *,
             eval_ids: Tensor | None = None, resume: bool = False, accelerator=None,
             progress: bool = True, log=print) -> dict:
@@ -131,182 +320,41 @@ def distill(student: nn.Module, teacher: nn.Module, train_ids: Tensor, cfg, work
     A passed `accelerator` must have gradient_accumulation_steps == cfg.grad_accum and nothing else
     prepared; distill releases what it prepared (accelerator.free_memory()) before returning.
     """
-    work_dir = Path(work_dir)
-    if train_ids.ndim != 2 or train_ids.dtype != torch.long or train_ids.shape[1] != cfg.seq_len:
-        raise ValueError(f"train_ids is {train_ids.dtype} {tuple(train_ids.shape)}; distill needs int64 "
-                         f"windows [N, seq_len={cfg.seq_len}] (cut the text into seq_len windows or set seq_len)")
-    if cfg.hidden_weight > 0 and student.config.hidden_size != teacher.config.hidden_size:
-        raise ValueError(f"hidden_weight={cfg.hidden_weight} needs equal hidden sizes, but student has "
-                         f"{student.config.hidden_size} and teacher {teacher.config.hidden_size}; "
-                         f"set hidden_weight: 0 (width-pruned students match logits only)")
+    _check_inputs(student, teacher, train_ids, cfg)
     acc = accelerator if accelerator is not None else _new_accelerator(cfg)
-    if acc.gradient_accumulation_steps != cfg.grad_accum:
-        raise ValueError(f"accelerator accumulates {acc.gradient_accumulation_steps} micro-batches but "
-                         f"grad_accum={cfg.grad_accum}; create it with gradient_accumulation_steps={cfg.grad_accum}")
-    if acc._models or acc._optimizers:  # save_state would checkpoint those too, and load_state mismatch
-        raise ValueError("the accelerator already holds prepared objects; pass a fresh Accelerator "
-                         "or call accelerator.free_memory() first")
-    main, processes = acc.is_main_process, acc.num_processes
-    say = log if main else (lambda *_: None)
-    rows_per_step = cfg.batch_size * cfg.grad_accum * processes
-    if train_ids.shape[0] < rows_per_step:
-        raise ValueError(f"{train_ids.shape[0]} training windows, but one step needs batch_size * grad_accum * "
-                         f"processes = {rows_per_step}; add windows or lower batch_size/grad_accum")
-    tokens_per_step = rows_per_step * cfg.seq_len
-
-    trainable = [p for p in student.parameters() if p.requires_grad]
-    if not trainable:
-        raise ValueError("the student has no parameter with requires_grad=True (a copy of a frozen teacher?); "
-                         "call student.requires_grad_(True) before distill")
-    teacher.eval().requires_grad_(False).to(acc.device)
-    fsdp = bool(getattr(cfg, "fsdp", False))
-    sharded = fsdp and processes > 1
-    if fsdp and processes == 1:
-        say("distill: fsdp asks to shard over processes, and this is one process: training unsharded")
-    had_input_grads_hook = hasattr(student, "_require_grads_hook")  # transformers 5 adds one with checkpointing
-    if cfg.gradient_checkpointing:
-        _set_checkpointing(student, True)
-    student.train()
-    teach = teacher
-    if sharded:  # FSDP2: the copies train, the originals are released until gather_into (fsdp.py)
-        from .fsdp import gather_into, load_local, save_local, shard
-
-        model, teach = shard(student, acc.device), shard(teacher, acc.device)
-        trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr,
-                                  betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    # Not prepared: accelerate's scheduler wrapper steps num_processes times per step; its state goes in STATE_FILE.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg) / cfg.lr)
-    if not sharded:
-        model, optimizer = acc.prepare(student, optimizer)
-
-    step, curve, seconds, teacher_scores, resumed_from = 0, [], 0.0, None, None
+    _check_accelerator(acc, cfg, train_ids.shape[0])
+    run = _Training(student, teacher, cfg, acc, Path(work_dir), log)
     if resume:
-        ckpt = _latest_checkpoint(work_dir)
-        if ckpt is None:
-            raise FileNotFoundError(f"resume=True but {work_dir / 'checkpoints'} holds no complete checkpoint "
-                                    f"(step-*/{STATE_FILE}); run without resume")
-        state = json.loads((ckpt / STATE_FILE).read_text())
-        changed = [k for k in _RESUME_FIXED if state["config"][k] != getattr(cfg, k)]
-        if state.get("sharded") != ("fsdp" if sharded else None):
-            changed.append("fsdp")
-        if changed or state["processes"] != processes:
-            raise ValueError(f"{ckpt} was written with other {changed or 'processes'} than this run; "
-                             f"resume with the same settings or start a new work_dir")
-        scheduler.load_state_dict(state["scheduler"])
-        if sharded:
-            load_local(ckpt, acc.process_index, model, optimizer)
-            # the optimizer's own state_dict, which accelerate restores, would carry the learning rate
-            for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-                group["lr"] = lr
-        else:
-            acc.load_state(str(ckpt))
-        step = resumed_from = state["step"]
-        curve, seconds, teacher_scores = state["curve"], state["seconds"], state["teacher"]
-        say(f"distill: resumed from {ckpt} at step {step}/{cfg.steps}")
-
-    def evaluate(loss_sum: Tensor, n: int) -> None:
-        nonlocal teacher_scores
-        mean_loss = float(acc.reduce(loss_sum, "mean")) / n if n else None  # collective: all ranks
-        point = {"step": step, "tokens": step * tokens_per_step, "seconds": round(seconds, 3),
-                 "ppl": None, "kl": None, "train_loss": mean_loss}
-        if eval_ids is not None and (main or sharded):  # a sharded model's forward needs every process
-            raw = (model if sharded else acc.unwrap_model(model)).eval()
-            if sharded:  # through each root forward (FSDP gathers units only inside it): one window's whole logits
-                def whole(m):
-                    return lambda k, ids: m(input_ids=ids, use_cache=False).logits[0, :-1].float()
-
-                scores = score_hidden({"teacher": whole(teach), "student": whole(raw)},
-                                      {"teacher": lambda x: x, "student": lambda x: x}, eval_ids,
-                                      baseline="teacher", device=str(acc.device), progress=False)
-            else:
-                scores = score_windows({"teacher": teach, "student": raw}, eval_ids, baseline="teacher",
-                                       device=str(acc.device), progress=False)
-            raw.train()
-            point["ppl"], point["kl"] = scores["student"].ppl, scores["student"].kl
-            teacher_scores = teacher_scores or {"ppl": scores["teacher"].ppl, "nll": scores["teacher"].nll,
-                                                "tokens": scores["teacher"].tokens}
-        curve.append(point)
-        say(f"distill step {step}/{cfg.steps}: " + ", ".join(
-            f"{k} {v:.4g}" for k, v in point.items() if k != "step" and v is not None))
-        acc.wait_for_everyone()
-
-    def checkpoint() -> None:
-        folder = work_dir / "checkpoints" / f"step-{step:06d}"
-        if sharded:  # every process its own shards
-            save_local(folder, acc.process_index, model, optimizer)
-        else:
-            acc.save_state(str(folder))  # model as safetensors; optimizer, RNG and step counter from accelerate
-        acc.wait_for_everyone()  # all written before the state file commits the checkpoint
-        if main:
-            state = {"step": step, "curve": curve, "tokens": step * tokens_per_step, "seconds": seconds,
-                     "teacher": teacher_scores, "processes": processes, "scheduler": scheduler.state_dict(),
-                     "sharded": "fsdp" if sharded else None,
-                     "config": asdict(cfg)}
-            (folder / STATE_FILE).write_text(json.dumps(state, indent=1))
-            for old in sorted((work_dir / "checkpoints").glob("step-*"))[:-cfg.keep_checkpoints]:
-                shutil.rmtree(old)
-        acc.wait_for_everyone()
-
-    start_step = step
-    if step == 0:
-        evaluate(torch.zeros((), device=acc.device), 0)
-    say(f"distill: {cfg.steps - step} steps x {rows_per_step} windows x {cfg.seq_len} tokens on {processes} "
-        f"process(es), mixed precision {acc.mixed_precision}")
-    bar = tqdm(total=cfg.steps, initial=step, desc="distill", unit="step", disable=not (progress and main))
+        run.resume()
+    start_step = run.step
+    if run.step == 0:
+        run.evaluate(torch.zeros((), device=acc.device), 0, eval_ids)
+    run.say(f"distill: {cfg.steps - run.step} steps x {run.rows_per_step} windows x {cfg.seq_len} tokens on "
+            f"{run.processes} process(es), mixed precision {acc.mixed_precision}")
+    bar = tqdm(total=cfg.steps, initial=run.step, desc="distill", unit="step", disable=not (progress and run.main))
     loss_sum, n_loss = torch.zeros((), device=acc.device), 0
-    while step < cfg.steps:
+    while run.step < cfg.steps:
         t0 = time.perf_counter()
-        for k, rows in enumerate(_step_rows(step, train_ids.shape[0], cfg, acc.process_index, processes)):
-            ids = train_ids[rows].to(acc.device)  # [batch_size, seq_len]
-            if sharded:  # gradients reduce-scattered at every micro-batch, so they stay sharded in between
-                with acc.autocast():
-                    loss = _micro_loss(model, teach, ids, cfg)
-                (loss / cfg.grad_accum).backward()  # what acc.backward does inside acc.accumulate
-                if k == cfg.grad_accum - 1:
-                    torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
-                    optimizer.step()
-                    optimizer.zero_grad()
-            else:
-                with acc.accumulate(model):
-                    loss = _micro_loss(model, teach, ids, cfg, acc.autocast)
-                    acc.backward(loss)
-                    if acc.sync_gradients:
-                        acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                    optimizer.step()
-                    optimizer.zero_grad()
-            loss_sum += loss.detach().float() / cfg.grad_accum
-        lr = scheduler.get_last_lr()[0]
-        scheduler.step()
-        step, n_loss = step + 1, n_loss + 1
-        seconds += time.perf_counter() - t0
+        loss = run.train_step(train_ids, loss_sum)
+        lr = run.scheduler.get_last_lr()[0]
+        run.scheduler.step()
+        run.step, n_loss = run.step + 1, n_loss + 1
+        run.seconds += time.perf_counter() - t0
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{lr:.2e}")
-        if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
-            evaluate(loss_sum, n_loss)
+        if run.step == cfg.steps or (cfg.eval_every and run.step % cfg.eval_every == 0):
+            run.evaluate(loss_sum, n_loss, eval_ids)
             loss_sum, n_loss = torch.zeros((), device=acc.device), 0
-        if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
-            checkpoint()
+        if cfg.checkpoint_every and (run.step % cfg.checkpoint_every == 0 or run.step == cfg.steps):
+            run.checkpoint()
     bar.close()
-
-    if sharded:  # the originals refilled with the trained values, on every process
-        gather_into(student, model)
-        gather_into(teacher, teach)
-        del model, teach, optimizer, trainable
-    else:
-        _restore_forward(student)
-    student.eval()
-    if cfg.gradient_checkpointing:
-        _set_checkpointing(student, False)
-        if not had_input_grads_hook and hasattr(student, "_require_grads_hook"):
-            student.disable_input_require_grads()
-    acc.wait_for_everyone()
-    acc.free_memory()
-    tokens = step * tokens_per_step
+    run.finish()
+    step, seconds = run.step, run.seconds
+    tokens = step * run.tokens_per_step
     if step > start_step:
-        say(f"distill: {step - start_step} steps in {seconds:.1f} s training time, "
-            f"{tokens / max(seconds, 1e-9):.0f} tokens/s")
+        run.say(f"distill: {step - start_step} steps in {seconds:.1f} s training time, "
+                f"{tokens / max(seconds, 1e-9):.0f} tokens/s")
     return {"steps": step, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
-            "processes": processes, "sharded": "fsdp" if sharded else None,
-            "mixed_precision": acc.mixed_precision, "curve": curve,
-            "teacher": teacher_scores, "resumed_from": resumed_from, "config": asdict(cfg)}
+            "processes": run.processes, "sharded": "fsdp" if run.sharded else None,
+            "mixed_precision": acc.mixed_precision, "curve": run.curve,
+            "teacher": run.teacher_scores, "resumed_from": run.resumed_from, "config": asdict(cfg)}

@@ -97,6 +97,46 @@ def w4a16_v2_splits(M: int, N: int, K: int, group_size: int, sms: int, smem_per_
     return used_splits(K, splits)
 
 
+def _shared_x(x16: Tensor, kt0: int, nt: int) -> Tensor:
+    """Step 2: x rows 0..M-1 of the split's nt k32 tiles into shared memory, flat in halves: row r's 16-byte chunk ch
+    at ch ^ (r & 7). NaN where the kernel writes nothing."""
+    M = x16.shape[0]
+    row_halves, row_chunks = nt * 32, nt * 4
+    xs = torch.full((M * row_halves,), float("nan"), dtype=x16.dtype)
+    for c in range(M * row_chunks):
+        r, ch = c // row_chunks, c % row_chunks
+        dst = r * row_halves + (ch ^ (r & 7)) * 8
+        xs[dst:dst + 8] = x16[r, kt0 * 32 + ch * 8: kt0 * 32 + ch * 8 + 8]
+    return xs
+
+
+def _group_sums(xs: Tensor, M: int, nt: int, GT: int) -> Tensor:
+    """Step 3: zx[r * n_groups + gi], row r's sum over the range's group gi (the group's chunks, read through the
+    swizzle), in float32."""
+    row_halves, gtl = nt * 32, (GT if GT > 0 else nt)
+    n_groups = nt // gtl
+    zx = torch.zeros(M * n_groups)
+    for p in range(M * n_groups):
+        r, gi = p // n_groups, p % n_groups
+        ch = torch.arange(gi * gtl * 4, (gi + 1) * gtl * 4)
+        idx = (r * row_halves + (ch ^ (r & 7)) * 8).view(-1, 1) + torch.arange(8)
+        zx[p] = xs[idx].float().sum()
+    return zx
+
+
+def _store_partial(partial: Tensor, acc: Tensor, sbc: Tensor, active: Tensor) -> None:
+    """Step 5: a split's partial sums (rows < M of the C fragments) into its workspace slice [M, N]."""
+    lane = torch.arange(32)
+    g, t = lane // 4, lane % 4
+    M = partial.shape[0]
+    for n8 in range(4):
+        for i in range(4):
+            row = g + 8 * (i // 2)
+            col = (sbc.unsqueeze(-1) * STRIP + 8 * n8 + 2 * t + (i & 1))                # [block, warp, lane]
+            keep = (row < M).view(1, 1, -1) & active.unsqueeze(-1)
+            partial[row.expand_as(col)[keep], col[keep]] = acc[:, :, n8, i][keep]
+
+
 def emulate_w4a16_v2_gemm(x: Tensor, packed: dict, splits: int = 1) -> Tensor:
     """Replay w4a16_v2_kernel on the CPU with the .cu's index formulas (see the module docstring). x [M, K] in the
     packed dtype, packed from prepack.prepack_w4a16; `splits` as the launcher takes it. Returns out [M, N] in the
@@ -132,22 +172,10 @@ def emulate_w4a16_v2_gemm(x: Tensor, packed: dict, splits: int = 1) -> Tensor:
         kt0 = z * T
         nt = max(0, min(k_tiles, kt0 + T) - kt0)
         n_stages = nt // 2
-        row_halves, row_chunks = nt * 32, nt * 4
-        # 2. x rows 0..M-1 into shared memory: row r's chunk ch at ch ^ (r & 7)
-        xs = torch.full((M * row_halves,), float("nan"), dtype=dtype)
-        for c in range(M * row_chunks):
-            r, ch = c // row_chunks, c % row_chunks
-            dst = r * row_halves + (ch ^ (r & 7)) * 8
-            xs[dst:dst + 8] = x16[r, kt0 * 32 + ch * 8: kt0 * 32 + ch * 8 + 8]
-        # 3. zx[r][gi]: row r's sum over the range's group gi (chunks of the group, read through the swizzle)
-        gtl = GT if GT > 0 else nt
-        n_groups = nt // gtl
-        zx = torch.zeros(M * n_groups)
-        for p in range(M * n_groups):
-            r, gi = p // n_groups, p % n_groups
-            ch = torch.arange(gi * gtl * 4, (gi + 1) * gtl * 4)
-            idx = (r * row_halves + (ch ^ (r & 7)) * 8).view(-1, 1) + torch.arange(8)
-            zx[p] = xs[idx].float().sum()
+        row_halves = nt * 32
+        xs = _shared_x(x16, kt0, nt)                                     # 2.
+        n_groups = nt // (GT if GT > 0 else nt)
+        zx = _group_sums(xs, M, nt, GT)                                  # 3.
         # 4. the main loop, every block and warp at once
         acc = torch.zeros(n_blocks, WARPS, 4, 4, 32)                     # [block, warp, n8 tile, c reg, lane]
         tmp = torch.zeros_like(acc)
@@ -216,13 +244,7 @@ def emulate_w4a16_v2_gemm(x: Tensor, packed: dict, splits: int = 1) -> Tensor:
                 zx_off += 2 * DEPTH // GT
         if GT == 0:
             fold(0)
-        # 5. the partial sums of this split (rows < M of the C fragments), as the workspace holds them
-        for n8 in range(4):
-            for i in range(4):
-                row = g + 8 * (i // 2)
-                col = (sbc.unsqueeze(-1) * STRIP + 8 * n8 + 2 * t + (i & 1))            # [block, warp, lane]
-                keep = (row < M).view(1, 1, -1) & active.unsqueeze(-1)
-                partial[z, row.expand_as(col)[keep], col[keep]] = acc[:, :, n8, i][keep]
+        _store_partial(partial[z], acc, sbc, active)                     # 5.
     out = torch.full((M, N), float("nan"), dtype=dtype)
     total = partial[0].clone()
     for z in range(1, grid_y):                                         # the last block's ordered reduction
