@@ -108,7 +108,8 @@ def score_variant(info: dict, variant: str, max_windows: int, with_bnb: bool) ->
     from compress.arch import get_arch
     from compress.evaluate.ppl import score_windows
     from compress.pipeline.report import eval_windows, llm_int8_float_share
-    from compress.model.load import load_compressed, load_model
+    from compress.model.load import load_model
+    from compress.export.native import load_compressed
     from compress.transforms.outliers import PlantSpec, plant_outliers
     from tests.reference.bnb_llm_int8 import to_bitsandbytes_int8
 

@@ -41,7 +41,8 @@ def main() -> None:
     from compress.calibrate.data import fingerprint
     from compress.evaluate.ppl import score_windows
     from compress.pipeline.report import eval_windows
-    from compress.model.load import load_compressed, load_model
+    from compress.model.load import load_model
+    from compress.export.native import load_compressed
     from compress.recipe import build, load_recipe
     from compress.pipeline.calibration import calibration_samples
     from compress.stages.base import ModelStageContext

@@ -444,7 +444,7 @@ def test_run_quantizes_each_layer_in_the_scheme_chosen_within_the_budget(run_aut
     groups = fused_groups(section["assignment"])  # q/k/v and gate/up of each block: one scheme each (vLLM fuses them)
     assert section["groups"] == len(groups) == 8 and section["fused_groups"]
     assert all(len({section["assignment"][n] for n in g}) == 1 for g in groups)
-    from compress.model.load import load_compressed
+    from compress.export.native import load_compressed
     model = load_compressed(out)
     from compress.core.nn import QuantLinear
     stored = sum(m.qtensor().nbytes for m in model.modules() if isinstance(m, QuantLinear))

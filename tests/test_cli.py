@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from compress.cli.commands import main
-from compress.model.load import load_compressed
+from compress.export.native import load_compressed
 from compress.core.nn import QuantLinear
 from tests.conftest import make_tiny_model, requires_data
 from tests.tiny_tokenizer import make_tiny_tokenizer, word_text

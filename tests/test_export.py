@@ -229,7 +229,7 @@ def test_int5_to_int7_export_dense_and_reload_as_our_checkpoint(dtype, tmp_path)
     """The widths mixed precision adds between int4 and int8: no serving format packs them, so `dense` writes
     their dequantized weights, and our own checkpoint keeps the packed codes (reloaded to the bit)."""
     from transformers import AutoModelForCausalLM
-    from compress.model.load import load_compressed, save_compressed
+    from compress.export.native import load_compressed, save_compressed
 
     model = quantized(scheme(dtype, "group", 16, False))
     out = export(model, "dense", tmp_path)
@@ -353,7 +353,8 @@ def test_export_records_provenance_and_copies_tokenizer(tmp_path):
 
 
 def test_input_model_folder_is_not_modified(tmp_path):
-    from compress.model.load import load_model, save_compressed
+    from compress.model.load import load_model
+    from compress.export.native import save_compressed
 
     src = tmp_path / "run"
     save_compressed(quantized(scheme("int4", "group", 16)), make_tiny_tokenizer(), src, {})
@@ -376,7 +377,7 @@ def test_config_names_the_architecture_even_when_the_source_had_none(fmt, sch, t
 
 
 def test_saved_run_names_the_architecture(tmp_path):
-    from compress.model.load import save_compressed
+    from compress.export.native import save_compressed
 
     save_compressed(quantized(scheme("int4", "group", 16)), make_tiny_tokenizer(), tmp_path / "run", {})
     assert json.loads((tmp_path / "run" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
@@ -411,3 +412,33 @@ def test_bfloat16_scales_export_exactly(tmp_path):
     for name, m in model.named_modules():
         if isinstance(m, QuantLinear):
             assert torch.equal(t[f"{name}.weight_scale"], m.qtensor().scale), name
+
+
+def test_every_format_is_one_registry_entry_that_writes_and_reads_back():
+    """The registry's keys are the list of formats (recipes, --help), and each entry names its writer, its checks and
+    its reader (`compress verify`), resolved on first use."""
+    from compress.export import EXPORTERS, FORMAT_NAMES
+
+    assert FORMAT_NAMES == tuple(EXPORTERS)
+    assert {"dense", "compressed-tensors", "awq", "gptq", "fp8", "modelopt-nvfp4", "native", "gguf-q4_k_m"} \
+        <= set(FORMAT_NAMES)
+    for name, exporter in EXPORTERS.items():
+        assert exporter.name == name and callable(exporter.problems) and callable(exporter.write)
+        assert callable(exporter.read), name
+
+
+def test_our_own_checkpoint_is_an_exporter_read_back_exactly(tmp_path):
+    """`native`: compress's own checkpoint written through export_model and read back by `compress verify`'s path
+    with every QuantLinear buffer equal; the float tensors (norms, embeddings) are stored in bfloat16, so the logits
+    agree within the bar every export meets."""
+    model = quantized(scheme("int4", "group", 16), kv=True)
+    out = export(model, "native", tmp_path)
+    loader, again = load_export(out)
+    assert loader.startswith("compress")
+    ours, theirs = dict(model.named_modules()), dict(again.named_modules())
+    quant = [n for n, m in ours.items() if isinstance(m, QuantLinear)]
+    assert quant and all(isinstance(theirs[n], QuantLinear) for n in quant)
+    for n in quant:
+        assert torch.equal(ours[n].qdata, theirs[n].qdata) and torch.equal(ours[n].scale, theirs[n].scale)
+    assert compare_logits(model_logits(model, WINDOWS), model_logits(again, WINDOWS))["kl"] < KL_BAR
+    assert verify_export(out, model, WINDOWS)["kl"] < KL_BAR

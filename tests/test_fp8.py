@@ -131,7 +131,7 @@ def test_outside_blocks_a_static_scheme_is_a_clear_error(tiny_llama):
 @pytest.mark.parametrize("sch", [FP8_W8A16, FP8_DYNAMIC, FP8_E5M2_DYNAMIC])
 def test_fp8_model_saves_real_float8_tensors_and_reloads(tmp_path, tiny_llama, sch):
     from compress.arch import get_arch
-    from compress.model.load import load_compressed, save_compressed
+    from compress.export.native import load_compressed, save_compressed
 
     stage = QuantizeStage(scheme=sch)
     apply_quantize(tiny_llama, plan_quantize(tiny_llama, get_arch(tiny_llama), stage), stage)

@@ -10,7 +10,7 @@ import torch
 
 from compress.arch import get_arch
 from compress.export import ExportError, check_export, export_model
-from compress.model.load import load_compressed, save_compressed
+from compress.export.native import load_compressed, save_compressed
 from compress.core.nn import QuantLinear
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.quantizers import QUANTIZERS, get_quantizer, quantize_rtn

@@ -369,7 +369,7 @@ def test_float_copy_only_when_asked_and_measured():
 
 def test_inspect_shows_a_models_dispatch(tmp_path, capsys):
     from compress.cli.commands import main
-    from compress.model.load import save_compressed
+    from compress.export.native import save_compressed
     model = quantized_tiny("llama", scheme("int4", "group", 32, False))
     from tests.tiny_tokenizer import make_tiny_tokenizer
     save_compressed(model, make_tiny_tokenizer(), tmp_path / "m", {"source": "tiny"})

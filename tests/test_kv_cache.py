@@ -107,7 +107,7 @@ def test_scales_are_applied_in_the_forward():
 
 
 def test_kv_run_saves_scales_and_reloads_them(tmp_path):
-    from compress.model.load import load_compressed, save_compressed
+    from compress.export.native import load_compressed, save_compressed
 
     model = make_tiny_model("llama")
     stage = QuantizeStage(scheme=FP8_DYNAMIC)
@@ -145,7 +145,7 @@ def test_nvfp4_kv_is_blockwise_e2m1_under_the_layer_tensor_scale():
 
 def test_nvfp4_kv_run_applies_saves_reloads_and_exports_refuse(tmp_path):
     from compress.export import ExportError, export_model
-    from compress.model.load import load_compressed, save_compressed
+    from compress.export.native import load_compressed, save_compressed
     from compress.stages.kv_cache import KVCacheStage
 
     model = make_tiny_model("llama")

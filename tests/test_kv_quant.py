@@ -123,7 +123,7 @@ def test_a_recipe_stage_applies_it_and_the_checkpoint_keeps_it(tmp_path):
     import json
 
     from compress.export import ExportError, check_export
-    from compress.model.load import load_compressed
+    from compress.export.native import load_compressed
     from compress.stages.kv_cache import KVCacheStage
 
     out = run_tiny_recipe(tmp_path, [{"stage": "kv_cache", "dtype": "int4", "group": 16, "residual": 16}],

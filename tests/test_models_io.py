@@ -9,7 +9,8 @@ from safetensors import safe_open
 from torch import nn
 
 from compress.arch import get_arch
-from compress.model.load import COMPRESS_META, load_compressed, load_model, save_compressed
+from compress.model.load import load_model
+from compress.export.native import COMPRESS_META, load_compressed, save_compressed
 from compress.export.shards import SINGLE as WEIGHTS
 from compress.core.nn import QuantLinear
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize

@@ -11,7 +11,8 @@ import yaml
 
 from compress.arch import get_arch
 from compress.cli.commands import main
-from compress.model.load import load_compressed, load_model
+from compress.model.load import load_model
+from compress.export.native import load_compressed
 from compress.arch.moe import ROUTER_REASON, ExpertLinears, moe_blocks, router_names, unfuse_experts
 from compress.core.nn import QuantLinear
 from compress.quantizers import quantize_rtn

@@ -129,7 +129,7 @@ def test_quantized_layers_keep_the_rotation(method):
 
 
 def test_the_compress_checkpoint_holds_the_rotation(tmp_path):
-    from compress.model.load import load_compressed, save_compressed
+    from compress.export.native import load_compressed, save_compressed
 
     model, ids, _, _ = _rotated_and_quantized("rtn")
     save_compressed(model, None, tmp_path / "m", {}, save_dtype="float32")

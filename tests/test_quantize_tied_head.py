@@ -8,7 +8,7 @@ from torch import nn
 
 from compress.arch import get_arch
 from compress.export import ExportError, export_model
-from compress.model.load import load_compressed, save_compressed
+from compress.export.native import load_compressed, save_compressed
 from compress.core.nn import QuantLinear
 from compress.pipeline.resident import planned_model
 from compress.stages import Plan, RunContext, make_plan

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 
 from compress.export.verify import compare_logits, model_logits, verify_export
-from compress.model.load import load_compressed, save_compressed
+from compress.export.native import load_compressed, save_compressed
 from compress.core.scheme import FP8, scheme
 from compress.export.shards import INDEX, SINGLE, plan_shards, read_safetensors, write_safetensors
 from tests.test_export import KL_BAR, WINDOWS, export, quantized

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from compress.export import ExportError, export_model
-from compress.model.load import load_compressed
+from compress.export.native import load_compressed
 from compress.pipeline.resident import run
 from compress.recipe import from_dict
 from compress.export.shards import read_safetensors, shard_files

@@ -202,7 +202,7 @@ class _CountResident(BlockVisitor):
 
 @requires_data
 def test_only_one_block_is_in_memory_at_a_time_and_the_output_reloads(tmp_path):
-    from compress.model.load import load_compressed
+    from compress.export.native import load_compressed
     from compress.pipeline.calibration import compress_model
     from compress.stages.base import make_plan
     from compress.pipeline.streamed import StreamedBlocks

@@ -14,7 +14,7 @@ from torch import nn
 
 from compress.distill.kd import distill
 from compress.arch import get_arch
-from compress.model.load import load_compressed
+from compress.export.native import load_compressed
 from compress.core.nn import QuantLinear, is_linear, linear_weight
 from compress.quantizers.rtn import quantize_rtn
 from compress.recipe import RecipeError, load_recipe

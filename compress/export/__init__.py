@@ -1,12 +1,14 @@
 """Export a compressed model to the checkpoint formats serving stacks load.
 
 EXPORTERS maps a format name to an Exporter: who loads it, what it refuses (checked before any file is
-written) and the function that writes it. `export_model` is the one way to write any of them: validate,
+written), the function that writes it and the one that reads it back (`compress verify`); its keys are the list of
+formats. `export_model` is the one way to write any of them: validate,
 write into a temporary folder beside the target, add `export.json` (format, recipe sha256, toolkit
 version, what happened to every tensor), then rename into place.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -28,9 +30,21 @@ GGUF_TYPES = ("f16", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q4_k_m", "
 class Exporter:
     name: str
     loaders: str  # who reads it, for --help and the README table
-    problems: Callable[[nn.Module], list[str]]  # why this model cannot be exported (empty: it can)
+    problems: Callable[[nn.Module], list[str]]  # why this model cannot be exported (empty: it can), layer by layer
     # (model, tokenizer, folder, source_gguf=None, max_shard_bytes=..., parts=None) -> report
     write: Callable[..., dict]
+    # (folder, export.json's record) -> (loader description, model), or (loader, .gguf path): `compress verify`
+    read: Callable[[Path, dict], tuple]
+
+
+def _lazy(module: str, function: str) -> Callable:
+    """`module.function` of this package, imported on first call: the format modules import torch-heavy helpers,
+    and the registry (and FORMAT_NAMES, which recipes and --help read) must not."""
+    def call(*args, **kwargs):
+        return getattr(importlib.import_module(f"{__name__}.{module}"), function)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = f"{module}.{function}"
+    return call
 
 
 def _gguf(qtype: str) -> Exporter:
@@ -56,36 +70,36 @@ def _gguf(qtype: str) -> Exporter:
             report["notes"].append(note)
         return report
 
-    return Exporter(f"gguf-{qtype}", "llama.cpp, llama-cpp-python, Ollama, LM Studio", problems, write)
+    return Exporter(f"gguf-{qtype}", "llama.cpp, llama-cpp-python, Ollama, LM Studio", problems, write,
+                    _lazy("readers", "read_gguf"))
 
 
-def _registry() -> dict[str, Exporter]:
-    from . import compressed_tensors, fp8, hf, modelopt
-
-    table = {
-        "dense": Exporter("dense", "transformers, vLLM, SGLang, TensorRT-LLM (plain float checkpoint)",
-                          hf.dense_problems, hf.write_dense),
-        "compressed-tensors": Exporter("compressed-tensors", "vLLM, SGLang, transformers (compressed-tensors)",
-                                       compressed_tensors.problems, compressed_tensors.write),
-        "awq": Exporter("awq", "vLLM, SGLang, transformers (AutoAWQ GEMM layout)", hf.awq_problems, hf.write_awq),
-        "gptq": Exporter("gptq", "vLLM, SGLang, transformers (GPTQ v1 layout)", hf.gptq_problems, hf.write_gptq),
-        "fp8": Exporter("fp8", "vLLM (quant_method fp8), TensorRT-LLM / ModelOpt (hf_quant_config.json)",
-                        fp8.problems, fp8.write),
-        "modelopt-nvfp4": Exporter("modelopt-nvfp4", "TensorRT-LLM, vLLM (ModelOpt NVFP4, Blackwell)",
-                                   modelopt.problems, modelopt.write),
-    }
-    for qtype in GGUF_TYPES:
-        table[f"gguf-{qtype}"] = _gguf(qtype)
-    return table
-
-
-FORMAT_NAMES = ("dense", "compressed-tensors", "awq", "gptq", "fp8", "modelopt-nvfp4") + tuple(f"gguf-{t}" for t in GGUF_TYPES)
+# The formats: a new one is a module with problems / write (and a reader in readers.py) plus one line here.
+EXPORTERS: dict[str, Exporter] = {e.name: e for e in (
+    Exporter("dense", "transformers, vLLM, SGLang, TensorRT-LLM (plain float checkpoint)",
+             _lazy("hf", "dense_problems"), _lazy("hf", "write_dense"), _lazy("readers", "read_transformers")),
+    Exporter("compressed-tensors", "vLLM, SGLang, transformers (compressed-tensors)",
+             _lazy("compressed_tensors", "problems"), _lazy("compressed_tensors", "write"),
+             _lazy("readers", "read_transformers")),
+    Exporter("awq", "vLLM, SGLang, transformers (AutoAWQ GEMM layout)",
+             _lazy("hf", "awq_problems"), _lazy("hf", "write_awq"), _lazy("readers", "read_awq")),
+    Exporter("gptq", "vLLM, SGLang, transformers (GPTQ v1 layout)",
+             _lazy("hf", "gptq_problems"), _lazy("hf", "write_gptq"), _lazy("readers", "read_gptq")),
+    Exporter("fp8", "vLLM (quant_method fp8), TensorRT-LLM / ModelOpt (hf_quant_config.json)",
+             _lazy("fp8", "problems"), _lazy("fp8", "write"), _lazy("readers", "read_fp8")),
+    Exporter("modelopt-nvfp4", "TensorRT-LLM, vLLM (ModelOpt NVFP4, Blackwell)",
+             _lazy("modelopt", "problems"), _lazy("modelopt", "write"), _lazy("readers", "read_modelopt")),
+    Exporter("native", "compress (`compress eval` / `export` / `verify`; what `compress run` writes)",
+             _lazy("native", "problems"), _lazy("native", "write"), _lazy("readers", "read_native")),
+    *(_gguf(qtype) for qtype in GGUF_TYPES),
+)}
+FORMAT_NAMES = tuple(EXPORTERS)
 
 
 def get_exporter(name: str) -> Exporter:
     if name not in FORMAT_NAMES:
         raise ExportError(f"unknown export format {name!r}; choose one of {', '.join(FORMAT_NAMES)}")
-    return _registry()[name]
+    return EXPORTERS[name]
 
 
 def check_export(model: nn.Module, name: str) -> Exporter:
@@ -164,9 +178,3 @@ def export_model(model: nn.Module, tokenizer, name: str, out: str | Path, meta: 
 
 
 __all__ = ["EXPORTERS", "FORMAT_NAMES", "ExportError", "Exporter", "check_export", "export_model", "get_exporter"]
-
-
-def __getattr__(attr):  # EXPORTERS is built on first use: the format modules import torch-heavy helpers
-    if attr == "EXPORTERS":
-        return _registry()
-    raise AttributeError(attr)

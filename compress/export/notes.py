@@ -29,7 +29,7 @@ CPU_NO_FP4 = ("vLLM's CPU build has no NVFP4 / MXFP4 kernel (\"Marlin FP4 not av
 def vllm_notes(model: nn.Module, fmt: str) -> list[str]:
     from .hf import quant_layers
 
-    if fmt.startswith("gguf-") or fmt == "dense":
+    if fmt.startswith("gguf-") or fmt in ("dense", "native"):
         return []
     schemes = {m.scheme for m in quant_layers(model).values()}
     weight_only_int = {s for s in schemes if s.act is None and not s.is_float and not s.is_micro}

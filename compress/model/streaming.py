@@ -282,7 +282,7 @@ def open_compressed(folder: str | Path) -> Streamed:
     checkpoint's own dtype (output.save_dtype), codes and scales at theirs."""
     from transformers import AutoTokenizer
 
-    from .load import COMPRESS_META, compressed_skeleton
+    from ..export.native import COMPRESS_META, compressed_skeleton
 
     folder = Path(folder)
     reader = ShardReader(folder)

@@ -16,8 +16,8 @@ from ..arch import get_arch
 from ..evaluate.memory import folder_bytes
 from .report import evaluate_models
 from .memory_plan import MemoryPlan, conversion_bytes
-from ..model.load import (checkpoint_files, load_compressed, load_config, load_model, quantized_skeleton,
-        resolve_device, resolve_dtype, save_compressed)
+from ..model.load import checkpoint_files, load_config, load_model, resolve_device, resolve_dtype
+from ..export.native import load_compressed, quantized_skeleton, save_compressed
 from ..transforms.outliers import plant_outliers
 from .model_stages import run_after_stages, run_model_stages, work_dir, world
 from ..precision.mixed import fits

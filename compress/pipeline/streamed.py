@@ -28,7 +28,8 @@ from ..calibrate.distributed import world
 from ..evaluate.memory import folder_bytes
 from ..kv.cache import kv_layers, set_kv_scales
 from .memory_plan import plan_memory
-from ..model.load import _classify, meta_quant_layers, resolve_device, resolve_dtype, storage_tensors, write_model_files
+from ..model.load import _classify, resolve_device, resolve_dtype
+from ..export.native import meta_quant_layers, storage_tensors, write_model_files
 from ..core.scheme import FP8_MAX
 from ..core.nn import QuantLinear
 from ..recipe import Recipe
