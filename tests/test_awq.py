@@ -19,6 +19,7 @@ from compress.transforms.smoothing import apply_smoothing, in_weight, out_channe
 from compress.recipe import from_dict
 from compress.core.scheme import scheme
 from tests.conftest import TINY_CONFIGS, make_tiny_model
+from tests.reference.naive_awq import naive_awq_search, naive_fake_quantize
 
 
 def _salient_inputs(n=1024, k=256, salient=(3, 77, 150), factor=40.0):
@@ -184,3 +185,182 @@ def test_awq_searches_for_the_scheme_of_the_next_quantize_stage():
 def test_fake_quantize_is_the_rtn_round_trip(sch):
     w = torch.randn(48, 128)
     assert torch.equal(fake_quantize(w, sch), quantize_rtn(w, sch).dequantize())
+
+
+# ---------------------------------------------------------------- awq_block against a plain grid search
+# A tiny block (a norm, then an MLP down(silu(gate(h)) * up(h)), x + mlp(norm(x))) with salient input channels, its
+# statistics and replay calls taken by the real BlockObserver, searched by awq_block; the same search written out in
+# tests/reference/naive_awq.py, its losses computed here in float64 from plain functions of the weights.
+
+K, N, G = 64, 32, 16  # hidden, intermediate, group size
+NORM_PAIR = ("norm", ("mlp.gate", "mlp.up"), "mlp")
+DOWN_PAIR = ("mlp.up", ("mlp.down",), "mlp.down")
+
+
+class _Norm(nn.Module):
+    def __init__(self, offset: float):
+        super().__init__()
+        self.offset = offset
+        self.weight = nn.Parameter(torch.rand(K) + 0.5 - offset)  # gains in [0.5, 1.5] (+ offset: Gemma's form)
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (self.offset + self.weight)
+
+
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(K, N), nn.Linear(K, N), nn.Linear(N, K)
+
+    def forward(self, h):
+        return self.down(nn.functional.silu(self.gate(h)) * self.up(h))
+
+
+class _Block(nn.Module):
+    def __init__(self, offset: float):
+        super().__init__()
+        self.norm, self.mlp = _Norm(offset), _MLP()
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+def _mlp64(h, wg, bg, wu, bu, wd, bd):
+    """The MLP in float64 from its weights."""
+    h = h.double()
+    a = nn.functional.silu(h @ wg.double().T + bg.double()) * (h @ wu.double().T + bu.double())
+    return a @ wd.double().T + bd.double()
+
+
+def _mse(outs, refs) -> float:
+    """Mean over windows of each window's mean squared error: the search's loss."""
+    return sum(float((o - r).pow(2).mean()) for o, r in zip(outs, refs)) / len(outs)
+
+
+def _awq_case(offset: float, seed: int = 0):
+    torch.manual_seed(seed)
+    block = _Block(offset)
+    with torch.no_grad():
+        block.mlp.up.weight[[5, 20]] *= 8  # two intermediate channels far larger than the rest: down's salient inputs
+    samples = [torch.randn(1, 24, K) for _ in range(3)]
+    for x in samples:
+        x[..., [3, 17, 40]] *= 25  # salient hidden channels, as in real LLMs
+    return block, samples
+
+
+def _observe(block, samples, keep: int):
+    from compress.observers import BlockObserver
+
+    obs = BlockObserver(block, ["mlp.gate", "mlp.up", "mlp.down"], ["mlp", "mlp.down"], abs_mean=True,
+                        hessian=False, keep_samples=keep)
+    with obs, torch.no_grad():
+        for x in samples:
+            block(x)
+    return obs
+
+
+def _abs_mean(inputs: list[torch.Tensor]) -> torch.Tensor:
+    """mean |x| per channel over every token of every window, summed per window in float32 then over windows (the
+    observer's order, so the scales' float32 bits and with them every rounding decision are the same)."""
+    total = sum(t.reshape(-1, t.shape[-1]).abs().sum(0, dtype=torch.float32) for t in inputs)
+    return total / sum(t.reshape(-1, t.shape[-1]).shape[0] for t in inputs)
+
+
+def _reference(block, samples, pair, sch, n_grid, keep, duo):
+    """The plain search for one pair of the untouched block: (s, r, loss, loss at r = 0, every r's loss)."""
+    m = block.mlp
+    wg, bg, wu, bu, wd, bd = (t.detach().clone() for t in (m.gate.weight, m.gate.bias, m.up.weight, m.up.bias,
+                                                           m.down.weight, m.down.bias))
+    with torch.no_grad():
+        hs = [block.norm(x) for x in samples]  # the MLP's inputs
+        acts = [nn.functional.silu(m.gate(h)) * m.up(h) for h in hs]  # down's inputs
+    if pair == NORM_PAIR:
+        refs = [_mlp64(h, wg, bg, wu, bu, wd, bd) for h in hs[:keep]]
+        return naive_awq_search(_abs_mean(hs), [wg, wu], sch, n_grid, duo=duo, loss_of=lambda t: _mse(
+            [_mlp64(h, t[0], bg, t[1], bu, wd, bd) for h in hs[:keep]], refs))
+    refs = [a.double() @ wd.double().T for a in acts[:keep]]  # the bias cancels in the error
+    return naive_awq_search(_abs_mean(acts), [wd], sch, n_grid, duo=duo, loss_of=lambda t: _mse(
+        [a.double() @ t[0].double().T for a in acts[:keep]], refs))
+
+
+@pytest.fixture
+def float32_replay(monkeypatch):
+    """The search's float32 path (a CPU without bf16 instructions): the reference's float64 losses then agree to
+    ~1e-6 relative; under bf16 autocast the candidates' losses move by bf16's 4e-3 and the choice is no longer the
+    reference's to predict."""
+    import compress.nn
+
+    monkeypatch.setattr(compress.nn, "cpu_has_bf16", lambda: False)
+
+
+@pytest.mark.parametrize("duo", [False, True], ids=["paper", "duo"])
+@pytest.mark.parametrize("sch", [scheme("int4", "group", G, True), scheme("int3", "group", G, False)],
+                         ids=lambda s: s.name)
+@pytest.mark.parametrize("pair, offset", [(NORM_PAIR, 0.0), (NORM_PAIR, 1.0), (DOWN_PAIR, 0.0)],
+                         ids=["norm->gate,up", "norm(offset 1)->gate,up", "up->down"])
+def test_awq_block_search_equals_a_plain_grid_search(pair, offset, sch, duo, float32_replay):
+    """awq_block picks the reference's exponent with the reference's loss (and RTN's at r = 0), folds exactly the
+    reference's scales (balance columns x s, the previous op's outputs / s), keeps the float block's function, and
+    the weights it leaves, quantized by round-to-nearest and fed the previous op's divided outputs, have the loss it
+    reported: the search was for the weights the quantize stage stores.
+
+    Tolerances: the losses are float32 MSEs in the code against float64 here (the codes and scales are bit-equal),
+    rel 1e-5 (measured up to 1.1e-6); the reference's best loss beats every other r by more than 1e-3 (measured 2% to
+    54%), so the choice is well determined. Folded weights: the same float32 products, rtol 1e-6."""
+    from compress.quantizers.awq import awq_block
+    from compress.stages.awq import AWQStage
+
+    n_grid, keep = 8, 2  # the search replays the first 2 of 3 windows; mean |x| is over all 3
+    block, samples = _awq_case(offset)
+    s_ref, r_ref, loss_ref, loss0_ref, losses = _reference(block, samples, pair, sch, n_grid, keep, duo)
+    assert r_ref > 0 and loss_ref < 0.9 * loss0_ref  # scaling helps here: a search that never scales cannot pass
+    assert sorted(losses)[1] > loss_ref * (1 + 1e-3)
+
+    m = block.mlp
+    with torch.no_grad():
+        before = [block(x) for x in samples]
+        if pair == NORM_PAIR:  # the float output of the pair's inspect module on the replayed windows
+            refs = [(b - x).double() for b, x in zip(before, samples[:keep])]
+        else:
+            refs = [m.down(nn.functional.silu(m.gate(h)) * m.up(h)).double() - m.down.bias.double()
+                    for h in (block.norm(x) for x in samples[:keep])]
+    prev_name, balance_names, _ = pair
+    prev, balance = block.get_submodule(prev_name), [block.get_submodule(n) for n in balance_names]
+    prev_w0 = prev.weight.detach().clone()
+    prev_b0 = prev.bias.detach().clone() if getattr(prev, "bias", None) is not None else None
+    balance_w0 = [lin.weight.detach().clone() for lin in balance]
+    obs = _observe(block, samples, keep)
+    divisor = {}
+    stage = AWQStage(n_grid=n_grid, search_samples=keep, clip=False, duo_scaling=duo)
+    with torch.no_grad():  # as the runner calls it
+        results = awq_block(block, (pair,), obs, stage, sch, {"mlp.gate", "mlp.up", "mlp.down"}, (), offset, divisor)
+
+    (res,) = results
+    assert not res.skipped
+    assert res.ratio == pytest.approx(r_ref, abs=1e-12)
+    assert res.loss == pytest.approx(loss_ref, rel=1e-5)
+    assert res.loss_identity == pytest.approx(loss0_ref, rel=1e-5)
+    with torch.no_grad():  # the scales folded: balance columns x s, the previous op's outputs / s
+        for lin, w0 in zip(balance, balance_w0):
+            torch.testing.assert_close(lin.weight, w0 * s_ref[None, :], rtol=1e-6, atol=0)
+        if isinstance(prev, nn.Linear):
+            torch.testing.assert_close(prev.weight, prev_w0 / s_ref[:, None], rtol=1e-6, atol=0)
+            torch.testing.assert_close(prev.bias, prev_b0 / s_ref, rtol=1e-6, atol=0)
+        else:
+            torch.testing.assert_close(prev.weight + offset, (prev_w0 + offset) / s_ref, rtol=1e-6, atol=1e-7)
+        for n in balance_names:
+            torch.testing.assert_close(divisor[n], s_ref, rtol=1e-6, atol=0)
+        after = [block(x) for x in samples]
+    for a, b in zip(after, before):  # function preserved in float, before any quantization
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+    # what the quantize stage will store: RTN of the folded weights, fed the previous op's new (divided) outputs
+    with torch.no_grad():
+        if pair == NORM_PAIR:
+            hs = [block.norm(x) for x in samples[:keep]]  # h / s
+            outs = [_mlp64(h, naive_fake_quantize(m.gate.weight, sch), m.gate.bias,
+                           naive_fake_quantize(m.up.weight, sch), m.up.bias, m.down.weight, m.down.bias) for h in hs]
+        else:
+            acts = [nn.functional.silu(m.gate(h)) * m.up(h) for h in (block.norm(x) for x in samples[:keep])]  # a / s
+            outs = [a.double() @ naive_fake_quantize(m.down.weight, sch).double().T for a in acts]
+    assert _mse(outs, refs) == pytest.approx(res.loss, rel=1e-5)

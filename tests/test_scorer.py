@@ -7,8 +7,10 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from compress.arch import get_arch
+from compress.evaluate import ppl
 from compress.evaluate.ppl import score_windows
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.core.scheme import scheme
@@ -124,3 +126,111 @@ def test_logits_from_final_hidden_states_are_the_models_own(family):
     windows = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(2))
     ours = score_windows({"m": model}, windows, progress=False)["m"]
     assert ours.ppl == pytest.approx(hf_perplexity(model, windows), rel=1e-4)
+
+
+# ---------------------------------------------------------------- windows longer than one logits chunk
+# The scorer runs one forward per window but turns its final hidden states into logits ppl.CHUNK positions at a time;
+# the tests above use windows shorter than a chunk, so they cannot see a position lost or counted twice at a chunk
+# edge. Here windows of 2 chunks exactly, 2 chunks + 1 position and 2.5 chunks of predictions are scored against one
+# full forward over the whole window, per-token NLL by F.cross_entropy in float64.
+#
+# Tolerance rel 1e-5 on the summed NLL: the scorer sums each chunk's log-probs in float32 (512 terms of ~24 nats:
+# worst-case rounding ~log2(512) * 6e-8 ≈ 5e-7 relative) from logits computed on a chunk of rows instead of the whole
+# window (matmul blocking: ~1e-7 relative per logit); measured below 1e-7 (llama). One position dropped or counted
+# twice per chunk moves the sum by >= 1/1280 ≈ 8e-4 relative (the sharpened heads give every position several nats),
+# 80x the tolerance.
+
+LONG = [2 * 512 + 1, 2 * 512 + 2, 2 * 512 + 256 + 1]  # window lengths: 2 chunks of predictions, one over, 2.5 chunks
+LONG_IDS = ["2chunks", "2chunks+1", "2.5chunks"]
+
+
+def plain_nll(model, windows: torch.Tensor) -> tuple[float, int]:
+    """Summed next-token NLL (float64) and the number of predictions, from one full forward per window."""
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for w in windows:
+            logits = model(input_ids=w[None], use_cache=False).logits[0, :-1].double()
+            total += float(F.cross_entropy(logits, w[1:], reduction="sum"))
+            n += w.numel() - 1
+    return total, n
+
+
+def _long_model(family: str):
+    """A tiny model that takes 2048 positions, its head sharpened (x20, untied from the input embedding) so that
+    per-token NLLs spread over several nats instead of all sitting near log(vocab)."""
+    model = make_tiny_model(family, max_position_embeddings=2048)
+    with torch.no_grad():
+        head = model.get_output_embeddings()
+        head.weight = torch.nn.Parameter(head.weight.detach() * 20)
+    return model
+
+
+def _assert_nll_matches(scores, model, windows):
+    total, n = plain_nll(model, windows)
+    assert scores.tokens == n
+    assert scores.nll * scores.tokens == pytest.approx(total, rel=1e-5)
+    assert scores.ppl == pytest.approx(math.exp(total / n), rel=1e-5)
+
+
+@pytest.mark.parametrize("seq_len", LONG, ids=LONG_IDS)
+@pytest.mark.parametrize("family", ["llama", "gemma2", "opt", "gpt2"])
+def test_perplexity_over_several_chunks_equals_one_full_forward(family, seq_len):
+    """The real CHUNK (512) on families whose logits are computed differently: tied head (llama), soft-capped logits
+    and a sliding window (gemma2), a decoder inside a wrapper with learned positions (opt), Conv1D (gpt2)."""
+    assert ppl.CHUNK == 512  # LONG is written for it
+    model = _long_model(family)
+    windows = torch.randint(0, 256, (2, seq_len), generator=torch.Generator().manual_seed(seq_len))
+    _assert_nll_matches(score_windows({"m": model}, windows, progress=False)["m"], model, windows)
+
+
+@pytest.mark.parametrize("targets", [32, 33, 40], ids=["2chunks", "2chunks+1", "2.5chunks"])
+@pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
+def test_perplexity_over_several_small_chunks_every_family(family, targets, monkeypatch):
+    """The same chunk edges on every tiny family, with 16-position chunks (CHUNK is read at each call) so that the
+    windows stay within the families' 256 positions."""
+    monkeypatch.setattr(ppl, "CHUNK", 16)
+    model = _long_model(family)
+    windows = torch.randint(0, 256, (2, targets + 1), generator=torch.Generator().manual_seed(targets))
+    _assert_nll_matches(score_windows({"m": model}, windows, progress=False)["m"], model, windows)
+
+
+@pytest.mark.parametrize("seq_len", LONG, ids=LONG_IDS)
+def test_kl_top1_and_both_perplexities_over_several_chunks(seq_len):
+    """With a baseline every chunk is scored by both models in turn: KL and top-1 over windows of several chunks
+    equal the plain full-logits implementation (float64), and each model's perplexity its full forward's. KL
+    tolerance rel 1e-4: a sum of float32 p * (log p - log q) terms, each difference of two ~24-nat log-probs off by
+    ~1e-6, against a KL of ~3e-4 to 2e-3 nats per position (measured up to 8e-6 relative); one position dropped or
+    counted twice per chunk moves it by ~1e-3 relative. Top-1 may flip at one near-tie position (float32 chunked
+    logits against float64 full ones)."""
+    base = _long_model("llama")
+    quantized = _int2(base)
+    windows = torch.randint(0, 256, (2, seq_len), generator=torch.Generator().manual_seed(seq_len))
+    scores = score_windows({"q": quantized, "base": base}, windows, baseline="base", progress=False)
+    kl, top1 = plain_kl_top1(base, quantized, windows)
+    n = 2 * (seq_len - 1)
+    assert kl > 1e-4  # int2 g16 moves the distribution (measured 3e-4 to 2e-3 here): the comparison is not 0 == 0
+    assert scores["q"].kl == pytest.approx(kl, rel=1e-4)
+    assert scores["q"].top1_agreement == pytest.approx(top1, abs=1 / n + 1e-12)
+    assert scores["base"].kl == 0 and scores["base"].top1_agreement == 1.0
+    _assert_nll_matches(scores["base"], base, windows)
+    _assert_nll_matches(scores["q"], quantized, windows)
+
+
+def test_score_hidden_over_several_chunks_reads_each_windows_own_hidden_states():
+    """score_hidden (the streamed run's and distillation's entry point) with hidden states handed in per window index,
+    as a block-by-block pass carries them: the same scores as one full forward per window, KL included."""
+    from compress.evaluate.ppl import _final_hidden, final_logits
+
+    base = _long_model("llama")
+    quantized = _int2(base)
+    models = {"base": base, "q": quantized}
+    windows = torch.randint(0, 256, (3, LONG[2]), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        hidden = {n: [_final_hidden(m, w[None])[0, :-1] for w in windows] for n, m in models.items()}
+    final = {n: (lambda k, ids, n=n: hidden[n][k]) for n in models}
+    logits = {n: (lambda h, m=m: final_logits(m, h)) for n, m in models.items()}
+    scores = ppl.score_hidden(final, logits, windows, baseline="base", progress=False)
+    kl, _ = plain_kl_top1(base, quantized, windows)
+    assert scores["q"].kl == pytest.approx(kl, rel=1e-4)
+    _assert_nll_matches(scores["base"], base, windows)
+    _assert_nll_matches(scores["q"], quantized, windows)
