@@ -249,7 +249,7 @@ def _awq_case(offset: float, seed: int = 0):
 
 
 def _observe(block, samples, keep: int):
-    from compress.observers import BlockObserver
+    from compress.calibrate.observers import BlockObserver
 
     obs = BlockObserver(block, ["mlp.gate", "mlp.up", "mlp.down"], ["mlp", "mlp.down"], abs_mean=True,
                         hessian=False, keep_samples=keep)
@@ -288,9 +288,9 @@ def float32_replay(monkeypatch):
     """The search's float32 path (a CPU without bf16 instructions): the reference's float64 losses then agree to
     ~1e-6 relative; under bf16 autocast the candidates' losses move by bf16's 4e-3 and the choice is no longer the
     reference's to predict."""
-    import compress.nn
+    import compress.core.nn
 
-    monkeypatch.setattr(compress.nn, "cpu_has_bf16", lambda: False)
+    monkeypatch.setattr(compress.core.nn, "cpu_has_bf16", lambda: False)
 
 
 @pytest.mark.parametrize("duo", [False, True], ids=["paper", "duo"])
