@@ -26,6 +26,7 @@ from .blockwise import BlockInputs, BlockVisitor, block_forward, capture_block_i
 from .data import eval_windows
 from .distributed import world
 from .evaluate.memory import folder_bytes
+from .integrity import check_resume_dir
 from .kv_cache import kv_layers, set_kv_scales
 from .memory_plan import plan_memory
 from .models import _classify, meta_quant_layers, resolve_device, resolve_dtype, storage_tensors, write_model_files
@@ -211,6 +212,7 @@ class StreamCheckpoint(BlockVisitor):
         path = folder / "progress.json"
         if not path.is_file():
             return None
+        check_resume_dir(folder)  # its files whole before anything is read from them (integrity.py)
         state = json.loads(path.read_text())
         if state["recipe_sha256"] != recipe_sha:
             raise ValueError(f"{folder} holds an interrupted run of another recipe (or other overrides); run without "
