@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..evaluate.ppl import score_hidden, score_windows
+from ..model.integrity import check_resume_dir
 
 STATE_FILE = "distill_state.json"  # written last, so a checkpoint folder without it is incomplete
 # changing these between a run and its resume would silently change what is trained
@@ -194,6 +195,7 @@ class _Training:
         if ckpt is None:
             raise FileNotFoundError(f"resume=True but {work_dir / 'checkpoints'} holds no complete checkpoint "
                                     f"(step-*/{STATE_FILE}); run without resume")
+        check_resume_dir(ckpt)  # a truncated or corrupt checkpoint is refused with the way out (integrity.py)
         state = json.loads((ckpt / STATE_FILE).read_text())
         changed = [k for k in _RESUME_FIXED if state["config"][k] != getattr(cfg, k)]
         if state.get("sharded") != ("fsdp" if self.sharded else None):

@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from .integrity import gguf_reader
+
 # processors whose process(weights, name) depends on that tensor alone and keeps its name (transformers 5)
 _PER_TENSOR = ("TensorProcessor", "LlamaTensorProcessor")
 
@@ -42,11 +44,10 @@ class GGUFSource:
 def gguf_tensor_source(path: str, skeleton: nn.Module) -> GGUFSource | None:
     """The file's tensors one at a time, named as `skeleton` (a meta model built from the file's config) names them;
     None where the architecture's conversion is not per tensor."""
-    from gguf import GGUFReader
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
                                                           get_gguf_hf_weights_map, read_field)
 
-    reader = GGUFReader(path)
+    reader = gguf_reader(path)  # checked first; its odd errors on a damaged file made clear (integrity.py)
     architecture = read_field(reader, "general.architecture")[0]
     cls = TENSOR_PROCESSORS.get(architecture, TensorProcessor)
     if cls.__name__ not in _PER_TENSOR:

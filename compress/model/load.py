@@ -17,6 +17,7 @@ from torch import nn
 from ..arch.moe import unfuse_experts
 from ..export.native import COMPRESS_META, load_compressed
 from .default_model import default_model_path
+from .integrity import check_source
 
 
 @dataclass
@@ -43,18 +44,18 @@ def resolve_device(name: str) -> str:
 
 def _classify(source: str) -> tuple[str, str]:
     if source == "default":
-        return "gguf", str(default_model_path())
+        return check_source("gguf", str(default_model_path()))
     path = Path(source).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"model {source!r}: no such .gguf file")
-        return "gguf", str(path)
+        return check_source("gguf", str(path))  # a truncated or corrupt file is refused here (integrity.py)
     if path.is_dir():
         if (path / COMPRESS_META).is_file():
-            return "compressed", str(path)
+            return check_source("compressed", str(path))
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model folder {source!r} has no config.json; is it a Hugging Face model folder?")
-        return "folder", str(path)
+        return check_source("folder", str(path))
     if source.count("/") == 1 and not source.startswith((".", "/", "~")):
         return "hub", source
     raise FileNotFoundError(f"model {source!r} is not `default`, a .gguf file, a model folder or a hub id "

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from ..arch import ArchSpec, get_arch, get_module
 from .gguf_source import gguf_tensor_source
+from .integrity import check_safetensors_folder
 from ..arch.moe import hub_names, moe_blocks, split_expert
 from ..export.shards import ShardReader
 
@@ -285,6 +286,7 @@ def open_compressed(folder: str | Path) -> Streamed:
     from ..export.native import COMPRESS_META, compressed_skeleton
 
     folder = Path(folder)
+    check_safetensors_folder(folder)  # a truncated or corrupt shard is refused before any block is read
     reader = ShardReader(folder)
     meta = json.loads((folder / COMPRESS_META).read_text())
     dtype = getattr(torch, meta.get("save_dtype", "bfloat16"))

@@ -15,6 +15,7 @@ from .._version import __version__
 from ..arch import get_arch
 from ..evaluate.memory import folder_bytes
 from .report import evaluate_models
+from ..model.integrity import check_resume_dir
 from .memory_plan import MemoryPlan, conversion_bytes
 from ..model.load import checkpoint_files, load_config, load_model, resolve_device, resolve_dtype
 from ..export.native import load_compressed, quantized_skeleton, save_compressed
@@ -148,6 +149,8 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
     run (model.stream) at the block where it stopped."""
     out = Path(recipe.output.dir)
     check_output(out, recipe.output.overwrite)
+    if resume:  # what a resume reads, checked before any work (integrity.py)
+        check_resume_dir(work_dir(out))
     device = resolve_device(recipe.model.device)
     set_threads(recipe.model.threads)
     memory, recipe, streamed = check_memory(recipe, device, log)  # before any weight is read: refuse what cannot fit

@@ -27,6 +27,7 @@ from ..calibrate.data import eval_windows
 from ..calibrate.distributed import world
 from ..evaluate.memory import folder_bytes
 from ..kv.cache import kv_layers, set_kv_scales
+from ..model.integrity import check_resume_dir
 from .memory_plan import plan_memory
 from ..model.load import _classify, resolve_device, resolve_dtype
 from ..export.native import meta_quant_layers, storage_tensors, write_model_files
@@ -212,6 +213,7 @@ class StreamCheckpoint(BlockVisitor):
         path = folder / "progress.json"
         if not path.is_file():
             return None
+        check_resume_dir(folder)  # its files whole before anything is read from them (integrity.py)
         state = json.loads(path.read_text())
         if state["recipe_sha256"] != recipe_sha:
             raise ValueError(f"{folder} holds an interrupted run of another recipe (or other overrides); run without "
