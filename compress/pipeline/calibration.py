@@ -1,12 +1,9 @@
 """What the in-memory run (pipeline.py) and the streamed run (stream_run.py) share: the calibration pass with the
-block stages (`compress_model`), the report's header and files, and the output folder written under a temporary name
-and renamed into place at the end."""
+block stages (`compress_model`), the report's header and files."""
 from __future__ import annotations
 
 import contextlib
 import datetime
-import os
-import shutil
 import tempfile
 import time
 from dataclasses import asdict
@@ -236,20 +233,3 @@ def run_header(recipe: Recipe, loaded, model, arch, n_params: int, device: str, 
                   "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "device": device,
                   "threads": torch.get_num_threads(), "planted_outliers": planted},
     }
-
-
-@contextlib.contextmanager
-def staged_output(out: Path):
-    """A temporary folder beside `out`, renamed into place when the block completes; removed on any error or
-    Ctrl-C, so a failed run never leaves a half-written output (nor replaces an existing one)."""
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-        if out.exists():
-            shutil.rmtree(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -24,7 +24,8 @@ from ..precision.mixed import fits
 from ..recipe import Recipe
 from ..core.scheme import QuantScheme
 from ..stages.base import Plan, make_plan, next_target
-from .calibration import Timings, check_output, compress_model, run_header, set_threads, staged_output, write_run_report
+from .calibration import Timings, check_output, compress_model, run_header, set_threads, write_run_report
+from ..export.staging import staged
 
 
 def planned_model(model, plan: Plan, offered: tuple[QuantScheme, ...] = (), target: int | None = None,
@@ -185,7 +186,7 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
             sections["stages"][i] = section
     report.update(sections)
     set_threads(recipe.model.threads)
-    with staged_output(out) as tmp:
+    with staged(out) as tmp:
         report.update(save_and_evaluate(recipe, loaded, model, before_distill, plan.arch, samples, device, tmp, out,
                                         timings, progress, log))
         write_run_report(report, tmp)

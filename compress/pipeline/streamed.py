@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from ..recipe import Recipe
 from .calibration import Timings, check_output, compress_model, run_header, set_threads, write_run_report
 from .model_stages import work_dir
 from ..export.shards import ShardReader, ShardWriter
+from ..export.staging import staged, write_atomic
 from ..stages.base import make_plan
 from ..model.streaming import STREAM_KINDS, Streamed, open_streamed, trim_heap
 
@@ -268,9 +268,7 @@ class StreamCheckpoint(BlockVisitor):
             state = {"recipe_sha256": self.sha, "next": i + 1, "carried": name, "errors": errors,
                      "writer": self.writer.state() if self.writer is not None else None,
                      "records": self.ctx.records, "kv": self.blocks.kv, "processes": self.processes}
-            tmp = self.folder / "progress.json.tmp"
-            tmp.write_text(json.dumps(state))
-            os.replace(tmp, self.folder / "progress.json")
+            write_atomic(self.folder / "progress.json", json.dumps(state))
             if self.writer is not None:
                 self.writer.drop_stale()
         if active():
@@ -331,9 +329,7 @@ def streamed_model_stages(recipe: Recipe, streamed: Streamed, device: str, work:
         streamed.load_outside(skip=streamed.arch.lm_head)
         trim_heap()
     if main:
-        tmp = kept.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"recipe_sha256": recipe.sha256, "reports": reports}))
-        os.replace(tmp, kept)
+        write_atomic(kept, json.dumps({"recipe_sha256": recipe.sha256, "reports": reports}))
     return reports, dataclasses.replace(recipe, stages=stages)
 
 
@@ -440,10 +436,8 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, 
     report["timings"] = dict(timings)
     (stage / "recipe.yaml").write_text(recipe.text or recipe.resolved_yaml())
     (stage / "recipe.resolved.yaml").write_text(recipe.resolved_yaml())
-    write_run_report(report, stage)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(stage, out)
+    with staged(out, stage):  # the staging folder stays for --resume if this fails
+        write_run_report(report, stage)
     shutil.rmtree(work, ignore_errors=True)
     log(f"wrote {out}/report.md")
     return report
