@@ -165,8 +165,12 @@ def _streamed_equals_in_memory(tmp_path, family, stages, calibrate=True, **overr
     assert memory["stages"] == streamed["stages"]
     assert "streamed" not in memory and streamed["streamed"]["blocks"] == model.config.num_hidden_layers
     assert streamed["memory_plan"]["dtype"] == "float32, streamed"
-    assert json.loads((tmp_path / "out-always" / "compress.json").read_text())["layers"] == \
-        json.loads((tmp_path / "out-never" / "compress.json").read_text())["layers"]
+    saved = {mode: json.loads((tmp_path / f"out-{mode}" / "compress.json").read_text()) for mode in reports}
+    assert saved["always"]["layers"] == saved["never"]["layers"]
+    # one provenance record (pipeline/provenance.py): the source as given, in the report and the checkpoint alike
+    for mode in reports:
+        assert reports[mode]["model"]["source"] == saved[mode]["source"] == str(folder), mode
+        assert saved[mode]["recipe_sha256"] == reports[mode]["recipe"]["sha256"]
 
 
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from .._version import __version__
 from ..calibrate.distributed import (active, check_stages, local_keep, reduce_stats, share, start as start_processes,
         world)
 from ..arch import block_pairs
@@ -221,14 +220,15 @@ class Timings(dict):
             self[key] = time.perf_counter() - t
 
 
-def run_header(recipe: Recipe, loaded, model, arch, n_params: int, device: str, planted) -> dict:
-    """The report's provenance: compress version, time, the recipe as written and as resolved, the model."""
+def run_header(record: dict, recipe: Recipe, kind: str, model, arch, n_params: int, device: str, planted) -> dict:
+    """The report's header: the run's provenance (`record`, provenance.py: compress version, source), the time, the
+    recipe as written and as resolved, the model (`kind`: how it was loaded)."""
     return {
-        "compress_version": __version__,
+        "compress_version": record["compress_version"],
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "recipe": {"path": recipe.path, "sha256": recipe.sha256, "overrides": list(recipe.overrides),
                    "text": recipe.text, "resolved": to_plain(recipe, skip=("path", "text", "sha256", "overrides"))},
-        "model": {"source": loaded.source, "kind": loaded.kind, "family": arch.family, "parameters": n_params,
+        "model": {"source": record["source"], "kind": kind, "family": arch.family, "parameters": n_params,
                   "parameters_after": sum(p.numel() for p in model.parameters()),
                   "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "device": device,
                   "threads": torch.get_num_threads(), "planted_outliers": planted},

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from .._version import __version__
 from ..arch import get_arch
 from ..evaluate.memory import folder_bytes
 from .report import evaluate_models
@@ -26,6 +25,7 @@ from ..core.scheme import QuantScheme
 from ..stages.base import Plan, make_plan, next_target
 from .calibration import Timings, check_output, compress_model, run_header, set_threads, write_run_report
 from ..export.staging import staged
+from .provenance import export_provenance, provenance
 
 
 def planned_model(model, plan: Plan, offered: tuple[QuantScheme, ...] = (), target: int | None = None,
@@ -113,7 +113,7 @@ def verify_windows(recipe: Recipe, tokenizer, samples: torch.Tensor | None) -> t
                             "calibration set; or set output.verify_windows: 0")
 
 
-def write_exports(model, tokenizer, tmp: Path, out: Path, recipe: Recipe, source: str, windows, text: str,
+def write_exports(model, tokenizer, tmp: Path, out: Path, recipe: Recipe, record: dict, windows, text: str,
                   log, device: str = "cpu") -> list[dict]:
     """Each format of output.formats into OUTPUT/exports/<format>/ (written from `model` where it is: the CPU after
     the evaluation), reloaded and compared on `device` when asked."""
@@ -122,24 +122,24 @@ def write_exports(model, tokenizer, tmp: Path, out: Path, recipe: Recipe, source
 
     # compared with the model as saved beside them (float tensors at output.save_dtype, as the exports store
     # them), which is also what `compress verify` reloads later
-    source = load_compressed(tmp, next(model.parameters()).dtype) if windows is not None and \
+    reference = load_compressed(tmp, next(model.parameters()).dtype) if windows is not None and \
         recipe.output.save_model else model
-    if windows is not None and source is not model:
-        source.to(device)  # verify_export runs the export's reload where the source is
+    if windows is not None and reference is not model:
+        reference.to(device)  # verify_export runs the export's reload where the reference is
     exports = []
     for fmt in recipe.output.formats:
         log(f"exporting {fmt} ...")
         folder = tmp / "exports" / fmt
         folder.parent.mkdir(exist_ok=True)
-        record = export_model(model, tokenizer, fmt, folder, {
-            "recipe_sha256": recipe.sha256, "recipe": recipe.text, "source_model": str(out.resolve()),
-            "original_model": source}, source_gguf=source if str(source).endswith(".gguf") else None,
-            max_shard_bytes=recipe.output.max_shard_bytes)
-        entry = {"format": fmt, "folder": f"exports/{fmt}", "loaders": record["loaders"],
-                 "bytes": folder_bytes(folder), "notes": record.get("notes", [])}
+        source = record["source"]
+        written = export_model(model, tokenizer, fmt, folder, export_provenance(record, out),
+                               source_gguf=source if source.endswith(".gguf") else None,
+                               max_shard_bytes=recipe.output.max_shard_bytes)
+        entry = {"format": fmt, "folder": f"exports/{fmt}", "loaders": written["loaders"],
+                 "bytes": folder_bytes(folder), "notes": written.get("notes", [])}
         if windows is not None:
             log(f"verifying {fmt}: reloading it and comparing predictions on {windows.shape[0]} windows ...")
-            entry["verify"] = {**verify_export(folder, source, windows), "text": text}
+            entry["verify"] = {**verify_export(folder, reference, windows), "text": text}
         exports.append(entry)
     return exports
 
@@ -160,6 +160,7 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
         log(f"loading model {recipe.model.source!r} ...")
         loaded, planted = load_source(recipe, device)
     model, tokenizer = loaded.model, loaded.tokenizer
+    record = provenance(recipe, loaded.source)
     n_params = sum(p.numel() for p in model.parameters())
     # strict-mode errors and impossible exports surface here, on the shapes after pruning, before any heavy work
     plan = make_plan(model, get_arch(model), recipe.stages)
@@ -171,7 +172,7 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
         recipe = dataclasses.replace(recipe, stages=stages)
         plan = make_plan(model, get_arch(model), recipe.stages, model_stages_done=True)
         check_formats(model, plan, recipe.output.formats)
-    report = run_header(recipe, loaded, model, plan.arch, n_params, device, planted)
+    report = run_header(record, recipe, loaded.kind, model, plan.arch, n_params, device, planted)
     report["memory_plan"] = memory.to_dict()
     with timings("compress"):
         sections, samples = compress_model(model, tokenizer, recipe, plan, device, model_reports, progress, log,
@@ -187,8 +188,8 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
     report.update(sections)
     set_threads(recipe.model.threads)
     with staged(out) as tmp:
-        report.update(save_and_evaluate(recipe, loaded, model, before_distill, plan.arch, samples, device, tmp, out,
-                                        timings, progress, log))
+        report.update(save_and_evaluate(recipe, record, loaded, model, before_distill, plan.arch, samples, device,
+                                        tmp, out, timings, progress, log))
         write_run_report(report, tmp)
     shutil.rmtree(work_dir(out), ignore_errors=True)  # distillation checkpoints: the run finished
     log(f"wrote {out}/report.md")
@@ -227,7 +228,7 @@ def load_source(recipe: Recipe, device: str):
     return loaded, planted
 
 
-def save_and_evaluate(recipe: Recipe, loaded, model, before_distill, arch, samples, device: str, tmp: Path, out: Path,
+def save_and_evaluate(recipe: Recipe, record: dict, loaded, model, before_distill, arch, samples, device: str, tmp: Path, out: Path,
                       timings: Timings, progress: bool, log) -> dict:
     """Save the compressed model into `tmp`, evaluate it beside the baseline (and the pruned model before
     distillation), write the exports, then the report; returns the report sections added here."""
@@ -235,9 +236,7 @@ def save_and_evaluate(recipe: Recipe, loaded, model, before_distill, arch, sampl
     if recipe.output.save_model:
         with timings("save"):
             log("saving the compressed model ...")
-            save_compressed(model, loaded.tokenizer, tmp, {"compress_version": __version__,
-                                                           "recipe_sha256": recipe.sha256, "recipe": recipe.text,
-                                                           "source": loaded.source}, recipe.output.save_dtype,
+            save_compressed(model, loaded.tokenizer, tmp, record, recipe.output.save_dtype,
                             recipe.output.max_shard_bytes)
     with timings("eval"):
         baseline = None
@@ -261,8 +260,8 @@ def save_and_evaluate(recipe: Recipe, loaded, model, before_distill, arch, sampl
     if recipe.output.formats:
         with timings("export"):
             windows, text = verify_windows(recipe, loaded.tokenizer, samples)
-            report["exports"] = write_exports(model, loaded.tokenizer, tmp, out, recipe, loaded.source, windows,
-                                              text, log, device)
+            report["exports"] = write_exports(model, loaded.tokenizer, tmp, out, recipe, record, windows, text,
+                                              log, device)
     report["timings"] = dict(timings)
     (tmp / "recipe.yaml").write_text(recipe.text or recipe.resolved_yaml())
     (tmp / "recipe.resolved.yaml").write_text(recipe.resolved_yaml())

@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .._version import __version__
 from ..arch import get_module
 from ..calibrate.blockwise import BlockInputs, BlockVisitor, block_forward, capture_block_inputs
 from ..calibrate.data import eval_windows
@@ -33,6 +32,7 @@ from ..core.nn import QuantLinear
 from ..recipe import Recipe
 from .calibration import Timings, check_output, compress_model, run_header, set_threads, write_run_report
 from .model_stages import work_dir
+from .provenance import export_provenance, provenance
 from ..export.shards import ShardReader, ShardWriter
 from ..export.staging import staged, write_atomic
 from ..stages.base import make_plan
@@ -365,6 +365,7 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, 
         log(f"opening {recipe.model.source!r} to stream it block by block ...")
         streamed = open_source(recipe, device)
     model, arch, tokenizer = streamed.model, streamed.arch, streamed.tokenizer
+    record = provenance(recipe, streamed.source_name)
     n_params = parameters(model)
     plan = make_plan(model, arch, recipe.stages)
     if inputs := per_layer_inputs_quantized(plan):
@@ -380,7 +381,7 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, 
         plan = make_plan(model, arch, recipe.stages, model_stages_done=True)
     from .report import model_figures
     baseline_figures = model_figures(model, recipe.eval, meta=True)
-    report = run_header(recipe, streamed, model, arch, n_params, device, None)
+    report = run_header(record, recipe, streamed.kind, model, arch, n_params, device, None)
     if memory is not None:
         report["memory_plan"] = memory.to_dict()
     windows = eval_windows(tokenizer, recipe.eval.split, recipe.eval.seq_len, recipe.eval.max_windows) \
@@ -413,12 +414,10 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, 
                 for name, t in streamed.outside_tensors(arch.embed, getattr(torch, recipe.output.save_dtype)):
                     writer.add(name, t)
             writer.finish()
-            write_model_files(model, tokenizer, stage, {"compress_version": __version__,
-                                                        "recipe_sha256": recipe.sha256, "recipe": recipe.text,
-                                                        "source": streamed.where}, recipe.output.save_dtype, blocks.kv)
+            write_model_files(model, tokenizer, stage, record, recipe.output.save_dtype, blocks.kv)
     if recipe.output.formats:
         with timings("export"):
-            report["exports"] = export_streamed(recipe, stage, out, streamed, log, progress)
+            report["exports"] = export_streamed(recipe, record, stage, out, streamed, log, progress)
     with timings("eval"):
         set_threads(recipe.model.threads)
         report["eval"] = streamed_eval(recipe, model, arch, evaluation, windows, baseline_figures, progress, device)
@@ -447,7 +446,8 @@ NOT_VERIFIED = ("not reloaded and compared here: the loaders read the whole mode
                 "because it does not fit; `compress verify OUTPUT/exports/FORMAT` does it where the model fits")
 
 
-def export_streamed(recipe: Recipe, stage: Path, out: Path, streamed: Streamed, log, progress: bool) -> list[dict]:
+def export_streamed(recipe: Recipe, record: dict, stage: Path, out: Path, streamed: Streamed, log,
+                    progress: bool) -> list[dict]:
     """Each format of output.formats written from the checkpoint just saved in `stage`, one block in memory at a
     time (streaming.open_compressed + stream_parts); the same files the in-memory run writes."""
     from ..export import export_model
@@ -459,13 +459,11 @@ def export_streamed(recipe: Recipe, stage: Path, out: Path, streamed: Streamed, 
         folder = stage / "exports" / fmt
         folder.parent.mkdir(exist_ok=True)
         source = open_compressed(stage)
-        record = export_model(source.model, source.tokenizer, fmt, folder, {
-            "recipe_sha256": recipe.sha256, "recipe": recipe.text, "source_model": str(out.resolve()),
-            "original_model": streamed.source_name},
-            source_gguf=streamed.source_name if streamed.kind == "gguf" else None,
-            max_shard_bytes=recipe.output.max_shard_bytes, parts=stream_parts(source, progress))
-        exports.append({"format": fmt, "folder": f"exports/{fmt}", "loaders": record["loaders"],
-                        "bytes": folder_bytes(folder), "notes": [*record.get("notes", []), NOT_VERIFIED]})
+        written = export_model(source.model, source.tokenizer, fmt, folder, export_provenance(record, out),
+                               source_gguf=record["source"] if streamed.kind == "gguf" else None,
+                               max_shard_bytes=recipe.output.max_shard_bytes, parts=stream_parts(source, progress))
+        exports.append({"format": fmt, "folder": f"exports/{fmt}", "loaders": written["loaders"],
+                        "bytes": folder_bytes(folder), "notes": [*written.get("notes", []), NOT_VERIFIED]})
     return exports
 
 
