@@ -207,7 +207,7 @@ class _CountResident(BlockVisitor):
 @requires_data
 def test_only_one_block_is_in_memory_at_a_time_and_the_output_reloads(tmp_path):
     from compress.model.load import load_compressed
-    from compress.pipeline.calibration import compress_model
+    from compress.pipeline.calibration import PassExtras, compress_model
     from compress.stages.base import make_plan
     from compress.pipeline.streamed import StreamedBlocks
 
@@ -224,7 +224,8 @@ def test_only_one_block_is_in_memory_at_a_time_and_the_output_reloads(tmp_path):
     writer = ShardWriter(tmp_path / "pass")
     compress_model(streamed.model, streamed.tokenizer, recipe, make_plan(streamed.model, streamed.arch,
                                                                          recipe.stages), "cpu", progress=False,
-                   log=lambda *a: None, blocks=StreamedBlocks(streamed, writer, "bfloat16"), visitors=(counter,))
+                   log=lambda *a: None, extras=PassExtras(blocks=StreamedBlocks(streamed, writer, "bfloat16"),
+                                                          visitors=(counter,)))
     assert counter.resident == [1, 1, 1, 1]
     report = run(recipe, progress=False, log=lambda *a: None)
     again = load_compressed(tmp_path / "out")

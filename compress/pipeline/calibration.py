@@ -6,7 +6,7 @@ import contextlib
 import datetime
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -14,7 +14,7 @@ import torch
 from ..calibrate.distributed import (active, check_stages, local_keep, reduce_stats, share, start as start_processes,
         world)
 from ..arch import block_pairs
-from ..calibrate.blockwise import run_blockwise
+from ..calibrate.blockwise import BlockPass, run_blockwise
 from ..calibrate.data import calibration_windows, fingerprint
 from ..evaluate.plots import plot_recovery
 from .report import write_report
@@ -125,16 +125,28 @@ def kept_in_float(model) -> list[str]:
     return [f"{n}× {k} ({why})" for (k, why), n in sorted(kinds.items())]
 
 
-def compress_model(model, tokenizer, recipe: Recipe, plan: Plan, device: str, model_reports: dict | None = None,
-                   progress: bool = True, log=print, spill_dir: Path | None = None, blocks=None,
-                   visitors: tuple = (), checkpoint=None) -> tuple[dict, torch.Tensor | None]:
+@dataclass(frozen=True)
+class PassExtras:
+    """What a run gives compress_model beyond the model, its plan and where to compute. `model_reports`: the report
+    sections of the whole-model stages that ran before, by stage index. `spill_dir`: where calibration activations
+    go with calibration.offload: disk (a temporary folder inside it). `blocks` (a streamed model's block source, see
+    blockwise.BlockPass) makes the pass run even without calibration data: the stages then act on each block as it
+    is read, and `visitors` ride along. `checkpoint` (streamed.StreamCheckpoint) saves the pass after every block
+    and resumes it at the block where an interrupted run stopped."""
+    model_reports: dict = field(default_factory=dict)
+    spill_dir: Path | None = None
+    blocks: object = None
+    visitors: tuple = ()
+    checkpoint: object = None
+
+
+def compress_model(model, tokenizer, recipe: Recipe, plan: Plan, device: str, progress: bool = True, log=print,
+                   extras: PassExtras = PassExtras()) -> tuple[dict, torch.Tensor | None]:
     """The recipe's calibration pass and block stages, applied to `model` in place (the whole-model stages, prune
     and distill, have run before). Returns the report's `calibration`, `block_errors`, `stages` and `kept_in_float`
-    sections, and the calibration windows (None without a calibration pass). `blocks` (a streamed model's block
-    source, see blockwise.run_blockwise) makes the pass run even without calibration data: the stages then act on
-    each block as it is read, and `visitors` ride along. `checkpoint` (stream_run.StreamCheckpoint) saves the pass
-    after every block and resumes it at the block where an interrupted run stopped."""
-    model_reports = model_reports or {}
+    sections, and the calibration windows (None without a calibration pass). `extras`: see PassExtras."""
+    model_reports, spill_dir, blocks = extras.model_reports, extras.spill_dir, extras.blocks
+    visitors, checkpoint = extras.visitors, extras.checkpoint
     sections: dict = {}
     samples = None
     ctx = start_stages(model, plan)
@@ -169,11 +181,10 @@ def compress_model(model, tokenizer, recipe: Recipe, plan: Plan, device: str, mo
                 log(f"calibration activations spill to {spill_dir}")
             mine = share(samples, rank, size) if calibrate and size > 1 else samples
             replay: list[str] = []
-            errors = run_blockwise(
-                model, plan.arch, mine, stage_pass.on_block, device=device, progress=progress,
-                observe=stage_pass.observe, compute_dtype=getattr(torch, dtype) if calibrate
-                else None, spill_dir=spill_dir if spill else None, blocks=blocks, visitors=visitors, start=start,
-                restore=restore, notes=replay)
+            errors = run_blockwise(model, plan.arch, mine, stage_pass.on_block, BlockPass(
+                device=device, progress=progress, observe=stage_pass.observe,
+                compute_dtype=getattr(torch, dtype) if calibrate else None, spill_dir=spill_dir if spill else None,
+                blocks=blocks, visitors=visitors, start=start, restore=restore, notes=replay))
         if calibrate:
             sections["block_errors"] = errors
             sections["calibration"]["replay"] = replay or "exact"  # the blocks saw the model's own forward's inputs

@@ -23,7 +23,9 @@ from ..precision.mixed import fits
 from ..recipe import Recipe
 from ..core.scheme import QuantScheme
 from ..stages.base import Plan, make_plan, next_target
-from .calibration import Timings, check_output, compress_model, run_header, set_threads, write_run_report
+from .calibration import (PassExtras, Timings, check_output, compress_model, run_header, set_threads,
+        write_run_report)
+from .options import RunOptions
 from ..export.staging import staged
 from .provenance import export_provenance, provenance
 
@@ -113,26 +115,26 @@ def verify_windows(recipe: Recipe, tokenizer, samples: torch.Tensor | None) -> t
                             "calibration set; or set output.verify_windows: 0")
 
 
-def write_exports(model, tokenizer, tmp: Path, out: Path, recipe: Recipe, record: dict, windows, text: str,
-                  log, device: str = "cpu") -> list[dict]:
-    """Each format of output.formats into OUTPUT/exports/<format>/ (written from `model` where it is: the CPU after
-    the evaluation), reloaded and compared on `device` when asked."""
+def write_exports(model, tokenizer, tmp: Path, opts: RunOptions, record: dict, windows, text: str) -> list[dict]:
+    """Each format of output.formats into OUTPUT/exports/<format>/ (staged in `tmp`; written from `model` where it
+    is: the CPU after the evaluation), reloaded and compared on `opts.device` on `windows` when asked."""
     from ..export import export_model
     from ..export.verify import verify_export
 
+    recipe, log = opts.recipe, opts.log
     # compared with the model as saved beside them (float tensors at output.save_dtype, as the exports store
     # them), which is also what `compress verify` reloads later
     reference = load_compressed(tmp, next(model.parameters()).dtype) if windows is not None and \
         recipe.output.save_model else model
     if windows is not None and reference is not model:
-        reference.to(device)  # verify_export runs the export's reload where the reference is
+        reference.to(opts.device)  # verify_export runs the export's reload where the reference is
     exports = []
     for fmt in recipe.output.formats:
         log(f"exporting {fmt} ...")
         folder = tmp / "exports" / fmt
         folder.parent.mkdir(exist_ok=True)
         source = record["source"]
-        written = export_model(model, tokenizer, fmt, folder, export_provenance(record, out),
+        written = export_model(model, tokenizer, fmt, folder, export_provenance(record, opts.out),
                                source_gguf=source if source.endswith(".gguf") else None,
                                max_shard_bytes=recipe.output.max_shard_bytes)
         entry = {"format": fmt, "folder": f"exports/{fmt}", "loaders": written["loaders"],
@@ -155,6 +157,7 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
     if streamed:
         from .streamed import run_streamed
         return run_streamed(recipe, progress, log, memory, resume)
+    opts = RunOptions(recipe, out, device, progress, log, resume)
     timings = Timings()
     with timings("load"):
         log(f"loading model {recipe.model.source!r} ...")
@@ -166,30 +169,29 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
     plan = make_plan(model, get_arch(model), recipe.stages)
     check_formats(plan.model, plan, recipe.output.formats)
     with timings("prune_distill", any(s.whole_model and not s.after_calibration for s in recipe.stages)):
-        model_reports, before_distill, stages = run_model_stages(model, tokenizer, get_arch(model), recipe, out,
-                                                                 resume, progress, log)
+        model_reports, before_distill, stages = run_model_stages(model, tokenizer, get_arch(model), opts)
     if model_reports:  # planned again on the model as pruned and distilled, with the stages as they resolved them
         recipe = dataclasses.replace(recipe, stages=stages)
+        opts = dataclasses.replace(opts, recipe=recipe)
         plan = make_plan(model, get_arch(model), recipe.stages, model_stages_done=True)
         check_formats(model, plan, recipe.output.formats)
     report = run_header(record, recipe, loaded.kind, model, plan.arch, n_params, device, planted)
     report["memory_plan"] = memory.to_dict()
     with timings("compress"):
-        sections, samples = compress_model(model, tokenizer, recipe, plan, device, model_reports, progress, log,
-                                           spill_dir=out.parent)
+        sections, samples = compress_model(model, tokenizer, recipe, plan, device, progress, log,
+                                           PassExtras(model_reports, spill_dir=out.parent))
     if world()[0] != 0:  # torchrun / `accelerate launch`: the other processes helped distill and calibrate
         return {}
     with timings("tune", any(s.after_calibration for s in recipe.stages)):
         def teacher():  # the original, reloaded only when such a stage runs
             return load_source(recipe, device)[0].model
 
-        for i, section in run_after_stages(model, tokenizer, recipe, samples, teacher, out, progress, log).items():
+        for i, section in run_after_stages(model, tokenizer, opts, samples, teacher).items():
             sections["stages"][i] = section
     report.update(sections)
     set_threads(recipe.model.threads)
     with staged(out) as tmp:
-        report.update(save_and_evaluate(recipe, record, loaded, model, before_distill, plan.arch, samples, device,
-                                        tmp, out, timings, progress, log))
+        report.update(save_and_evaluate(opts, record, loaded, model, before_distill, samples, tmp, timings))
         write_run_report(report, tmp)
     shutil.rmtree(work_dir(out), ignore_errors=True)  # distillation checkpoints: the run finished
     log(f"wrote {out}/report.md")
@@ -228,10 +230,11 @@ def load_source(recipe: Recipe, device: str):
     return loaded, planted
 
 
-def save_and_evaluate(recipe: Recipe, record: dict, loaded, model, before_distill, arch, samples, device: str, tmp: Path, out: Path,
-                      timings: Timings, progress: bool, log) -> dict:
+def save_and_evaluate(opts: RunOptions, record: dict, loaded, model, before_distill, samples, tmp: Path,
+                      timings: Timings) -> dict:
     """Save the compressed model into `tmp`, evaluate it beside the baseline (and the pruned model before
     distillation), write the exports, then the report; returns the report sections added here."""
+    recipe, device, log = opts.recipe, opts.device, opts.log
     report: dict = {}
     if recipe.output.save_model:
         with timings("save"):
@@ -250,7 +253,8 @@ def save_and_evaluate(recipe: Recipe, record: dict, loaded, model, before_distil
         models["compressed"] = model
         on_device(models, device)
         report["eval"] = evaluate_models(models, loaded.tokenizer, recipe.eval, device,
-                                         baseline="baseline" if baseline is not None else None, progress=progress)
+                                         baseline="baseline" if baseline is not None else None,
+                                         progress=opts.progress)
     report["memory"] = {"checkpoint_bytes": folder_bytes(tmp) if recipe.output.save_model else None,
                         "baseline_checkpoint_bf16_bytes": _bf16_bytes(baseline or model)}
     models.pop("baseline", None)
@@ -260,8 +264,7 @@ def save_and_evaluate(recipe: Recipe, record: dict, loaded, model, before_distil
     if recipe.output.formats:
         with timings("export"):
             windows, text = verify_windows(recipe, loaded.tokenizer, samples)
-            report["exports"] = write_exports(model, loaded.tokenizer, tmp, out, recipe, record, windows, text,
-                                              log, device)
+            report["exports"] = write_exports(model, loaded.tokenizer, tmp, opts, record, windows, text)
     report["timings"] = dict(timings)
     (tmp / "recipe.yaml").write_text(recipe.text or recipe.resolved_yaml())
     (tmp / "recipe.resolved.yaml").write_text(recipe.resolved_yaml())
