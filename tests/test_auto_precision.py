@@ -356,7 +356,7 @@ def test_layer_schemes_round_trip_through_a_recipe():
 def test_awq_searches_each_layer_for_its_own_scheme():
     """AWQ on a block whose MLP layers are int2 and the rest int8 folds other scales than AWQ for uniform int8, and
     the same as uniform int8 when every layer is int8 by layer_schemes."""
-    from compress.calibrate.blockwise import run_blockwise
+    from compress.calibrate.blockwise import BlockPass, run_blockwise
     from compress.pipeline.calibration import StagePass, start_stages
     from compress.stages import make_plan
     from compress.stages.awq import AWQStage
@@ -368,7 +368,8 @@ def test_awq_searches_each_layer_for_its_own_scheme():
         plan = make_plan(model, get_arch(model), stages)
         ctx = start_stages(model, plan)
         sp = StagePass(ctx)
-        run_blockwise(model, get_arch(model), _windows(2, 16), sp.on_block, observe=sp.observe, progress=False)
+        run_blockwise(model, get_arch(model), _windows(2, 16), sp.on_block,
+                      BlockPass(observe=sp.observe, progress=False))
         return model.model.layers[0].post_attention_layernorm.weight.detach().clone()
 
     uniform = run(())

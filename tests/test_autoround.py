@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from compress.arch import get_arch
-from compress.calibrate.blockwise import run_blockwise
+from compress.calibrate.blockwise import BlockPass, run_blockwise
 from compress.calibrate.distributed import check_stages
 from compress.arch.moe import unfuse_experts
 from compress.core.nn import QuantLinear
@@ -130,7 +130,7 @@ def _run(model, stages, ids):
     plan = make_plan(model, arch, _recipe(stages).stages)
     ctx = start_stages(model, plan)
     stage_pass = StagePass(ctx)
-    errors = run_blockwise(model, arch, ids, stage_pass.on_block, observe=stage_pass.observe, progress=False)
+    errors = run_blockwise(model, arch, ids, stage_pass.on_block, BlockPass(observe=stage_pass.observe, progress=False))
     return plan, ctx, errors
 
 

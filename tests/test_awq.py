@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from compress.arch import get_arch
-from compress.calibrate.blockwise import run_blockwise
+from compress.calibrate.blockwise import BlockPass, run_blockwise
 from compress.core.nn import QuantLinear
 from compress.pipeline.calibration import StagePass, start_stages
 from compress.stages import make_plan
@@ -124,7 +124,7 @@ def test_every_architecture_runs_awq_and_gptq(family, stages):
     plan = make_plan(model, arch, recipe.stages)
     ctx = start_stages(model, plan)
     stage_pass = StagePass(ctx)
-    errors = run_blockwise(model, arch, ids, stage_pass.on_block, observe=stage_pass.observe, progress=False)
+    errors = run_blockwise(model, arch, ids, stage_pass.on_block, BlockPass(observe=stage_pass.observe, progress=False))
     assert len(errors) == len(arch.block_list(model)) and all(e > 0 for e in errors)
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert len(quantized) == len(plan.steps[-1].quantized)
@@ -145,8 +145,8 @@ def test_awq_gqa_v_to_o_is_skipped_with_reason():
                       {"stage": "quantize", "scheme": {"dtype": "int4", "group_size": 16}}])
     ctx = start_stages(model, make_plan(model, arch, recipe.stages))
     stage_pass = StagePass(ctx)
-    run_blockwise(model, arch, torch.randint(0, 256, (2, 8)), stage_pass.on_block, observe=stage_pass.observe,
-                  progress=False)
+    run_blockwise(model, arch, torch.randint(0, 256, (2, 8)), stage_pass.on_block,
+                  BlockPass(observe=stage_pass.observe, progress=False))
     v_o = [p for p in ctx.records[0][0]["pairs"] if p["pair"].startswith("self_attn.v_proj")]
     assert v_o and "grouped-query attention" in v_o[0]["skipped"]
 

@@ -12,8 +12,8 @@ import transformers
 from torch import nn
 
 from compress.arch import ArchSpec, get_arch, get_module
-from compress.calibrate.blockwise import (BlockInputs, ReplayWarning, block_forward, capture_block_inputs, relative_error,
-                                run_blockwise)
+from compress.calibrate.blockwise import (BlockInputs, BlockPass, ReplayWarning, block_forward, capture_block_inputs,
+                                relative_error, run_blockwise)
 from compress.evaluate.ppl import final_logits
 from compress.arch.moe import unfuse_experts
 from compress.core.nn import QuantLinear, is_linear
@@ -58,7 +58,7 @@ def _quantize_via_runner(model: nn.Module, sch, samples: torch.Tensor | None = N
     def on_block(_i, prefix, _block, _inputs, _observer):
         apply_quantize(model, plan, stage, prefix=prefix)
 
-    errors = run_blockwise(model, arch, _samples() if samples is None else samples, on_block, progress=False)
+    errors = run_blockwise(model, arch, _samples() if samples is None else samples, on_block, BlockPass(progress=False))
     apply_quantize(model, plan, stage)
     return plan, errors
 
@@ -87,7 +87,7 @@ def test_noop_on_block_changes_nothing(family):
     before = _logits(model, ids)
     seen = []
     errors = run_blockwise(model, get_arch(model), _samples(), lambda i, name, block, inputs, _obs: seen.append(name),
-                           progress=False)
+                           BlockPass(progress=False))
     assert len(errors) == N_LAYERS
     assert all(e < 1e-12 for e in errors), errors
     assert seen == [f"{get_arch(model).blocks}.{i}" for i in range(N_LAYERS)]
@@ -165,7 +165,7 @@ def test_next_block_sees_the_compressed_outputs(family):
         seen.append(BlockInputs([h.clone() for h in inputs.hidden], inputs.kwargs))
         apply_quantize(model, plan, stage, prefix=prefix)
 
-    errors = run_blockwise(model, arch, _samples(), on_block, progress=False)
+    errors = run_blockwise(model, arch, _samples(), on_block, BlockPass(progress=False))
     quant_blocks, float_blocks = arch.block_list(model), arch.block_list(floats)
     assert all(torch.equal(a, b) for a, b in zip(block_forward(quant_blocks[0], seen[0]), seen[1].hidden))
     assert not any(torch.equal(a, b) for a, b in zip(block_forward(float_blocks[0], seen[0]), seen[1].hidden))
@@ -186,7 +186,7 @@ def test_capture_keeps_one_input_per_sample(family):
     shapes = []
     run_blockwise(model, arch, _samples(n, seq_len),
                   lambda i, name, block, inputs, _obs: shapes.append([tuple(h.shape) for h in inputs.hidden]),
-                  progress=False)
+                  BlockPass(progress=False))
     assert shapes == [[(1, seq_len, hidden)] * n] * N_LAYERS
 
 
@@ -246,7 +246,7 @@ def test_calibration_windows_longer_than_the_sliding_window_run_every_method(fam
 def test_activations_spilled_to_disk_give_the_same_model_bit_for_bit(family, tmp_path):
     """calibration.offload: disk keeps the pass's activations in memory-mapped files: the same block errors and the
     same quantized tensors as in memory, and the files are in the folder while the pass runs."""
-    from compress.pipeline.calibration import compress_model
+    from compress.pipeline.calibration import PassExtras, compress_model
     from compress.recipe import from_dict
     from compress.stages import make_plan
     from tests.tiny_tokenizer import make_tiny_tokenizer
@@ -261,7 +261,7 @@ def test_activations_spilled_to_disk_give_the_same_model_bit_for_bit(family, tmp
         seen = []
         sections, _ = compress_model(model, make_tiny_tokenizer(), recipe, make_plan(model, get_arch(model),
                                                                                    recipe.stages), "cpu",
-                                     progress=False, log=seen.append, spill_dir=tmp_path)
+                                     progress=False, log=seen.append, extras=PassExtras(spill_dir=tmp_path))
         results[offload] = (sections["block_errors"], {n: m.qdata.clone() for n, m in model.named_modules()
                                                        if isinstance(m, QuantLinear)})
         if offload == "disk":
@@ -278,7 +278,7 @@ def test_spilled_activations_live_in_three_files_of_the_expected_size(tmp_path):
     sizes = []
     run_blockwise(model, arch, torch.randint(0, 256, (n, seq)),
                   lambda *_: sizes.append({p.name: p.stat().st_size for p in tmp_path.iterdir()}),
-                  progress=False, spill_dir=tmp_path)
+                  BlockPass(progress=False, spill_dir=tmp_path))
     assert sizes and all(s == {f"{k}.bin": n * seq * hidden * 4 for k in ("a", "reference", "b")} for s in sizes)
 
 
@@ -356,8 +356,8 @@ def test_a_pass_over_kv_sharing_layers_is_not_resumed_midway():
     that block would not have them, so resuming is refused up front, saying why (not a KeyError at the layer)."""
     model = make_tiny_model("gemma4_kv_shared")
     with pytest.raises(ValueError, match=r"cannot resume at block 2: the last 2 layers .* run without --resume"):
-        run_blockwise(model, get_arch(model), _samples(2, 8), lambda *a: None, progress=False, start=2,
-                      restore=lambda inputs: (inputs, [0.0, 0.0]))
+        run_blockwise(model, get_arch(model), _samples(2, 8), lambda *a: None,
+                      BlockPass(progress=False, start=2, restore=lambda inputs: (inputs, [0.0, 0.0])))
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -500,7 +500,7 @@ def test_what_a_replay_cannot_reproduce_is_said_not_silent(loop, says):
     notes: list[str] = []
     model = _ToyModel(model.returns, loop)  # afresh: no real block has run
     with pytest.warns(ReplayWarning, match=says):
-        run_blockwise(model, TOY_ARCH, _samples(2, 5), lambda *a: None, progress=False, notes=notes)
+        run_blockwise(model, TOY_ARCH, _samples(2, 5), lambda *a: None, BlockPass(progress=False, notes=notes))
     assert notes == problems
     from compress.pipeline.report import _header_lines  # compress_model puts the notes in calibration.replay
     assert f"- **calibration replay is not the model's own forward**: {notes[0]}" in \

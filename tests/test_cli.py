@@ -543,7 +543,11 @@ def test_run_exports_each_format_and_verifies_it(tmp_path, model_dir, calib_file
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert [e["format"] for e in report["exports"]] == ["compressed-tensors", "dense"]
     for e in report["exports"]:
-        assert (tmp_path / "out" / e["folder"] / "export.json").is_file()
+        record = json.loads((tmp_path / "out" / e["folder"] / "export.json").read_text())
+        # the run's provenance: the original model as given (not the model object), the checkpoint beside it
+        assert record["original_model"] == report["model"]["source"] == str(model_dir)
+        assert record["source_model"] == str((tmp_path / "out").resolve())
+        assert record["recipe_sha256"] == report["recipe"]["sha256"]
         assert e["verify"]["kl"] < 1e-3 and e["verify"]["top1_agreement"] > 0.99, e
     assert "## Exports" in (tmp_path / "out" / "report.md").read_text()
 

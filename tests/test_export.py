@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from compress.arch import get_arch
-from compress.calibrate.blockwise import run_blockwise
+from compress.calibrate.blockwise import BlockPass, run_blockwise
 from compress.export import ExportError, export_model
 from compress.export.verify import compare_logits, load_export, model_logits, verify_export
 from compress.kv.cache import attention_modules, restore_attention, set_kv_scales, use_kv_attention
@@ -47,7 +47,7 @@ def quantized(sch, family: str = "llama", kv: bool = False, layer_schemes=(), **
 
     run_blockwise(model, arch, CALIBRATION,
                   lambda _i, prefix, _b, _x, obs: apply_quantize(model, plan, stage, prefix, obs),
-                  progress=False, observe=observe)
+                  BlockPass(progress=False, observe=observe))
     if kv:
         for block in arch.block_list(model):
             for name in attention_modules(block):

@@ -79,7 +79,7 @@ def test_dynamic_per_token_activations_match_rowwise_reference():
 
 def test_static_activation_scale_is_calibrated_and_used(tiny_llama):
     from compress.arch import get_arch
-    from compress.calibrate.blockwise import run_blockwise
+    from compress.calibrate.blockwise import BlockPass, run_blockwise
     from compress.calibrate.observers import BlockObserver
 
     stage = QuantizeStage(scheme=FP8)
@@ -104,7 +104,7 @@ def test_static_activation_scale_is_calibrated_and_used(tiny_llama):
         for row in samples:
             plain(row[None])
     hook.remove()
-    run_blockwise(tiny_llama, arch, samples, on_block, progress=False, observe=observe)
+    run_blockwise(tiny_llama, arch, samples, on_block, BlockPass(progress=False, observe=observe))
     layer0 = tiny_llama.model.layers[0].mlp.down_proj
     assert float(layer0.input_scale) == pytest.approx(max(direct) / 448, rel=1e-6)
     layer = tiny_llama.model.layers[1].mlp.down_proj

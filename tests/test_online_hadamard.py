@@ -87,8 +87,9 @@ def test_hooks_and_observers_see_the_rotated_input():
 
 
 def _rotated_and_quantized(method: str, tmp_path=None):
-    from compress.calibrate.blockwise import run_blockwise
+    from compress.calibrate.blockwise import BlockPass, run_blockwise
     from compress.pipeline.model_stages import run_model_stages
+    from compress.pipeline.options import RunOptions
     from compress.recipe import from_dict
     from compress.pipeline.calibration import StagePass, start_stages
     from compress.stages.base import make_plan
@@ -102,10 +103,10 @@ def _rotated_and_quantized(method: str, tmp_path=None):
     ids = torch.randint(0, 256, (4, 16))
     with torch.no_grad():
         before = model(ids).logits
-    reports, _, _ = run_model_stages(model, None, arch, recipe, None, False, False, lambda *_: None)
+    reports, _, _ = run_model_stages(model, None, arch, RunOptions(recipe, None, progress=False, log=lambda *_: None))
     plan = make_plan(model, arch, recipe.stages, model_stages_done=True)
     stage_pass = StagePass(start_stages(model, plan))
-    run_blockwise(model, arch, ids, stage_pass.on_block, observe=stage_pass.observe, progress=False)
+    run_blockwise(model, arch, ids, stage_pass.on_block, BlockPass(observe=stage_pass.observe, progress=False))
     return model, ids, before, reports[0]
 
 

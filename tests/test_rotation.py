@@ -7,7 +7,7 @@ import torch
 
 from compress.arch import get_arch
 from compress.arch.tables import ROTATE_TABLE
-from compress.calibrate.blockwise import run_blockwise
+from compress.calibrate.blockwise import BlockPass, run_blockwise
 from compress.recipe import from_dict
 from compress.transforms.rotation import hadamard, random_rotation, rotate_model
 from compress.pipeline.calibration import StagePass, start_stages
@@ -97,6 +97,7 @@ def test_rotate_must_come_first_and_kinds_are_checked():
 def test_rotated_then_quantized_by_gptq():
     """The recipe's stages in order: rotate (whole model), then GPTQ block by block on the rotated model."""
     from compress.pipeline.model_stages import run_model_stages
+    from compress.pipeline.options import RunOptions
 
     model = make_tiny_model("llama")
     arch = get_arch(model)
@@ -107,12 +108,12 @@ def test_rotated_then_quantized_by_gptq():
     ids = torch.randint(0, 256, (4, 16))
     with torch.no_grad():
         before = model(ids).logits
-    reports, _, _ = run_model_stages(model, None, arch, recipe, None, False, False, lambda *_: None)
+    reports, _, _ = run_model_stages(model, None, arch, RunOptions(recipe, None, progress=False, log=lambda *_: None))
     assert reports[0]["stage"] == "rotate" and "Hadamard" in reports[0]["rotation"]
     assert "Residual stream rotated" in "\n".join(RotateStage.render(reports[0], {}))
     plan = make_plan(model, arch, recipe.stages, model_stages_done=True)
     stage_pass = StagePass(start_stages(model, plan))
-    run_blockwise(model, arch, ids, stage_pass.on_block, observe=stage_pass.observe, progress=False)
+    run_blockwise(model, arch, ids, stage_pass.on_block, BlockPass(observe=stage_pass.observe, progress=False))
     with torch.no_grad():
         after = model(ids).logits
     assert torch.isfinite(after).all() and float((after - before).norm() / before.norm()) < 0.6

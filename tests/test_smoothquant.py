@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from compress.arch import get_arch
-from compress.calibrate.blockwise import run_blockwise
+from compress.calibrate.blockwise import BlockPass, run_blockwise
 from compress.calibrate.observers import BlockObserver
 from compress.transforms.outliers import PlantSpec, plant_outliers
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
@@ -53,7 +53,7 @@ def _smooth(model, stage, scheme=W8A8, samples=None):
                                              divisor))
         apply_quantize(model, plan, qstage, prefix, observer, divisor)
 
-    errors = run_blockwise(model, arch, samples, on_block, progress=False, observe=observe)
+    errors = run_blockwise(model, arch, samples, on_block, BlockPass(progress=False, observe=observe))
     return errors, results
 
 

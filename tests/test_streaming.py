@@ -165,8 +165,12 @@ def _streamed_equals_in_memory(tmp_path, family, stages, calibrate=True, **overr
     assert memory["stages"] == streamed["stages"]
     assert "streamed" not in memory and streamed["streamed"]["blocks"] == model.config.num_hidden_layers
     assert streamed["memory_plan"]["dtype"] == "float32, streamed"
-    assert json.loads((tmp_path / "out-always" / "compress.json").read_text())["layers"] == \
-        json.loads((tmp_path / "out-never" / "compress.json").read_text())["layers"]
+    saved = {mode: json.loads((tmp_path / f"out-{mode}" / "compress.json").read_text()) for mode in reports}
+    assert saved["always"]["layers"] == saved["never"]["layers"]
+    # one provenance record (pipeline/provenance.py): the source as given, in the report and the checkpoint alike
+    for mode in reports:
+        assert reports[mode]["model"]["source"] == saved[mode]["source"] == str(folder), mode
+        assert saved[mode]["recipe_sha256"] == reports[mode]["recipe"]["sha256"]
 
 
 
@@ -203,7 +207,7 @@ class _CountResident(BlockVisitor):
 @requires_data
 def test_only_one_block_is_in_memory_at_a_time_and_the_output_reloads(tmp_path):
     from compress.export.native import load_compressed
-    from compress.pipeline.calibration import compress_model
+    from compress.pipeline.calibration import PassExtras, compress_model
     from compress.stages.base import make_plan
     from compress.pipeline.streamed import StreamedBlocks
 
@@ -220,7 +224,8 @@ def test_only_one_block_is_in_memory_at_a_time_and_the_output_reloads(tmp_path):
     writer = ShardWriter(tmp_path / "pass")
     compress_model(streamed.model, streamed.tokenizer, recipe, make_plan(streamed.model, streamed.arch,
                                                                          recipe.stages), "cpu", progress=False,
-                   log=lambda *a: None, blocks=StreamedBlocks(streamed, writer, "bfloat16"), visitors=(counter,))
+                   log=lambda *a: None, extras=PassExtras(blocks=StreamedBlocks(streamed, writer, "bfloat16"),
+                                                          visitors=(counter,)))
     assert counter.resident == [1, 1, 1, 1]
     report = run(recipe, progress=False, log=lambda *a: None)
     again = load_compressed(tmp_path / "out")

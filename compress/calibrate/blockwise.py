@@ -463,30 +463,51 @@ class BlockVisitor:
         """After block i has gone (`inputs`: the next block's calibration inputs; `errors` so far)."""
 
 
-def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor | None, on_block: OnBlock, device="cpu",
-                  offload="cpu", progress: bool = True, observe: Observe | None = None,
-                  compute_dtype: torch.dtype | None = None, spill_dir: Path | None = None,
-                  blocks=None, visitors: tuple[BlockVisitor, ...] = (), start: int = 0,
-                  restore=None, notes: list[str] | None = None) -> list[float]:
-    """Apply the stages to each decoder block in turn.
+@dataclass(frozen=True)
+class BlockPass:
+    """How run_blockwise goes through the blocks, beyond the model, its calibration samples and the stages'
+    `on_block`; a caller builds it once.
 
-    Per block: `observe(index, name, block)` may return a context manager (e.g. a BlockObserver) that
-    is active during the block's float forward; `on_block(index, name, block, inputs, observer)` then changes
-    the block (smooths, quantizes, replaces layers). The block's outputs are recomputed and become
-    the next block's inputs. Returns, per block, the relative output error the stages introduced:
-    ||block'(x) - block(x)||^2 / ||block(x)||^2 on the block's (already compressed) inputs. `compute_dtype`: see
-    block_forward (statistics are gathered from the activations as computed in that dtype). `spill_dir` (a CPU run
-    with calibration.offload: disk): the block inputs, float outputs and compressed outputs live in memory-mapped files
-    there instead of in memory; the results are the same bit for bit. `samples` None: no calibration data (the
-    stages act on each block without statistics; no errors are measured). `blocks`: where each block comes from and
-    goes after its turn (`begin()` once the block-0 inputs are captured, `load(i, device)`, `done(i, block)`,
-    `end()` after the last block; ResidentBlocks by default, streaming.StreamedBlocks
-    reads them from disk); `visitors`: see BlockVisitor. `start` > 0 resumes an interrupted pass at that block:
-    `restore(inputs)` then returns (the block's calibration inputs, the errors so far) from the checkpoint, given
-    the freshly captured block-0 inputs (every block's arguments are captured afresh). Each block is replayed with
-    its own arguments as the model's forward passes them (capture_block_inputs); `notes` (a list) receives why that
-    replay is not the model's own forward, where it is not (also warned about as a ReplayWarning).
+    `device`: where each block computes (the non-block modules go there for the pass; `offload`: where they and a
+    resident model's blocks go back to after). `observe(index, name, block)` may return a context manager (e.g. a
+    BlockObserver) that is active during the block's float forward. `compute_dtype`: see block_forward (statistics
+    are gathered from the activations as computed in that dtype). `spill_dir` (a CPU run with calibration.offload:
+    disk): the block inputs, float outputs and compressed outputs live in memory-mapped files there instead of in
+    memory; the results are the same bit for bit. `blocks`: where each block comes from and goes after its turn
+    (`begin()` once the block-0 inputs are captured, `load(i, device)`, `done(i, block)`, `end()` after the last
+    block; ResidentBlocks by default, streaming.StreamedBlocks reads them from disk); `visitors`: see BlockVisitor.
+    `start` > 0 resumes an interrupted pass at that block: `restore(inputs)` then returns (the block's calibration
+    inputs, the errors so far) from the checkpoint, given the freshly captured block-0 inputs (every block's
+    arguments are captured afresh). `notes` (a list) receives why replaying the blocks with their captured arguments
+    is not the model's own forward, where it is not (also warned about as a ReplayWarning)."""
+    device: str | torch.device = "cpu"
+    offload: str | torch.device = "cpu"
+    progress: bool = True
+    observe: Observe | None = None
+    compute_dtype: torch.dtype | None = None
+    spill_dir: Path | None = None
+    blocks: object = None
+    visitors: tuple[BlockVisitor, ...] = ()
+    start: int = 0
+    restore: Callable | None = None
+    notes: list[str] | None = None
+
+
+def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor | None, on_block: OnBlock,
+                  options: BlockPass = BlockPass()) -> list[float]:
+    """Apply the stages to each decoder block in turn, as `options` (BlockPass) says.
+
+    Per block: the `observe` of `options` may return a context manager that is active during the block's float
+    forward; `on_block(index, name, block, inputs, observer)` then changes the block (smooths, quantizes, replaces
+    layers). The block's outputs are recomputed and become the next block's inputs. Returns, per block, the
+    relative output error the stages introduced: ||block'(x) - block(x)||^2 / ||block(x)||^2 on the block's
+    (already compressed) inputs. `samples` None: no calibration data (the stages act on each block without
+    statistics; no errors are measured). Each block is replayed with its own arguments as the model's forward
+    passes them (capture_block_inputs).
     """
+    o = options
+    device, offload, progress, observe, compute_dtype = o.device, o.offload, o.progress, o.observe, o.compute_dtype
+    spill_dir, blocks, visitors, start, restore, notes = o.spill_dir, o.blocks, o.visitors, o.start, o.restore, o.notes
     model.eval()
     if start and (shared := getattr(model.config, "num_kv_shared_layers", 0)):
         raise ValueError(f"cannot resume at block {start}: the last {shared} layers of this model read the keys and "

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -20,6 +18,7 @@ from torch import nn
 
 from .._version import __version__
 from .errors import ExportError
+from .staging import staged
 
 EXPORT_META = "export.json"
 # llama.cpp block formats we write; the K-quant ones with llama-quantize's per-tensor mixes (gguf_mix.py)
@@ -158,10 +157,7 @@ def export_model(model: nn.Module, tokenizer, name: str, out: str | Path, meta: 
     if out.exists() and not overwrite:
         raise FileExistsError(f"export folder {out} exists; pass --overwrite to replace it, or choose another "
                               "--output")
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with staged(out) as tmp:
         sharding = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
         report = exporter.write(model, tokenizer, tmp, source_gguf=source_gguf, parts=parts, **sharding)
         from .notes import CHECKED_WITH, serving_notes
@@ -169,11 +165,6 @@ def export_model(model: nn.Module, tokenizer, name: str, out: str | Path, meta: 
         record = {"format": name, "loaders": exporter.loaders, "compress_version": __version__,
                   "written_with": library_versions(), "engines_checked": CHECKED_WITH, **(meta or {}), **report}
         (tmp / EXPORT_META).write_text(json.dumps(record, indent=2, default=str))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return record
 
 

@@ -1,24 +1,20 @@
 """What the in-memory run (pipeline.py) and the streamed run (stream_run.py) share: the calibration pass with the
-block stages (`compress_model`), the report's header and files, and the output folder written under a temporary name
-and renamed into place at the end."""
+block stages (`compress_model`), the report's header and files."""
 from __future__ import annotations
 
 import contextlib
 import datetime
-import os
-import shutil
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from .._version import __version__
 from ..calibrate.distributed import (active, check_stages, local_keep, reduce_stats, share, start as start_processes,
         world)
 from ..arch import block_pairs
-from ..calibrate.blockwise import run_blockwise
+from ..calibrate.blockwise import BlockPass, run_blockwise
 from ..calibrate.data import calibration_windows, fingerprint
 from ..evaluate.plots import plot_recovery
 from .report import write_report
@@ -129,16 +125,28 @@ def kept_in_float(model) -> list[str]:
     return [f"{n}× {k} ({why})" for (k, why), n in sorted(kinds.items())]
 
 
-def compress_model(model, tokenizer, recipe: Recipe, plan: Plan, device: str, model_reports: dict | None = None,
-                   progress: bool = True, log=print, spill_dir: Path | None = None, blocks=None,
-                   visitors: tuple = (), checkpoint=None) -> tuple[dict, torch.Tensor | None]:
+@dataclass(frozen=True)
+class PassExtras:
+    """What a run gives compress_model beyond the model, its plan and where to compute. `model_reports`: the report
+    sections of the whole-model stages that ran before, by stage index. `spill_dir`: where calibration activations
+    go with calibration.offload: disk (a temporary folder inside it). `blocks` (a streamed model's block source, see
+    blockwise.BlockPass) makes the pass run even without calibration data: the stages then act on each block as it
+    is read, and `visitors` ride along. `checkpoint` (streamed.StreamCheckpoint) saves the pass after every block
+    and resumes it at the block where an interrupted run stopped."""
+    model_reports: dict = field(default_factory=dict)
+    spill_dir: Path | None = None
+    blocks: object = None
+    visitors: tuple = ()
+    checkpoint: object = None
+
+
+def compress_model(model, tokenizer, recipe: Recipe, plan: Plan, device: str, progress: bool = True, log=print,
+                   extras: PassExtras = PassExtras()) -> tuple[dict, torch.Tensor | None]:
     """The recipe's calibration pass and block stages, applied to `model` in place (the whole-model stages, prune
     and distill, have run before). Returns the report's `calibration`, `block_errors`, `stages` and `kept_in_float`
-    sections, and the calibration windows (None without a calibration pass). `blocks` (a streamed model's block
-    source, see blockwise.run_blockwise) makes the pass run even without calibration data: the stages then act on
-    each block as it is read, and `visitors` ride along. `checkpoint` (stream_run.StreamCheckpoint) saves the pass
-    after every block and resumes it at the block where an interrupted run stopped."""
-    model_reports = model_reports or {}
+    sections, and the calibration windows (None without a calibration pass). `extras`: see PassExtras."""
+    model_reports, spill_dir, blocks = extras.model_reports, extras.spill_dir, extras.blocks
+    visitors, checkpoint = extras.visitors, extras.checkpoint
     sections: dict = {}
     samples = None
     ctx = start_stages(model, plan)
@@ -173,11 +181,10 @@ def compress_model(model, tokenizer, recipe: Recipe, plan: Plan, device: str, mo
                 log(f"calibration activations spill to {spill_dir}")
             mine = share(samples, rank, size) if calibrate and size > 1 else samples
             replay: list[str] = []
-            errors = run_blockwise(
-                model, plan.arch, mine, stage_pass.on_block, device=device, progress=progress,
-                observe=stage_pass.observe, compute_dtype=getattr(torch, dtype) if calibrate
-                else None, spill_dir=spill_dir if spill else None, blocks=blocks, visitors=visitors, start=start,
-                restore=restore, notes=replay)
+            errors = run_blockwise(model, plan.arch, mine, stage_pass.on_block, BlockPass(
+                device=device, progress=progress, observe=stage_pass.observe,
+                compute_dtype=getattr(torch, dtype) if calibrate else None, spill_dir=spill_dir if spill else None,
+                blocks=blocks, visitors=visitors, start=start, restore=restore, notes=replay))
         if calibrate:
             sections["block_errors"] = errors
             sections["calibration"]["replay"] = replay or "exact"  # the blocks saw the model's own forward's inputs
@@ -224,32 +231,16 @@ class Timings(dict):
             self[key] = time.perf_counter() - t
 
 
-def run_header(recipe: Recipe, loaded, model, arch, n_params: int, device: str, planted) -> dict:
-    """The report's provenance: compress version, time, the recipe as written and as resolved, the model."""
+def run_header(record: dict, recipe: Recipe, kind: str, model, arch, n_params: int, device: str, planted) -> dict:
+    """The report's header: the run's provenance (`record`, provenance.py: compress version, source), the time, the
+    recipe as written and as resolved, the model (`kind`: how it was loaded)."""
     return {
-        "compress_version": __version__,
+        "compress_version": record["compress_version"],
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "recipe": {"path": recipe.path, "sha256": recipe.sha256, "overrides": list(recipe.overrides),
                    "text": recipe.text, "resolved": to_plain(recipe, skip=("path", "text", "sha256", "overrides"))},
-        "model": {"source": loaded.source, "kind": loaded.kind, "family": arch.family, "parameters": n_params,
+        "model": {"source": record["source"], "kind": kind, "family": arch.family, "parameters": n_params,
                   "parameters_after": sum(p.numel() for p in model.parameters()),
                   "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "device": device,
                   "threads": torch.get_num_threads(), "planted_outliers": planted},
     }
-
-
-@contextlib.contextmanager
-def staged_output(out: Path):
-    """A temporary folder beside `out`, renamed into place when the block completes; removed on any error or
-    Ctrl-C, so a failed run never leaves a half-written output (nor replaces an existing one)."""
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-        if out.exists():
-            shutil.rmtree(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

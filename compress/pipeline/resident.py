@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from .._version import __version__
 from ..arch import get_arch
 from ..evaluate.memory import folder_bytes
 from .report import evaluate_models
@@ -25,7 +24,11 @@ from ..precision.mixed import fits
 from ..recipe import Recipe
 from ..core.scheme import QuantScheme
 from ..stages.base import Plan, make_plan, next_target
-from .calibration import Timings, check_output, compress_model, run_header, set_threads, staged_output, write_run_report
+from .calibration import (PassExtras, Timings, check_output, compress_model, run_header, set_threads,
+        write_run_report)
+from .options import RunOptions
+from ..export.staging import staged
+from .provenance import export_provenance, provenance
 
 
 def planned_model(model, plan: Plan, offered: tuple[QuantScheme, ...] = (), target: int | None = None,
@@ -113,33 +116,33 @@ def verify_windows(recipe: Recipe, tokenizer, samples: torch.Tensor | None) -> t
                             "calibration set; or set output.verify_windows: 0")
 
 
-def write_exports(model, tokenizer, tmp: Path, out: Path, recipe: Recipe, source: str, windows, text: str,
-                  log, device: str = "cpu") -> list[dict]:
-    """Each format of output.formats into OUTPUT/exports/<format>/ (written from `model` where it is: the CPU after
-    the evaluation), reloaded and compared on `device` when asked."""
+def write_exports(model, tokenizer, tmp: Path, opts: RunOptions, record: dict, windows, text: str) -> list[dict]:
+    """Each format of output.formats into OUTPUT/exports/<format>/ (staged in `tmp`; written from `model` where it
+    is: the CPU after the evaluation), reloaded and compared on `opts.device` on `windows` when asked."""
     from ..export import export_model
     from ..export.verify import verify_export
 
+    recipe, log = opts.recipe, opts.log
     # compared with the model as saved beside them (float tensors at output.save_dtype, as the exports store
     # them), which is also what `compress verify` reloads later
-    source = load_compressed(tmp, next(model.parameters()).dtype) if windows is not None and \
+    reference = load_compressed(tmp, next(model.parameters()).dtype) if windows is not None and \
         recipe.output.save_model else model
-    if windows is not None and source is not model:
-        source.to(device)  # verify_export runs the export's reload where the source is
+    if windows is not None and reference is not model:
+        reference.to(opts.device)  # verify_export runs the export's reload where the reference is
     exports = []
     for fmt in recipe.output.formats:
         log(f"exporting {fmt} ...")
         folder = tmp / "exports" / fmt
         folder.parent.mkdir(exist_ok=True)
-        record = export_model(model, tokenizer, fmt, folder, {
-            "recipe_sha256": recipe.sha256, "recipe": recipe.text, "source_model": str(out.resolve()),
-            "original_model": source}, source_gguf=source if str(source).endswith(".gguf") else None,
-            max_shard_bytes=recipe.output.max_shard_bytes)
-        entry = {"format": fmt, "folder": f"exports/{fmt}", "loaders": record["loaders"],
-                 "bytes": folder_bytes(folder), "notes": record.get("notes", [])}
+        source = record["source"]
+        written = export_model(model, tokenizer, fmt, folder, export_provenance(record, opts.out),
+                               source_gguf=source if source.endswith(".gguf") else None,
+                               max_shard_bytes=recipe.output.max_shard_bytes)
+        entry = {"format": fmt, "folder": f"exports/{fmt}", "loaders": written["loaders"],
+                 "bytes": folder_bytes(folder), "notes": written.get("notes", [])}
         if windows is not None:
             log(f"verifying {fmt}: reloading it and comparing predictions on {windows.shape[0]} windows ...")
-            entry["verify"] = {**verify_export(folder, source, windows), "text": text}
+            entry["verify"] = {**verify_export(folder, reference, windows), "text": text}
         exports.append(entry)
     return exports
 
@@ -157,40 +160,41 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
     if streamed:
         from .streamed import run_streamed
         return run_streamed(recipe, progress, log, memory, resume)
+    opts = RunOptions(recipe, out, device, progress, log, resume)
     timings = Timings()
     with timings("load"):
         log(f"loading model {recipe.model.source!r} ...")
         loaded, planted = load_source(recipe, device)
     model, tokenizer = loaded.model, loaded.tokenizer
+    record = provenance(recipe, loaded.source)
     n_params = sum(p.numel() for p in model.parameters())
     # strict-mode errors and impossible exports surface here, on the shapes after pruning, before any heavy work
     plan = make_plan(model, get_arch(model), recipe.stages)
     check_formats(plan.model, plan, recipe.output.formats)
     with timings("prune_distill", any(s.whole_model and not s.after_calibration for s in recipe.stages)):
-        model_reports, before_distill, stages = run_model_stages(model, tokenizer, get_arch(model), recipe, out,
-                                                                 resume, progress, log)
+        model_reports, before_distill, stages = run_model_stages(model, tokenizer, get_arch(model), opts)
     if model_reports:  # planned again on the model as pruned and distilled, with the stages as they resolved them
         recipe = dataclasses.replace(recipe, stages=stages)
+        opts = dataclasses.replace(opts, recipe=recipe)
         plan = make_plan(model, get_arch(model), recipe.stages, model_stages_done=True)
         check_formats(model, plan, recipe.output.formats)
-    report = run_header(recipe, loaded, model, plan.arch, n_params, device, planted)
+    report = run_header(record, recipe, loaded.kind, model, plan.arch, n_params, device, planted)
     report["memory_plan"] = memory.to_dict()
     with timings("compress"):
-        sections, samples = compress_model(model, tokenizer, recipe, plan, device, model_reports, progress, log,
-                                           spill_dir=out.parent)
+        sections, samples = compress_model(model, tokenizer, recipe, plan, device, progress, log,
+                                           PassExtras(model_reports, spill_dir=out.parent))
     if world()[0] != 0:  # torchrun / `accelerate launch`: the other processes helped distill and calibrate
         return {}
     with timings("tune", any(s.after_calibration for s in recipe.stages)):
         def teacher():  # the original, reloaded only when such a stage runs
             return load_source(recipe, device)[0].model
 
-        for i, section in run_after_stages(model, tokenizer, recipe, samples, teacher, out, progress, log).items():
+        for i, section in run_after_stages(model, tokenizer, opts, samples, teacher).items():
             sections["stages"][i] = section
     report.update(sections)
     set_threads(recipe.model.threads)
-    with staged_output(out) as tmp:
-        report.update(save_and_evaluate(recipe, loaded, model, before_distill, plan.arch, samples, device, tmp, out,
-                                        timings, progress, log))
+    with staged(out) as tmp:
+        report.update(save_and_evaluate(opts, record, loaded, model, before_distill, samples, tmp, timings))
         write_run_report(report, tmp)
     shutil.rmtree(work_dir(out), ignore_errors=True)  # distillation checkpoints: the run finished
     log(f"wrote {out}/report.md")
@@ -229,17 +233,16 @@ def load_source(recipe: Recipe, device: str):
     return loaded, planted
 
 
-def save_and_evaluate(recipe: Recipe, loaded, model, before_distill, arch, samples, device: str, tmp: Path, out: Path,
-                      timings: Timings, progress: bool, log) -> dict:
+def save_and_evaluate(opts: RunOptions, record: dict, loaded, model, before_distill, samples, tmp: Path,
+                      timings: Timings) -> dict:
     """Save the compressed model into `tmp`, evaluate it beside the baseline (and the pruned model before
     distillation), write the exports, then the report; returns the report sections added here."""
+    recipe, device, log = opts.recipe, opts.device, opts.log
     report: dict = {}
     if recipe.output.save_model:
         with timings("save"):
             log("saving the compressed model ...")
-            save_compressed(model, loaded.tokenizer, tmp, {"compress_version": __version__,
-                                                           "recipe_sha256": recipe.sha256, "recipe": recipe.text,
-                                                           "source": loaded.source}, recipe.output.save_dtype,
+            save_compressed(model, loaded.tokenizer, tmp, record, recipe.output.save_dtype,
                             recipe.output.max_shard_bytes)
     with timings("eval"):
         baseline = None
@@ -253,7 +256,8 @@ def save_and_evaluate(recipe: Recipe, loaded, model, before_distill, arch, sampl
         models["compressed"] = model
         on_device(models, device)
         report["eval"] = evaluate_models(models, loaded.tokenizer, recipe.eval, device,
-                                         baseline="baseline" if baseline is not None else None, progress=progress)
+                                         baseline="baseline" if baseline is not None else None,
+                                         progress=opts.progress)
     report["memory"] = {"checkpoint_bytes": folder_bytes(tmp) if recipe.output.save_model else None,
                         "baseline_checkpoint_bf16_bytes": _bf16_bytes(baseline or model)}
     models.pop("baseline", None)
@@ -263,8 +267,7 @@ def save_and_evaluate(recipe: Recipe, loaded, model, before_distill, arch, sampl
     if recipe.output.formats:
         with timings("export"):
             windows, text = verify_windows(recipe, loaded.tokenizer, samples)
-            report["exports"] = write_exports(model, loaded.tokenizer, tmp, out, recipe, loaded.source, windows,
-                                              text, log, device)
+            report["exports"] = write_exports(model, loaded.tokenizer, tmp, opts, record, windows, text)
     report["timings"] = dict(timings)
     (tmp / "recipe.yaml").write_text(recipe.text or recipe.resolved_yaml())
     (tmp / "recipe.resolved.yaml").write_text(recipe.resolved_yaml())

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .._version import __version__
 from ..arch import get_module
 from ..calibrate.blockwise import BlockInputs, BlockVisitor, block_forward, capture_block_inputs
 from ..calibrate.data import eval_windows
@@ -34,9 +32,13 @@ from ..export.native import meta_quant_layers, storage_tensors, write_model_file
 from ..core.scheme import FP8_MAX
 from ..core.nn import QuantLinear
 from ..recipe import Recipe
-from .calibration import Timings, check_output, compress_model, run_header, set_threads, write_run_report
+from .calibration import (PassExtras, Timings, check_output, compress_model, run_header, set_threads,
+        write_run_report)
 from .model_stages import work_dir
+from .options import RunOptions
+from .provenance import export_provenance, provenance
 from ..export.shards import ShardReader, ShardWriter
+from ..export.staging import staged, write_atomic
 from ..stages.base import make_plan
 from ..model.streaming import STREAM_KINDS, Streamed, open_streamed, trim_heap
 
@@ -271,9 +273,7 @@ class StreamCheckpoint(BlockVisitor):
             state = {"recipe_sha256": self.sha, "next": i + 1, "carried": name, "errors": errors,
                      "writer": self.writer.state() if self.writer is not None else None,
                      "records": self.ctx.records, "kv": self.blocks.kv, "processes": self.processes}
-            tmp = self.folder / "progress.json.tmp"
-            tmp.write_text(json.dumps(state))
-            os.replace(tmp, self.folder / "progress.json")
+            write_atomic(self.folder / "progress.json", json.dumps(state))
             if self.writer is not None:
                 self.writer.drop_stale()
         if active():
@@ -308,18 +308,18 @@ def _fresh(folder: Path) -> Path:
     return folder
 
 
-def streamed_model_stages(recipe: Recipe, streamed: Streamed, device: str, work: Path, resume: bool, progress: bool,
-                          log, main: bool = True) -> tuple[dict, Recipe]:
+def streamed_model_stages(opts: RunOptions, streamed: Streamed, main: bool = True) -> tuple[dict, Recipe]:
     """The whole-model stages a streamed run allows (auto_precision: its sensitivity pass reads the blocks from disk
     one at a time, fisher_blocks.py), before the calibration pass. Returns their report sections and the recipe
     with the stages as they resolved them. The head is read for the pass's logits and released after it. The
-    sections are kept in OUTPUT.work/stream/model_stages.json: a run resumed in its calibration pass takes the choice
-    from there instead of measuring again (an hour on a 70B model)."""
+    sections are kept in OUTPUT.work/stream/model_stages.json (`opts.out`: OUTPUT.work): a run resumed in its
+    calibration pass takes the choice from there instead of measuring again (an hour on a 70B model)."""
     from ..precision.fisher_blocks import StreamedReads
     from .model_stages import run_model_stages
 
-    kept = work / "stream" / "model_stages.json"
-    if resume and kept.exists() and (saved := json.loads(kept.read_text()))["recipe_sha256"] == recipe.sha256:
+    recipe, log = opts.recipe, opts.log
+    kept = opts.out / "stream" / "model_stages.json"
+    if opts.resume and kept.exists() and (saved := json.loads(kept.read_text()))["recipe_sha256"] == recipe.sha256:
         reports, stages = {int(i): r for i, r in saved["reports"].items()}, recipe.stages
         for i, section in sorted(reports.items()):
             stages = stages[i].resolve_stages(stages, i, section)
@@ -327,16 +327,14 @@ def streamed_model_stages(recipe: Recipe, streamed: Streamed, device: str, work:
         return reports, dataclasses.replace(recipe, stages=stages)
     streamed.load_outside()
     try:
-        reports, _, stages = run_model_stages(streamed.model, streamed.tokenizer, streamed.arch, recipe, work, resume,
-                                              progress, log, blocks=StreamedReads(streamed), device=device)
+        reports, _, stages = run_model_stages(streamed.model, streamed.tokenizer, streamed.arch, opts,
+                                              blocks=StreamedReads(streamed))
     finally:  # back to what open_streamed left: the outside modules but the head
         streamed.release_outside()
         streamed.load_outside(skip=streamed.arch.lm_head)
         trim_heap()
     if main:
-        tmp = kept.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"recipe_sha256": recipe.sha256, "reports": reports}))
-        os.replace(tmp, kept)
+        write_atomic(kept, json.dumps({"recipe_sha256": recipe.sha256, "reports": reports}))
     return reports, dataclasses.replace(recipe, stages=stages)
 
 
@@ -366,12 +364,14 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, 
         stage.mkdir(parents=True, exist_ok=True)
         (work / "stream").mkdir(exist_ok=True)
     device = resolve_device(recipe.model.device)
+    opts = RunOptions(recipe, out, device, progress, log, resume)
     set_threads(recipe.model.threads)
     timings = Timings()
     with timings("load"):
         log(f"opening {recipe.model.source!r} to stream it block by block ...")
         streamed = open_source(recipe, device)
     model, arch, tokenizer = streamed.model, streamed.arch, streamed.tokenizer
+    record = provenance(recipe, streamed.source_name)
     n_params = parameters(model)
     plan = make_plan(model, arch, recipe.stages)
     if inputs := per_layer_inputs_quantized(plan):
@@ -382,12 +382,14 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, 
     model_reports: dict = {}
     if any(s.whole_model and not s.after_calibration for s in recipe.stages):  # those that stream: auto_precision
         with timings("model_stages"):
-            model_reports, recipe = streamed_model_stages(recipe, streamed, device, work, resume, progress and main,
-                                                          log, main)
+            model_reports, recipe = streamed_model_stages(dataclasses.replace(opts, out=work,
+                                                                              progress=progress and main), streamed,
+                                                          main)
+        opts = dataclasses.replace(opts, recipe=recipe)
         plan = make_plan(model, arch, recipe.stages, model_stages_done=True)
     from .report import model_figures
     baseline_figures = model_figures(model, recipe.eval, meta=True)
-    report = run_header(recipe, streamed, model, arch, n_params, device, None)
+    report = run_header(record, recipe, streamed.kind, model, arch, n_params, device, None)
     if memory is not None:
         report["memory_plan"] = memory.to_dict()
     windows = eval_windows(tokenizer, recipe.eval.split, recipe.eval.seq_len, recipe.eval.max_windows) \
@@ -401,10 +403,8 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, 
     checkpoint = StreamCheckpoint(work / "stream", recipe.sha256, writer, blocks, evaluation, state, rank, processes)
     try:
         with timings("compress"):  # one pass: calibration, stages, the evaluation's forwards, the blocks' shards
-            sections, _ = compress_model(model, tokenizer, recipe, plan, device, model_reports, progress, log,
-                                         spill_dir=out.parent, blocks=blocks,
-                                         visitors=(evaluation,) if evaluation is not None else (),
-                                         checkpoint=checkpoint)
+            sections, _ = compress_model(model, tokenizer, recipe, plan, device, progress, log, PassExtras(
+                model_reports, out.parent, blocks, (evaluation,) if evaluation is not None else (), checkpoint))
     except BaseException:
         log(f"the streamed pass stopped; its progress is in {work}: the same command with --resume continues it")
         raise
@@ -420,12 +420,10 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, 
                 for name, t in streamed.outside_tensors(arch.embed, getattr(torch, recipe.output.save_dtype)):
                     writer.add(name, t)
             writer.finish()
-            write_model_files(model, tokenizer, stage, {"compress_version": __version__,
-                                                        "recipe_sha256": recipe.sha256, "recipe": recipe.text,
-                                                        "source": streamed.where}, recipe.output.save_dtype, blocks.kv)
+            write_model_files(model, tokenizer, stage, record, recipe.output.save_dtype, blocks.kv)
     if recipe.output.formats:
         with timings("export"):
-            report["exports"] = export_streamed(recipe, stage, out, streamed, log, progress)
+            report["exports"] = export_streamed(opts, record, stage, streamed)
     with timings("eval"):
         set_threads(recipe.model.threads)
         report["eval"] = streamed_eval(recipe, model, arch, evaluation, windows, baseline_figures, progress, device)
@@ -443,10 +441,8 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, 
     report["timings"] = dict(timings)
     (stage / "recipe.yaml").write_text(recipe.text or recipe.resolved_yaml())
     (stage / "recipe.resolved.yaml").write_text(recipe.resolved_yaml())
-    write_run_report(report, stage)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(stage, out)
+    with staged(out, stage):  # the staging folder stays for --resume if this fails
+        write_run_report(report, stage)
     shutil.rmtree(work, ignore_errors=True)
     log(f"wrote {out}/report.md")
     return report
@@ -456,25 +452,25 @@ NOT_VERIFIED = ("not reloaded and compared here: the loaders read the whole mode
                 "because it does not fit; `compress verify OUTPUT/exports/FORMAT` does it where the model fits")
 
 
-def export_streamed(recipe: Recipe, stage: Path, out: Path, streamed: Streamed, log, progress: bool) -> list[dict]:
+def export_streamed(opts: RunOptions, record: dict, stage: Path, streamed: Streamed) -> list[dict]:
     """Each format of output.formats written from the checkpoint just saved in `stage`, one block in memory at a
     time (streaming.open_compressed + stream_parts); the same files the in-memory run writes."""
     from ..export import export_model
     from ..model.streaming import open_compressed, stream_parts
 
+    recipe, log = opts.recipe, opts.log
     exports = []
     for fmt in recipe.output.formats:
         log(f"exporting {fmt} block by block ...")
         folder = stage / "exports" / fmt
         folder.parent.mkdir(exist_ok=True)
         source = open_compressed(stage)
-        record = export_model(source.model, source.tokenizer, fmt, folder, {
-            "recipe_sha256": recipe.sha256, "recipe": recipe.text, "source_model": str(out.resolve()),
-            "original_model": streamed.source_name},
-            source_gguf=streamed.source_name if streamed.kind == "gguf" else None,
-            max_shard_bytes=recipe.output.max_shard_bytes, parts=stream_parts(source, progress))
-        exports.append({"format": fmt, "folder": f"exports/{fmt}", "loaders": record["loaders"],
-                        "bytes": folder_bytes(folder), "notes": [*record.get("notes", []), NOT_VERIFIED]})
+        written = export_model(source.model, source.tokenizer, fmt, folder, export_provenance(record, opts.out),
+                               source_gguf=record["source"] if streamed.kind == "gguf" else None,
+                               max_shard_bytes=recipe.output.max_shard_bytes,
+                               parts=stream_parts(source, opts.progress))
+        exports.append({"format": fmt, "folder": f"exports/{fmt}", "loaders": written["loaders"],
+                        "bytes": folder_bytes(folder), "notes": [*written.get("notes", []), NOT_VERIFIED]})
     return exports
 
 
