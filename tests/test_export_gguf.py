@@ -9,7 +9,9 @@ import torch
 import transformers
 
 from compress.arch import get_arch
-from compress.export.gguf import GGUF_TYPES, gguf_problems, llama_cpp_logits, load_llama_cpp, write_gguf
+from compress.export import GGUF_TYPES
+from compress.export.gguf import gguf_problems, write_gguf
+from compress.export.gguf_llama_cpp import llama_cpp_logits, load_llama_cpp
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.scheme import W8A8, scheme
 from tests.conftest import make_tiny_model

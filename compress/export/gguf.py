@@ -1,30 +1,22 @@
 """GGUF for llama.cpp: one .gguf file holding the weights in a llama.cpp block format, the model's
 hyper-parameters, the tokenizer and the chat template.
 
-Block formats (32 weights a block, gguf-py's quants.py and ggml-quants.c):
-  Q8_0  fp16 d, 32 x int8 q                      w = d * q
-  Q4_0  fp16 d, 16 bytes of nibbles              w = d * (n - 8)
-  Q4_1  fp16 d, fp16 m, 16 bytes of nibbles      w = d * n + m
-Nibbles: byte j of a block holds element j in its low half and element j + 16 in its high half.
+This module checks a model (`gguf_problems`) and writes the file (`write_gguf`). The parts it writes with:
+gguf_names.py (tensor names: gguf's own TensorNameMap), gguf_encode.py (block formats: exact re-encoding of our
+codes, float quantization), gguf_kquants.py / gguf_mix.py (K-quants and llama-quantize's per-tensor mixes),
+gguf_vocab.py (tokenizer), gguf_llama_cpp.py (running the file in llama.cpp).
 
-A quantized layer whose grid is the block format's (symmetric int4 with groups of 32 or a multiple of 32
--> Q4_0; int4 asymmetric -> Q4_1; symmetric int8 -> Q8_0; narrower grids fit too) is re-encoded from its
-integer codes and scales as they are ("exact"): llama.cpp then computes with the very weights the
-in-memory model uses. Q4_1 stores m = -zero * scale in fp16, so m is rounded (reported). Any other
-quantized layer is dequantized and quantized again with llama.cpp's reference quantizer
-(gguf.quants.quantize, "requantized"); float layers are quantized from float ("quantized-from-float").
-Norms and biases stay F32.
+A quantized layer whose grid is the block format's is re-encoded from its integer codes and scales as they are
+("exact"): llama.cpp then computes with the very weights the in-memory model uses. Any other quantized layer is
+dequantized and quantized again with llama.cpp's quantizer ("requantized"); float layers are quantized from
+float ("quantized-from-float"). Norms and biases stay F32.
 
 Tensor names and hyper-parameter keys follow llama.cpp's converter (convert_hf_to_gguf.py,
 conversion/llama.py): for the llama architecture the rows of attn_q / attn_k are permuted per head from
-the rotate-half layout transformers uses to the interleaved pairs llama.cpp's RoPE reads. The
-permutation moves whole output rows, so the codes and scales of a quantized layer move with their rows and
-the blocks along the input stay intact.
+the rotate-half layout transformers uses to the interleaved pairs llama.cpp's RoPE reads.
 """
 from __future__ import annotations
 
-import contextlib
-import json
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -34,15 +26,17 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from . import GGUF_TYPES
 from ..moe import ExpertLinears
 from ..nn import QuantLinear, linear_shape, linear_weight
-from ..qtensor import QuantizedTensor
-from .gguf_kquants import BLOCK_BYTES as KQ_BLOCK_BYTES, pack_q5_0, pack_q5_1, quantize as quantize_kquant
+from .gguf_encode import (BLOCK, encode_exact, encode_q4_0, encode_q4_1, encode_q8_0, exact_fit,  # noqa: F401
+                          ggml_type, permute_rows, quantize_float)
+from .gguf_llama_cpp import iter_llama_cpp_logits, llama_cpp_logits, load_llama_cpp  # noqa: F401
 from .gguf_mix import BLOCK as MIX_BLOCK, K_FORMATS, tensor_type
+from .gguf_names import gguf_package
+from .gguf_vocab import (CONTROL, NORMAL, PRE_TOKENIZERS, UNUSED, USER_DEFINED, copy_gguf_tokenizer,  # noqa: F401
+                         hf_vocab, write_hf_vocab)
 from .hf import resident
-
-GGUF_TYPES = ("f16", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q4_k_m", "q5_k_m")
-BLOCK = 32  # weights per Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 block (K-quants: super-blocks of 256, gguf_kquants.py)
 
 # transformers class -> (GGUF architecture, whether attn_q / attn_k rows are permuted for llama.cpp's RoPE)
 ARCHITECTURES = {
@@ -63,33 +57,6 @@ LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_att
            "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
            "mlp.down_proj": "ffn_down"}
 NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-
-# llama.cpp's tokenizer.ggml.pre names (src/llama-vocab.cpp maps each to its own splitting regexes) and the
-# Hugging Face pre-tokenizers that split text the same way.
-_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                r"\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_TOKENIZERS = {
-    "gpt-2": "ByteLevel(use_regex=True)",
-    "smollm": "Sequence[Digits(individual_digits=True), ByteLevel(use_regex=True)]",
-    "llama-bpe": "Sequence[Split(llama-3 regex), ByteLevel(use_regex=False)]",
-    "qwen2": "Sequence[Split(qwen2 regex), ByteLevel(use_regex=False)]",
-}
-# gguf.TokenType values
-NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
-
-
-def _gguf():
-    try:
-        import gguf
-    except ImportError as exc:
-        raise ImportError("the GGUF export needs the `gguf` package: pip install gguf") from exc
-    return gguf
-
-
-def _ggml_type(name: str):
-    return getattr(_gguf().GGMLQuantizationType, name.upper())
 
 
 # ---------------------------------------------------------------- model structure
@@ -158,12 +125,6 @@ def _state_names(model: nn.Module, entries) -> set[str]:
         covered.add("lm_head.weight")
     return covered
 
-
-def _permute_rows(t: Tensor, n_head: int) -> Tensor:
-    """convert_hf_to_gguf.py's LlamaModel.permute on the first (output) axis: within each head, rows
-    [r0..r(d/2-1) | r(d/2)..r(d-1)] become interleaved pairs (r0, r(d/2), r1, r(d/2+1), ...)."""
-    rows = t.shape[0]
-    return t.reshape(n_head, 2, rows // n_head // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
 
 def gguf_problems(model: nn.Module, qtype: str) -> list[str]:
@@ -248,258 +209,6 @@ def gguf_problems(model: nn.Module, qtype: str) -> list[str]:
                         f"size that is a multiple of {BLOCK}")
     return problems
 
-
-# ---------------------------------------------------------------- block encoding
-
-def _per_block(t: Tensor, qt: QuantizedTensor) -> Tensor:
-    """A scale / zero-point tensor as one value per 32-weight block: float32 [out, in // 32]."""
-    n_out, n_in = qt.shape
-    nb = n_in // BLOCK
-    t = t.float()
-    if qt.scheme.granularity == "group":
-        return t.reshape(n_out, -1).repeat_interleave(qt.scheme.group_size // BLOCK, dim=1)
-    return t.reshape(-1, 1).expand(n_out, nb) if t.numel() > 1 else t.reshape(1, 1).expand(n_out, nb)
-
-
-def _fp16_bytes(x: np.ndarray) -> np.ndarray:
-    """float [R, nb] -> uint8 [R, nb, 2] (little-endian fp16)."""
-    return np.ascontiguousarray(x.astype("<f2")).reshape(*x.shape, 1).view(np.uint8)
-
-
-def _nibbles(n: np.ndarray) -> np.ndarray:
-    """Unsigned 4-bit values [R, nb * 32] -> uint8 [R, nb, 16]: low half element j, high half j + 16."""
-    v = n.astype(np.uint8).reshape(n.shape[0], -1, 2, BLOCK // 2)
-    return v[:, :, 0, :] | (v[:, :, 1, :] << np.uint8(4))
-
-
-def encode_q8_0(q: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """int8 values [R, K] and per-block scales [R, K // 32] -> Q8_0 bytes [R, K // 32 * 34]."""
-    qs = np.ascontiguousarray(q.astype(np.int8)).reshape(q.shape[0], -1, BLOCK).view(np.uint8)
-    return np.concatenate([_fp16_bytes(d), qs], axis=-1).reshape(q.shape[0], -1)
-
-
-def encode_q4_0(n: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """Nibbles n = q + 8 in [0, 15] [R, K] and scales [R, K // 32] -> Q4_0 bytes [R, K // 32 * 18]."""
-    return np.concatenate([_fp16_bytes(d), _nibbles(n)], axis=-1).reshape(n.shape[0], -1)
-
-
-def encode_q4_1(n: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """Nibbles [R, K], scales and minimums [R, K // 32] -> Q4_1 bytes [R, K // 32 * 20]."""
-    return np.concatenate([_fp16_bytes(d), _fp16_bytes(m), _nibbles(n)], axis=-1).reshape(n.shape[0], -1)
-
-
-def exact_fit(qt: QuantizedTensor, qtype: str) -> str | None:
-    """Why this quantized weight cannot be re-encoded exactly as `qtype` (None: it can)."""
-    s = qt.scheme
-    if qtype == "f16":
-        return "F16 holds float weights"
-    if s.act is not None or s.is_float:
-        return f"{s.name} is not an integer weight-only grid"
-    if qt.shape[1] % BLOCK:
-        return f"in_features={qt.shape[1]} is not a multiple of {BLOCK}"
-    if s.granularity == "group" and s.group_size % BLOCK:
-        return f"group_size={s.group_size} is not a multiple of {BLOCK}"
-    if s.zero_point_dtype != "uint8" and qtype != "q4_1":
-        return "fractional zero points (HQQ) fit Q4_1's float minimum only"
-    if qtype == "q8_0" and not (s.symmetric or s.bits <= 7):
-        return "asymmetric int8 codes minus their zero point span [-255, 255], beyond int8"
-    if qtype == "q4_0" and not (s.symmetric and s.bits <= 4):
-        return "Q4_0 holds symmetric grids of at most 4 bits"
-    if qtype == "q4_1" and s.bits > 4:
-        return "Q4_1 holds grids of at most 4 bits"
-    if qtype == "q5_0" and not (s.symmetric and s.bits <= 5):
-        return "Q5_0 holds symmetric grids of at most 5 bits"
-    if qtype == "q5_1" and s.bits > 5:
-        return "Q5_1 holds grids of at most 5 bits"
-    if qtype in ("q4_k", "q5_k", "q6_k"):
-        # a K-quant stores each 32 (Q6_K: 16) weights' scale as a 6-bit (8-bit) multiple of one fp16 value per 256
-        # weights; our per-group fp16 scales (and zero points) are not on such a grid
-        return f"{qtype.upper()} keeps per-256-weight double-quantized 6-bit scales; {s.name}'s scales are not on " \
-               "that grid"
-    return None
-
-
-def encode_exact(qt: QuantizedTensor, qtype: str, n_head: int | None = None) -> tuple[np.ndarray, dict]:
-    """Our codes and scales in `qtype`'s blocks, rows permuted per head when n_head is given.
-    Returns the block bytes [out, nbytes] and notes (scale / minimum rounding to fp16)."""
-    s = qt.scheme
-    codes = qt.codes()  # int32 [out, in]: signed (symmetric) or unsigned (asymmetric)
-    d = _per_block(qt.scale, qt)
-    zero = None if qt.zero_point is None else _per_block(qt.zero_point, qt)
-    m = None
-    if qtype == "q8_0":
-        vals = codes if s.symmetric else codes - zero.repeat_interleave(BLOCK, dim=1).to(torch.int32)
-    elif qtype in ("q4_0", "q5_0"):
-        vals = codes + (8 if qtype == "q4_0" else 16)
-    else:  # q4_1 / q5_1: w = d * n + m
-        if s.symmetric:
-            half = 8 if qtype == "q4_1" else 16
-            vals, m = codes + half, -float(half) * d
-        else:
-            vals, m = codes, -zero * d  # exact in float32 (a small integer times an fp16 value)
-    if n_head is not None:
-        vals, d = _permute_rows(vals, n_head), _permute_rows(d, n_head)
-        m = None if m is None else _permute_rows(m, n_head)
-    notes = {}
-    d16 = d.half().float()
-    if not torch.isfinite(d16).all():
-        raise ValueError("a scale overflows fp16")
-    if not torch.equal(d16, d):
-        notes["scale_rounded_to_fp16_max_rel"] = float(((d16 - d).abs() / d.abs().clamp(min=1e-30)).max())
-    if m is not None:
-        m_err = float((m.half().float() - m).abs().max())
-        if m_err:
-            notes["m_rounded_to_fp16_max_abs"] = m_err
-    v, dn = vals.numpy(), d.numpy()
-    if qtype == "q8_0":
-        return encode_q8_0(v, dn), notes
-    if qtype == "q4_0":
-        return encode_q4_0(v, dn), notes
-    if qtype == "q5_0":
-        return pack_q5_0(dn.reshape(-1), v.reshape(-1, BLOCK)).reshape(v.shape[0], -1), notes
-    if qtype == "q5_1":
-        return pack_q5_1(dn.reshape(-1), m.numpy().reshape(-1), v.reshape(-1, BLOCK)) \
-            .reshape(v.shape[0], -1), notes
-    return encode_q4_1(v, dn, m.numpy()), notes
-
-
-def _quantize_float(w: Tensor, ggml_name: str, imatrix: np.ndarray | None = None) -> np.ndarray:
-    """llama.cpp's quantizer for `ggml_name` (K-quants, Q5_0, Q5_1: our port in gguf_kquants.py, with the
-    importance matrix when given; Q8_0 / Q4_0 / Q4_1: gguf-py's reference quantizer), or a float cast."""
-    a = w.detach().float().cpu().numpy()
-    if ggml_name == "F32":
-        return a.astype(np.float32)
-    if ggml_name == "F16":
-        return a.astype(np.float16)
-    if ggml_name in KQ_BLOCK_BYTES and ggml_name != "Q8_0":
-        rows = a.reshape(-1, a.shape[-1])
-        return quantize_kquant(rows, ggml_name, imatrix).reshape(*a.shape[:-1], -1)
-    return _gguf().quants.quantize(a, _ggml_type(ggml_name))
-
-
-# ---------------------------------------------------------------- tokenizer
-
-def _pre_name(spec: dict | None) -> str | None:
-    if spec is None:
-        return None
-    kind = spec.get("type")
-    if kind == "ByteLevel" and spec.get("use_regex", True):
-        return "gpt-2"
-    if kind != "Sequence":
-        return None
-    parts = spec.get("pretokenizers", [])
-    kinds = [p.get("type") for p in parts]
-    if kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits") and parts[1].get("use_regex", True):
-        return "smollm"
-    if kinds == ["Split", "ByteLevel"] and not parts[1].get("use_regex", True):
-        regex = (parts[0].get("pattern") or {}).get("Regex")
-        return {_LLAMA3_REGEX: "llama-bpe", _QWEN2_REGEX: "qwen2"}.get(regex)
-    return None
-
-
-def hf_vocab(tokenizer, n_vocab: int, pre: str | None = None) -> dict:
-    """tokenizer.ggml.* values for a byte-level BPE (GPT-2 style) Hugging Face fast tokenizer, laid out as
-    convert_hf_to_gguf.py's _set_vocab_gpt2 does: ids the tokenizer lacks become UNUSED [PAD<i>] tokens."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        raise ValueError("the GGUF tokenizer is built from a fast (tokenizers) tokenizer; this one is "
-                         f"{type(tokenizer).__name__}. Pass source_gguf= when the model came from a .gguf file")
-    spec = json.loads(backend.to_str())
-    byte_level = "ByteLevel" in json.dumps(spec.get("pre_tokenizer")) or \
-        (spec.get("decoder") or {}).get("type") == "ByteLevel"
-    if spec["model"]["type"] != "BPE" or not byte_level:
-        raise ValueError(f"the GGUF exporter builds byte-level BPE (GPT-2 style) vocabularies; this tokenizer is "
-                         f"{spec['model']['type']} without byte-level pre-tokenization (SentencePiece style). "
-                         "Convert with llama.cpp's convert_hf_to_gguf.py, or pass source_gguf= when the model came "
-                         "from a .gguf file")
-    if pre is None:
-        pre = _pre_name(spec.get("pre_tokenizer"))
-        if pre is None:
-            known = "; ".join(f"{k} = {v}" for k, v in PRE_TOKENIZERS.items())
-            raise ValueError(f"unknown pre-tokenizer {json.dumps(spec.get('pre_tokenizer'))[:300]}: llama.cpp needs "
-                             f"its name (tokenizer.ggml.pre). Known here: {known}. Pass pre=<llama.cpp name> (see "
-                             "llama.cpp's src/llama-vocab.cpp) if you know which one splits the same way")
-    vocab = tokenizer.get_vocab()
-    if max(vocab.values()) >= n_vocab:
-        raise ValueError(f"the tokenizer has ids up to {max(vocab.values())} but the embedding has {n_vocab} rows")
-    reverse = {i: t for t, i in vocab.items()}
-    added = tokenizer.get_added_vocab()
-    decoder = getattr(tokenizer, "added_tokens_decoder", {})
-    tokens, types = [], []
-    for i in range(n_vocab):
-        if i not in reverse:
-            tokens.append(f"[PAD{i}]")
-            types.append(UNUSED)
-            continue
-        tok = reverse[i]
-        if tok in added:
-            info = decoder.get(i)
-            if info is not None and not info.normalized:  # llama.cpp expects added tokens pre-normalized
-                tok = tokenizer.decode(tokenizer.encode(tok, add_special_tokens=False))
-            types.append(CONTROL if info is None or info.special else USER_DEFINED)
-        else:
-            types.append(NORMAL)
-        tokens.append(tok)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
-    plain = tokenizer("a", add_special_tokens=False).input_ids
-    special = tokenizer("a", add_special_tokens=True).input_ids
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-    out = {"model": "gpt2", "pre": pre, "tokens": tokens, "token_type": types, "merges": merges,
-           "bos": bos, "eos": eos, "unk": tokenizer.unk_token_id, "pad": tokenizer.pad_token_id,
-           "add_bos": bos is not None and len(special) > len(plain) and special[0] == bos,
-           "add_eos": eos is not None and len(special) > len(plain) and special[-1] == eos,
-           "chat_template": tokenizer.chat_template if isinstance(getattr(tokenizer, "chat_template", None), str)
-           else None}
-    if not merges:
-        raise ValueError("the tokenizer has no BPE merges; llama.cpp's gpt2 vocabulary needs them")
-    return out
-
-
-def _write_hf_vocab(writer, v: dict) -> None:
-    writer.add_tokenizer_model(v["model"])
-    writer.add_tokenizer_pre(v["pre"])
-    writer.add_token_list(v["tokens"])
-    writer.add_token_types(v["token_type"])
-    writer.add_token_merges(v["merges"])
-    for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
-                     ("unk", writer.add_unk_token_id), ("pad", writer.add_pad_token_id)):
-        if v[key] is not None:
-            add(v[key])
-    writer.add_add_bos_token(v["add_bos"])
-    writer.add_add_eos_token(v["add_eos"])
-    if v["chat_template"]:
-        writer.add_chat_template(v["chat_template"])
-
-
-def copy_gguf_tokenizer(writer, reader, source_gguf: str | Path, n_vocab: int) -> list[str]:
-    """Copy every tokenizer.* key of `reader` (a GGUFReader on source_gguf), types and bytes as they are.
-    Returns the keys."""
-    gguf = _gguf()
-    keys = []
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        vtype = field.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            sub = field.types[-1]
-            if sub == gguf.GGUFValueType.STRING:
-                value = [bytes(field.parts[i]) for i in field.data]
-            else:
-                value = [x.item() if hasattr(x, "item") else x for x in field.contents()]
-            if key == "tokenizer.ggml.tokens" and len(value) != n_vocab:
-                raise ValueError(f"{source_gguf} has {len(value)} tokens but the model's embedding has {n_vocab} rows")
-            writer.add_key_value(key, value, vtype, sub_type=sub)
-        elif vtype == gguf.GGUFValueType.STRING:
-            writer.add_key_value(key, bytes(field.parts[field.data[0]]), vtype)
-        else:
-            writer.add_key_value(key, field.contents(), vtype)
-        keys.append(key)
-    if "tokenizer.ggml.tokens" not in keys:
-        raise ValueError(f"{source_gguf} has no tokenizer.ggml.tokens; export with source_gguf=None to build the "
-                         "tokenizer from the Hugging Face one")
-    return keys
-
-
 # ---------------------------------------------------------------- writer
 
 def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source_gguf: str | None = None, *,
@@ -535,7 +244,7 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
         embed_qtype = "q8_0" if qtype in ("q4_0", "q4_1") else qtype
     if embed_qtype not in GGUF_TYPES:
         raise ValueError(f"embed_qtype={embed_qtype!r}; choose one of {', '.join(GGUF_TYPES)}")
-    gguf = _gguf()
+    gguf = gguf_package()
     arch, permute = ARCHITECTURES[type(model).__name__]
     config = model.config
     n_head, n_kv, head_dim = config.num_attention_heads, config.num_key_value_heads, _head_dim(config)
@@ -585,7 +294,7 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
         copy_gguf_tokenizer(writer, reader, source_gguf, n_vocab)
         tokenizer_note = f"tokenizer.* copied from {source_gguf}"
     else:
-        _write_hf_vocab(writer, vocab)
+        write_hf_vocab(writer, vocab)
         tokenizer_note = f"built from the Hugging Face tokenizer (tokenizer.ggml.pre={vocab['pre']!r})"
         if not vocab["chat_template"]:
             notes.append("the tokenizer has no chat template; none written")
@@ -615,21 +324,21 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
         h = hessians.get(hf) if hf is not None else None
         im = imatrix.get(hf) if hf is not None else None
         if ggml in ("F16", "F32", "Q8_0") or (h is None and im is None):
-            return _quantize_float(w, ggml), {}
+            return quantize_float(w, ggml), {}
         if ggml in ("Q4_0", "Q4_1"):
-            return _quantize_float(w, ggml), {"note": "imatrix not used for Q4_0 / Q4_1 (not ported)"}
+            return quantize_float(w, ggml), {"note": "imatrix not used for Q4_0 / Q4_1 (not ported)"}
         im = np.asarray(im if im is not None else torch.diagonal(torch.as_tensor(h)), np.float32)
         if h is not None:
             from .gguf_gptq import quantize_gptq_gguf
             return quantize_gptq_gguf(w, torch.as_tensor(h), ggml, im), {"method": "gptq"}
-        return _quantize_float(w, ggml, im), {"method": "imatrix"}
+        return quantize_float(w, ggml, im), {"method": "imatrix"}
 
     def add_float(gname: str, w: Tensor, target: str, path_name: str, hf: str | None = None, **extra) -> None:
         ggml = target.upper()
         if ggml not in ("F16", "F32") and w.shape[-1] % MIX_BLOCK[ggml]:
             ggml, extra = "F16", {**extra, "note": f"row of {w.shape[-1]} is not a whole number of blocks: F16"}
         data, how = encode_float(w, ggml, hf)
-        raw = None if ggml in ("F16", "F32") else _ggml_type(ggml)
+        raw = None if ggml in ("F16", "F32") else ggml_type(ggml)
         writer.add_tensor(gname, data, raw_dtype=raw)
         tensors[gname] = {"type": ggml, "path": path_name if ggml != "F16" or target == "f16" else "float",
                           "shape": list(w.shape), **extra, **how}
@@ -638,19 +347,19 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
         target, extra = pick(gname, linear_shape(module)[1], target)
         if not isinstance(module, QuantLinear):
             w = linear_weight(module).detach().float()
-            w = w if heads is None else _permute_rows(w, heads)
+            w = w if heads is None else permute_rows(w, heads)
             add_float(gname, w, target, "float" if target == "f16" else "quantized-from-float", hf, **extra)
             return
         qt = module.qtensor()
         why = exact_fit(qt, target)
         if why is None:
             data, notes_ = encode_exact(qt, target, heads)
-            writer.add_tensor(gname, data, raw_dtype=_ggml_type(target))
+            writer.add_tensor(gname, data, raw_dtype=ggml_type(target))
             tensors[gname] = {"type": target.upper(), "path": "exact", "shape": list(qt.shape),
                               "scheme": qt.scheme.name, **extra, **notes_}
             return
         w = qt.dequantize(torch.float32)
-        w = w if heads is None else _permute_rows(w, heads)
+        w = w if heads is None else permute_rows(w, heads)
         add_float(gname, w, target, "dequantized" if target == "f16" else "requantized", hf, scheme=qt.scheme.name,
                   reason=why, **extra)
 
@@ -669,13 +378,13 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
                       linear_weight(m).detach().float() for m in layers]
             ggml = target.upper() if target == "f16" or floats[0].shape[-1] % MIX_BLOCK[target.upper()] == 0 \
                 else "F16"
-            data = np.stack([_quantize_float(w, ggml) for w in floats])  # no per-expert calibration statistics
+            data = np.stack([quantize_float(w, ggml) for w in floats])  # no per-expert calibration statistics
             target = ggml.lower()
             path_name = "float" if target == "f16" and not isinstance(layers[0], QuantLinear) else \
                 "dequantized" if target == "f16" else \
                 "requantized" if isinstance(layers[0], QuantLinear) else "quantized-from-float"
             extra = {}
-        writer.add_tensor(gname, data, raw_dtype=None if target in ("f16", "f32") else _ggml_type(target))
+        writer.add_tensor(gname, data, raw_dtype=None if target in ("f16", "f32") else ggml_type(target))
         tensors[gname] = {"type": target.upper(), "path": path_name, "shape": [len(layers), n_out, n_in], **extra,
                           **fell}
 
@@ -735,71 +444,3 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
     return {"qtype": qtype, "arch": arch, "file": Path(path).name, "bytes": Path(path).stat().st_size,
             "tokenizer": tokenizer_note, "tensors": tensors, "counts": counts, "types": types,
             "tied_embeddings": _tied(model), "notes": notes}
-
-
-# ---------------------------------------------------------------- running the file in llama.cpp
-
-@contextlib.contextmanager
-def _without_extra_buffers():
-    """llama-cpp-python builds its model params from llama_model_default_params(); turn off use_extra_bufts
-    (weight repacking into AMX / other CPU extra buffer types). llama.cpp's AMX matmul segfaults on some
-    machines (llama.cpp issue #20824, reproduced here on an AMX-capable Xeon: SIGSEGV in
-    ggml_backend_amx_mul_mat) and gave wrong Q4_0 / Q4_1 results before PR #16315; the plain CPU kernels
-    are the reference."""
-    import llama_cpp.llama as module
-
-    lib = module.llama_cpp
-    original = lib.llama_model_default_params
-
-    def params():
-        p = original()
-        if hasattr(p, "use_extra_bufts"):
-            p.use_extra_bufts = False
-        return p
-
-    lib.llama_model_default_params = params
-    try:
-        yield
-    finally:
-        lib.llama_model_default_params = original
-
-
-def load_llama_cpp(path: str | Path, n_ctx: int = 512, extra_buffers: bool = False, **kwargs):
-    """A llama_cpp.Llama on `path` (one thread, quiet, logits for every position)."""
-    try:
-        import llama_cpp
-    except ImportError as exc:
-        raise ImportError("running a GGUF file needs llama-cpp-python: pip install llama-cpp-python") from exc
-    kwargs = {"logits_all": True, "n_threads": 1, "n_threads_batch": 1, "verbose": False, "n_ctx": n_ctx,
-              "n_batch": n_ctx, "n_ubatch": n_ctx, **kwargs}
-    with contextlib.nullcontext() if extra_buffers else _without_extra_buffers():
-        return llama_cpp.Llama(model_path=str(path), **kwargs)
-
-
-def llama_cpp_logits(path: str | Path, windows: Tensor, n_ctx: int | None = None,
-                     extra_buffers: bool = False) -> Tensor:
-    """llama.cpp's logits for each window of token ids (int64 [B, T]): float32 [B, T, vocab]. The context is
-    cleared between windows; no BOS is added."""
-    windows = torch.as_tensor(windows)
-    if windows.ndim != 2:
-        raise ValueError(f"windows must be [B, T] token ids, got shape {tuple(windows.shape)}")
-    b, t = windows.shape
-    if n_ctx is not None and n_ctx < t:
-        raise ValueError(f"n_ctx={n_ctx} is shorter than the windows ({t} tokens)")
-    return torch.stack(list(iter_llama_cpp_logits(path, windows, n_ctx, extra_buffers)))
-
-
-def iter_llama_cpp_logits(path: str | Path, windows: Tensor, n_ctx: int | None = None, extra_buffers: bool = False):
-    """llama_cpp_logits one window at a time (float32 [T, vocab] each), the model loaded once."""
-    windows = torch.as_tensor(windows)
-    t = windows.shape[1]
-    llm = load_llama_cpp(path, n_ctx=n_ctx or t, extra_buffers=extra_buffers)
-    try:
-        for row in windows.tolist():
-            llm.reset()
-            llm.eval(row)
-            yield torch.from_numpy(np.array(llm.scores[:t], dtype=np.float32))
-    finally:
-        close = getattr(llm, "close", None)
-        if close is not None:
-            close()
