@@ -33,7 +33,7 @@ from .gguf_encode import (BLOCK, encode_exact, encode_q4_0, encode_q4_1, encode_
                           ggml_type, permute_rows, quantize_float)
 from .gguf_llama_cpp import iter_llama_cpp_logits, llama_cpp_logits, load_llama_cpp  # noqa: F401
 from .gguf_mix import BLOCK as MIX_BLOCK, K_FORMATS, tensor_type
-from .gguf_names import gguf_package
+from .gguf_names import block_names, gguf_name, gguf_package, tensor_name_map
 from .gguf_vocab import (CONTROL, NORMAL, PRE_TOKENIZERS, UNUSED, USER_DEFINED, copy_gguf_tokenizer,  # noqa: F401
                          hf_vocab, write_hf_vocab)
 from .hf import resident
@@ -46,17 +46,18 @@ ARCHITECTURES = {
     "MixtralForCausalLM": ("llama", True),  # llama.cpp's llama graph with expert_count: softmax top-k, renormalised
     "Qwen3MoeForCausalLM": ("qwen3moe", False),
 }
-# per-head q/k RMSNorms, per GGUF architecture
-QK_NORMS = {"qwen3moe": {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}}
-# a MoE block's experts as llama.cpp stacks them: one 3-D tensor [E, out, in] per projection, and the router
-EXPERT_TENSORS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
-ROUTER_TENSOR = "ffn_gate_inp"
+# a decoder block's tensors as transformers names them, in the order the file holds them; their GGUF names come from
+# gguf's own TensorNameMap (gguf_names.py), as llama.cpp's converter names them
+NORMS = ("input_layernorm", "post_attention_layernorm")
+QK_NORMS = {"qwen3moe": ("self_attn.q_norm", "self_attn.k_norm")}  # per-head q/k RMSNorms, per GGUF architecture
+BLOCK_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj")
+# a MoE block's router, and its experts as llama.cpp stacks them: one 3-D tensor [E, out, in] per projection
+ROUTER = "mlp.gate"
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # which projections may carry a bias, per GGUF architecture
 BIASES = {"llama": (), "qwen2": ("q_proj", "k_proj", "v_proj"), "qwen3moe": ()}
-LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-           "mlp.down_proj": "ffn_down"}
-NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+LINEARS = block_names("llama", BLOCK_LINEARS)  # {block linear: its GGUF name}: self_attn.q_proj -> attn_q
 
 
 # ---------------------------------------------------------------- model structure
@@ -83,26 +84,38 @@ def _tied(model: nn.Module) -> bool:
 
 
 def _entries(model: nn.Module, arch: str) -> list[tuple[str, str, str]]:
-    """(GGUF tensor name, HF module or parameter name, role) for every tensor of the file, in order.
-    Roles: embed, output, linear, norm, bias."""
-    out = [("token_embd.weight", "model.embed_tokens", "embed")]
+    """(GGUF tensor name, HF module or parameter name, role) for every tensor of the file, in order; the GGUF
+    names from gguf's table for `arch` (gguf_names.py). Roles: embed, output, linear, norm, bias, experts."""
+    table = tensor_name_map(arch, model.config.num_hidden_layers)
+    if table is None:
+        raise ValueError(f"gguf {gguf_package().__version__} does not know the GGUF architecture {arch!r}; "
+                         "pip install -U gguf")
+
+    def entry(param: str, hf: str, role: str) -> tuple[str, str, str]:
+        """`param`: the tensor's name as gguf's table knows it (a module's weight, a stacked expert projection)."""
+        gname = gguf_name(table, param)
+        if gname is None:
+            raise ValueError(f"gguf's {arch} tensor table (TensorNameMap) has no name for {param}")
+        return gname, hf, role
+
+    out = [entry("model.embed_tokens.weight", "model.embed_tokens", "embed")]
     for i in range(model.config.num_hidden_layers):
         p = f"model.layers.{i}"
         moe = isinstance(getattr(model.get_submodule(f"{p}.mlp"), "experts", None), ExpertLinears)
-        for hf, gg in (NORMS | QK_NORMS.get(arch, {})).items():
-            out.append((f"blk.{i}.{gg}.weight", f"{p}.{hf}.weight", "norm"))
-        for hf, gg in LINEARS.items():
+        out += [entry(f"{p}.{hf}.weight", f"{p}.{hf}.weight", "norm") for hf in NORMS + QK_NORMS.get(arch, ())]
+        for hf in BLOCK_LINEARS:
             if moe and hf.startswith("mlp."):
                 continue
-            out.append((f"blk.{i}.{gg}.weight", f"{p}.{hf}", "linear"))
+            out.append(entry(f"{p}.{hf}.weight", f"{p}.{hf}", "linear"))
             if hf.rpartition(".")[2] in BIASES[arch]:
-                out.append((f"blk.{i}.{gg}.bias", f"{p}.{hf}.bias", "bias"))
+                out.append(entry(f"{p}.{hf}.bias", f"{p}.{hf}.bias", "bias"))
         if moe:  # the router (float), then each projection of every expert stacked
-            out.append((f"blk.{i}.{ROUTER_TENSOR}.weight", f"{p}.mlp.gate.weight", "norm"))
-            out += [(f"blk.{i}.{gg}.weight", f"{p}.mlp.experts|{hf}", "experts") for hf, gg in EXPERT_TENSORS.items()]
-    out.append(("output_norm.weight", "model.norm.weight", "norm"))
+            out.append(entry(f"{p}.{ROUTER}.weight", f"{p}.{ROUTER}.weight", "norm"))
+            out += [entry(f"{p}.mlp.experts.{proj}.weight", f"{p}.mlp.experts|{proj}", "experts")
+                    for proj in EXPERT_PROJECTIONS]
+    out.append(entry("model.norm.weight", "model.norm.weight", "norm"))
     if not _tied(model):
-        out.append(("output.weight", "lm_head", "output"))
+        out.append(entry("lm_head.weight", "lm_head", "output"))
     return out
 
 
@@ -163,6 +176,8 @@ def gguf_problems(model: nn.Module, qtype: str) -> list[str]:
         uncovered = sorted(set(model.state_dict()) - _state_names(model, entries))
     except AttributeError as exc:
         return problems + [f"{cls}: module layout differs from the one this exporter maps ({exc})"]
+    except ValueError as exc:  # a tensor gguf's table does not name: llama.cpp's graph has no place for it
+        return problems + [f"{exc}: llama.cpp's {arch} graph does not read such a tensor; export `dense`"]
     if uncovered:
         problems.append(f"tensors with no GGUF counterpart in this exporter: {uncovered[:6]}"
                         f"{' ...' if len(uncovered) > 6 else ''}")
