@@ -139,6 +139,7 @@ def _state_names(model: nn.Module, entries) -> set[str]:
     return covered
 
 
+# ---------------------------------------------------------------- what GGUF cannot hold
 
 def gguf_problems(model: nn.Module, qtype: str) -> list[str]:
     """Why `model` cannot be written as GGUF `qtype` (empty: it can), each with the way out."""
@@ -150,6 +151,22 @@ def gguf_problems(model: nn.Module, qtype: str) -> list[str]:
                 f"writes (it writes {', '.join(sorted(ARCHITECTURES))}); export `dense` and convert it with "
                 "llama.cpp's convert_hf_to_gguf.py, or export another format"]
     arch, _ = ARCHITECTURES[cls]
+    problems = _config_problems(model, arch)
+    try:
+        entries = _entries(model, arch)
+        uncovered = sorted(set(model.state_dict()) - _state_names(model, entries))
+    except AttributeError as exc:
+        return problems + [f"{cls}: module layout differs from the one this exporter maps ({exc})"]
+    except ValueError as exc:  # a tensor gguf's table does not name: llama.cpp's graph has no place for it
+        return problems + [f"{exc}: llama.cpp's {arch} graph does not read such a tensor; export `dense`"]
+    if uncovered:
+        problems.append(f"tensors with no GGUF counterpart in this exporter: {uncovered[:6]}"
+                        f"{' ...' if len(uncovered) > 6 else ''}")
+    return problems + _shape_problems(model) + _layer_problems(model, qtype)
+
+
+def _config_problems(model: nn.Module, arch: str) -> list[str]:
+    """What in the config llama.cpp's `arch` graph does not compute."""
     config = model.config
     problems = []
     if getattr(config, "hidden_act", "silu") != "silu":
@@ -171,16 +188,13 @@ def gguf_problems(model: nn.Module, qtype: str) -> list[str]:
                             "llama.cpp's qwen3moe graph expects experts in every block")
     if arch in ("qwen2", "qwen3moe") and getattr(config, "use_sliding_window", False):
         problems.append("use_sliding_window: llama.cpp's qwen2 graph attends to the whole context")
-    try:
-        entries = _entries(model, arch)
-        uncovered = sorted(set(model.state_dict()) - _state_names(model, entries))
-    except AttributeError as exc:
-        return problems + [f"{cls}: module layout differs from the one this exporter maps ({exc})"]
-    except ValueError as exc:  # a tensor gguf's table does not name: llama.cpp's graph has no place for it
-        return problems + [f"{exc}: llama.cpp's {arch} graph does not read such a tensor; export `dense`"]
-    if uncovered:
-        problems.append(f"tensors with no GGUF counterpart in this exporter: {uncovered[:6]}"
-                        f"{' ...' if len(uncovered) > 6 else ''}")
+    return problems
+
+
+def _shape_problems(model: nn.Module) -> list[str]:
+    """Linear layers whose shape is not the config's (GGUF holds one width per model), and MoE experts llama.cpp
+    cannot run."""
+    config = model.config
     n_head, n_kv, head_dim = config.num_attention_heads, config.num_key_value_heads, _head_dim(config)
     expect = {"self_attn.q_proj": (n_head * head_dim, config.hidden_size),
               "self_attn.k_proj": (n_kv * head_dim, config.hidden_size),
@@ -189,6 +203,7 @@ def gguf_problems(model: nn.Module, qtype: str) -> list[str]:
               "mlp.gate_proj": (config.intermediate_size, config.hidden_size),
               "mlp.up_proj": (config.intermediate_size, config.hidden_size),
               "mlp.down_proj": (config.hidden_size, config.intermediate_size)}
+    problems = []
     for i, layer in enumerate(model.model.layers):
         experts = getattr(layer.mlp, "experts", None)
         checks = dict(expect)
@@ -207,6 +222,11 @@ def gguf_problems(model: nn.Module, qtype: str) -> list[str]:
             if got != shape:
                 problems.append(f"model.layers.{i}.{rel}: shape {got} differs from the config's {shape}; GGUF "
                                 "holds one width per model (fix the config or export `dense`)")
+    return problems
+
+
+def _layer_problems(model: nn.Module, qtype: str) -> list[str]:
+    """Quantized layers GGUF cannot hold: activation quantization, rows that are not whole blocks."""
     act, unaligned = [], []
     for name, m in model.named_modules():
         if not isinstance(m, QuantLinear):
@@ -215,6 +235,7 @@ def gguf_problems(model: nn.Module, qtype: str) -> list[str]:
             act.append(f"{name} ({m.scheme.name})")
         elif qtype != "f16" and m.in_features % BLOCK:
             unaligned.append(f"{name} (in_features={m.in_features})")
+    problems = []
     if act:
         problems.append(f"{len(act)} layers quantize their activations at run time, e.g. {act[0]}: GGUF stores "
                         "weight-only formats; export the dense or compressed-tensors format instead")
@@ -223,6 +244,7 @@ def gguf_problems(model: nn.Module, qtype: str) -> list[str]:
                         f"{qtype.upper()} blocks, e.g. {unaligned[0]}; export gguf-f16, or quantize with a group "
                         f"size that is a multiple of {BLOCK}")
     return problems
+
 
 # ---------------------------------------------------------------- writer
 
@@ -248,23 +270,10 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
     Returns the report: per GGUF tensor its type and path (exact, requantized, quantized-from-float,
     dequantized, float), counts, notes.
     """
-    problems = gguf_problems(model, qtype)
-    if problems:
-        raise ValueError("cannot export to GGUF " + qtype + ":\n  " + "\n  ".join(problems))
-    kmix = qtype in K_FORMATS
-    if kmix and embed_qtype is not None:
-        raise ValueError(f"embed_qtype= is for the 32-block types; {qtype} types token_embd / output by "
-                         "llama-quantize's rules (gguf_mix.py)")
-    if embed_qtype is None:
-        embed_qtype = "q8_0" if qtype in ("q4_0", "q4_1") else qtype
-    if embed_qtype not in GGUF_TYPES:
-        raise ValueError(f"embed_qtype={embed_qtype!r}; choose one of {', '.join(GGUF_TYPES)}")
+    embed_qtype = _check_types(model, qtype, embed_qtype)
     gguf = gguf_package()
     arch, permute = ARCHITECTURES[type(model).__name__]
-    config = model.config
-    n_head, n_kv, head_dim = config.num_attention_heads, config.num_key_value_heads, _head_dim(config)
-    embed = model.get_input_embeddings().weight
-    n_vocab, hidden = embed.shape
+    n_vocab = model.get_input_embeddings().weight.shape[0]
     notes: list[str] = []
 
     # tokenizer first: its errors come before any tensor work
@@ -281,6 +290,60 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
             name = str(reader.fields["general.name"].contents())
     writer = gguf.GGUFWriter(str(path), arch, use_temp_file=True)
     writer.temp_file = tempfile.TemporaryFile(dir=Path(path).parent)  # encoded tensors wait on disk, not in memory
+    _write_hyperparameters(writer, model, arch, qtype, name)
+    if source_gguf is not None:
+        copy_gguf_tokenizer(writer, reader, source_gguf, n_vocab)
+        tokenizer_note = f"tokenizer.* copied from {source_gguf}"
+    else:
+        write_hf_vocab(writer, vocab)
+        tokenizer_note = f"built from the Hugging Face tokenizer (tokenizer.ggml.pre={vocab['pre']!r})"
+        if not vocab["chat_template"]:
+            notes.append("the tokenizer has no chat template; none written")
+    notes += _model_notes(model, arch)
+
+    encoder = _TensorEncoder(writer, model, qtype, imatrix, hessians)
+    _add_tensors(encoder, model, arch, permute, embed_qtype, parts)
+    tensors = encoder.tensors
+    fallbacks = [g for g, t in tensors.items() if "fallback" in t]
+    if fallbacks:
+        notes.append(f"{len(fallbacks)} tensors have rows that are not whole 256-weight super-blocks and took "
+                     f"llama.cpp's fallback type (e.g. {fallbacks[0]}: {tensors[fallbacks[0]]['fallback']})")
+    if embed_qtype != qtype and not encoder.kmix:
+        notes.append(f"token_embd{'' if _tied(model) else ' and output'} in {embed_qtype.upper()} (float in the "
+                     f"model; llama-quantize likewise keeps the output / tied embedding above a 4-bit type); "
+                     "pass embed_qtype= to change")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    counts = dict(Counter(t["path"] for t in tensors.values()))
+    types = dict(Counter(t["type"] for t in tensors.values()))
+    return {"qtype": qtype, "arch": arch, "file": Path(path).name, "bytes": Path(path).stat().st_size,
+            "tokenizer": tokenizer_note, "tensors": tensors, "counts": counts, "types": types,
+            "tied_embeddings": _tied(model), "notes": notes}
+
+
+def _check_types(model: nn.Module, qtype: str, embed_qtype: str | None) -> str:
+    """Refuse what cannot be written (gguf_problems, an embed_qtype that does not apply); the embedding's type."""
+    problems = gguf_problems(model, qtype)
+    if problems:
+        raise ValueError("cannot export to GGUF " + qtype + ":\n  " + "\n  ".join(problems))
+    if qtype in K_FORMATS and embed_qtype is not None:
+        raise ValueError(f"embed_qtype= is for the 32-block types; {qtype} types token_embd / output by "
+                         "llama-quantize's rules (gguf_mix.py)")
+    if embed_qtype is None:
+        embed_qtype = "q8_0" if qtype in ("q4_0", "q4_1") else qtype
+    if embed_qtype not in GGUF_TYPES:
+        raise ValueError(f"embed_qtype={embed_qtype!r}; choose one of {', '.join(GGUF_TYPES)}")
+    return embed_qtype
+
+
+def _write_hyperparameters(writer, model: nn.Module, arch: str, qtype: str, name: str | None) -> None:
+    """The model's general.* and <arch>.* keys, as llama.cpp's converter writes them."""
+    gguf = gguf_package()
+    config = model.config
+    n_head, n_kv, head_dim = config.num_attention_heads, config.num_key_value_heads, _head_dim(config)
+    n_vocab, hidden = model.get_input_embeddings().weight.shape
     writer.add_name(name or Path(str(getattr(config, "_name_or_path", "") or arch)).name or arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(hidden)
@@ -305,15 +368,12 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
         {k: v[1] for k, v in K_FORMATS.items()}
     writer.add_file_type(int(getattr(gguf.LlamaFileType, file_types[qtype])))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    if source_gguf is not None:
-        copy_gguf_tokenizer(writer, reader, source_gguf, n_vocab)
-        tokenizer_note = f"tokenizer.* copied from {source_gguf}"
-    else:
-        write_hf_vocab(writer, vocab)
-        tokenizer_note = f"built from the Hugging Face tokenizer (tokenizer.ggml.pre={vocab['pre']!r})"
-        if not vocab["chat_template"]:
-            notes.append("the tokenizer has no chat template; none written")
 
+
+def _model_notes(model: nn.Module, arch: str) -> list[str]:
+    """What of the model the file does not carry, or llama.cpp computes differently."""
+    config = model.config
+    notes = []
     window = getattr(config, "sliding_window", None)
     if arch == "llama" and window and window < config.max_position_embeddings:
         notes.append(f"sliding_window={window}: llama.cpp's llama graph attends to the full context, so outputs "
@@ -321,23 +381,34 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
     if any(getattr(m, "k_scale", None) is not None and hasattr(m, "kv_cache_dtype") for m in model.modules()):
         notes.append("fp8 KV-cache scales are not part of GGUF; they were left out (llama.cpp picks its KV type "
                      "at load time)")
+    return notes
 
-    tensors: dict[str, dict] = {}
 
-    n_expert = int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
-    imatrix, hessians = imatrix or {}, hessians or {}
+class _TensorEncoder:
+    """Encodes the file's tensors one by one into `writer` (their bytes wait in its temporary file) and keeps the
+    report's entry of each in `tensors`: block type, path (exact, requantized, quantized-from-float, dequantized,
+    float), shape, notes."""
 
-    def pick(gname: str, ncols: int, target: str) -> tuple[str, dict]:
+    def __init__(self, writer, model: nn.Module, qtype: str, imatrix: dict | None, hessians: dict | None):
+        self.writer, self.model, self.qtype = writer, model, qtype
+        self.kmix = qtype in K_FORMATS
+        config = model.config
+        self.n_expert = int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
+        self.imatrix, self.hessians = imatrix or {}, hessians or {}
+        self.tensors: dict[str, dict] = {}
+
+    def pick(self, gname: str, ncols: int, target: str) -> tuple[str, dict]:
         """The block type of tensor `gname` (lower case) and the report's note on a fallback."""
-        if not kmix:
+        if not self.kmix:
             return target, {}
-        kind, why = tensor_type(qtype, gname, ncols, config.num_hidden_layers, _tied(model), n_expert)
+        kind, why = tensor_type(self.qtype, gname, ncols, self.model.config.num_hidden_layers, _tied(self.model),
+                                self.n_expert)
         return kind.lower(), ({"fallback": why} if why else {})
 
-    def encode_float(w: Tensor, ggml: str, hf: str | None) -> tuple[np.ndarray, dict]:
+    def encode_float(self, w: Tensor, ggml: str, hf: str | None) -> tuple[np.ndarray, dict]:
         """Block bytes of float weights `w` in `ggml`, with the calibration statistics of layer `hf` if any."""
-        h = hessians.get(hf) if hf is not None else None
-        im = imatrix.get(hf) if hf is not None else None
+        h = self.hessians.get(hf) if hf is not None else None
+        im = self.imatrix.get(hf) if hf is not None else None
         if ggml in ("F16", "F32", "Q8_0") or (h is None and im is None):
             return quantize_float(w, ggml), {}
         if ggml in ("Q4_0", "Q4_1"):
@@ -348,42 +419,44 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
             return quantize_gptq_gguf(w, torch.as_tensor(h), ggml, im), {"method": "gptq"}
         return quantize_float(w, ggml, im), {"method": "imatrix"}
 
-    def add_float(gname: str, w: Tensor, target: str, path_name: str, hf: str | None = None, **extra) -> None:
+    def add_float(self, gname: str, w: Tensor, target: str, path_name: str, hf: str | None = None, **extra) -> None:
         ggml = target.upper()
         if ggml not in ("F16", "F32") and w.shape[-1] % MIX_BLOCK[ggml]:
             ggml, extra = "F16", {**extra, "note": f"row of {w.shape[-1]} is not a whole number of blocks: F16"}
-        data, how = encode_float(w, ggml, hf)
+        data, how = self.encode_float(w, ggml, hf)
         raw = None if ggml in ("F16", "F32") else ggml_type(ggml)
-        writer.add_tensor(gname, data, raw_dtype=raw)
-        tensors[gname] = {"type": ggml, "path": path_name if ggml != "F16" or target == "f16" else "float",
-                          "shape": list(w.shape), **extra, **how}
+        self.writer.add_tensor(gname, data, raw_dtype=raw)
+        self.tensors[gname] = {"type": ggml, "path": path_name if ggml != "F16" or target == "f16" else "float",
+                               "shape": list(w.shape), **extra, **how}
 
-    def add_linear(gname: str, module: nn.Module, target: str, heads: int | None, hf: str | None = None) -> None:
-        target, extra = pick(gname, linear_shape(module)[1], target)
+    def add_linear(self, gname: str, module: nn.Module, target: str, heads: int | None, hf: str | None = None) -> None:
+        """A linear layer's weight: its codes as they are where they fit `target`'s grid, else from float; rows
+        permuted per head when `heads` is given."""
+        target, extra = self.pick(gname, linear_shape(module)[1], target)
         if not isinstance(module, QuantLinear):
             w = linear_weight(module).detach().float()
             w = w if heads is None else permute_rows(w, heads)
-            add_float(gname, w, target, "float" if target == "f16" else "quantized-from-float", hf, **extra)
+            self.add_float(gname, w, target, "float" if target == "f16" else "quantized-from-float", hf, **extra)
             return
         qt = module.qtensor()
         why = exact_fit(qt, target)
         if why is None:
             data, notes_ = encode_exact(qt, target, heads)
-            writer.add_tensor(gname, data, raw_dtype=ggml_type(target))
-            tensors[gname] = {"type": target.upper(), "path": "exact", "shape": list(qt.shape),
-                              "scheme": qt.scheme.name, **extra, **notes_}
+            self.writer.add_tensor(gname, data, raw_dtype=ggml_type(target))
+            self.tensors[gname] = {"type": target.upper(), "path": "exact", "shape": list(qt.shape),
+                                   "scheme": qt.scheme.name, **extra, **notes_}
             return
         w = qt.dequantize(torch.float32)
         w = w if heads is None else permute_rows(w, heads)
-        add_float(gname, w, target, "dequantized" if target == "f16" else "requantized", hf, scheme=qt.scheme.name,
-                  reason=why, **extra)
+        self.add_float(gname, w, target, "dequantized" if target == "f16" else "requantized", hf,
+                       scheme=qt.scheme.name, reason=why, **extra)
 
-    def add_experts(gname: str, moe: str, proj: str, target: str) -> None:
+    def add_experts(self, gname: str, moe: str, proj: str, target: str) -> None:
         """Every expert's `proj` as one [E, out, in] tensor: each expert's rows encoded as its own 2-D tensor would
         be (exactly where its codes fit the grid), stacked; requantized from float for all when one does not."""
-        layers = [model.get_submodule(f"{moe}.{e}.{proj}") for e in range(len(model.get_submodule(moe)))]
+        layers = [self.model.get_submodule(f"{moe}.{e}.{proj}") for e in range(len(self.model.get_submodule(moe)))]
         n_out, n_in = linear_shape(layers[0])
-        target, fell = pick(gname, n_in, target)
+        target, fell = self.pick(gname, n_in, target)
         fits = [isinstance(m, QuantLinear) and exact_fit(m.qtensor(), target) is None for m in layers]
         if all(fits):
             data = np.stack([encode_exact(m.qtensor(), target, None)[0] for m in layers])
@@ -399,63 +472,53 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
                 "dequantized" if target == "f16" else \
                 "requantized" if isinstance(layers[0], QuantLinear) else "quantized-from-float"
             extra = {}
-        writer.add_tensor(gname, data, raw_dtype=None if target in ("f16", "f32") else ggml_type(target))
-        tensors[gname] = {"type": target.upper(), "path": path_name, "shape": [len(layers), n_out, n_in], **extra,
-                          **fell}
+        self.writer.add_tensor(gname, data, raw_dtype=None if target in ("f16", "f32") else ggml_type(target))
+        self.tensors[gname] = {"type": target.upper(), "path": path_name, "shape": [len(layers), n_out, n_in],
+                               **extra, **fell}
 
-    def present(hf: str, role: str) -> bool:
-        if role == "experts":
-            moe, proj = hf.split("|")
-            return resident(model.get_submodule(f"{moe}.0.{proj}"))
-        if role in ("norm", "bias"):
-            return not model.get_parameter(hf).is_meta
-        if role == "embed":  # looked up each time: a streamed part assigns new tensors
-            return not model.get_input_embeddings().weight.is_meta
-        return resident(model.get_submodule(hf))
 
+def _present(model: nn.Module, hf: str, role: str) -> bool:
+    """Whether the entry's tensor is in memory (a streamed model holds one part at a time)."""
+    if role == "experts":
+        moe, proj = hf.split("|")
+        return resident(model.get_submodule(f"{moe}.0.{proj}"))
+    if role in ("norm", "bias"):
+        return not model.get_parameter(hf).is_meta
+    if role == "embed":  # looked up each time: a streamed part assigns new tensors
+        return not model.get_input_embeddings().weight.is_meta
+    return resident(model.get_submodule(hf))
+
+
+def _add_tensors(encoder: _TensorEncoder, model: nn.Module, arch: str, permute: bool, embed_qtype: str,
+                 parts: Iterable | None) -> None:
+    """Every tensor of the file in _entries' order, each encoded once its part of the model is in memory."""
+    qtype, config = encoder.qtype, model.config
     pending = _entries(model, arch)
     for _ in parts if parts is not None else (None,):
         later = []
         for gname, hf, role in pending:
-            if not present(hf, role):
+            if not _present(model, hf, role):
                 later.append((gname, hf, role))
-            elif role in ("norm", "bias"):
-                add_float(gname, model.get_parameter(hf).detach(), "f32", "float")  # qwen2 biases: rows unpermuted
+            elif role in ("norm", "bias"):  # qwen2 biases: rows unpermuted
+                encoder.add_float(gname, model.get_parameter(hf).detach(), "f32", "float")
             elif role == "experts":
-                add_experts(gname, *hf.split("|"), qtype)
+                encoder.add_experts(gname, *hf.split("|"), qtype)
             elif role == "embed":
                 emb = model.get_input_embeddings().weight.detach()
-                target, fell = pick(gname, emb.shape[1], embed_qtype)
-                add_float(gname, emb, target, "float" if target == "f16" else "quantized-from-float",
-                          "lm_head" if _tied(model) else None, **fell)  # tied: the output matmul's statistics
+                target, fell = encoder.pick(gname, emb.shape[1], embed_qtype)
+                encoder.add_float(gname, emb, target, "float" if target == "f16" else "quantized-from-float",
+                                  "lm_head" if _tied(model) else None, **fell)  # tied: the output matmul's statistics
             elif role == "output":
                 module = model.get_submodule(hf)
-                add_linear(gname, module, embed_qtype if not isinstance(module, QuantLinear) else qtype, None, hf)
+                encoder.add_linear(gname, module, embed_qtype if not isinstance(module, QuantLinear) else qtype, None,
+                                   hf)
             else:
                 heads = None
                 if permute and hf.endswith("q_proj"):
-                    heads = n_head
+                    heads = config.num_attention_heads
                 elif permute and hf.endswith("k_proj"):
-                    heads = n_kv
-                add_linear(gname, model.get_submodule(hf), qtype, heads, hf)
+                    heads = config.num_key_value_heads
+                encoder.add_linear(gname, model.get_submodule(hf), qtype, heads, hf)
         pending = later
     if pending:
         raise ValueError(f"GGUF export: tensors never in memory: {[g for g, _, _ in pending][:5]}")
-
-    fallbacks = [g for g, t in tensors.items() if "fallback" in t]
-    if fallbacks:
-        notes.append(f"{len(fallbacks)} tensors have rows that are not whole 256-weight super-blocks and took "
-                     f"llama.cpp's fallback type (e.g. {fallbacks[0]}: {tensors[fallbacks[0]]['fallback']})")
-    if embed_qtype != qtype and not kmix:
-        notes.append(f"token_embd{'' if _tied(model) else ' and output'} in {embed_qtype.upper()} (float in the "
-                     f"model; llama-quantize likewise keeps the output / tied embedding above a 4-bit type); "
-                     "pass embed_qtype= to change")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    counts = dict(Counter(t["path"] for t in tensors.values()))
-    types = dict(Counter(t["type"] for t in tensors.values()))
-    return {"qtype": qtype, "arch": arch, "file": Path(path).name, "bytes": Path(path).stat().st_size,
-            "tokenizer": tokenizer_note, "tensors": tensors, "counts": counts, "types": types,
-            "tied_embeddings": _tied(model), "notes": notes}
