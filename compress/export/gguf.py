@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import tempfile
 from collections import Counter
+from importlib.metadata import version
 from pathlib import Path
 from typing import Iterable
 
@@ -88,14 +89,14 @@ def _entries(model: nn.Module, arch: str) -> list[tuple[str, str, str]]:
     names from gguf's table for `arch` (gguf_names.py). Roles: embed, output, linear, norm, bias, experts."""
     table = tensor_name_map(arch, model.config.num_hidden_layers)
     if table is None:
-        raise ValueError(f"gguf {gguf_package().__version__} does not know the GGUF architecture {arch!r}; "
-                         "pip install -U gguf")
+        raise ValueError(f"gguf {version('gguf')} does not know the GGUF architecture {arch!r}; pip install -U gguf")
 
     def entry(param: str, hf: str, role: str) -> tuple[str, str, str]:
         """`param`: the tensor's name as gguf's table knows it (a module's weight, a stacked expert projection)."""
         gname = gguf_name(table, param)
         if gname is None:
-            raise ValueError(f"gguf's {arch} tensor table (TensorNameMap) has no name for {param}")
+            raise ValueError(f"gguf's {arch} tensor table (TensorNameMap) has no name for {param}: llama.cpp's "
+                             f"{arch} graph does not read such a tensor; export `dense`")
         return gname, hf, role
 
     out = [entry("model.embed_tokens.weight", "model.embed_tokens", "embed")]
@@ -157,8 +158,8 @@ def gguf_problems(model: nn.Module, qtype: str) -> list[str]:
         uncovered = sorted(set(model.state_dict()) - _state_names(model, entries))
     except AttributeError as exc:
         return problems + [f"{cls}: module layout differs from the one this exporter maps ({exc})"]
-    except ValueError as exc:  # a tensor gguf's table does not name: llama.cpp's graph has no place for it
-        return problems + [f"{exc}: llama.cpp's {arch} graph does not read such a tensor; export `dense`"]
+    except ValueError as exc:  # gguf names no such architecture or tensor
+        return problems + [str(exc)]
     if uncovered:
         problems.append(f"tensors with no GGUF counterpart in this exporter: {uncovered[:6]}"
                         f"{' ...' if len(uncovered) > 6 else ''}")

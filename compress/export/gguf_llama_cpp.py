@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+
 @contextlib.contextmanager
 def _without_extra_buffers():
     """llama-cpp-python builds its model params from llama_model_default_params(); turn off use_extra_bufts

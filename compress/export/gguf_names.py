@@ -4,8 +4,9 @@ the reader (compress/gguf_source.py) maps a file's tensors back to the model's n
 llama.cpp by construction.
 
 gguf 0.19's TensorNameMap(arch) updates its class-wide block table with the architecture's own entries (ARCTIC's:
-post_attention_layernorm -> ffn_norm_exps), so once an ARCTIC map is built in a process, later maps lose
-ffn_norm; the writer then says which tensor has no name instead of writing a wrong one.
+post_attention_layernorm -> ffn_norm_exps), so once an ARCTIC map is built in a process, later maps of llama, qwen2
+and qwen3moe (which have no ffn_norm_exps) name no post_attention_layernorm; the writer then refuses the model,
+naming that tensor, rather than writing a wrong name.
 """
 from __future__ import annotations
 
