@@ -130,7 +130,7 @@ def step(name: str) -> dict:
 
 def evaluate() -> dict:
     from compress.pipeline.report import eval_windows
-    from compress.export.gguf import iter_llama_cpp_logits
+    from compress.export.gguf_llama_cpp import iter_llama_cpp_logits
 
     model, tok, _ = load()
     ids = eval_windows(tok, "test", SEQ, WINDOWS)

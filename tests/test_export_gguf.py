@@ -9,7 +9,9 @@ import torch
 import transformers
 
 from compress.arch import get_arch
-from compress.export.gguf import GGUF_TYPES, gguf_problems, llama_cpp_logits, load_llama_cpp, write_gguf
+from compress.export import GGUF_TYPES
+from compress.export.gguf import gguf_problems, write_gguf
+from compress.export.gguf_llama_cpp import llama_cpp_logits, load_llama_cpp
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.core.scheme import W8A8, scheme
 from tests.conftest import make_tiny_model
@@ -245,6 +247,19 @@ def test_tiny_moe_runs_in_llama_cpp_with_every_expert(tmp_path, family):
     experts = {k: v for k, v in report["tensors"].items() if "_exps" in k}
     assert len(experts) == 6 and all(v["path"] == "exact" and v["shape"][0] == 4 for v in experts.values())
     assert rel_err(llama_cpp_logits(tmp_path / "q4.gguf", ids), hf_logits(model, ids)) < 0.01  # measured 0.0036
+
+
+def test_a_tensor_gguf_has_no_name_for_is_refused():
+    """The writer names its tensors by gguf's own table (TensorNameMap, as llama.cpp's converter): a Qwen3-MoE with
+    a dense MLP block has tensors qwen3moe's table does not name (llama.cpp's graph expects experts in every block);
+    refused, naming the tensor."""
+    from compress.arch.moe import unfuse_experts
+
+    model = make_tiny_model("qwen3_moe", norm_topk_prob=True, mlp_only_layers=[0])
+    unfuse_experts(model)
+    problems = gguf_problems(model, "f16")
+    assert len(problems) == 2 and "blocks [0] have a dense MLP" in problems[0]
+    assert "has no name for model.layers.0.mlp.gate_proj.weight" in problems[1] and "export `dense`" in problems[1]
 
 
 def test_llama_cpp_reads_the_tokenizer_and_chat_template(tmp_path):

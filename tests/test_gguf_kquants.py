@@ -213,7 +213,8 @@ def test_k_quant_file_runs_in_llama_cpp(tmp_path, fmt):
     weights differ by llama.cpp's 8-bit activation blocks only (Q8_0 of the same float model: 0.016)."""
     import torch
 
-    from compress.export.gguf import llama_cpp_logits, write_gguf
+    from compress.export.gguf import write_gguf
+    from compress.export.gguf_llama_cpp import llama_cpp_logits
     from tests.tiny_tokenizer import byte_bpe_tokenizer
 
     model = kquant_model(layers=2, tied=True)

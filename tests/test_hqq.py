@@ -130,7 +130,7 @@ def test_exports_that_store_integer_zero_points_refuse_fractional_ones(fmt, tmp_
 def test_gguf_keeps_fractional_zero_points_only_in_q4_1():
     """Q4_1 stores w = d * n + m with a float minimum, so m = -z * d holds a fractional z; Q8_0 has no minimum and
     requantizes such a layer from its float weights (reported per tensor)."""
-    from compress.export.gguf import exact_fit
+    from compress.export.gguf_encode import exact_fit
     qt = quantize_hqq(laplace(8, 64), fz16(4, 32))
     assert exact_fit(qt, "q4_1") is None
     assert "Q4_1" in exact_fit(qt, "q8_0")

@@ -175,7 +175,8 @@ def test_formats_whose_loaders_keep_lm_head_float_refuse_it(fmt, sch, tmp_path):
 def test_gguf_writes_the_untied_head_as_output_weight_exactly(sch, qtype, tmp_path):
     pytest.importorskip("gguf")
     pytest.importorskip("llama_cpp")
-    from compress.export.gguf import llama_cpp_logits, write_gguf
+    from compress.export.gguf import write_gguf
+    from compress.export.gguf_llama_cpp import llama_cpp_logits
     from tests.tiny_tokenizer import byte_bpe_tokenizer
 
     model, _ = _quantized(QuantizeStage(scheme=sch, ignore=(), tied_lm_head="untie"))

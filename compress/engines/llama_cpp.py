@@ -30,7 +30,7 @@ def run(request: EngineRequest) -> EngineAnswer:
     except ImportError as exc:
         raise EngineUnavailable("llama.cpp's Python binding is not installed: pip install llama-cpp-python") \
             from exc
-    from ..export.gguf import load_llama_cpp
+    from ..export.gguf_llama_cpp import load_llama_cpp
 
     gguf = next(Path(request.folder).glob("*.gguf"), None)
     if gguf is None:

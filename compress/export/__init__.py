@@ -18,11 +18,10 @@ from torch import nn
 
 from .._version import __version__
 from .errors import ExportError
+from .gguf_mix import GGUF_TYPES
 from .staging import staged
 
 EXPORT_META = "export.json"
-# llama.cpp block formats we write; the K-quant ones with llama-quantize's per-tensor mixes (gguf_mix.py)
-GGUF_TYPES = ("f16", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q4_k_m", "q5_k_m")
 
 
 @dataclass(frozen=True)

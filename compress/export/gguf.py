@@ -1,32 +1,25 @@
 """GGUF for llama.cpp: one .gguf file holding the weights in a llama.cpp block format, the model's
 hyper-parameters, the tokenizer and the chat template.
 
-Block formats (32 weights a block, gguf-py's quants.py and ggml-quants.c):
-  Q8_0  fp16 d, 32 x int8 q                      w = d * q
-  Q4_0  fp16 d, 16 bytes of nibbles              w = d * (n - 8)
-  Q4_1  fp16 d, fp16 m, 16 bytes of nibbles      w = d * n + m
-Nibbles: byte j of a block holds element j in its low half and element j + 16 in its high half.
+This module checks a model (`gguf_problems`) and writes the file (`write_gguf`). The parts it writes with:
+gguf_names.py (tensor names: gguf's own TensorNameMap), gguf_encode.py (block formats: exact re-encoding of our
+codes, float quantization), gguf_kquants.py / gguf_mix.py (K-quants and llama-quantize's per-tensor mixes),
+gguf_vocab.py (tokenizer), gguf_llama_cpp.py (running the file in llama.cpp).
 
-A quantized layer whose grid is the block format's (symmetric int4 with groups of 32 or a multiple of 32
--> Q4_0; int4 asymmetric -> Q4_1; symmetric int8 -> Q8_0; narrower grids fit too) is re-encoded from its
-integer codes and scales as they are ("exact"): llama.cpp then computes with the very weights the
-in-memory model uses. Q4_1 stores m = -zero * scale in fp16, so m is rounded (reported). Any other
-quantized layer is dequantized and quantized again with llama.cpp's reference quantizer
-(gguf.quants.quantize, "requantized"); float layers are quantized from float ("quantized-from-float").
-Norms and biases stay F32.
+A quantized layer whose grid is the block format's is re-encoded from its integer codes and scales as they are
+("exact"): llama.cpp then computes with the very weights the in-memory model uses. Any other quantized layer is
+dequantized and quantized again with llama.cpp's quantizer ("requantized"); float layers are quantized from
+float ("quantized-from-float"). Norms and biases stay F32.
 
 Tensor names and hyper-parameter keys follow llama.cpp's converter (convert_hf_to_gguf.py,
 conversion/llama.py): for the llama architecture the rows of attn_q / attn_k are permuted per head from
-the rotate-half layout transformers uses to the interleaved pairs llama.cpp's RoPE reads. The
-permutation moves whole output rows, so the codes and scales of a quantized layer move with their rows and
-the blocks along the input stay intact.
+the rotate-half layout transformers uses to the interleaved pairs llama.cpp's RoPE reads.
 """
 from __future__ import annotations
 
-import contextlib
-import json
 import tempfile
 from collections import Counter
+from importlib.metadata import version
 from pathlib import Path
 from typing import Iterable
 
@@ -36,13 +29,14 @@ from torch import Tensor, nn
 
 from ..arch.moe import ExpertLinears
 from ..core.nn import QuantLinear, linear_shape, linear_weight
-from ..core.qtensor import QuantizedTensor
-from .gguf_kquants import BLOCK_BYTES as KQ_BLOCK_BYTES, pack_q5_0, pack_q5_1, quantize as quantize_kquant
-from .gguf_mix import BLOCK as MIX_BLOCK, K_FORMATS, tensor_type
+from .gguf_encode import (BLOCK, encode_exact, encode_q4_0, encode_q4_1, encode_q8_0, exact_fit,  # noqa: F401
+                          ggml_type, permute_rows, quantize_float)
+from .gguf_llama_cpp import iter_llama_cpp_logits, llama_cpp_logits, load_llama_cpp  # noqa: F401
+from .gguf_mix import BLOCK as MIX_BLOCK, GGUF_TYPES, K_FORMATS, tensor_type
+from .gguf_names import block_names, gguf_name, gguf_package, tensor_name_map
+from .gguf_vocab import (CONTROL, NORMAL, PRE_TOKENIZERS, UNUSED, USER_DEFINED, copy_gguf_tokenizer,  # noqa: F401
+                         hf_vocab, write_hf_vocab)
 from .hf import resident
-
-GGUF_TYPES = ("f16", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q4_k_m", "q5_k_m")
-BLOCK = 32  # weights per Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 block (K-quants: super-blocks of 256, gguf_kquants.py)
 
 # transformers class -> (GGUF architecture, whether attn_q / attn_k rows are permuted for llama.cpp's RoPE)
 ARCHITECTURES = {
@@ -52,44 +46,18 @@ ARCHITECTURES = {
     "MixtralForCausalLM": ("llama", True),  # llama.cpp's llama graph with expert_count: softmax top-k, renormalised
     "Qwen3MoeForCausalLM": ("qwen3moe", False),
 }
-# per-head q/k RMSNorms, per GGUF architecture
-QK_NORMS = {"qwen3moe": {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}}
-# a MoE block's experts as llama.cpp stacks them: one 3-D tensor [E, out, in] per projection, and the router
-EXPERT_TENSORS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
-ROUTER_TENSOR = "ffn_gate_inp"
+# a decoder block's tensors as transformers names them, in the order the file holds them; their GGUF names come from
+# gguf's own TensorNameMap (gguf_names.py), as llama.cpp's converter names them
+NORMS = ("input_layernorm", "post_attention_layernorm")
+QK_NORMS = {"qwen3moe": ("self_attn.q_norm", "self_attn.k_norm")}  # per-head q/k RMSNorms, per GGUF architecture
+BLOCK_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj")
+# a MoE block's router, and its experts as llama.cpp stacks them: one 3-D tensor [E, out, in] per projection
+ROUTER = "mlp.gate"
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # which projections may carry a bias, per GGUF architecture
 BIASES = {"llama": (), "qwen2": ("q_proj", "k_proj", "v_proj"), "qwen3moe": ()}
-LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-           "mlp.down_proj": "ffn_down"}
-NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-
-# llama.cpp's tokenizer.ggml.pre names (src/llama-vocab.cpp maps each to its own splitting regexes) and the
-# Hugging Face pre-tokenizers that split text the same way.
-_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                r"\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_TOKENIZERS = {
-    "gpt-2": "ByteLevel(use_regex=True)",
-    "smollm": "Sequence[Digits(individual_digits=True), ByteLevel(use_regex=True)]",
-    "llama-bpe": "Sequence[Split(llama-3 regex), ByteLevel(use_regex=False)]",
-    "qwen2": "Sequence[Split(qwen2 regex), ByteLevel(use_regex=False)]",
-}
-# gguf.TokenType values
-NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
-
-
-def _gguf():
-    try:
-        import gguf
-    except ImportError as exc:
-        raise ImportError("the GGUF export needs the `gguf` package: pip install gguf") from exc
-    return gguf
-
-
-def _ggml_type(name: str):
-    return getattr(_gguf().GGMLQuantizationType, name.upper())
+LINEARS = block_names("llama", BLOCK_LINEARS)  # {block linear: its GGUF name}: self_attn.q_proj -> attn_q
 
 
 # ---------------------------------------------------------------- model structure
@@ -116,26 +84,38 @@ def _tied(model: nn.Module) -> bool:
 
 
 def _entries(model: nn.Module, arch: str) -> list[tuple[str, str, str]]:
-    """(GGUF tensor name, HF module or parameter name, role) for every tensor of the file, in order.
-    Roles: embed, output, linear, norm, bias."""
-    out = [("token_embd.weight", "model.embed_tokens", "embed")]
+    """(GGUF tensor name, HF module or parameter name, role) for every tensor of the file, in order; the GGUF
+    names from gguf's table for `arch` (gguf_names.py). Roles: embed, output, linear, norm, bias, experts."""
+    table = tensor_name_map(arch, model.config.num_hidden_layers)
+    if table is None:
+        raise ValueError(f"gguf {version('gguf')} does not know the GGUF architecture {arch!r}; pip install -U gguf")
+
+    def entry(param: str, hf: str, role: str) -> tuple[str, str, str]:
+        """`param`: the tensor's name as gguf's table knows it (a module's weight, a stacked expert projection)."""
+        gname = gguf_name(table, param)
+        if gname is None:
+            raise ValueError(f"gguf's {arch} tensor table (TensorNameMap) has no name for {param}: llama.cpp's "
+                             f"{arch} graph does not read such a tensor; export `dense`")
+        return gname, hf, role
+
+    out = [entry("model.embed_tokens.weight", "model.embed_tokens", "embed")]
     for i in range(model.config.num_hidden_layers):
         p = f"model.layers.{i}"
         moe = isinstance(getattr(model.get_submodule(f"{p}.mlp"), "experts", None), ExpertLinears)
-        for hf, gg in (NORMS | QK_NORMS.get(arch, {})).items():
-            out.append((f"blk.{i}.{gg}.weight", f"{p}.{hf}.weight", "norm"))
-        for hf, gg in LINEARS.items():
+        out += [entry(f"{p}.{hf}.weight", f"{p}.{hf}.weight", "norm") for hf in NORMS + QK_NORMS.get(arch, ())]
+        for hf in BLOCK_LINEARS:
             if moe and hf.startswith("mlp."):
                 continue
-            out.append((f"blk.{i}.{gg}.weight", f"{p}.{hf}", "linear"))
+            out.append(entry(f"{p}.{hf}.weight", f"{p}.{hf}", "linear"))
             if hf.rpartition(".")[2] in BIASES[arch]:
-                out.append((f"blk.{i}.{gg}.bias", f"{p}.{hf}.bias", "bias"))
+                out.append(entry(f"{p}.{hf}.bias", f"{p}.{hf}.bias", "bias"))
         if moe:  # the router (float), then each projection of every expert stacked
-            out.append((f"blk.{i}.{ROUTER_TENSOR}.weight", f"{p}.mlp.gate.weight", "norm"))
-            out += [(f"blk.{i}.{gg}.weight", f"{p}.mlp.experts|{hf}", "experts") for hf, gg in EXPERT_TENSORS.items()]
-    out.append(("output_norm.weight", "model.norm.weight", "norm"))
+            out.append(entry(f"{p}.{ROUTER}.weight", f"{p}.{ROUTER}.weight", "norm"))
+            out += [entry(f"{p}.mlp.experts.{proj}.weight", f"{p}.mlp.experts|{proj}", "experts")
+                    for proj in EXPERT_PROJECTIONS]
+    out.append(entry("model.norm.weight", "model.norm.weight", "norm"))
     if not _tied(model):
-        out.append(("output.weight", "lm_head", "output"))
+        out.append(entry("lm_head.weight", "lm_head", "output"))
     return out
 
 
@@ -159,12 +139,7 @@ def _state_names(model: nn.Module, entries) -> set[str]:
     return covered
 
 
-def _permute_rows(t: Tensor, n_head: int) -> Tensor:
-    """convert_hf_to_gguf.py's LlamaModel.permute on the first (output) axis: within each head, rows
-    [r0..r(d/2-1) | r(d/2)..r(d-1)] become interleaved pairs (r0, r(d/2), r1, r(d/2+1), ...)."""
-    rows = t.shape[0]
-    return t.reshape(n_head, 2, rows // n_head // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
-
+# ---------------------------------------------------------------- what GGUF cannot hold
 
 def gguf_problems(model: nn.Module, qtype: str) -> list[str]:
     """Why `model` cannot be written as GGUF `qtype` (empty: it can), each with the way out."""
@@ -176,6 +151,22 @@ def gguf_problems(model: nn.Module, qtype: str) -> list[str]:
                 f"writes (it writes {', '.join(sorted(ARCHITECTURES))}); export `dense` and convert it with "
                 "llama.cpp's convert_hf_to_gguf.py, or export another format"]
     arch, _ = ARCHITECTURES[cls]
+    problems = _config_problems(model, arch)
+    try:
+        entries = _entries(model, arch)
+        uncovered = sorted(set(model.state_dict()) - _state_names(model, entries))
+    except AttributeError as exc:
+        return problems + [f"{cls}: module layout differs from the one this exporter maps ({exc})"]
+    except ValueError as exc:  # gguf names no such architecture or tensor
+        return problems + [str(exc)]
+    if uncovered:
+        problems.append(f"tensors with no GGUF counterpart in this exporter: {uncovered[:6]}"
+                        f"{' ...' if len(uncovered) > 6 else ''}")
+    return problems + _shape_problems(model) + _layer_problems(model, qtype)
+
+
+def _config_problems(model: nn.Module, arch: str) -> list[str]:
+    """What in the config llama.cpp's `arch` graph does not compute."""
     config = model.config
     problems = []
     if getattr(config, "hidden_act", "silu") != "silu":
@@ -197,14 +188,13 @@ def gguf_problems(model: nn.Module, qtype: str) -> list[str]:
                             "llama.cpp's qwen3moe graph expects experts in every block")
     if arch in ("qwen2", "qwen3moe") and getattr(config, "use_sliding_window", False):
         problems.append("use_sliding_window: llama.cpp's qwen2 graph attends to the whole context")
-    try:
-        entries = _entries(model, arch)
-        uncovered = sorted(set(model.state_dict()) - _state_names(model, entries))
-    except AttributeError as exc:
-        return problems + [f"{cls}: module layout differs from the one this exporter maps ({exc})"]
-    if uncovered:
-        problems.append(f"tensors with no GGUF counterpart in this exporter: {uncovered[:6]}"
-                        f"{' ...' if len(uncovered) > 6 else ''}")
+    return problems
+
+
+def _shape_problems(model: nn.Module) -> list[str]:
+    """Linear layers whose shape is not the config's (GGUF holds one width per model), and MoE experts llama.cpp
+    cannot run."""
+    config = model.config
     n_head, n_kv, head_dim = config.num_attention_heads, config.num_key_value_heads, _head_dim(config)
     expect = {"self_attn.q_proj": (n_head * head_dim, config.hidden_size),
               "self_attn.k_proj": (n_kv * head_dim, config.hidden_size),
@@ -213,6 +203,7 @@ def gguf_problems(model: nn.Module, qtype: str) -> list[str]:
               "mlp.gate_proj": (config.intermediate_size, config.hidden_size),
               "mlp.up_proj": (config.intermediate_size, config.hidden_size),
               "mlp.down_proj": (config.hidden_size, config.intermediate_size)}
+    problems = []
     for i, layer in enumerate(model.model.layers):
         experts = getattr(layer.mlp, "experts", None)
         checks = dict(expect)
@@ -231,6 +222,11 @@ def gguf_problems(model: nn.Module, qtype: str) -> list[str]:
             if got != shape:
                 problems.append(f"model.layers.{i}.{rel}: shape {got} differs from the config's {shape}; GGUF "
                                 "holds one width per model (fix the config or export `dense`)")
+    return problems
+
+
+def _layer_problems(model: nn.Module, qtype: str) -> list[str]:
+    """Quantized layers GGUF cannot hold: activation quantization, rows that are not whole blocks."""
     act, unaligned = [], []
     for name, m in model.named_modules():
         if not isinstance(m, QuantLinear):
@@ -239,6 +235,7 @@ def gguf_problems(model: nn.Module, qtype: str) -> list[str]:
             act.append(f"{name} ({m.scheme.name})")
         elif qtype != "f16" and m.in_features % BLOCK:
             unaligned.append(f"{name} (in_features={m.in_features})")
+    problems = []
     if act:
         problems.append(f"{len(act)} layers quantize their activations at run time, e.g. {act[0]}: GGUF stores "
                         "weight-only formats; export the dense or compressed-tensors format instead")
@@ -247,257 +244,6 @@ def gguf_problems(model: nn.Module, qtype: str) -> list[str]:
                         f"{qtype.upper()} blocks, e.g. {unaligned[0]}; export gguf-f16, or quantize with a group "
                         f"size that is a multiple of {BLOCK}")
     return problems
-
-
-# ---------------------------------------------------------------- block encoding
-
-def _per_block(t: Tensor, qt: QuantizedTensor) -> Tensor:
-    """A scale / zero-point tensor as one value per 32-weight block: float32 [out, in // 32]."""
-    n_out, n_in = qt.shape
-    nb = n_in // BLOCK
-    t = t.float()
-    if qt.scheme.granularity == "group":
-        return t.reshape(n_out, -1).repeat_interleave(qt.scheme.group_size // BLOCK, dim=1)
-    return t.reshape(-1, 1).expand(n_out, nb) if t.numel() > 1 else t.reshape(1, 1).expand(n_out, nb)
-
-
-def _fp16_bytes(x: np.ndarray) -> np.ndarray:
-    """float [R, nb] -> uint8 [R, nb, 2] (little-endian fp16)."""
-    return np.ascontiguousarray(x.astype("<f2")).reshape(*x.shape, 1).view(np.uint8)
-
-
-def _nibbles(n: np.ndarray) -> np.ndarray:
-    """Unsigned 4-bit values [R, nb * 32] -> uint8 [R, nb, 16]: low half element j, high half j + 16."""
-    v = n.astype(np.uint8).reshape(n.shape[0], -1, 2, BLOCK // 2)
-    return v[:, :, 0, :] | (v[:, :, 1, :] << np.uint8(4))
-
-
-def encode_q8_0(q: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """int8 values [R, K] and per-block scales [R, K // 32] -> Q8_0 bytes [R, K // 32 * 34]."""
-    qs = np.ascontiguousarray(q.astype(np.int8)).reshape(q.shape[0], -1, BLOCK).view(np.uint8)
-    return np.concatenate([_fp16_bytes(d), qs], axis=-1).reshape(q.shape[0], -1)
-
-
-def encode_q4_0(n: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """Nibbles n = q + 8 in [0, 15] [R, K] and scales [R, K // 32] -> Q4_0 bytes [R, K // 32 * 18]."""
-    return np.concatenate([_fp16_bytes(d), _nibbles(n)], axis=-1).reshape(n.shape[0], -1)
-
-
-def encode_q4_1(n: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """Nibbles [R, K], scales and minimums [R, K // 32] -> Q4_1 bytes [R, K // 32 * 20]."""
-    return np.concatenate([_fp16_bytes(d), _fp16_bytes(m), _nibbles(n)], axis=-1).reshape(n.shape[0], -1)
-
-
-def exact_fit(qt: QuantizedTensor, qtype: str) -> str | None:
-    """Why this quantized weight cannot be re-encoded exactly as `qtype` (None: it can)."""
-    s = qt.scheme
-    if qtype == "f16":
-        return "F16 holds float weights"
-    if s.act is not None or s.is_float:
-        return f"{s.name} is not an integer weight-only grid"
-    if qt.shape[1] % BLOCK:
-        return f"in_features={qt.shape[1]} is not a multiple of {BLOCK}"
-    if s.granularity == "group" and s.group_size % BLOCK:
-        return f"group_size={s.group_size} is not a multiple of {BLOCK}"
-    if s.zero_point_dtype != "uint8" and qtype != "q4_1":
-        return "fractional zero points (HQQ) fit Q4_1's float minimum only"
-    if qtype == "q8_0" and not (s.symmetric or s.bits <= 7):
-        return "asymmetric int8 codes minus their zero point span [-255, 255], beyond int8"
-    if qtype == "q4_0" and not (s.symmetric and s.bits <= 4):
-        return "Q4_0 holds symmetric grids of at most 4 bits"
-    if qtype == "q4_1" and s.bits > 4:
-        return "Q4_1 holds grids of at most 4 bits"
-    if qtype == "q5_0" and not (s.symmetric and s.bits <= 5):
-        return "Q5_0 holds symmetric grids of at most 5 bits"
-    if qtype == "q5_1" and s.bits > 5:
-        return "Q5_1 holds grids of at most 5 bits"
-    if qtype in ("q4_k", "q5_k", "q6_k"):
-        # a K-quant stores each 32 (Q6_K: 16) weights' scale as a 6-bit (8-bit) multiple of one fp16 value per 256
-        # weights; our per-group fp16 scales (and zero points) are not on such a grid
-        return f"{qtype.upper()} keeps per-256-weight double-quantized 6-bit scales; {s.name}'s scales are not on " \
-               "that grid"
-    return None
-
-
-def encode_exact(qt: QuantizedTensor, qtype: str, n_head: int | None = None) -> tuple[np.ndarray, dict]:
-    """Our codes and scales in `qtype`'s blocks, rows permuted per head when n_head is given.
-    Returns the block bytes [out, nbytes] and notes (scale / minimum rounding to fp16)."""
-    s = qt.scheme
-    codes = qt.codes()  # int32 [out, in]: signed (symmetric) or unsigned (asymmetric)
-    d = _per_block(qt.scale, qt)
-    zero = None if qt.zero_point is None else _per_block(qt.zero_point, qt)
-    m = None
-    if qtype == "q8_0":
-        vals = codes if s.symmetric else codes - zero.repeat_interleave(BLOCK, dim=1).to(torch.int32)
-    elif qtype in ("q4_0", "q5_0"):
-        vals = codes + (8 if qtype == "q4_0" else 16)
-    else:  # q4_1 / q5_1: w = d * n + m
-        if s.symmetric:
-            half = 8 if qtype == "q4_1" else 16
-            vals, m = codes + half, -float(half) * d
-        else:
-            vals, m = codes, -zero * d  # exact in float32 (a small integer times an fp16 value)
-    if n_head is not None:
-        vals, d = _permute_rows(vals, n_head), _permute_rows(d, n_head)
-        m = None if m is None else _permute_rows(m, n_head)
-    notes = {}
-    d16 = d.half().float()
-    if not torch.isfinite(d16).all():
-        raise ValueError("a scale overflows fp16")
-    if not torch.equal(d16, d):
-        notes["scale_rounded_to_fp16_max_rel"] = float(((d16 - d).abs() / d.abs().clamp(min=1e-30)).max())
-    if m is not None:
-        m_err = float((m.half().float() - m).abs().max())
-        if m_err:
-            notes["m_rounded_to_fp16_max_abs"] = m_err
-    v, dn = vals.numpy(), d.numpy()
-    if qtype == "q8_0":
-        return encode_q8_0(v, dn), notes
-    if qtype == "q4_0":
-        return encode_q4_0(v, dn), notes
-    if qtype == "q5_0":
-        return pack_q5_0(dn.reshape(-1), v.reshape(-1, BLOCK)).reshape(v.shape[0], -1), notes
-    if qtype == "q5_1":
-        return pack_q5_1(dn.reshape(-1), m.numpy().reshape(-1), v.reshape(-1, BLOCK)) \
-            .reshape(v.shape[0], -1), notes
-    return encode_q4_1(v, dn, m.numpy()), notes
-
-
-def _quantize_float(w: Tensor, ggml_name: str, imatrix: np.ndarray | None = None) -> np.ndarray:
-    """llama.cpp's quantizer for `ggml_name` (K-quants, Q5_0, Q5_1: our port in gguf_kquants.py, with the
-    importance matrix when given; Q8_0 / Q4_0 / Q4_1: gguf-py's reference quantizer), or a float cast."""
-    a = w.detach().float().cpu().numpy()
-    if ggml_name == "F32":
-        return a.astype(np.float32)
-    if ggml_name == "F16":
-        return a.astype(np.float16)
-    if ggml_name in KQ_BLOCK_BYTES and ggml_name != "Q8_0":
-        rows = a.reshape(-1, a.shape[-1])
-        return quantize_kquant(rows, ggml_name, imatrix).reshape(*a.shape[:-1], -1)
-    return _gguf().quants.quantize(a, _ggml_type(ggml_name))
-
-
-# ---------------------------------------------------------------- tokenizer
-
-def _pre_name(spec: dict | None) -> str | None:
-    if spec is None:
-        return None
-    kind = spec.get("type")
-    if kind == "ByteLevel" and spec.get("use_regex", True):
-        return "gpt-2"
-    if kind != "Sequence":
-        return None
-    parts = spec.get("pretokenizers", [])
-    kinds = [p.get("type") for p in parts]
-    if kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits") and parts[1].get("use_regex", True):
-        return "smollm"
-    if kinds == ["Split", "ByteLevel"] and not parts[1].get("use_regex", True):
-        regex = (parts[0].get("pattern") or {}).get("Regex")
-        return {_LLAMA3_REGEX: "llama-bpe", _QWEN2_REGEX: "qwen2"}.get(regex)
-    return None
-
-
-def hf_vocab(tokenizer, n_vocab: int, pre: str | None = None) -> dict:
-    """tokenizer.ggml.* values for a byte-level BPE (GPT-2 style) Hugging Face fast tokenizer, laid out as
-    convert_hf_to_gguf.py's _set_vocab_gpt2 does: ids the tokenizer lacks become UNUSED [PAD<i>] tokens."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        raise ValueError("the GGUF tokenizer is built from a fast (tokenizers) tokenizer; this one is "
-                         f"{type(tokenizer).__name__}. Pass source_gguf= when the model came from a .gguf file")
-    spec = json.loads(backend.to_str())
-    byte_level = "ByteLevel" in json.dumps(spec.get("pre_tokenizer")) or \
-        (spec.get("decoder") or {}).get("type") == "ByteLevel"
-    if spec["model"]["type"] != "BPE" or not byte_level:
-        raise ValueError(f"the GGUF exporter builds byte-level BPE (GPT-2 style) vocabularies; this tokenizer is "
-                         f"{spec['model']['type']} without byte-level pre-tokenization (SentencePiece style). "
-                         "Convert with llama.cpp's convert_hf_to_gguf.py, or pass source_gguf= when the model came "
-                         "from a .gguf file")
-    if pre is None:
-        pre = _pre_name(spec.get("pre_tokenizer"))
-        if pre is None:
-            known = "; ".join(f"{k} = {v}" for k, v in PRE_TOKENIZERS.items())
-            raise ValueError(f"unknown pre-tokenizer {json.dumps(spec.get('pre_tokenizer'))[:300]}: llama.cpp needs "
-                             f"its name (tokenizer.ggml.pre). Known here: {known}. Pass pre=<llama.cpp name> (see "
-                             "llama.cpp's src/llama-vocab.cpp) if you know which one splits the same way")
-    vocab = tokenizer.get_vocab()
-    if max(vocab.values()) >= n_vocab:
-        raise ValueError(f"the tokenizer has ids up to {max(vocab.values())} but the embedding has {n_vocab} rows")
-    reverse = {i: t for t, i in vocab.items()}
-    added = tokenizer.get_added_vocab()
-    decoder = getattr(tokenizer, "added_tokens_decoder", {})
-    tokens, types = [], []
-    for i in range(n_vocab):
-        if i not in reverse:
-            tokens.append(f"[PAD{i}]")
-            types.append(UNUSED)
-            continue
-        tok = reverse[i]
-        if tok in added:
-            info = decoder.get(i)
-            if info is not None and not info.normalized:  # llama.cpp expects added tokens pre-normalized
-                tok = tokenizer.decode(tokenizer.encode(tok, add_special_tokens=False))
-            types.append(CONTROL if info is None or info.special else USER_DEFINED)
-        else:
-            types.append(NORMAL)
-        tokens.append(tok)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
-    plain = tokenizer("a", add_special_tokens=False).input_ids
-    special = tokenizer("a", add_special_tokens=True).input_ids
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-    out = {"model": "gpt2", "pre": pre, "tokens": tokens, "token_type": types, "merges": merges,
-           "bos": bos, "eos": eos, "unk": tokenizer.unk_token_id, "pad": tokenizer.pad_token_id,
-           "add_bos": bos is not None and len(special) > len(plain) and special[0] == bos,
-           "add_eos": eos is not None and len(special) > len(plain) and special[-1] == eos,
-           "chat_template": tokenizer.chat_template if isinstance(getattr(tokenizer, "chat_template", None), str)
-           else None}
-    if not merges:
-        raise ValueError("the tokenizer has no BPE merges; llama.cpp's gpt2 vocabulary needs them")
-    return out
-
-
-def _write_hf_vocab(writer, v: dict) -> None:
-    writer.add_tokenizer_model(v["model"])
-    writer.add_tokenizer_pre(v["pre"])
-    writer.add_token_list(v["tokens"])
-    writer.add_token_types(v["token_type"])
-    writer.add_token_merges(v["merges"])
-    for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
-                     ("unk", writer.add_unk_token_id), ("pad", writer.add_pad_token_id)):
-        if v[key] is not None:
-            add(v[key])
-    writer.add_add_bos_token(v["add_bos"])
-    writer.add_add_eos_token(v["add_eos"])
-    if v["chat_template"]:
-        writer.add_chat_template(v["chat_template"])
-
-
-def copy_gguf_tokenizer(writer, reader, source_gguf: str | Path, n_vocab: int) -> list[str]:
-    """Copy every tokenizer.* key of `reader` (a GGUFReader on source_gguf), types and bytes as they are.
-    Returns the keys."""
-    gguf = _gguf()
-    keys = []
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        vtype = field.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            sub = field.types[-1]
-            if sub == gguf.GGUFValueType.STRING:
-                value = [bytes(field.parts[i]) for i in field.data]
-            else:
-                value = [x.item() if hasattr(x, "item") else x for x in field.contents()]
-            if key == "tokenizer.ggml.tokens" and len(value) != n_vocab:
-                raise ValueError(f"{source_gguf} has {len(value)} tokens but the model's embedding has {n_vocab} rows")
-            writer.add_key_value(key, value, vtype, sub_type=sub)
-        elif vtype == gguf.GGUFValueType.STRING:
-            writer.add_key_value(key, bytes(field.parts[field.data[0]]), vtype)
-        else:
-            writer.add_key_value(key, field.contents(), vtype)
-        keys.append(key)
-    if "tokenizer.ggml.tokens" not in keys:
-        raise ValueError(f"{source_gguf} has no tokenizer.ggml.tokens; export with source_gguf=None to build the "
-                         "tokenizer from the Hugging Face one")
-    return keys
 
 
 # ---------------------------------------------------------------- writer
@@ -524,23 +270,10 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
     Returns the report: per GGUF tensor its type and path (exact, requantized, quantized-from-float,
     dequantized, float), counts, notes.
     """
-    problems = gguf_problems(model, qtype)
-    if problems:
-        raise ValueError("cannot export to GGUF " + qtype + ":\n  " + "\n  ".join(problems))
-    kmix = qtype in K_FORMATS
-    if kmix and embed_qtype is not None:
-        raise ValueError(f"embed_qtype= is for the 32-block types; {qtype} types token_embd / output by "
-                         "llama-quantize's rules (gguf_mix.py)")
-    if embed_qtype is None:
-        embed_qtype = "q8_0" if qtype in ("q4_0", "q4_1") else qtype
-    if embed_qtype not in GGUF_TYPES:
-        raise ValueError(f"embed_qtype={embed_qtype!r}; choose one of {', '.join(GGUF_TYPES)}")
-    gguf = _gguf()
+    embed_qtype = _check_types(model, qtype, embed_qtype)
+    gguf = gguf_package()
     arch, permute = ARCHITECTURES[type(model).__name__]
-    config = model.config
-    n_head, n_kv, head_dim = config.num_attention_heads, config.num_key_value_heads, _head_dim(config)
-    embed = model.get_input_embeddings().weight
-    n_vocab, hidden = embed.shape
+    n_vocab = model.get_input_embeddings().weight.shape[0]
     notes: list[str] = []
 
     # tokenizer first: its errors come before any tensor work
@@ -557,6 +290,60 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
             name = str(reader.fields["general.name"].contents())
     writer = gguf.GGUFWriter(str(path), arch, use_temp_file=True)
     writer.temp_file = tempfile.TemporaryFile(dir=Path(path).parent)  # encoded tensors wait on disk, not in memory
+    _write_hyperparameters(writer, model, arch, qtype, name)
+    if source_gguf is not None:
+        copy_gguf_tokenizer(writer, reader, source_gguf, n_vocab)
+        tokenizer_note = f"tokenizer.* copied from {source_gguf}"
+    else:
+        write_hf_vocab(writer, vocab)
+        tokenizer_note = f"built from the Hugging Face tokenizer (tokenizer.ggml.pre={vocab['pre']!r})"
+        if not vocab["chat_template"]:
+            notes.append("the tokenizer has no chat template; none written")
+    notes += _model_notes(model, arch)
+
+    encoder = _TensorEncoder(writer, model, qtype, imatrix, hessians)
+    _add_tensors(encoder, model, arch, permute, embed_qtype, parts)
+    tensors = encoder.tensors
+    fallbacks = [g for g, t in tensors.items() if "fallback" in t]
+    if fallbacks:
+        notes.append(f"{len(fallbacks)} tensors have rows that are not whole 256-weight super-blocks and took "
+                     f"llama.cpp's fallback type (e.g. {fallbacks[0]}: {tensors[fallbacks[0]]['fallback']})")
+    if embed_qtype != qtype and not encoder.kmix:
+        notes.append(f"token_embd{'' if _tied(model) else ' and output'} in {embed_qtype.upper()} (float in the "
+                     f"model; llama-quantize likewise keeps the output / tied embedding above a 4-bit type); "
+                     "pass embed_qtype= to change")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    counts = dict(Counter(t["path"] for t in tensors.values()))
+    types = dict(Counter(t["type"] for t in tensors.values()))
+    return {"qtype": qtype, "arch": arch, "file": Path(path).name, "bytes": Path(path).stat().st_size,
+            "tokenizer": tokenizer_note, "tensors": tensors, "counts": counts, "types": types,
+            "tied_embeddings": _tied(model), "notes": notes}
+
+
+def _check_types(model: nn.Module, qtype: str, embed_qtype: str | None) -> str:
+    """Refuse what cannot be written (gguf_problems, an embed_qtype that does not apply); the embedding's type."""
+    problems = gguf_problems(model, qtype)
+    if problems:
+        raise ValueError("cannot export to GGUF " + qtype + ":\n  " + "\n  ".join(problems))
+    if qtype in K_FORMATS and embed_qtype is not None:
+        raise ValueError(f"embed_qtype= is for the 32-block types; {qtype} types token_embd / output by "
+                         "llama-quantize's rules (gguf_mix.py)")
+    if embed_qtype is None:
+        embed_qtype = "q8_0" if qtype in ("q4_0", "q4_1") else qtype
+    if embed_qtype not in GGUF_TYPES:
+        raise ValueError(f"embed_qtype={embed_qtype!r}; choose one of {', '.join(GGUF_TYPES)}")
+    return embed_qtype
+
+
+def _write_hyperparameters(writer, model: nn.Module, arch: str, qtype: str, name: str | None) -> None:
+    """The model's general.* and <arch>.* keys, as llama.cpp's converter writes them."""
+    gguf = gguf_package()
+    config = model.config
+    n_head, n_kv, head_dim = config.num_attention_heads, config.num_key_value_heads, _head_dim(config)
+    n_vocab, hidden = model.get_input_embeddings().weight.shape
     writer.add_name(name or Path(str(getattr(config, "_name_or_path", "") or arch)).name or arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(hidden)
@@ -581,15 +368,12 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
         {k: v[1] for k, v in K_FORMATS.items()}
     writer.add_file_type(int(getattr(gguf.LlamaFileType, file_types[qtype])))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    if source_gguf is not None:
-        copy_gguf_tokenizer(writer, reader, source_gguf, n_vocab)
-        tokenizer_note = f"tokenizer.* copied from {source_gguf}"
-    else:
-        _write_hf_vocab(writer, vocab)
-        tokenizer_note = f"built from the Hugging Face tokenizer (tokenizer.ggml.pre={vocab['pre']!r})"
-        if not vocab["chat_template"]:
-            notes.append("the tokenizer has no chat template; none written")
 
+
+def _model_notes(model: nn.Module, arch: str) -> list[str]:
+    """What of the model the file does not carry, or llama.cpp computes differently."""
+    config = model.config
+    notes = []
     window = getattr(config, "sliding_window", None)
     if arch == "llama" and window and window < config.max_position_embeddings:
         notes.append(f"sliding_window={window}: llama.cpp's llama graph attends to the full context, so outputs "
@@ -597,69 +381,82 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
     if any(getattr(m, "k_scale", None) is not None and hasattr(m, "kv_cache_dtype") for m in model.modules()):
         notes.append("fp8 KV-cache scales are not part of GGUF; they were left out (llama.cpp picks its KV type "
                      "at load time)")
+    return notes
 
-    tensors: dict[str, dict] = {}
 
-    n_expert = int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
-    imatrix, hessians = imatrix or {}, hessians or {}
+class _TensorEncoder:
+    """Encodes the file's tensors one by one into `writer` (their bytes wait in its temporary file) and keeps the
+    report's entry of each in `tensors`: block type, path (exact, requantized, quantized-from-float, dequantized,
+    float), shape, notes."""
 
-    def pick(gname: str, ncols: int, target: str) -> tuple[str, dict]:
+    def __init__(self, writer, model: nn.Module, qtype: str, imatrix: dict | None, hessians: dict | None):
+        self.writer, self.model, self.qtype = writer, model, qtype
+        self.kmix = qtype in K_FORMATS
+        config = model.config
+        self.n_expert = int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
+        self.imatrix, self.hessians = imatrix or {}, hessians or {}
+        self.tensors: dict[str, dict] = {}
+
+    def pick(self, gname: str, ncols: int, target: str) -> tuple[str, dict]:
         """The block type of tensor `gname` (lower case) and the report's note on a fallback."""
-        if not kmix:
+        if not self.kmix:
             return target, {}
-        kind, why = tensor_type(qtype, gname, ncols, config.num_hidden_layers, _tied(model), n_expert)
+        kind, why = tensor_type(self.qtype, gname, ncols, self.model.config.num_hidden_layers, _tied(self.model),
+                                self.n_expert)
         return kind.lower(), ({"fallback": why} if why else {})
 
-    def encode_float(w: Tensor, ggml: str, hf: str | None) -> tuple[np.ndarray, dict]:
+    def encode_float(self, w: Tensor, ggml: str, hf: str | None) -> tuple[np.ndarray, dict]:
         """Block bytes of float weights `w` in `ggml`, with the calibration statistics of layer `hf` if any."""
-        h = hessians.get(hf) if hf is not None else None
-        im = imatrix.get(hf) if hf is not None else None
+        h = self.hessians.get(hf) if hf is not None else None
+        im = self.imatrix.get(hf) if hf is not None else None
         if ggml in ("F16", "F32", "Q8_0") or (h is None and im is None):
-            return _quantize_float(w, ggml), {}
+            return quantize_float(w, ggml), {}
         if ggml in ("Q4_0", "Q4_1"):
-            return _quantize_float(w, ggml), {"note": "imatrix not used for Q4_0 / Q4_1 (not ported)"}
+            return quantize_float(w, ggml), {"note": "imatrix not used for Q4_0 / Q4_1 (not ported)"}
         im = np.asarray(im if im is not None else torch.diagonal(torch.as_tensor(h)), np.float32)
         if h is not None:
             from .gguf_gptq import quantize_gptq_gguf
             return quantize_gptq_gguf(w, torch.as_tensor(h), ggml, im), {"method": "gptq"}
-        return _quantize_float(w, ggml, im), {"method": "imatrix"}
+        return quantize_float(w, ggml, im), {"method": "imatrix"}
 
-    def add_float(gname: str, w: Tensor, target: str, path_name: str, hf: str | None = None, **extra) -> None:
+    def add_float(self, gname: str, w: Tensor, target: str, path_name: str, hf: str | None = None, **extra) -> None:
         ggml = target.upper()
         if ggml not in ("F16", "F32") and w.shape[-1] % MIX_BLOCK[ggml]:
             ggml, extra = "F16", {**extra, "note": f"row of {w.shape[-1]} is not a whole number of blocks: F16"}
-        data, how = encode_float(w, ggml, hf)
-        raw = None if ggml in ("F16", "F32") else _ggml_type(ggml)
-        writer.add_tensor(gname, data, raw_dtype=raw)
-        tensors[gname] = {"type": ggml, "path": path_name if ggml != "F16" or target == "f16" else "float",
-                          "shape": list(w.shape), **extra, **how}
+        data, how = self.encode_float(w, ggml, hf)
+        raw = None if ggml in ("F16", "F32") else ggml_type(ggml)
+        self.writer.add_tensor(gname, data, raw_dtype=raw)
+        self.tensors[gname] = {"type": ggml, "path": path_name if ggml != "F16" or target == "f16" else "float",
+                               "shape": list(w.shape), **extra, **how}
 
-    def add_linear(gname: str, module: nn.Module, target: str, heads: int | None, hf: str | None = None) -> None:
-        target, extra = pick(gname, linear_shape(module)[1], target)
+    def add_linear(self, gname: str, module: nn.Module, target: str, heads: int | None, hf: str | None = None) -> None:
+        """A linear layer's weight: its codes as they are where they fit `target`'s grid, else from float; rows
+        permuted per head when `heads` is given."""
+        target, extra = self.pick(gname, linear_shape(module)[1], target)
         if not isinstance(module, QuantLinear):
             w = linear_weight(module).detach().float()
-            w = w if heads is None else _permute_rows(w, heads)
-            add_float(gname, w, target, "float" if target == "f16" else "quantized-from-float", hf, **extra)
+            w = w if heads is None else permute_rows(w, heads)
+            self.add_float(gname, w, target, "float" if target == "f16" else "quantized-from-float", hf, **extra)
             return
         qt = module.qtensor()
         why = exact_fit(qt, target)
         if why is None:
             data, notes_ = encode_exact(qt, target, heads)
-            writer.add_tensor(gname, data, raw_dtype=_ggml_type(target))
-            tensors[gname] = {"type": target.upper(), "path": "exact", "shape": list(qt.shape),
-                              "scheme": qt.scheme.name, **extra, **notes_}
+            self.writer.add_tensor(gname, data, raw_dtype=ggml_type(target))
+            self.tensors[gname] = {"type": target.upper(), "path": "exact", "shape": list(qt.shape),
+                                   "scheme": qt.scheme.name, **extra, **notes_}
             return
         w = qt.dequantize(torch.float32)
-        w = w if heads is None else _permute_rows(w, heads)
-        add_float(gname, w, target, "dequantized" if target == "f16" else "requantized", hf, scheme=qt.scheme.name,
-                  reason=why, **extra)
+        w = w if heads is None else permute_rows(w, heads)
+        self.add_float(gname, w, target, "dequantized" if target == "f16" else "requantized", hf,
+                       scheme=qt.scheme.name, reason=why, **extra)
 
-    def add_experts(gname: str, moe: str, proj: str, target: str) -> None:
+    def add_experts(self, gname: str, moe: str, proj: str, target: str) -> None:
         """Every expert's `proj` as one [E, out, in] tensor: each expert's rows encoded as its own 2-D tensor would
         be (exactly where its codes fit the grid), stacked; requantized from float for all when one does not."""
-        layers = [model.get_submodule(f"{moe}.{e}.{proj}") for e in range(len(model.get_submodule(moe)))]
+        layers = [self.model.get_submodule(f"{moe}.{e}.{proj}") for e in range(len(self.model.get_submodule(moe)))]
         n_out, n_in = linear_shape(layers[0])
-        target, fell = pick(gname, n_in, target)
+        target, fell = self.pick(gname, n_in, target)
         fits = [isinstance(m, QuantLinear) and exact_fit(m.qtensor(), target) is None for m in layers]
         if all(fits):
             data = np.stack([encode_exact(m.qtensor(), target, None)[0] for m in layers])
@@ -669,137 +466,59 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
                       linear_weight(m).detach().float() for m in layers]
             ggml = target.upper() if target == "f16" or floats[0].shape[-1] % MIX_BLOCK[target.upper()] == 0 \
                 else "F16"
-            data = np.stack([_quantize_float(w, ggml) for w in floats])  # no per-expert calibration statistics
+            data = np.stack([quantize_float(w, ggml) for w in floats])  # no per-expert calibration statistics
             target = ggml.lower()
             path_name = "float" if target == "f16" and not isinstance(layers[0], QuantLinear) else \
                 "dequantized" if target == "f16" else \
                 "requantized" if isinstance(layers[0], QuantLinear) else "quantized-from-float"
             extra = {}
-        writer.add_tensor(gname, data, raw_dtype=None if target in ("f16", "f32") else _ggml_type(target))
-        tensors[gname] = {"type": target.upper(), "path": path_name, "shape": [len(layers), n_out, n_in], **extra,
-                          **fell}
+        self.writer.add_tensor(gname, data, raw_dtype=None if target in ("f16", "f32") else ggml_type(target))
+        self.tensors[gname] = {"type": target.upper(), "path": path_name, "shape": [len(layers), n_out, n_in],
+                               **extra, **fell}
 
-    def present(hf: str, role: str) -> bool:
-        if role == "experts":
-            moe, proj = hf.split("|")
-            return resident(model.get_submodule(f"{moe}.0.{proj}"))
-        if role in ("norm", "bias"):
-            return not model.get_parameter(hf).is_meta
-        if role == "embed":  # looked up each time: a streamed part assigns new tensors
-            return not model.get_input_embeddings().weight.is_meta
-        return resident(model.get_submodule(hf))
 
+def _present(model: nn.Module, hf: str, role: str) -> bool:
+    """Whether the entry's tensor is in memory (a streamed model holds one part at a time)."""
+    if role == "experts":
+        moe, proj = hf.split("|")
+        return resident(model.get_submodule(f"{moe}.0.{proj}"))
+    if role in ("norm", "bias"):
+        return not model.get_parameter(hf).is_meta
+    if role == "embed":  # looked up each time: a streamed part assigns new tensors
+        return not model.get_input_embeddings().weight.is_meta
+    return resident(model.get_submodule(hf))
+
+
+def _add_tensors(encoder: _TensorEncoder, model: nn.Module, arch: str, permute: bool, embed_qtype: str,
+                 parts: Iterable | None) -> None:
+    """Every tensor of the file in _entries' order, each encoded once its part of the model is in memory."""
+    qtype, config = encoder.qtype, model.config
     pending = _entries(model, arch)
     for _ in parts if parts is not None else (None,):
         later = []
         for gname, hf, role in pending:
-            if not present(hf, role):
+            if not _present(model, hf, role):
                 later.append((gname, hf, role))
-            elif role in ("norm", "bias"):
-                add_float(gname, model.get_parameter(hf).detach(), "f32", "float")  # qwen2 biases: rows unpermuted
+            elif role in ("norm", "bias"):  # qwen2 biases: rows unpermuted
+                encoder.add_float(gname, model.get_parameter(hf).detach(), "f32", "float")
             elif role == "experts":
-                add_experts(gname, *hf.split("|"), qtype)
+                encoder.add_experts(gname, *hf.split("|"), qtype)
             elif role == "embed":
                 emb = model.get_input_embeddings().weight.detach()
-                target, fell = pick(gname, emb.shape[1], embed_qtype)
-                add_float(gname, emb, target, "float" if target == "f16" else "quantized-from-float",
-                          "lm_head" if _tied(model) else None, **fell)  # tied: the output matmul's statistics
+                target, fell = encoder.pick(gname, emb.shape[1], embed_qtype)
+                encoder.add_float(gname, emb, target, "float" if target == "f16" else "quantized-from-float",
+                                  "lm_head" if _tied(model) else None, **fell)  # tied: the output matmul's statistics
             elif role == "output":
                 module = model.get_submodule(hf)
-                add_linear(gname, module, embed_qtype if not isinstance(module, QuantLinear) else qtype, None, hf)
+                encoder.add_linear(gname, module, embed_qtype if not isinstance(module, QuantLinear) else qtype, None,
+                                   hf)
             else:
                 heads = None
                 if permute and hf.endswith("q_proj"):
-                    heads = n_head
+                    heads = config.num_attention_heads
                 elif permute and hf.endswith("k_proj"):
-                    heads = n_kv
-                add_linear(gname, model.get_submodule(hf), qtype, heads, hf)
+                    heads = config.num_key_value_heads
+                encoder.add_linear(gname, model.get_submodule(hf), qtype, heads, hf)
         pending = later
     if pending:
         raise ValueError(f"GGUF export: tensors never in memory: {[g for g, _, _ in pending][:5]}")
-
-    fallbacks = [g for g, t in tensors.items() if "fallback" in t]
-    if fallbacks:
-        notes.append(f"{len(fallbacks)} tensors have rows that are not whole 256-weight super-blocks and took "
-                     f"llama.cpp's fallback type (e.g. {fallbacks[0]}: {tensors[fallbacks[0]]['fallback']})")
-    if embed_qtype != qtype and not kmix:
-        notes.append(f"token_embd{'' if _tied(model) else ' and output'} in {embed_qtype.upper()} (float in the "
-                     f"model; llama-quantize likewise keeps the output / tied embedding above a 4-bit type); "
-                     "pass embed_qtype= to change")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    counts = dict(Counter(t["path"] for t in tensors.values()))
-    types = dict(Counter(t["type"] for t in tensors.values()))
-    return {"qtype": qtype, "arch": arch, "file": Path(path).name, "bytes": Path(path).stat().st_size,
-            "tokenizer": tokenizer_note, "tensors": tensors, "counts": counts, "types": types,
-            "tied_embeddings": _tied(model), "notes": notes}
-
-
-# ---------------------------------------------------------------- running the file in llama.cpp
-
-@contextlib.contextmanager
-def _without_extra_buffers():
-    """llama-cpp-python builds its model params from llama_model_default_params(); turn off use_extra_bufts
-    (weight repacking into AMX / other CPU extra buffer types). llama.cpp's AMX matmul segfaults on some
-    machines (llama.cpp issue #20824, reproduced here on an AMX-capable Xeon: SIGSEGV in
-    ggml_backend_amx_mul_mat) and gave wrong Q4_0 / Q4_1 results before PR #16315; the plain CPU kernels
-    are the reference."""
-    import llama_cpp.llama as module
-
-    lib = module.llama_cpp
-    original = lib.llama_model_default_params
-
-    def params():
-        p = original()
-        if hasattr(p, "use_extra_bufts"):
-            p.use_extra_bufts = False
-        return p
-
-    lib.llama_model_default_params = params
-    try:
-        yield
-    finally:
-        lib.llama_model_default_params = original
-
-
-def load_llama_cpp(path: str | Path, n_ctx: int = 512, extra_buffers: bool = False, **kwargs):
-    """A llama_cpp.Llama on `path` (one thread, quiet, logits for every position)."""
-    try:
-        import llama_cpp
-    except ImportError as exc:
-        raise ImportError("running a GGUF file needs llama-cpp-python: pip install llama-cpp-python") from exc
-    kwargs = {"logits_all": True, "n_threads": 1, "n_threads_batch": 1, "verbose": False, "n_ctx": n_ctx,
-              "n_batch": n_ctx, "n_ubatch": n_ctx, **kwargs}
-    with contextlib.nullcontext() if extra_buffers else _without_extra_buffers():
-        return llama_cpp.Llama(model_path=str(path), **kwargs)
-
-
-def llama_cpp_logits(path: str | Path, windows: Tensor, n_ctx: int | None = None,
-                     extra_buffers: bool = False) -> Tensor:
-    """llama.cpp's logits for each window of token ids (int64 [B, T]): float32 [B, T, vocab]. The context is
-    cleared between windows; no BOS is added."""
-    windows = torch.as_tensor(windows)
-    if windows.ndim != 2:
-        raise ValueError(f"windows must be [B, T] token ids, got shape {tuple(windows.shape)}")
-    b, t = windows.shape
-    if n_ctx is not None and n_ctx < t:
-        raise ValueError(f"n_ctx={n_ctx} is shorter than the windows ({t} tokens)")
-    return torch.stack(list(iter_llama_cpp_logits(path, windows, n_ctx, extra_buffers)))
-
-
-def iter_llama_cpp_logits(path: str | Path, windows: Tensor, n_ctx: int | None = None, extra_buffers: bool = False):
-    """llama_cpp_logits one window at a time (float32 [T, vocab] each), the model loaded once."""
-    windows = torch.as_tensor(windows)
-    t = windows.shape[1]
-    llm = load_llama_cpp(path, n_ctx=n_ctx or t, extra_buffers=extra_buffers)
-    try:
-        for row in windows.tolist():
-            llm.reset()
-            llm.eval(row)
-            yield torch.from_numpy(np.array(llm.scores[:t], dtype=np.float32))
-    finally:
-        close = getattr(llm, "close", None)
-        if close is not None:
-            close()

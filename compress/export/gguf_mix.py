@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import re
 
+# llama.cpp block formats we write; the K-quant ones with llama-quantize's per-tensor mixes (gguf_mix.py)
+GGUF_TYPES = ("f16", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q4_k_m", "q5_k_m")
+
 QK_K = 256
 FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 # our format -> (llama.cpp default type, general.file_type name, whether the _M rules apply)

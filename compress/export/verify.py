@@ -105,7 +105,7 @@ def compare_logits(reference: Tensor, test: Tensor) -> dict:
 def export_logits(folder: str | Path, windows: Tensor) -> tuple[str, Tensor]:
     loader, model = load_export(folder)
     if loader == "llama-cpp-python":
-        from .gguf import llama_cpp_logits
+        from .gguf_llama_cpp import llama_cpp_logits
         return loader, llama_cpp_logits(str(model), windows)
     return loader, model_logits(model, windows)
 
@@ -143,7 +143,7 @@ def verify_export(folder: str | Path, source: nn.Module, windows: Tensor) -> dic
     gguf = loader == "llama-cpp-python"
     where = _device_of(source)
     if gguf:
-        from .gguf import iter_llama_cpp_logits
+        from .gguf_llama_cpp import iter_llama_cpp_logits
         theirs = iter_llama_cpp_logits(str(model), windows.cpu())
     else:
         model.to(where)

@@ -60,18 +60,17 @@ def gguf_tensor_source(path: str, skeleton: nn.Module) -> GGUFSource | None:
 
 
 def _name_map(reader, architecture: str, skeleton: nn.Module) -> dict[str, str] | None:
-    """GGUF tensor name -> the model's name by gguf's table for the file's own architecture, from the model's
-    full names; None when that leaves a tensor of the file unnamed."""
-    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+    """GGUF tensor name -> the model's name by gguf's table for the file's own architecture (the table the GGUF
+    writer names its tensors by, export/gguf_names.py), from the model's full names; None when that leaves a tensor
+    of the file unnamed."""
+    from ..export.gguf_names import gguf_name, tensor_name_map
 
-    arch = next((k for k, v in MODEL_ARCH_NAMES.items() if v == architecture), None)
-    if arch is None:
+    table = tensor_name_map(architecture, skeleton.config.get_text_config().num_hidden_layers)
+    if table is None:
         return None
-    table = get_tensor_name_map(arch, skeleton.config.get_text_config().num_hidden_layers)
     mapping = {}
     for name in skeleton.state_dict(keep_vars=True):
-        stem, dot, suffix = name.rpartition(".") if name.endswith((".weight", ".bias")) else (name, "", "")
-        found = table.get_name(stem)
+        found = gguf_name(table, name)
         if found is not None:
-            mapping[found + dot + suffix] = name
+            mapping[found] = name
     return mapping if all(t.name in mapping for t in reader.tensors) else None
