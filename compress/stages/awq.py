@@ -11,7 +11,8 @@ from ..arch.moe import any_expert
 from ..transforms.smoothing import pair_label, pair_skip_reason
 from ..core.scheme import QuantScheme
 from ..evaluate.fmt import num
-from .base import BlockState, Needs, Plan, RunContext, StageBase, next_target
+from .base import (BlockState, MemoryBasis, Needs, PassMemory, Plan, RunContext, StageBase, next_target,
+        replay_memory)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,9 @@ class AWQStage(StageBase):
 
     def needs(self, plan: Plan, index: int) -> Needs:
         return Needs(abs_mean=True, replay_samples=self.search_samples)
+
+    def pass_memory(self, basis: MemoryBasis) -> PassMemory:
+        return replay_memory(basis, self.search_samples)
 
     def begin(self, ctx: RunContext, index: int) -> None:
         ctx.records[index] = []  # per block: the scaling pairs' results

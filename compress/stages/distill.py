@@ -14,7 +14,7 @@ from ..calibrate.data import (TextSource, eval_windows, load_texts, sample_from_
 from ..distill.kd import distill
 from ..evaluate.fmt import num
 from ..calibrate.distributed import world
-from .base import ModelStageContext, Plan, StageBase, work_dir
+from .base import MemoryBasis, MemoryPhase, ModelStageContext, Plan, StageBase, work_dir
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,24 @@ class DistillStage(StageBase):
             raise ValueError(f"`stages.{index}` (distill) repairs a pruned model from the original; put a "
                              "`stage: prune` before it")
         return self
+
+    def memory_phases(self, basis: MemoryBasis) -> list[MemoryPhase]:
+        """Distillation holds the teacher, the student's copy before distillation, gradients and AdamW's two moments
+        (float32); with fsdp over several processes the teacher, gradients and moments are sharded over them
+        (fsdp.py). The evaluation holds the pruned model before distillation too. (A streamed run refuses it.)"""
+        if basis.streamed:
+            return []
+        share = world()[1] if self.fsdp else 1
+        weights = basis.weights
+        return [MemoryPhase("distill", {"weights": weights, "teacher and optimizer":
+                                        weights + (weights + basis.size.parameters * 12) // share}),
+                MemoryPhase("evaluation", {"pruned copy": basis.compressed}, after_pass=True)]
+
+    def memory_fix(self, parts: dict[str, int]) -> str | None:
+        if parts.get("teacher and optimizer"):
+            return ("Distillation holds the teacher and AdamW states beside the student: fewer parameters after "
+                    "pruning, or distill on a larger machine.")
+        return None
 
     def describe(self, plan: Plan, index: int) -> tuple[list[str], str]:
         tokens = self.steps * self.batch_size * self.grad_accum * self.seq_len

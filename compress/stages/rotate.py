@@ -59,6 +59,17 @@ class RotateStage(StageBase):
     def describe(self, plan: Plan, index: int) -> tuple[list[str], str]:
         return [plan.steps[index]], plan.steps[index].strip()
 
+    def export_problem(self, formats: tuple[str, ...], index: int, check) -> str | None:
+        """The online Hadamard is applied at run time by the compress checkpoint alone: every format refuses it."""
+        if not self.online_hadamard:
+            return None
+        from ..export import get_exporter
+        return (f"cannot export to {', '.join(formats)}: the rotate stage's online_hadamard rotates every MLP down "
+                "projection's input at run time, which none of these formats' loaders "
+                f"({'; '.join(get_exporter(f).loaders for f in formats)}) apply. Drop output.formats (the compress "
+                "checkpoint in OUTPUT/model holds it: `compress eval`, `compress verify`), or set "
+                "rotate.online_hadamard: false")
+
     def run_model(self, ctx: ModelStageContext, index: int) -> dict:
         from ..transforms.rotation import rotate_model
 

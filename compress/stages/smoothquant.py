@@ -7,7 +7,8 @@ from typing import ClassVar
 
 from ..quantizers.smoothquant import smoothquant_block
 from .awq import describe_pairs, pair_table, pairs_summary, unfound_lines, unscaled_pairs
-from .base import BlockState, Needs, Plan, RunContext, StageBase, next_target
+from .base import (BlockState, MemoryBasis, Needs, PassMemory, Plan, RunContext, StageBase, next_target,
+        replay_memory)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class SmoothQuantStage(StageBase):
 
     def needs(self, plan: Plan, index: int) -> Needs:
         return Needs(abs_max=True, replay_samples=self.search_samples if self.alpha_grid else 0)
+
+    def pass_memory(self, basis: MemoryBasis) -> PassMemory:
+        return replay_memory(basis, self.search_samples if self.alpha_grid else 0)
 
     def begin(self, ctx: RunContext, index: int) -> None:
         ctx.records[index] = []
