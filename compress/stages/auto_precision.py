@@ -24,7 +24,7 @@ from ..core.scheme import W4A16_ASYM_G64, W8A16, QuantScheme
 from ..precision.sensitivity import measure_sensitivity
 from ..transforms.smoothing import pair_skip_reason
 from ..threads import cpu_threads
-from .base import MemoryBasis, MemoryPhase, ModelStageContext, Plan, StageBase, next_target
+from .base import MemoryBasis, MemoryPhase, ModelStageContext, Plan, StageBase, StageRecord, next_target
 from .quantize import LayerScheme, plan_quantize
 
 _DRIVERS = {"blocks": "one decoder block at a time", "model": "whole-model passes"}
@@ -36,6 +36,34 @@ _INT3_G64 = replace(W4A16_ASYM_G64, dtype="int3")
 MENU_INT8_TO_INT3 = (W8A16, _INT4_G128, W4A16_ASYM_G64, _INT3_G64)  # the default until int5 / int6 existed
 DEFAULT_MENU = (W8A16, replace(W4A16_ASYM_G64, dtype="int6"), replace(W4A16_ASYM_G64, dtype="int5"), _INT4_G128,
                 W4A16_ASYM_G64, _INT3_G64)
+
+
+@dataclass
+class AutoPrecisionRecord(StageRecord):
+    """The auto_precision stage's report section: the measurement, the budget, the choice and its prediction.
+    resolve_stages reads `layer_schemes` back (also from a resumed streamed run's saved section)."""
+
+    sensitivity: str
+    error_method: str
+    driver: str  # how the sensitivities were measured (block by block, or whole-model passes)
+    threads: int
+    menu: list  # option names, float as "bf16"
+    layers: int
+    weights: int
+    groups: int  # layer groups that take one scheme together
+    fused_groups: bool
+    budget_bytes: int
+    budget_bits_per_weight: float
+    bytes: int  # of the choice
+    bits_per_weight: float
+    predicted: dict  # cost -> the choice's predicted total
+    uniform: dict  # option -> bytes, bits per weight and predicted costs of every layer taking it
+    seconds: float
+    tokens: int
+    counts: dict  # option -> layers that chose it
+    assignment: dict  # layer -> option
+    table: dict  # the sensitivities (Sensitivities.to_dict)
+    layer_schemes: list  # [{"layer", "scheme"}] for the next quantize stage
 
 
 @dataclass(frozen=True)
@@ -247,17 +275,16 @@ class AutoPrecisionStage(StageBase):
                                 **{f"predicted_{k}": float(c[:, j].sum()) for k, c in sens.costs.items()}}
         assignment = {n: sens.options[p] for n, p in zip(names, picked)}
         options = {option_name(o): o for o in self.options}
-        return {"index": index, "stage": "auto_precision", "sensitivity": self.sensitivity,
-                "error_method": self.error_method, "driver": sens.driver, "threads": threads,
-                "menu": list(sens.options), "layers": len(names), "weights": int(numel.sum()),
-                "groups": len(groups), "fused_groups": self.fused_groups,
-                "budget_bytes": int(budget), "budget_bits_per_weight": float(budget * 8 / numel.sum()),
-                "bytes": chosen_bytes, "bits_per_weight": float(chosen_bytes * 8 / numel.sum()),
-                "predicted": predicted, "uniform": uniform, "seconds": seconds, "tokens": sens.tokens,
-                "counts": {o: int((np.array(picked) == j).sum()) for j, o in enumerate(sens.options)},
-                "assignment": assignment, "table": sens.to_dict(),
-                "layer_schemes": [{"layer": n, "scheme": None if options[o] is None else options[o].to_dict()}
-                                  for n, o in assignment.items()]}
+        return AutoPrecisionRecord(
+            index, "auto_precision", self.sensitivity, self.error_method, sens.driver, threads, list(sens.options),
+            len(names), int(numel.sum()), len(groups), self.fused_groups, budget_bytes=int(budget),
+            budget_bits_per_weight=float(budget * 8 / numel.sum()), bytes=chosen_bytes,
+            bits_per_weight=float(chosen_bytes * 8 / numel.sum()), predicted=predicted, uniform=uniform,
+            seconds=seconds, tokens=sens.tokens,
+            counts={o: int((np.array(picked) == j).sum()) for j, o in enumerate(sens.options)},
+            assignment=assignment, table=sens.to_dict(),
+            layer_schemes=[{"layer": n, "scheme": None if options[o] is None else options[o].to_dict()}
+                           for n, o in assignment.items()]).to_json()
 
     def _groups(self, names: list[str]) -> list[list[int]]:
         """Row indices of the layers that take one scheme together (each layer alone when fused_groups is off)."""

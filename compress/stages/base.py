@@ -16,7 +16,8 @@ writes only what it does:
   `observing(block)` may add a stage's own observation of the block's float forward, `on_block(ctx, block, index)`
   changes the block, `finalize(ctx, index)` acts on the whole model afterwards, `report(ctx, index)` returns the
   report section and the static `render(section, models)` turns a section (also one read back from report.json)
-  into markdown.
+  into markdown. Each stage types its section as a StageRecord of its own (`run_model`'s too), written by
+  `to_json()`.
 
 - What the runner must know of a stage before it runs, the stage answers itself: `stream_problem()` (why it cannot
   run on a model streamed block by block), `export_problem(formats, index, check)` (why the run cannot be exported
@@ -31,7 +32,7 @@ its class or its settings (tests/test_stage_memory.py checks the runner's files)
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -110,6 +111,37 @@ class MemoryPhase:
     name: str
     parts: dict[str, int]
     after_pass: bool = False
+
+
+def inline(**kw):
+    """A StageRecord field that is a mapping another module computed (a training run's curve, a rotation's counts):
+    its keys are written into the section itself, in their order."""
+    return field(default_factory=dict, metadata={"inline": True}, **kw)
+
+
+def optional():
+    """A StageRecord field written only when it is not None (a setting that only some runs of the stage have)."""
+    return field(default=None, metadata={"optional": True})
+
+
+@dataclass
+class StageRecord:
+    """A stage's report section, typed: each stage's own record adds its fields after these. `to_json()` writes
+    the section report.json holds: the fields in order, an `inline` field's keys in its place, an `optional` one
+    only when set; values as they are (the stage puts JSON-able values in)."""
+
+    index: int
+    stage: str
+
+    def to_json(self) -> dict:
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.metadata.get("inline"):
+                out |= value
+            elif not (f.metadata.get("optional") and value is None):
+                out[f.name] = value
+        return out
 
 
 def next_target(stages: tuple, index: int) -> int | None:
@@ -319,7 +351,8 @@ class StageBase:
         pass
 
     def report(self, ctx: RunContext, index: int) -> dict:
-        return {"index": index, "stage": self.name}
+        """The stage's report section (its StageRecord's to_json())."""
+        return StageRecord(index, self.name).to_json()
 
     def run_model(self, ctx: ModelStageContext, index: int) -> dict:
         raise NotImplementedError(f"{self.name} is not a whole-model stage")

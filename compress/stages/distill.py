@@ -14,7 +14,18 @@ from ..calibrate.data import (TextSource, eval_windows, load_texts, sample_from_
 from ..distill.kd import distill
 from ..evaluate.fmt import num
 from ..calibrate.distributed import world
-from .base import MemoryBasis, MemoryPhase, ModelStageContext, Plan, StageBase, work_dir
+from .base import MemoryBasis, MemoryPhase, ModelStageContext, Plan, StageBase, StageRecord, inline, work_dir
+
+
+@dataclass
+class DistillRecord(StageRecord):
+    """The distill stage's report section: what it trained on, and the training run's record (kd.distill: steps,
+    losses, the recovery curve, ...)."""
+
+    data: str
+    windows_available: int
+    eval_windows: list  # [windows, tokens each] of the recovery curve
+    training: dict = inline()
 
 
 @dataclass(frozen=True)
@@ -119,8 +130,8 @@ class DistillStage(StageBase):
         result = distill(ctx.model, ctx.teacher, train, self, work_dir(ctx.out) / f"distill-{index}",
                          eval_ids=held_out, resume=ctx.resume, progress=ctx.progress, log=ctx.log)
         ctx.model.requires_grad_(False).eval()
-        return {"index": index, "stage": "distill", "data": self.data.kind, "windows_available": len(train),
-                "eval_windows": [self.eval_windows, self.eval_seq_len], **result}
+        return DistillRecord(index, "distill", self.data.kind, len(train), [self.eval_windows, self.eval_seq_len],
+                             result).to_json()
 
     @staticmethod
     def render(section: dict, models: dict) -> list[str]:

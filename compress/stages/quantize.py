@@ -21,7 +21,7 @@ from ..calibrate.observers import BlockObserver
 from ..quantizers import LayerInputs, build_options, get_quantizer
 from ..core.scheme import W4A16_G64, QuantScheme
 from ..transforms.smoothing import pooled_stats
-from .base import BlockState, MemoryBasis, Needs, PassMemory, Plan, RunContext, StageBase
+from .base import BlockState, MemoryBasis, Needs, PassMemory, Plan, RunContext, StageBase, StageRecord
 
 COMMON_GROUP_SIZES = (16, 32, 64, 128, 256)
 TIED_LM_HEAD = ("keep", "untie")
@@ -36,6 +36,24 @@ class LayerScheme:
 
     layer: str
     scheme: QuantScheme | None = None
+
+
+@dataclass
+class QuantizeRecord(StageRecord):
+    """The quantize stage's report section."""
+
+    method: str
+    scheme: str  # the stage's scheme (layers may have their own: `layers`)
+    scheme_fields: dict
+    quantized: int
+    skipped: list  # [{"name", "reason"}] of the selected layers left in float
+    float_parameters: dict  # why other parameters stay in float -> their count (QuantPlan.float_summary)
+    layers: dict  # layer -> its scheme's name
+    untied: dict  # an untied lm_head -> {"extra_bytes", "note"}
+    layer_info: dict  # layer -> what the pass found for it (input scale, outlier features, ...)
+    experts: dict  # a MoE expert's calibration coverage (expert_tokens)
+    min_expert_tokens: int
+    tuning: dict  # layer -> AutoRound's tuning record
 
 
 @dataclass(frozen=True)
@@ -229,16 +247,16 @@ class QuantizeStage(StageBase):
 
     def report(self, ctx: RunContext, index: int) -> dict:
         plan = ctx.plan.steps[index]
-        return {"index": index, "stage": "quantize", "method": self.method, "scheme": self.scheme.name,
-                "scheme_fields": asdict(self.scheme), "quantized": len(plan.quantized),
-                "skipped": [{"name": e.name, "reason": e.reason} for e in plan.skipped],
-                "float_parameters": plan.float_summary(),
-                "layers": {e.name: e.scheme.name for e in plan.quantized},
-                "untied": {e.name: {"extra_bytes": e.untied_bytes, "note": e.note} for e in plan.quantized
-                           if e.untied_bytes is not None},
-                "layer_info": {n: v for n, v in ctx.records.get(index, {}).items() if "tuning" not in v},
-                "experts": expert_tokens(ctx.records.get(index, {})), "min_expert_tokens": self.min_expert_tokens,
-                "tuning": {n: v["tuning"] for n, v in ctx.records.get(index, {}).items() if "tuning" in v}}
+        records = ctx.records.get(index, {})
+        return QuantizeRecord(
+            index, "quantize", self.method, self.scheme.name, asdict(self.scheme), len(plan.quantized),
+            skipped=[{"name": e.name, "reason": e.reason} for e in plan.skipped],
+            float_parameters=plan.float_summary(), layers={e.name: e.scheme.name for e in plan.quantized},
+            untied={e.name: {"extra_bytes": e.untied_bytes, "note": e.note} for e in plan.quantized
+                    if e.untied_bytes is not None},
+            layer_info={n: v for n, v in records.items() if "tuning" not in v}, experts=expert_tokens(records),
+            min_expert_tokens=self.min_expert_tokens,
+            tuning={n: v["tuning"] for n, v in records.items() if "tuning" in v}).to_json()
 
     @staticmethod
     def render(section: dict, models: dict) -> list[str]:

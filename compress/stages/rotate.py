@@ -9,9 +9,18 @@ from torch import nn
 
 from ..arch import ArchSpec, get_module
 from ..transforms.rotation import rotation_problem
-from .base import ModelStageContext, Plan, StageBase
+from .base import ModelStageContext, Plan, StageBase, StageRecord, inline
 
 KINDS = ("hadamard", "orthogonal")
+
+
+@dataclass
+class RotateRecord(StageRecord):
+    """The rotate stage's report section: what rotate_model did (the rotation, norms folded, linears rotated, an
+    untied head) and, with online_hadamard, what rotate_mlp_inputs did."""
+
+    rotation: dict = inline()
+    online: dict = inline()
 
 
 @dataclass(frozen=True)
@@ -74,11 +83,11 @@ class RotateStage(StageBase):
         from ..transforms.rotation import rotate_model
 
         ctx.log(f"stage {index}: rotate — the residual stream, folded into the weights ...")
-        section = {"index": index, "stage": "rotate", **rotate_model(ctx.model, ctx.arch, self.kind, self.seed)}
+        record = RotateRecord(index, "rotate", rotate_model(ctx.model, ctx.arch, self.kind, self.seed))
         if self.online_hadamard:
             from ..transforms.rotation import rotate_mlp_inputs
-            section |= rotate_mlp_inputs(ctx.model, ctx.arch, self.seed)
-        return section
+            record.online = rotate_mlp_inputs(ctx.model, ctx.arch, self.seed)
+        return record.to_json()
 
     @staticmethod
     def render(section: dict, models: dict) -> list[str]:

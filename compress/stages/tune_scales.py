@@ -15,8 +15,21 @@ from ..calibrate.data import eval_windows
 from ..distill.kd import distill
 from ..calibrate.distributed import world
 from ..distill.scale_tuning import scale_gains, tunable_layers
-from .base import MemoryBasis, MemoryPhase, ModelStageContext, Plan, StageBase, work_dir
+from .base import MemoryBasis, MemoryPhase, ModelStageContext, Plan, StageBase, StageRecord, inline, work_dir
 from .distill import DistillStage, _render
+
+
+@dataclass
+class TuneScalesRecord(StageRecord):
+    """The tune_scales stage's report section: what was tuned, and the training run's record (kd.distill)."""
+
+    data: str
+    layers: int
+    parameters: int  # scales tuned
+    not_tuned: dict  # layer -> why its scales were not tuned
+    epochs: int
+    eval_windows: list  # [windows, tokens each] of the before/after points
+    training: dict = inline()
 
 
 @dataclass(frozen=True)
@@ -133,9 +146,8 @@ class TuneScalesStage(StageBase):
                              eval_ids=held_out, progress=ctx.progress, log=ctx.log)
             n_gains = sum(g.numel() for g in gains)
         ctx.model.eval()
-        return {"index": index, "stage": "tune_scales", "data": "calibration windows", "layers": len(names),
-                "parameters": n_gains, "not_tuned": skipped, "epochs": self.epochs,
-                "eval_windows": [self.eval_windows, self.eval_seq_len], **result}
+        return TuneScalesRecord(index, "tune_scales", "calibration windows", len(names), n_gains, skipped,
+                                self.epochs, [self.eval_windows, self.eval_seq_len], result).to_json()
 
     @staticmethod
     def render(section: dict, models: dict) -> list[str]:
