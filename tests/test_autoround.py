@@ -207,7 +207,8 @@ def test_options_are_validated_and_several_processes_refused():
 def test_the_memory_plan_counts_the_block_tuning():
     from transformers import LlamaConfig
 
-    from compress.pipeline.memory_plan import model_size, plan_memory, tuning_bytes
+    from compress.pipeline.memory_plan import model_size, plan_memory
+    from compress.stages.quantize import tuning_bytes
     config = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                          vocab_size=32000)
     recipe = from_dict({"model": "unused", "calibration": {"kind": "self", "n_samples": 16, "seq_len": 512},

@@ -8,6 +8,7 @@ an accounting of every allocation; `model.check_memory: false` runs anyway.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 import psutil
@@ -144,9 +145,7 @@ def _fixes(recipe, parts: dict, plan_dtype: str) -> list[str]:
     if parts.get("calibration activations", 0) > 0.1 * sum(parts.values()):
         fixes.append("calibration.offload=disk keeps the activations in memory-mapped files (they take "
                      f"{parts['calibration activations'] / GB:.1f} GB), or lower calibration.n_samples / seq_len.")
-    if parts.get("teacher and optimizer"):
-        fixes.append("Distillation holds the teacher and AdamW states beside the student: fewer parameters after "
-                     "pruning, or distill on a larger machine.")
+    fixes += list(dict.fromkeys(f for s in recipe.stages if (f := s.memory_fix(parts)) is not None))
     return fixes or ["Run on a machine with more memory."]
 
 
@@ -158,59 +157,44 @@ def plan_memory(recipe, config, dtype: torch.dtype, device: str, available: int 
     """The run's memory at each phase. `available` (host bytes) defaults to what the machine has free now; on a CUDA
     device, `device_available` to the device's free memory. `conversion`: what loading holds besides the model while
     it converts the checkpoint's tensors to `dtype` (a shard read into memory; `conversion_bytes`), at the load and
-    again when the baseline is reloaded for the evaluation."""
+    again when the baseline is reloaded for the evaluation. What a stage adds (its weights as stored, its share of
+    the calibration pass, its own phases) each stage answers itself (stages/base.py: stored_bytes, pass_memory,
+    memory_phases)."""
+    from ..stages.base import MemoryBasis
+
     size = model_size(config)
     width = torch.empty((), dtype=dtype).element_size()
+    basis = MemoryBasis(size, width, recipe.calibration, streamed)
+    weights = basis.weights
+    compressed = next((b for s in recipe.stages if (b := s.stored_bytes(basis)) is not None), weights)
+    basis = dataclasses.replace(basis, compressed=compressed)
     if streamed:
-        return _streamed_plan(recipe, size, width, dtype, device, available, device_available)
-    weights = size.parameters * width
-    target = next((s for s in recipe.stages if getattr(s, "stores_weights", False)), None)
-    compressed = weights
-    if target is not None:
-        sch = target.scheme
-        per_weight = sch.bits / 8 + (2 / sch.group_size if sch.granularity == "group" else 0)
-        compressed = weights - size.block_linear_parameters * width + int(size.block_linear_parameters * per_weight)
+        return _streamed_plan(recipe, basis, dtype, device, available, device_available)
+    before, after, into = _stage_phases(recipe, basis, ("load", "calibration", "evaluation"))
     on_device = device.startswith("cuda")
     # transformers' loader stacks a MoE checkpoint's per-expert tensors into the fused ones: counted as a second
     # copy of the experts while it loads (measured on a 0.68B Mixtral shape: 1.4 GB of 2.4 GB of float32 experts)
     stacking = size.expert_parameters * width
-    phases, device_phases = {"load": {"weights": weights, "dtype conversion": conversion,
-                                      "expert stacking": stacking}}, {}
-    if any(getattr(s, "needs_teacher", False) for s in recipe.stages):
-        # the teacher, the student's copy before distillation, gradients and AdamW's two moments (float32); with
-        # fsdp over several processes the teacher, gradients and moments are sharded over them (fsdp.py)
-        from ..calibrate.distributed import world
-
-        share = world()[1] if any(getattr(s, "fsdp", False) for s in recipe.stages) else 1
-        phases["distill"] = {"weights": weights,
-                             "teacher and optimizer": weights + (weights + size.parameters * 12) // share}
+    phases, device_phases = {"load": _grown({"weights": weights, "dtype conversion": conversion,
+                                             "expert stacking": stacking}, into.get("load"))}, {}
+    phases |= before
     if recipe.calibration is not None and any(not s.whole_model for s in recipe.stages):
         cal = recipe.calibration
         acts = 3 * cal.n_samples * cal.seq_len * size.hidden * width  # block inputs, float outputs, compressed outputs
-        # a stage's `needs` reads its own settings (the plan argument is for stages that will need more)
-        needs = [s.needs(None, i) for i, s in enumerate(recipe.stages) if not s.whole_model]
-        stats = 4 * size.hessian_floats if any(n.hessian for n in needs) else 0
-        kept = 4 * max((n.replay_samples for n in needs), default=0) * cal.seq_len * size.input_features
-        work = {"calibration activations": 0 if cal.offload == "disk" else acts, "block statistics": stats + kept,
-                "GPTQ solve": 4 * size.largest_solve if stats else 0,
-                "block tuning": tuning_bytes(size, cal.seq_len) if any(n.block_tuning for n in needs) else 0}
+        stats, during, between = _pass_memory(recipe, basis)
+        work = _grown({"calibration activations": 0 if cal.offload == "disk" else acts, "block statistics": stats,
+                       **between, **during}, into.get("calibration"))
         if on_device:
             phases["calibration"] = {"weights": weights}
             device_phases["calibration"] = {"one block": size.block_parameters * width, **work}
         else:
             phases["calibration"] = {"weights": weights, **work}
-    if sensitivity := sensitivity_bytes(size, recipe, width):
-        phases["sensitivity pass"] = {"weights": weights, **sensitivity}
-    tune = next((s for s in recipe.stages if getattr(s, "after_calibration", False)), None)
-    if tune is not None and recipe.calibration is not None:
-        phases["tune_scales"] = {"compressed model": compressed, "teacher": weights,
-                                 **tune_scales_bytes(size, tune, recipe.calibration.seq_len)}
+    phases |= after
     logits = 4 * 4 * recipe.eval.seq_len * size.vocab  # both models' float32 logits and their log-softmax
-    evaluation = {"compressed model": compressed, "baseline copy": weights if recipe.eval.baseline else 0,
-                  "dtype conversion": conversion if recipe.eval.baseline else 0,
-                  "expert stacking": stacking if recipe.eval.baseline else 0, "logits": logits}
-    if any(getattr(s, "needs_teacher", False) for s in recipe.stages):
-        evaluation["pruned copy"] = compressed
+    evaluation = _grown({"compressed model": compressed, "baseline copy": weights if recipe.eval.baseline else 0,
+                         "dtype conversion": conversion if recipe.eval.baseline else 0,
+                         "expert stacking": stacking if recipe.eval.baseline else 0, "logits": logits},
+                        into.get("evaluation"))
     phases["evaluation"] = {k: v for k, v in evaluation.items() if v}
     if on_device:  # the evaluation runs there (pipeline.on_device): every evaluated model, and the logits
         device_phases["evaluation"] = {k: v for k, v in evaluation.items()
@@ -223,10 +207,47 @@ def plan_memory(recipe, config, dtype: torch.dtype, device: str, available: int 
     return MemoryPlan(device, str(dtype).replace("torch.", ""), phases, device_phases, available, device_available)
 
 
-def _streamed_plan(recipe, size: ModelSize, width: int, dtype, device: str, available, device_available) -> MemoryPlan:
+def _largest(parts: list[dict[str, int]]) -> dict[str, int]:
+    """The parts of several stages together: where they name the same thing, the largest (one allocation)."""
+    out: dict[str, int] = {}
+    for each in parts:
+        for k, v in each.items():
+            out[k] = max(out.get(k, 0), v)
+    return out
+
+
+def _grown(parts: dict[str, int], extra: dict[str, int] | None) -> dict[str, int]:
+    """A runner phase's parts with what the stages add to it (the largest where both name a part)."""
+    return _largest([parts, extra or {}])
+
+
+def _stage_phases(recipe, basis, runner: tuple[str, ...]) -> tuple[dict, dict, dict]:
+    """The stages' phases (stage.memory_phases) as (before the calibration pass, after it, added to the runner's
+    phases named in `runner`), each {phase: {what: bytes}}."""
+    before: dict[str, list] = {}
+    after: dict[str, list] = {}
+    into: dict[str, list] = {}
+    for stage in recipe.stages:
+        for phase in stage.memory_phases(basis):
+            where = into if phase.name in runner else after if phase.after_pass else before
+            where.setdefault(phase.name, []).append(phase.parts)
+    return tuple({name: _largest(parts) for name, parts in where.items()} for where in (before, after, into))
+
+
+def _pass_memory(recipe, basis) -> tuple[int, dict[str, int], dict[str, int]]:
+    """What the block stages hold in the calibration pass (stage.pass_memory): the statistics it records for them
+    (each recorded once for every stage that asks), their work during the block's forwards and between them."""
+    asked = [s.pass_memory(basis) for s in recipe.stages if not s.whole_model]
+    return (sum(_largest([a.statistics for a in asked]).values()), _largest([a.during for a in asked]),
+            _largest([a.between for a in asked]))
+
+
+def _streamed_plan(recipe, basis, dtype, device: str, available, device_available) -> MemoryPlan:
     """A streamed run (stream_run.py): one block (and its dequantized copy while its compressed forward runs), the
     calibration activations and statistics, both models' evaluation hidden states; before and after the blocks, the
-    embedding (to capture the blocks' inputs) or the head (to score), one at a time, and the logits."""
+    embedding (to capture the blocks' inputs) or the head (to score), one at a time, and the logits. A stage's work
+    between the block's forwards (GPTQ's solve) is a phase of its own, with the block's float weights alone."""
+    size, width = basis.size, basis.width
     ev = recipe.eval
     windows = (ev.max_windows or EVAL_TOKENS // ev.seq_len) if ev.perplexity else 0
     hidden = (2 if ev.baseline else 1) * windows * ev.seq_len * size.hidden * width
@@ -234,23 +255,21 @@ def _streamed_plan(recipe, size: ModelSize, width: int, dtype, device: str, avai
     # forward, the tensors being read and the allocator's slack: 3.5x its weights (bench/large_models.py measured
     # 3.3x on the 7B shape at float32: 3.28 GB anonymous peak, of which 2.7 GB came with the block)
     passing = {"one block": int(3.5 * size.block_parameters * width), "evaluation hidden states": hidden}
+    between = {}
     if recipe.calibration is not None:
         cal = recipe.calibration
         acts = 3 * cal.n_samples * cal.seq_len * size.hidden * width
-        needs = [s.needs(None, i) for i, s in enumerate(recipe.stages) if not s.whole_model]
-        stats = 4 * size.hessian_floats if any(n.hessian for n in needs) else 0
-        kept = 4 * max((n.replay_samples for n in needs), default=0) * cal.seq_len * size.input_features
-        passing.update({"calibration activations": 0 if cal.offload == "disk" else acts, "block statistics": stats + kept,
-                        "block tuning": tuning_bytes(size, cal.seq_len) if any(n.block_tuning for n in needs) else 0})
-    phases = {"streamed pass": passing}
-    if recipe.calibration is not None and stats:
+        stats, during, between = _pass_memory(recipe, basis)
+        passing.update({"calibration activations": 0 if cal.offload == "disk" else acts, "block statistics": stats,
+                        **during})
+    before, after, _ = _stage_phases(recipe, basis, ())
+    phases = {**before, "streamed pass": passing}
+    if any(between.values()):
         # between the block's forwards: its float weights (no autocast or dequantized copies then), the statistics,
-        # and one GPTQ solve at a time: the layer's H/n, its weight being updated, the lazy update (quantizers/gptq.py)
-        phases["GPTQ solve"] = {**passing, "one block": size.block_parameters * width,
-                                "GPTQ solve": 4 * size.largest_solve}
-    if sensitivity := sensitivity_bytes(size, recipe, width):
-        phases["sensitivity pass"] = {"one block": 2 * size.block_parameters * width,
-                                      "embedding and head": 2 * size.vocab * size.hidden * width, **sensitivity}
+        # and the stages' work there (GPTQ: one solve at a time)
+        phases[" and ".join(k for k, v in between.items() if v)] = {**passing, "one block": size.block_parameters * width,
+                                                                    **between}
+    phases |= after
     phases |= {
         "embedding or head": {"embedding or head": size.vocab * size.hidden * width,
                               "evaluation hidden states": hidden,
@@ -262,58 +281,6 @@ def _streamed_plan(recipe, size: ModelSize, width: int, dtype, device: str, avai
         device_available = torch.cuda.mem_get_info(torch.device(device))[0]
     return MemoryPlan(device, str(dtype).replace("torch.", "") + ", streamed", phases, {}, available,
                       device_available)
-
-
-def sensitivity_bytes(size: ModelSize, recipe, width: int) -> dict[str, int]:
-    """The recipe's auto_precision fisher pass block by block (fisher_blocks.py; empty without one), besides the
-    weights or the streamed block:
-    every block's input kept for each window (and, with solved errors, the gradient at every block's output), one
-    window's output errors of a block's layers under every option, the autograd graph of one block's forward, the
-    logits at the top; with solved errors also the Hessians of a group of layers (precision.HESSIAN_BUDGET, or the
-    widest layer's alone), the menu's solutions for one block and the Hessian windows' states."""
-    from ..precision.mixed import HESSIAN_BUDGET
-
-    stage = next((s for s in recipe.stages if s.name == "auto_precision"), None)
-    if stage is None or recipe.calibration is None:
-        return {}
-    seq_len = stage.seq_len or recipe.calibration.seq_len
-    solved = stage.error_method != "rtn"
-    options = len(stage.options)
-    parts = {"kept states": (size.layers + 1) * stage.n_samples * seq_len * size.hidden * width * (2 if solved else 1),
-             "output errors": 4 * options * seq_len * size.output_features,
-             "one block's backward": 4 * 16 * seq_len * size.input_features,
-             "logits": 3 * 4 * seq_len * size.vocab}
-    if solved:
-        per_weight = sum(2 if o is None else o.bits / 8 + (4 / o.group_size if o.granularity == "group" else 0)
-                         for o in stage.options)
-        parts.update({"Hessians": min(4 * size.layer_hessian_floats,
-                                      max(HESSIAN_BUDGET, 4 * size.largest_hessian_floats)),
-                      "one block's solutions": int(per_weight * size.block_linear_parameters / max(size.layers, 1)),
-                      "Hessian windows": 2 * stage.gptq_samples * seq_len * size.hidden * width})
-    return parts
-
-
-def tuning_bytes(size: ModelSize, seq_len: int) -> int:
-    """AutoRound's tuning of one block (quantizers/autoround.py): per weight, float32 V, its gradient and the best
-    step's copy, the float32 weight and about five weight-sized temporaries of the rounding that autograd keeps for
-    the backward (36 bytes in all); and one window's forward saved for its backward, about 16 float32 values per
-    token and input feature."""
-    return 36 * size.block_parameters + 4 * 16 * seq_len * size.input_features
-
-
-def tune_scales_bytes(size: ModelSize, stage, seq_len: int) -> dict[str, int]:
-    """The tune_scales stage beside both models: each linear's dequantized weight (float32, and its bfloat16 copy
-    under autocast) kept for the backward, in every block or, with gradient checkpointing, in one block at a time;
-    one step's activations, about 6 float32 values per token and input feature of a block (with checkpointing:
-    one block's, plus every block's input); both models' float32 logits and their log-softmax and gradient.
-    Measured on the embedded model (4 × 512 tokens a step, bf16 autocast): 6.9 GB peak RSS, where this plans 8.3 GB
-    (the activations, about 5 values per token and feature, are most of it)."""
-    tokens = stage.batch_size * seq_len
-    blocks = 1 if stage.gradient_checkpointing else size.layers
-    kept = 4 * tokens * size.hidden * size.layers if stage.gradient_checkpointing else 0
-    return {"dequantized weights": 6 * size.block_linear_parameters * blocks // size.layers,
-            "activations": 4 * 6 * tokens * size.input_features * blocks + kept,
-            "logits": 4 * 4 * tokens * size.vocab}
 
 
 def conversion_bytes(files: list, config, dtype: torch.dtype) -> int:

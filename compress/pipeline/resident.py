@@ -64,39 +64,23 @@ def _turns(names: list[str], together: bool) -> dict[str, int]:
 
 
 def check_formats(model, plan: Plan, formats: tuple[str, ...]) -> None:
-    from ..export import ExportError, check_export, get_exporter
-    online = [s for s in plan.stages if getattr(s, "online_hadamard", False)]
-    if formats and online:
-        raise ExportError(f"cannot export to {', '.join(formats)}: the rotate stage's online_hadamard rotates every "
-                          "MLP down projection's input at run time, which none of these formats' loaders "
-                          f"({'; '.join(get_exporter(f).loaders for f in formats)}) apply. Drop output.formats "
-                          "(the compress checkpoint in OUTPUT/model holds it: `compress eval`, `compress verify`), or "
-                          "set rotate.online_hadamard: false")
-    if formats:
-        meta = planned_model(model, plan)
-        for fmt in formats:
-            check_export(meta, fmt)
-            for i, stage in enumerate(plan.stages):
-                _check_offered(model, plan, fmt, i, stage.schemes_offered())
+    """Refuse, before anything runs, the formats the planned model cannot be written in, then those a stage refuses
+    (stage.export_problem: the rotate stage's online Hadamard, the schemes an auto_precision menu may give the
+    layers at run time)."""
+    from ..export import ExportError, check_export, export_problems
+    if not formats:
+        return
+    meta = planned_model(model, plan)
+    for fmt in formats:
+        check_export(meta, fmt)
+    for i, stage in enumerate(plan.stages):
+        target = next_target(plan.stages, i)
 
+        def check(fmt: str, offered: tuple[QuantScheme, ...], together: bool) -> list[str]:
+            return export_problems(planned_model(model, plan, offered, target, together), fmt)
 
-def _check_offered(model, plan: Plan, fmt: str, index: int, offered: tuple[QuantScheme, ...]) -> None:
-    """Refuse, before anything runs, the schemes a stage may give the next quantize stage's layers at run time
-    (auto_precision's menu) that `fmt` cannot hold: each alone, then all of them mixed across the layers."""
-    from ..export import ExportError, export_problems
-
-    target = next_target(plan.stages, index)
-    where = f"`stages.{index}` ({plan.stages[index].name})"
-    fix = f"drop {fmt} from output.formats (the compress checkpoint and `dense` hold every scheme and any mix)"
-    for scheme in offered:
-        if problems := export_problems(planned_model(model, plan, (scheme,), target), fmt):
-            raise ExportError(f"cannot export to {fmt}: {where} may give layers {scheme.name}, which {fmt} cannot "
-                              f"hold ({problems[0]}); remove it from that menu, or {fix}")
-    together = getattr(plan.stages[index], "fused_groups", False)
-    if len(offered) > 1 and (problems := export_problems(planned_model(model, plan, offered, target, together),
-                                                         fmt)):
-        raise ExportError(f"cannot export to {fmt}: {where} gives layers different schemes of its menu, and a "
-                          f"{fmt} checkpoint cannot mix them ({problems[0]}); export compressed-tensors, or {fix}")
+        if (why := stage.export_problem(tuple(formats), i, check)) is not None:
+            raise ExportError(why)
 
 
 def verify_windows(recipe: Recipe, tokenizer, samples: torch.Tensor | None) -> tuple[torch.Tensor | None, str]:

@@ -58,9 +58,6 @@ def stream_blockers(recipe: Recipe) -> list[str]:
     if kind is not None and kind not in STREAM_KINDS:
         why.append(f"a {kind} model is loaded as a whole (stream a Hugging Face folder, a hub id or a .gguf file)")
     why += list(dict.fromkeys(p for s in recipe.stages if (p := s.stream_problem()) is not None))
-    if any(s.after_calibration for s in recipe.stages):
-        why.append("tune_scales trains the whole compressed model beside the original (run it where both fit, with "
-                   "gradient_checkpointing: true; or drop the stage)")
     if recipe.output.formats and not recipe.output.save_model:
         why.append("output.formats with output.save_model: false: a streamed run exports block by block from the "
                    "checkpoint it saves (set output.save_model: true)")

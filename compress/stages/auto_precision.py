@@ -24,7 +24,7 @@ from ..core.scheme import W4A16_ASYM_G64, W8A16, QuantScheme
 from ..precision.sensitivity import measure_sensitivity
 from ..transforms.smoothing import pair_skip_reason
 from ..threads import cpu_threads
-from .base import ModelStageContext, Plan, StageBase, next_target
+from .base import MemoryBasis, MemoryPhase, ModelStageContext, Plan, StageBase, StageRecord, next_target
 from .quantize import LayerScheme, plan_quantize
 
 _DRIVERS = {"blocks": "one decoder block at a time", "model": "whole-model passes"}
@@ -36,6 +36,34 @@ _INT3_G64 = replace(W4A16_ASYM_G64, dtype="int3")
 MENU_INT8_TO_INT3 = (W8A16, _INT4_G128, W4A16_ASYM_G64, _INT3_G64)  # the default until int5 / int6 existed
 DEFAULT_MENU = (W8A16, replace(W4A16_ASYM_G64, dtype="int6"), replace(W4A16_ASYM_G64, dtype="int5"), _INT4_G128,
                 W4A16_ASYM_G64, _INT3_G64)
+
+
+@dataclass
+class AutoPrecisionRecord(StageRecord):
+    """The auto_precision stage's report section: the measurement, the budget, the choice and its prediction.
+    resolve_stages reads `layer_schemes` back (also from a resumed streamed run's saved section)."""
+
+    sensitivity: str
+    error_method: str
+    driver: str  # how the sensitivities were measured (block by block, or whole-model passes)
+    threads: int
+    menu: list  # option names, float as "bf16"
+    layers: int
+    weights: int
+    groups: int  # layer groups that take one scheme together
+    fused_groups: bool
+    budget_bytes: int
+    budget_bits_per_weight: float
+    bytes: int  # of the choice
+    bits_per_weight: float
+    predicted: dict  # cost -> the choice's predicted total
+    uniform: dict  # option -> bytes, bits per weight and predicted costs of every layer taking it
+    seconds: float
+    tokens: int
+    counts: dict  # option -> layers that chose it
+    assignment: dict  # layer -> option
+    table: dict  # the sensitivities (Sensitivities.to_dict)
+    layer_schemes: list  # [{"layer", "scheme"}] for the next quantize stage
 
 
 @dataclass(frozen=True)
@@ -109,8 +137,49 @@ class AutoPrecisionStage(StageBase):
                     "measured block by block in a streamed run, or run the choice where the model fits)")
         return None
 
-    def schemes_offered(self) -> tuple:
-        return tuple(self.menu)
+    def export_problem(self, formats: tuple[str, ...], index: int, check) -> str | None:
+        """The menu's schemes, which the next quantize stage's layers may take at run time, each alone and then all
+        of them mixed across the layers (by fused group with fused_groups), must be what each format holds."""
+        where = f"`stages.{index}` ({self.name})"
+        for fmt in formats:
+            fix = f"drop {fmt} from output.formats (the compress checkpoint and `dense` hold every scheme and any mix)"
+            for scheme in self.menu:
+                if problems := check(fmt, (scheme,), False):
+                    return (f"cannot export to {fmt}: {where} may give layers {scheme.name}, which {fmt} cannot "
+                            f"hold ({problems[0]}); remove it from that menu, or {fix}")
+            if len(self.menu) > 1 and (problems := check(fmt, tuple(self.menu), self.fused_groups)):
+                return (f"cannot export to {fmt}: {where} gives layers different schemes of its menu, and a "
+                        f"{fmt} checkpoint cannot mix them ({problems[0]}); export compressed-tensors, or {fix}")
+        return None
+
+    def memory_phases(self, basis: MemoryBasis) -> list[MemoryPhase]:
+        """The sensitivity pass block by block (fisher_blocks.py), besides the weights or, streamed, one block (and
+        its copy) and the embedding and the head: every block's input kept for each window (and, with solved errors,
+        the gradient at every block's output), one window's output errors of a block's layers under every option, the
+        autograd graph of one block's forward, the logits at the top; with solved errors also the Hessians of a group
+        of layers (precision.HESSIAN_BUDGET, or the widest layer's alone), the menu's solutions for one block and the
+        Hessian windows' states. Listed after the calibration pass (the order the plan has always had)."""
+        from ..precision.mixed import HESSIAN_BUDGET
+
+        if basis.calibration is None:
+            return []
+        size, width = basis.size, basis.width
+        seq_len = self.seq_len or basis.calibration.seq_len
+        solved = self.error_method != "rtn"
+        parts = {"kept states": (size.layers + 1) * self.n_samples * seq_len * size.hidden * width * (2 if solved else 1),
+                 "output errors": 4 * len(self.options) * seq_len * size.output_features,
+                 "one block's backward": 4 * 16 * seq_len * size.input_features,
+                 "logits": 3 * 4 * seq_len * size.vocab}
+        if solved:
+            per_weight = sum(2 if o is None else o.bits / 8 + (4 / o.group_size if o.granularity == "group" else 0)
+                             for o in self.options)
+            parts.update({"Hessians": min(4 * size.layer_hessian_floats,
+                                          max(HESSIAN_BUDGET, 4 * size.largest_hessian_floats)),
+                          "one block's solutions": int(per_weight * size.block_linear_parameters / max(size.layers, 1)),
+                          "Hessian windows": 2 * self.gptq_samples * seq_len * size.hidden * width})
+        held = {"one block": 2 * size.block_parameters * width, "embedding and head": 2 * size.vocab * size.hidden *
+                width} if basis.streamed else {"weights": basis.weights}
+        return [MemoryPhase("sensitivity pass", {**held, **parts}, after_pass=True)]
 
     @property
     def options(self) -> list[QuantScheme | None]:
@@ -206,17 +275,16 @@ class AutoPrecisionStage(StageBase):
                                 **{f"predicted_{k}": float(c[:, j].sum()) for k, c in sens.costs.items()}}
         assignment = {n: sens.options[p] for n, p in zip(names, picked)}
         options = {option_name(o): o for o in self.options}
-        return {"index": index, "stage": "auto_precision", "sensitivity": self.sensitivity,
-                "error_method": self.error_method, "driver": sens.driver, "threads": threads,
-                "menu": list(sens.options), "layers": len(names), "weights": int(numel.sum()),
-                "groups": len(groups), "fused_groups": self.fused_groups,
-                "budget_bytes": int(budget), "budget_bits_per_weight": float(budget * 8 / numel.sum()),
-                "bytes": chosen_bytes, "bits_per_weight": float(chosen_bytes * 8 / numel.sum()),
-                "predicted": predicted, "uniform": uniform, "seconds": seconds, "tokens": sens.tokens,
-                "counts": {o: int((np.array(picked) == j).sum()) for j, o in enumerate(sens.options)},
-                "assignment": assignment, "table": sens.to_dict(),
-                "layer_schemes": [{"layer": n, "scheme": None if options[o] is None else options[o].to_dict()}
-                                  for n, o in assignment.items()]}
+        return AutoPrecisionRecord(
+            index, "auto_precision", self.sensitivity, self.error_method, sens.driver, threads, list(sens.options),
+            len(names), int(numel.sum()), len(groups), self.fused_groups, budget_bytes=int(budget),
+            budget_bits_per_weight=float(budget * 8 / numel.sum()), bytes=chosen_bytes,
+            bits_per_weight=float(chosen_bytes * 8 / numel.sum()), predicted=predicted, uniform=uniform,
+            seconds=seconds, tokens=sens.tokens,
+            counts={o: int((np.array(picked) == j).sum()) for j, o in enumerate(sens.options)},
+            assignment=assignment, table=sens.to_dict(),
+            layer_schemes=[{"layer": n, "scheme": None if options[o] is None else options[o].to_dict()}
+                           for n, o in assignment.items()]).to_json()
 
     def _groups(self, names: list[str]) -> list[list[int]]:
         """Row indices of the layers that take one scheme together (each layer alone when fused_groups is off)."""

@@ -11,7 +11,24 @@ from ..arch.moe import any_expert
 from ..transforms.smoothing import pair_label, pair_skip_reason
 from ..core.scheme import QuantScheme
 from ..evaluate.fmt import num
-from .base import BlockState, Needs, Plan, RunContext, StageBase, next_target
+from .base import (BlockState, MemoryBasis, Needs, PassMemory, Plan, RunContext, StageBase, StageRecord, next_target,
+        replay_memory)
+
+
+@dataclass
+class AWQRecord(StageRecord):
+    """The awq stage's report section."""
+
+    scheme: str  # the scheme searched for (the next quantize stage's)
+    n_grid: int
+    search_samples: int
+    clip: bool
+    clip_to: str
+    quantized: int  # 0: it stores no weights
+    skipped: list
+    blocks: list  # per block: {"block": i, "pairs": [each scaling pair's result]}
+    unscaled: list  # pairs no block scaled (unscaled_pairs)
+    summary: str
 
 
 @dataclass(frozen=True)
@@ -74,6 +91,9 @@ class AWQStage(StageBase):
     def needs(self, plan: Plan, index: int) -> Needs:
         return Needs(abs_mean=True, replay_samples=self.search_samples)
 
+    def pass_memory(self, basis: MemoryBasis) -> PassMemory:
+        return replay_memory(basis, self.search_samples)
+
     def begin(self, ctx: RunContext, index: int) -> None:
         ctx.records[index] = []  # per block: the scaling pairs' results
 
@@ -90,11 +110,9 @@ class AWQStage(StageBase):
     def report(self, ctx: RunContext, index: int) -> dict:
         blocks = ctx.records.get(index, [])
         unscaled = unscaled_pairs(blocks, ctx.arch.awq_skip)
-        return {"index": index, "stage": "awq", "scheme": ctx.plan.target(index)[0].scheme.name,
-                "n_grid": self.n_grid, "search_samples": self.search_samples, "clip": self.clip,
-                "clip_to": self.clip_to, "quantized": 0,
-                "skipped": [], "blocks": blocks, "unscaled": unscaled,
-                "summary": pairs_summary("AWQ: clipping only" if self.clip else "AWQ: no scaling", unscaled)}
+        return AWQRecord(index, "awq", ctx.plan.target(index)[0].scheme.name, self.n_grid, self.search_samples,
+                         self.clip, self.clip_to, 0, [], blocks, unscaled,
+                         pairs_summary("AWQ: clipping only" if self.clip else "AWQ: no scaling", unscaled)).to_json()
 
     @staticmethod
     def render(section: dict, models: dict) -> list[str]:

@@ -16,15 +16,23 @@ writes only what it does:
   `observing(block)` may add a stage's own observation of the block's float forward, `on_block(ctx, block, index)`
   changes the block, `finalize(ctx, index)` acts on the whole model afterwards, `report(ctx, index)` returns the
   report section and the static `render(section, models)` turns a section (also one read back from report.json)
-  into markdown.
+  into markdown. Each stage types its section as a StageRecord of its own (`run_model`'s too), written by
+  `to_json()`.
+
+- What the runner must know of a stage before it runs, the stage answers itself: `stream_problem()` (why it cannot
+  run on a model streamed block by block), `export_problem(formats, index, check)` (why the run cannot be exported
+  to those formats), and its memory for the memory plan (pipeline/memory_plan.py), from the model's sizes alone:
+  `stored_bytes` (the model as it stores it), `pass_memory` (its share of the calibration pass: the statistics it
+  asks for, its own work), `memory_phases` (phases of its own: distillation, a sensitivity pass) and `memory_fix`
+  (what shrinks its share when the run does not fit).
 
 `STAGES` in `compress/stages/__init__.py` is the only list of stages. Nothing outside a stage's own file knows
-its class.
+its class or its settings (tests/test_stage_memory.py checks the runner's files).
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -44,14 +52,10 @@ class Needs:
     hessian: bool = False  # sum x xᵀ (GPTQ)
     replay_samples: int = 0  # windows whose inspect-module calls are kept for a scale search (AWQ, SmoothQuant)
     tokens: bool = False  # only how many tokens each layer saw (a MoE expert's calibration coverage)
-    # the block's inputs and float outputs of every window are kept while its stages run, and its linears are
-    # tuned with gradients (AutoRound): what the memory plan counts
-    block_tuning: bool = False
 
     def __or__(self, other: "Needs") -> "Needs":
         return Needs(self.abs_mean or other.abs_mean, self.abs_max or other.abs_max, self.hessian or other.hessian,
-                     max(self.replay_samples, other.replay_samples), self.tokens or other.tokens,
-                     self.block_tuning or other.block_tuning)
+                     max(self.replay_samples, other.replay_samples), self.tokens or other.tokens)
 
     @property
     def any(self) -> bool:
@@ -59,6 +63,85 @@ class Needs:
 
 
 NO_NEEDS = Needs()
+
+
+@dataclass(frozen=True)
+class MemoryBasis:
+    """What a stage's memory terms are computed from, before any weight is read (pipeline/memory_plan.py): the
+    model's sizes (a memory_plan.ModelSize, read from its config), the bytes of one value at the run's dtype, the
+    recipe's calibration section (None without one), whether the model is streamed block by block, and the whole
+    model's bytes as compressed by the recipe."""
+
+    size: Any
+    width: int
+    calibration: Any = None
+    streamed: bool = False
+    compressed: int = 0
+
+    @property
+    def weights(self) -> int:
+        """The whole model's bytes at the run's dtype."""
+        return self.size.parameters * self.width
+
+
+@dataclass(frozen=True)
+class PassMemory:
+    """What a block stage adds to the calibration pass's memory, besides the block and the activations. Each dict
+    maps what is held to its bytes; where several stages name the same thing, the largest counts (one allocation)."""
+
+    statistics: dict[str, int] = field(default_factory=dict)  # what the pass records for it (Hessians, kept windows)
+    during: dict[str, int] = field(default_factory=dict)  # its own work while the block's forwards are held
+    between: dict[str, int] = field(default_factory=dict)  # its own work between them (a streamed run's own phase)
+
+
+def replay_memory(basis: MemoryBasis, windows: int) -> PassMemory:
+    """A scale search's kept windows (AWQ, SmoothQuant's alpha grid): `windows` calibration windows of every linear
+    input of the block, float32 (the block's distinct linear inputs, summed, wide)."""
+    return PassMemory(statistics={"kept windows": 4 * windows * basis.calibration.seq_len * basis.size.input_features}
+                      if windows else {})
+
+
+@dataclass(frozen=True)
+class MemoryPhase:
+    """A phase of the run a stage holds memory in, outside the calibration pass (distillation, a sensitivity pass),
+    or what it adds to a phase the runner plans (`evaluation`). `parts` maps what is held to its bytes. The plan
+    lists a new phase after the load, before the calibration pass, or after it with `after_pass` (before the
+    evaluation)."""
+
+    name: str
+    parts: dict[str, int]
+    after_pass: bool = False
+
+
+def inline(**kw):
+    """A StageRecord field that is a mapping another module computed (a training run's curve, a rotation's counts):
+    its keys are written into the section itself, in their order."""
+    return field(default_factory=dict, metadata={"inline": True}, **kw)
+
+
+def optional():
+    """A StageRecord field written only when it is not None (a setting that only some runs of the stage have)."""
+    return field(default=None, metadata={"optional": True})
+
+
+@dataclass
+class StageRecord:
+    """A stage's report section, typed: each stage's own record adds its fields after these. `to_json()` writes
+    the section report.json holds: the fields in order, an `inline` field's keys in its place, an `optional` one
+    only when set; values as they are (the stage puts JSON-able values in)."""
+
+    index: int
+    stage: str
+
+    def to_json(self) -> dict:
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.metadata.get("inline"):
+                out |= value
+            elif not (f.metadata.get("optional") and value is None):
+                out[f.name] = value
+        return out
 
 
 def next_target(stages: tuple, index: int) -> int | None:
@@ -207,10 +290,32 @@ class StageBase:
                     "quantization of its output)")
         return None
 
-    def schemes_offered(self) -> tuple:
-        """Schemes this stage may give a later quantize stage's layers at run time (auto_precision: its menu), which
-        the export checks must accept before calibration starts, as they accept the schemes planned."""
-        return ()
+    def export_problem(self, formats: tuple[str, ...], index: int, check) -> str | None:
+        """Why a run with this stage cannot be exported to `formats` (the recipe's output.formats), as the whole
+        message naming the format and the fix; None when it can. Asked before calibration starts, after the planned
+        model passed the formats' checks. `check(fmt, offered, together)`: the problems `fmt` finds in the planned
+        model when the layers of the quantize stage this stage prepares take the schemes `offered` at run time, dealt
+        out in turn (by fused group when `together`; one scheme: every layer that can hold it takes it)."""
+        return None
+
+    def stored_bytes(self, basis: MemoryBasis) -> int | None:
+        """The whole model's bytes once this stage has stored its weights; None when it stores none (the memory
+        plan takes the first stage that answers, else the model at the run's dtype)."""
+        return None
+
+    def pass_memory(self, basis: MemoryBasis) -> PassMemory:
+        """What this block stage adds to the calibration pass's memory. Asked without a plan (the memory plan comes
+        before any model is loaded), so it depends on the stage's settings and the model's sizes alone."""
+        return PassMemory()
+
+    def memory_phases(self, basis: MemoryBasis) -> list[MemoryPhase]:
+        """The phases this stage holds memory in outside the calibration pass, or adds to (see MemoryPhase)."""
+        return []
+
+    def memory_fix(self, parts: dict[str, int]) -> str | None:
+        """What would shrink this stage's share of `parts` (the phase of the run that does not fit), for the
+        memory plan's refusal; None when none of them is this stage's."""
+        return None
 
     def check(self, index: int, stages: tuple, calibrated: bool):
         """Validate against the other stages; return the stage (a resolved copy where something is inherited)."""
@@ -246,7 +351,8 @@ class StageBase:
         pass
 
     def report(self, ctx: RunContext, index: int) -> dict:
-        return {"index": index, "stage": self.name}
+        """The stage's report section (its StageRecord's to_json())."""
+        return StageRecord(index, self.name).to_json()
 
     def run_model(self, ctx: ModelStageContext, index: int) -> dict:
         raise NotImplementedError(f"{self.name} is not a whole-model stage")

@@ -14,7 +14,18 @@ from ..calibrate.data import (TextSource, eval_windows, load_texts, sample_from_
 from ..distill.kd import distill
 from ..evaluate.fmt import num
 from ..calibrate.distributed import world
-from .base import ModelStageContext, Plan, StageBase, work_dir
+from .base import MemoryBasis, MemoryPhase, ModelStageContext, Plan, StageBase, StageRecord, inline, work_dir
+
+
+@dataclass
+class DistillRecord(StageRecord):
+    """The distill stage's report section: what it trained on, and the training run's record (kd.distill: steps,
+    losses, the recovery curve, ...)."""
+
+    data: str
+    windows_available: int
+    eval_windows: list  # [windows, tokens each] of the recovery curve
+    training: dict = inline()
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,24 @@ class DistillStage(StageBase):
                              "`stage: prune` before it")
         return self
 
+    def memory_phases(self, basis: MemoryBasis) -> list[MemoryPhase]:
+        """Distillation holds the teacher, the student's copy before distillation, gradients and AdamW's two moments
+        (float32); with fsdp over several processes the teacher, gradients and moments are sharded over them
+        (fsdp.py). The evaluation holds the pruned model before distillation too. (A streamed run refuses it.)"""
+        if basis.streamed:
+            return []
+        share = world()[1] if self.fsdp else 1
+        weights = basis.weights
+        return [MemoryPhase("distill", {"weights": weights, "teacher and optimizer":
+                                        weights + (weights + basis.size.parameters * 12) // share}),
+                MemoryPhase("evaluation", {"pruned copy": basis.compressed}, after_pass=True)]
+
+    def memory_fix(self, parts: dict[str, int]) -> str | None:
+        if parts.get("teacher and optimizer"):
+            return ("Distillation holds the teacher and AdamW states beside the student: fewer parameters after "
+                    "pruning, or distill on a larger machine.")
+        return None
+
     def describe(self, plan: Plan, index: int) -> tuple[list[str], str]:
         tokens = self.steps * self.batch_size * self.grad_accum * self.seq_len
         line = (f"\nstage {index}: distill from the original: {self.steps} steps × {self.batch_size} × "
@@ -101,8 +130,8 @@ class DistillStage(StageBase):
         result = distill(ctx.model, ctx.teacher, train, self, work_dir(ctx.out) / f"distill-{index}",
                          eval_ids=held_out, resume=ctx.resume, progress=ctx.progress, log=ctx.log)
         ctx.model.requires_grad_(False).eval()
-        return {"index": index, "stage": "distill", "data": self.data.kind, "windows_available": len(train),
-                "eval_windows": [self.eval_windows, self.eval_seq_len], **result}
+        return DistillRecord(index, "distill", self.data.kind, len(train), [self.eval_windows, self.eval_seq_len],
+                             result).to_json()
 
     @staticmethod
     def render(section: dict, models: dict) -> list[str]:

@@ -3,14 +3,28 @@
 keys per channel, values per token, a float residual window), which needs no calibration."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
 from ..calibrate.distributed import max_over_ranks
 from ..kv.cache import attach_kv_quant, attention_modules, kv_layers, recording_kv, set_kv_scales, use_kv_attention
 from ..kv.kivi import KVQuant
 from ..core.scheme import FP8_MAX
-from .base import BlockState, Plan, RunContext, StageBase
+from .base import BlockState, Plan, RunContext, StageBase, StageRecord, optional
+
+
+@dataclass
+class KVCacheRecord(StageRecord):
+    """The kv_cache stage's report section; the KIVI fields only with an int cache."""
+
+    dtype: str
+    quantized: int  # 0: it stores no weights
+    skipped: list
+    layers: dict  # attention layer -> its k_scale / v_scale (fp8), what kv_layers reports
+    format: str | None = optional()
+    group: int | None = optional()
+    residual: int | None = optional()
+    bytes_per_element: float | None = optional()
 
 
 @dataclass(frozen=True)
@@ -76,12 +90,11 @@ class KVCacheStage(StageBase):
         ctx.records[index].update({f"{block.prefix}.{n}": v for n, v in kv_layers(block.module).items()})
 
     def report(self, ctx: RunContext, index: int) -> dict:
-        out = {"index": index, "stage": "kv_cache", "dtype": self.dtype, "quantized": 0, "skipped": [],
-               "layers": ctx.records[index]}
+        record = KVCacheRecord(index, "kv_cache", self.dtype, 0, [], ctx.records[index])
         if self.int_format is not None:
-            out |= {"format": self.int_format.name, "group": self.group, "residual": self.residual,
-                    "bytes_per_element": self.int_format.bytes_per_element()}
-        return out
+            record = replace(record, format=self.int_format.name, group=self.group, residual=self.residual,
+                             bytes_per_element=self.int_format.bytes_per_element())
+        return record.to_json()
 
     @staticmethod
     def render(section: dict, models: dict) -> list[str]:

@@ -11,13 +11,21 @@ from ..arch import ArchSpec
 from ..calibrate.data import calibration_windows
 from ..prune.importance import Agg
 from ..prune.minitron import AXES, TargetShape, count_params, minitron_prune, resolve_shape, shaped_config
-from .base import ModelStageContext, Plan, StageBase
+from .base import ModelStageContext, Plan, StageBase, StageRecord, inline
 
 
 @dataclass
 class PrunePlan:
     line: str  # what `compress inspect` prints
     reshaped: nn.Module  # a meta-device model of the pruned shape: the later stages are planned on it
+
+
+@dataclass
+class PruneRecord(StageRecord):
+    """The prune stage's report section: what minitron_prune did (shapes before and after, the axes, the kept
+    channels, heads or blocks, parameter counts, notes)."""
+
+    pruning: dict = inline()
 
 
 @dataclass(frozen=True)
@@ -111,8 +119,8 @@ class PruneStage(StageBase):
         ctx.log(f"stage {index}: prune — scoring importance on {n} × {self.seq_len} calibration tokens ...")
         samples = calibration_windows(ctx.calibration.source(), ctx.tokenizer, ctx.model, n, self.seq_len,
                                       ctx.calibration.seed)
-        return {"index": index, **minitron_prune(ctx.model, ctx.arch, samples, self, progress=ctx.progress,
-                                                 log=ctx.log)}
+        done = minitron_prune(ctx.model, ctx.arch, samples, self, progress=ctx.progress, log=ctx.log)
+        return PruneRecord(index, done.pop("stage"), done).to_json()
 
     @staticmethod
     def render(section: dict, models: dict) -> list[str]:

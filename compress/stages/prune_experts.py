@@ -13,13 +13,26 @@ from ..arch import ArchSpec
 from ..calibrate.data import calibration_windows
 from ..arch.moe import moe_blocks, unfuse_experts
 from ..prune.experts import COUNT_KEYS, expert_scores, kept_experts, prune_experts
-from .base import ModelStageContext, Plan, StageBase
+from .base import ModelStageContext, Plan, StageBase, StageRecord
 
 
 @dataclass
 class ExpertPrunePlan:
     line: str
     reshaped: nn.Module  # a meta model with the kept number of experts: the later stages are planned on it
+
+
+@dataclass
+class PruneExpertsRecord(StageRecord):
+    """The prune_experts stage's report section."""
+
+    score: str
+    experts_before: int  # per MoE block
+    experts_after: int
+    samples: list  # [windows, tokens each] the experts were scored on
+    parameters_before: int
+    parameters_after: int
+    blocks: dict  # MoE block -> each expert's score and tokens, and the experts kept
 
 
 @dataclass(frozen=True)
@@ -111,9 +124,8 @@ class PruneExpertsStage(StageBase):
         kept = kept_experts(scores, keep)
         prune_experts(ctx.model, kept)
         after = sum(p.numel() for p in ctx.model.parameters())
-        return {"index": index, "stage": self.name, "score": self.score, "experts_before": now, "experts_after": keep,
-                "samples": [self.n_samples, self.seq_len], "parameters_before": before, "parameters_after": after,
-                "blocks": {n: {**row, "kept": kept[n]} for n, row in scores.items()}}
+        return PruneExpertsRecord(index, self.name, self.score, now, keep, [self.n_samples, self.seq_len], before,
+                                  after, {n: {**row, "kept": kept[n]} for n, row in scores.items()}).to_json()
 
     @staticmethod
     def render(section: dict, models: dict) -> list[str]:

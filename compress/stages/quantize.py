@@ -21,7 +21,7 @@ from ..calibrate.observers import BlockObserver
 from ..quantizers import LayerInputs, build_options, get_quantizer
 from ..core.scheme import W4A16_G64, QuantScheme
 from ..transforms.smoothing import pooled_stats
-from .base import BlockState, Needs, Plan, RunContext, StageBase
+from .base import BlockState, MemoryBasis, Needs, PassMemory, Plan, RunContext, StageBase, StageRecord
 
 COMMON_GROUP_SIZES = (16, 32, 64, 128, 256)
 TIED_LM_HEAD = ("keep", "untie")
@@ -36,6 +36,24 @@ class LayerScheme:
 
     layer: str
     scheme: QuantScheme | None = None
+
+
+@dataclass
+class QuantizeRecord(StageRecord):
+    """The quantize stage's report section."""
+
+    method: str
+    scheme: str  # the stage's scheme (layers may have their own: `layers`)
+    scheme_fields: dict
+    quantized: int
+    skipped: list  # [{"name", "reason"}] of the selected layers left in float
+    float_parameters: dict  # why other parameters stay in float -> their count (QuantPlan.float_summary)
+    layers: dict  # layer -> its scheme's name
+    untied: dict  # an untied lm_head -> {"extra_bytes", "note"}
+    layer_info: dict  # layer -> what the pass found for it (input scale, outlier features, ...)
+    experts: dict  # a MoE expert's calibration coverage (expert_tokens)
+    min_expert_tokens: int
+    tuning: dict  # layer -> AutoRound's tuning record
 
 
 @dataclass(frozen=True)
@@ -159,12 +177,31 @@ class QuantizeStage(StageBase):
         return {e.name for e in step.quantized}
 
     def needs(self, plan: Plan, index: int) -> Needs:
-        experts = plan is not None and any(EXPERT.search(e.name) for e in plan.steps[index].quantized)
-        q = get_quantizer(self.method)
+        experts = any(EXPERT.search(e.name) for e in plan.steps[index].quantized)
+        return Needs(abs_max=any(s.act is not None for s in self.schemes), hessian=self._needs_hessian(),
+                     tokens=experts)
+
+    def _needs_hessian(self) -> bool:
         gptq_init = getattr(self.options, "init", None) == "gptq"  # AutoRound started from GPTQ's solution
-        return Needs(abs_max=any(s.act is not None for s in self.schemes), hessian=q.needs_hessian or gptq_init,
-                     tokens=experts,
-                     block_tuning=q.tune_block is not None)  # (the memory plan asks without a plan)
+        return get_quantizer(self.method).needs_hessian or gptq_init
+
+    def stored_bytes(self, basis: MemoryBasis) -> int:
+        """The block linears at the stage's scheme (its bits, and a 16-bit scale per group), the rest as it was."""
+        sch, linear = self.scheme, basis.size.block_linear_parameters
+        per_weight = sch.bits / 8 + (2 / sch.group_size if sch.granularity == "group" else 0)
+        return basis.weights - linear * basis.width + int(linear * per_weight)
+
+    def pass_memory(self, basis: MemoryBasis) -> PassMemory:
+        """GPTQ (and AutoRound started from it): one block's Hessians, K² floats per distinct linear input, and one
+        solve at a time beside them: the layer's H/n, its weight being updated, the lazy update (quantizers/gptq.py);
+        AutoRound: the tuning of one block (tuning_bytes). Both are named, 0 where the method has none (a device plan
+        lists them)."""
+        size, seq_len = basis.size, basis.calibration.seq_len
+        hessian = self._needs_hessian()
+        tuning = get_quantizer(self.method).tune_block is not None
+        return PassMemory(statistics={"Hessians": 4 * size.hessian_floats} if hessian else {},
+                          during={"block tuning": tuning_bytes(size, seq_len) if tuning else 0},
+                          between={"GPTQ solve": 4 * size.largest_solve if hessian else 0})
 
     def observing(self, block: BlockState, index: int):
         """A block-tuning method (AutoRound) keeps the block's inputs and float outputs of every window (the
@@ -210,16 +247,16 @@ class QuantizeStage(StageBase):
 
     def report(self, ctx: RunContext, index: int) -> dict:
         plan = ctx.plan.steps[index]
-        return {"index": index, "stage": "quantize", "method": self.method, "scheme": self.scheme.name,
-                "scheme_fields": asdict(self.scheme), "quantized": len(plan.quantized),
-                "skipped": [{"name": e.name, "reason": e.reason} for e in plan.skipped],
-                "float_parameters": plan.float_summary(),
-                "layers": {e.name: e.scheme.name for e in plan.quantized},
-                "untied": {e.name: {"extra_bytes": e.untied_bytes, "note": e.note} for e in plan.quantized
-                           if e.untied_bytes is not None},
-                "layer_info": {n: v for n, v in ctx.records.get(index, {}).items() if "tuning" not in v},
-                "experts": expert_tokens(ctx.records.get(index, {})), "min_expert_tokens": self.min_expert_tokens,
-                "tuning": {n: v["tuning"] for n, v in ctx.records.get(index, {}).items() if "tuning" in v}}
+        records = ctx.records.get(index, {})
+        return QuantizeRecord(
+            index, "quantize", self.method, self.scheme.name, asdict(self.scheme), len(plan.quantized),
+            skipped=[{"name": e.name, "reason": e.reason} for e in plan.skipped],
+            float_parameters=plan.float_summary(), layers={e.name: e.scheme.name for e in plan.quantized},
+            untied={e.name: {"extra_bytes": e.untied_bytes, "note": e.note} for e in plan.quantized
+                    if e.untied_bytes is not None},
+            layer_info={n: v for n, v in records.items() if "tuning" not in v}, experts=expert_tokens(records),
+            min_expert_tokens=self.min_expert_tokens,
+            tuning={n: v["tuning"] for n, v in records.items() if "tuning" in v}).to_json()
 
     @staticmethod
     def render(section: dict, models: dict) -> list[str]:
@@ -231,6 +268,14 @@ class QuantizeStage(StageBase):
             lines += [f"| `{s['name']}` | {s['reason']} |" for s in section["skipped"]]
         return lines + float_lines(section) + expert_lines(section) + tuning_lines(section) + \
             activation_lines(section, models)
+
+
+def tuning_bytes(size, seq_len: int) -> int:
+    """AutoRound's tuning of one block (quantizers/autoround.py), for the memory plan (`size`: a
+    pipeline.memory_plan.ModelSize): per weight, float32 V, its gradient and the best step's copy, the float32 weight
+    and about five weight-sized temporaries of the rounding that autograd keeps for the backward (36 bytes in all);
+    and one window's forward saved for its backward, about 16 float32 values per token and input feature."""
+    return 36 * size.block_parameters + 4 * 16 * seq_len * size.input_features
 
 
 def gptq_start(w: Tensor, scheme: QuantScheme, inputs: LayerInputs) -> Tensor:

@@ -9,9 +9,18 @@ from torch import nn
 
 from ..arch import ArchSpec, get_module
 from ..transforms.rotation import rotation_problem
-from .base import ModelStageContext, Plan, StageBase
+from .base import ModelStageContext, Plan, StageBase, StageRecord, inline
 
 KINDS = ("hadamard", "orthogonal")
+
+
+@dataclass
+class RotateRecord(StageRecord):
+    """The rotate stage's report section: what rotate_model did (the rotation, norms folded, linears rotated, an
+    untied head) and, with online_hadamard, what rotate_mlp_inputs did."""
+
+    rotation: dict = inline()
+    online: dict = inline()
 
 
 @dataclass(frozen=True)
@@ -59,15 +68,26 @@ class RotateStage(StageBase):
     def describe(self, plan: Plan, index: int) -> tuple[list[str], str]:
         return [plan.steps[index]], plan.steps[index].strip()
 
+    def export_problem(self, formats: tuple[str, ...], index: int, check) -> str | None:
+        """The online Hadamard is applied at run time by the compress checkpoint alone: every format refuses it."""
+        if not self.online_hadamard:
+            return None
+        from ..export import get_exporter
+        return (f"cannot export to {', '.join(formats)}: the rotate stage's online_hadamard rotates every MLP down "
+                "projection's input at run time, which none of these formats' loaders "
+                f"({'; '.join(get_exporter(f).loaders for f in formats)}) apply. Drop output.formats (the compress "
+                "checkpoint in OUTPUT/model holds it: `compress eval`, `compress verify`), or set "
+                "rotate.online_hadamard: false")
+
     def run_model(self, ctx: ModelStageContext, index: int) -> dict:
         from ..transforms.rotation import rotate_model
 
         ctx.log(f"stage {index}: rotate — the residual stream, folded into the weights ...")
-        section = {"index": index, "stage": "rotate", **rotate_model(ctx.model, ctx.arch, self.kind, self.seed)}
+        record = RotateRecord(index, "rotate", rotate_model(ctx.model, ctx.arch, self.kind, self.seed))
         if self.online_hadamard:
             from ..transforms.rotation import rotate_mlp_inputs
-            section |= rotate_mlp_inputs(ctx.model, ctx.arch, self.seed)
-        return section
+            record.online = rotate_mlp_inputs(ctx.model, ctx.arch, self.seed)
+        return record.to_json()
 
     @staticmethod
     def render(section: dict, models: dict) -> list[str]:

@@ -7,7 +7,21 @@ from typing import ClassVar
 
 from ..quantizers.smoothquant import smoothquant_block
 from .awq import describe_pairs, pair_table, pairs_summary, unfound_lines, unscaled_pairs
-from .base import BlockState, Needs, Plan, RunContext, StageBase, next_target
+from .base import (BlockState, MemoryBasis, Needs, PassMemory, Plan, RunContext, StageBase, StageRecord, next_target,
+        replay_memory)
+
+
+@dataclass
+class SmoothQuantRecord(StageRecord):
+    """The smoothquant stage's report section."""
+
+    alpha: float
+    alpha_grid: list
+    quantized: int  # 0: it stores no weights
+    skipped: list
+    blocks: list  # per block: {"block": i, "pairs": [each scaling pair's result]}
+    unscaled: list
+    summary: str
 
 
 @dataclass(frozen=True)
@@ -50,6 +64,9 @@ class SmoothQuantStage(StageBase):
     def needs(self, plan: Plan, index: int) -> Needs:
         return Needs(abs_max=True, replay_samples=self.search_samples if self.alpha_grid else 0)
 
+    def pass_memory(self, basis: MemoryBasis) -> PassMemory:
+        return replay_memory(basis, self.search_samples if self.alpha_grid else 0)
+
     def begin(self, ctx: RunContext, index: int) -> None:
         ctx.records[index] = []
 
@@ -62,9 +79,8 @@ class SmoothQuantStage(StageBase):
     def report(self, ctx: RunContext, index: int) -> dict:
         blocks = ctx.records.get(index, [])
         unscaled = unscaled_pairs(blocks, ctx.arch.awq_skip)
-        return {"index": index, "stage": "smoothquant", "alpha": self.alpha, "alpha_grid": list(self.alpha_grid),
-                "quantized": 0, "skipped": [], "blocks": blocks, "unscaled": unscaled,
-                "summary": pairs_summary("SmoothQuant: no smoothing", unscaled)}
+        return SmoothQuantRecord(index, "smoothquant", self.alpha, list(self.alpha_grid), 0, [], blocks, unscaled,
+                                 pairs_summary("SmoothQuant: no smoothing", unscaled)).to_json()
 
     @staticmethod
     def render(section: dict, models: dict) -> list[str]:

@@ -15,8 +15,21 @@ from ..calibrate.data import eval_windows
 from ..distill.kd import distill
 from ..calibrate.distributed import world
 from ..distill.scale_tuning import scale_gains, tunable_layers
-from .base import ModelStageContext, Plan, StageBase, work_dir
+from .base import MemoryBasis, MemoryPhase, ModelStageContext, Plan, StageBase, StageRecord, inline, work_dir
 from .distill import DistillStage, _render
+
+
+@dataclass
+class TuneScalesRecord(StageRecord):
+    """The tune_scales stage's report section: what was tuned, and the training run's record (kd.distill)."""
+
+    data: str
+    layers: int
+    parameters: int  # scales tuned
+    not_tuned: dict  # layer -> why its scales were not tuned
+    epochs: int
+    eval_windows: list  # [windows, tokens each] of the before/after points
+    training: dict = inline()
 
 
 @dataclass(frozen=True)
@@ -79,6 +92,34 @@ class TuneScalesStage(StageBase):
                              "after it in the recipe; make tune_scales the last stage")
         return self
 
+    def stream_problem(self) -> str | None:
+        return ("tune_scales trains the whole compressed model beside the original (run it where both fit, with "
+                "gradient_checkpointing: true; or drop the stage)")
+
+    def memory_phases(self, basis: MemoryBasis) -> list[MemoryPhase]:
+        """After the calibration pass: the compressed model, the original as its teacher, and the training
+        (tune_scales_bytes). (A streamed run refuses it.)"""
+        if basis.streamed or basis.calibration is None:
+            return []
+        return [MemoryPhase("tune_scales", {"compressed model": basis.compressed, "teacher": basis.weights,
+                                            **self.tuning_bytes(basis.size, basis.calibration.seq_len)},
+                            after_pass=True)]
+
+    def tuning_bytes(self, size, seq_len: int) -> dict[str, int]:
+        """The training beside both models (`size`: a pipeline.memory_plan.ModelSize): each linear's dequantized
+        weight (float32, and its bfloat16 copy under autocast) kept for the backward, in every block or, with gradient
+        checkpointing, in one block at a time; one step's activations, about 6 float32 values per token and input
+        feature of a block (with checkpointing: one block's, plus every block's input); both models' float32 logits
+        and their log-softmax and gradient. Measured on the embedded model (4 × 512 tokens a step, bf16 autocast):
+        6.9 GB peak RSS, where this plans 8.3 GB (the activations, about 5 values per token and feature, are most of
+        it)."""
+        tokens = self.batch_size * seq_len
+        blocks = 1 if self.gradient_checkpointing else size.layers
+        kept = 4 * tokens * size.hidden * size.layers if self.gradient_checkpointing else 0
+        return {"dequantized weights": 6 * size.block_linear_parameters * blocks // size.layers,
+                "activations": 4 * 6 * tokens * size.input_features * blocks + kept,
+                "logits": 4 * 4 * tokens * size.vocab}
+
     def describe(self, plan: Plan, index: int) -> tuple[list[str], str]:
         line = (f"\nstage {index}: tune_scales: every weight-only quantized layer's scales trained by distillation "
                 f"from the original, codes fixed: {self.epochs} epoch(s) over the calibration windows, "
@@ -105,9 +146,8 @@ class TuneScalesStage(StageBase):
                              eval_ids=held_out, progress=ctx.progress, log=ctx.log)
             n_gains = sum(g.numel() for g in gains)
         ctx.model.eval()
-        return {"index": index, "stage": "tune_scales", "data": "calibration windows", "layers": len(names),
-                "parameters": n_gains, "not_tuned": skipped, "epochs": self.epochs,
-                "eval_windows": [self.eval_windows, self.eval_seq_len], **result}
+        return TuneScalesRecord(index, "tune_scales", "calibration windows", len(names), n_gains, skipped,
+                                self.epochs, [self.eval_windows, self.eval_seq_len], result).to_json()
 
     @staticmethod
     def render(section: dict, models: dict) -> list[str]:
