@@ -97,6 +97,9 @@ FAMILIES: dict[str, dict] = {
                     gguf=_GGUF_LLAMA),  # convert_hf_to_gguf.py registers Mistral as LlamaModel
     "qwen2": dict(_LLAMA, prune=_LLAMA_PRUNE, rotate=_WRITERS, lean=True,  # NeoX-style RoPE in llama.cpp: no permutation
                   gguf=GGUFArch("qwen2", permute_qk=False, biases=_GGUF_QKV_BIAS)),
+    # Seed-OSS (ByteDance): Qwen2's block (q/k/v biases) with its own head_dim; llama.cpp's seed_oss graph
+    "seed_oss": dict(_LLAMA, prune=_LLAMA_PRUNE, rotate=_WRITERS, lean=True,
+                     gguf=GGUFArch("seed_oss", permute_qk=False, biases=_GGUF_QKV_BIAS)),
     "qwen3": dict(_LLAMA, norms=("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"),
                   prune=_LLAMA_PRUNE, rotate=_WRITERS),
     "gemma": dict(_LLAMA, norm_offset=1.0, prune=dict(_LLAMA_PRUNE, embed_scale="sqrt_hidden"), rotate=_WRITERS),
