@@ -11,7 +11,7 @@ import transformers
 from compress.arch import ArchSpec, _generic, block_pairs, get_arch
 from compress.arch import derive as derive_module
 from compress.arch.derive import derive_from_model
-from compress.arch.tables import ARCH_TABLE
+from compress.arch.tables import FAMILIES
 from compress.arch.tiny import tiny_config, tiny_model
 from compress.transforms.smoothing import apply_smoothing, out_channels, pair_skip_reason
 from tests.conftest import TINY_CONFIGS, TINY_MOE_CONFIGS, TINY_PER_LAYER_CONFIGS, make_tiny_model
@@ -33,13 +33,13 @@ def _derived(family: str, **overrides):
     return model, derive_from_model(model, blocks_path(model))
 
 
-@pytest.mark.parametrize("family", sorted(ARCH_TABLE))
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_derivation_finds_every_pair_of_the_table(family):
     """On each of the 16 table families (its own config class, tiny), the pairs found from the structure and checked
     are the table's, with the same inspect modules, norm offset and no-clip layers; DeepSeek-V3 gets its attention
     pairs on top. The table's skips (fused q/k/v, GELU, gpt-oss's clamped up) are refused by the check too."""
     _, found = _derived(family)
-    entry = ARCH_TABLE[family]
+    entry = FAMILIES[family]
     table = {(prev, frozenset(balance)): inspect for prev, balance, inspect in entry["awq"]}
     derived = {(prev, frozenset(balance)): inspect for prev, balance, inspect in found.awq}
     assert derived.keys() - table.keys() == BEYOND_TABLE.get(family, set())
@@ -59,7 +59,7 @@ def test_table_families_keep_their_table_entry_and_derive_nothing(family, monkey
     model = make_tiny_model(family)
     unfuse_experts(model)  # as load_model does
     arch = get_arch(model)
-    assert arch == ArchSpec(family=family, **ARCH_TABLE[family])
+    assert arch == ArchSpec(family=family, **FAMILIES[family])
 
 
 def _change(model, pair, offset: float, prev_too: bool = True) -> float:

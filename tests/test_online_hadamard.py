@@ -8,7 +8,7 @@ import torch
 import yaml
 
 from compress.arch import get_arch, get_module
-from compress.arch.tables import ROTATE_TABLE
+from compress.arch.tables import FAMILIES
 from compress.export import ExportError, check_export
 from compress.transforms.rotation import (OnlineHadamard, hadamard, hadamard_factors, online_rotations, rotate_mlp_inputs,
                                rotate_model)
@@ -16,7 +16,7 @@ from compress.transforms.smoothing import pair_skip_reason
 
 from .conftest import TINY_CONFIGS, make_tiny_model
 
-ROTATABLE = sorted(f for f in TINY_CONFIGS if not isinstance(ROTATE_TABLE[f], str))
+ROTATABLE = sorted(f for f in TINY_CONFIGS if not isinstance(FAMILIES[f]["rotate"], str))
 
 
 def dense_q(rot: OnlineHadamard) -> torch.Tensor:

@@ -244,7 +244,7 @@ def test_targets_that_grow_or_break_groups_are_refused():
 def test_unknown_family_names_the_table():
     model = make_tiny_model("llama")
     model.config.model_type = "mystery"
-    with pytest.raises(ValueError, match="PRUNE_TABLE"):
+    with pytest.raises(ValueError, match="add prune= to its FAMILIES entry"):
         prune_mlp(model, get_arch(make_tiny_model("llama")), [torch.arange(8)] * 2)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from compress.arch import get_arch
-from compress.arch.tables import ROTATE_TABLE
+from compress.arch.tables import FAMILIES
 from compress.calibrate.blockwise import BlockPass, run_blockwise
 from compress.recipe import from_dict
 from compress.transforms.rotation import hadamard, random_rotation, rotate_model
@@ -16,7 +16,7 @@ from compress.stages.rotate import RotateStage
 
 from .conftest import TINY_CONFIGS, make_tiny_model
 
-ROTATABLE = sorted(f for f in TINY_CONFIGS if not isinstance(ROTATE_TABLE[f], str))
+ROTATABLE = sorted(f for f in TINY_CONFIGS if not isinstance(FAMILIES[f]["rotate"], str))
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 12, 20, 28, 36, 64, 576, 960, 1536])

@@ -175,8 +175,8 @@ def _streamed_equals_in_memory(tmp_path, family, stages, calibrate=True, **overr
 
 
 def _gemma2_layout(norms: tuple[str, ...] = ("self_attn.q_norm", "self_attn.k_norm")) -> dict:
-    from compress.arch.tables import ARCH_TABLE
-    return dict(ARCH_TABLE["gemma2"], norms=ARCH_TABLE["gemma2"]["norms"] + norms)
+    from compress.arch.tables import FAMILIES
+    return dict(FAMILIES["gemma2"], norms=FAMILIES["gemma2"]["norms"] + norms)
 
 
 @requires_data
@@ -374,11 +374,11 @@ def _four_blocks(tmp_path, family="llama"):
     ("gptq", 1, "gemma3_text")])  # resumed at a global layer: its own rotary embeddings, not block 0's
 def test_a_killed_streamed_run_resumes_at_its_block_and_ends_bit_for_bit(tmp_path, monkeypatch, recipe, crash_at,
                                                                          family):
-    from compress.arch.tables import ARCH_TABLE
+    from compress.arch.tables import FAMILIES
     from compress.pipeline.streamed import StreamedBlocks
 
     if family == "gemma3_text":  # no table entry yet (issue 45 item 2); a streamed run needs its final norm's path
-        monkeypatch.setitem(ARCH_TABLE, family, _gemma2_layout())
+        monkeypatch.setitem(FAMILIES, family, _gemma2_layout())
     folder = _four_blocks(tmp_path, family)
     whole = run(_recipe(folder, tmp_path / "whole", RECIPES[recipe], "always"), progress=False, log=lambda *a: None)
     load = StreamedBlocks.load

@@ -1,15 +1,18 @@
-"""Architecture specs: a data table per family, with a generic fallback found from the module tree."""
+"""Architecture specs: one record per family (arch/tables.py's FAMILIES, keyed by config.model_type), with a generic
+fallback found from the module tree. Every question a family raises is answered by its ArchSpec: where its blocks,
+linears and norms are, its scaling pairs, how it is pruned and rotated, how GGUF names it, whether the lean decode loop
+runs it, whether its linears are Conv1D."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
 from .moe import ExpertLinears
 from ..core.nn import is_linear
 from .paths import _has, block_pairs, get_module, resolve, set_module  # noqa: F401 (the package's names)
-from .tables import ARCH_TABLE
+from .tables import FAMILIES, GGUFArch
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,12 @@ class ArchSpec:
     awq_skip: tuple[tuple[str, str], ...] = ()  # (pair, reason it cannot be scaled)
     norm_offset: float = 0.0  # 1.0 where a norm computes x * (1 + weight)
     no_clip: tuple[str, ...] = ()
+    # what the family's entry switches on; a family without an entry has none of them
+    prune: dict | None = field(default=None, hash=False)  # how each pruning axis is cut (compress/prune)
+    rotate: tuple[str, ...] | str | None = None  # the residual-stream writers, or why it cannot be rotated
+    gguf: GGUFArch | None = None  # the GGUF architecture llama.cpp runs it as
+    lean: bool = False  # the lean decode loop runs it
+    conv1d: bool = False  # linears are transformers' Conv1D ([in, out] weights)
 
     def block_list(self, model: nn.Module) -> nn.ModuleList:
         return get_module(model, self.blocks)
@@ -33,12 +42,24 @@ class ArchSpec:
 
 def get_arch(model: nn.Module) -> ArchSpec:
     """The spec for `model`: its table entry checked against the module tree, else the generic fallback."""
-    model_type = getattr(model.config, "model_type", None)
-    if model_type in ARCH_TABLE:
-        spec = ArchSpec(family=model_type, **ARCH_TABLE[model_type])
+    spec = family_spec(model)
+    if spec is not None:
         _check(model, spec)
         return spec
-    return _generic(model, model_type)
+    return _generic(model, getattr(model.config, "model_type", None))
+
+
+def family_spec(model: nn.Module) -> ArchSpec | None:
+    """The spec of `model`'s family as its table entry states it (not checked against the module tree: cheap, for
+    the callers that ask only what the family switches on), or None for a family without an entry."""
+    model_type = getattr(model.config, "model_type", None)
+    entry = FAMILIES.get(model_type)
+    return None if entry is None else ArchSpec(family=model_type, **entry)
+
+
+def families_with(switch: str) -> list[str]:
+    """The model types whose entry switches `switch` (an ArchSpec field: prune, gguf, lean, ...) on, sorted."""
+    return sorted(f for f, entry in FAMILIES.items() if entry.get(switch))
 
 
 def _check(model: nn.Module, spec: ArchSpec) -> None:
@@ -73,7 +94,7 @@ def _generic(model: nn.Module, model_type: str | None, derive_pairs: bool = True
     if len(candidates) != 1 or out is None or inp is None:
         raise ValueError(
             f"cannot find the decoder blocks of model_type {model_type!r} (candidates: {candidates or 'none'}). "
-            "Add an entry to ARCH_TABLE in compress/arch/tables.py with blocks=, embed=, final_norm=, lm_head=, "
+            "Add an entry to FAMILIES in compress/arch/tables.py with blocks=, embed=, final_norm=, lm_head=, "
             "attention=, mlp= and norms= paths for this family.")
     names = {id(m): n for n, m in model.named_modules()}
     kinds: dict[tuple, nn.Module] = {}  # one block of each layout (Bamba's Mamba and attention layers share a class)

@@ -27,7 +27,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ..arch import families_with, family_spec
 from ..arch.moe import ExpertLinears
+from ..arch.tables import GGUFArch
 from ..core.nn import QuantLinear, linear_shape, linear_weight
 from .gguf_encode import (BLOCK, encode_exact, encode_q4_0, encode_q4_1, encode_q8_0, exact_fit,  # noqa: F401
                           ggml_type, permute_rows, quantize_float)
@@ -38,25 +40,16 @@ from .gguf_vocab import (CONTROL, NORMAL, PRE_TOKENIZERS, UNUSED, USER_DEFINED, 
                          hf_vocab, write_hf_vocab)
 from .hf import resident
 
-# transformers class -> (GGUF architecture, whether attn_q / attn_k rows are permuted for llama.cpp's RoPE)
-ARCHITECTURES = {
-    "LlamaForCausalLM": ("llama", True),
-    "MistralForCausalLM": ("llama", True),  # convert_hf_to_gguf.py registers Mistral as LlamaModel
-    "Qwen2ForCausalLM": ("qwen2", False),  # NeoX-style RoPE in llama.cpp: no permutation
-    "MixtralForCausalLM": ("llama", True),  # llama.cpp's llama graph with expert_count: softmax top-k, renormalised
-    "Qwen3MoeForCausalLM": ("qwen3moe", False),
-}
-# a decoder block's tensors as transformers names them, in the order the file holds them; their GGUF names come from
+# The families written, and as which GGUF architecture (its name, whether attn_q / attn_k rows are permuted for
+# llama.cpp's RoPE, the biases and q/k norms the file holds): the `gguf=` of their entry in compress/arch/tables.py.
+# A decoder block's tensors as transformers names them, in the order the file holds them; their GGUF names come from
 # gguf's own TensorNameMap (gguf_names.py), as llama.cpp's converter names them
 NORMS = ("input_layernorm", "post_attention_layernorm")
-QK_NORMS = {"qwen3moe": ("self_attn.q_norm", "self_attn.k_norm")}  # per-head q/k RMSNorms, per GGUF architecture
 BLOCK_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                  "mlp.up_proj", "mlp.down_proj")
 # a MoE block's router, and its experts as llama.cpp stacks them: one 3-D tensor [E, out, in] per projection
 ROUTER = "mlp.gate"
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-# which projections may carry a bias, per GGUF architecture
-BIASES = {"llama": (), "qwen2": ("q_proj", "k_proj", "v_proj"), "qwen3moe": ()}
 LINEARS = block_names("llama", BLOCK_LINEARS)  # {block linear: its GGUF name}: self_attn.q_proj -> attn_q
 
 
@@ -83,9 +76,16 @@ def _tied(model: nn.Module) -> bool:
         head.weight is model.get_input_embeddings().weight
 
 
-def _entries(model: nn.Module, arch: str) -> list[tuple[str, str, str]]:
+def gguf_arch(model: nn.Module) -> GGUFArch | None:
+    """The GGUF architecture `model`'s family is written as (its table entry's `gguf`), or None."""
+    spec = family_spec(model)
+    return None if spec is None else spec.gguf
+
+
+def _entries(model: nn.Module, record: GGUFArch) -> list[tuple[str, str, str]]:
     """(GGUF tensor name, HF module or parameter name, role) for every tensor of the file, in order; the GGUF
-    names from gguf's table for `arch` (gguf_names.py). Roles: embed, output, linear, norm, bias, experts."""
+    names from gguf's table for the architecture (gguf_names.py). Roles: embed, output, linear, norm, bias, experts."""
+    arch = record.name
     table = tensor_name_map(arch, model.config.num_hidden_layers)
     if table is None:
         raise ValueError(f"gguf {version('gguf')} does not know the GGUF architecture {arch!r}; pip install -U gguf")
@@ -102,12 +102,12 @@ def _entries(model: nn.Module, arch: str) -> list[tuple[str, str, str]]:
     for i in range(model.config.num_hidden_layers):
         p = f"model.layers.{i}"
         moe = isinstance(getattr(model.get_submodule(f"{p}.mlp"), "experts", None), ExpertLinears)
-        out += [entry(f"{p}.{hf}.weight", f"{p}.{hf}.weight", "norm") for hf in NORMS + QK_NORMS.get(arch, ())]
+        out += [entry(f"{p}.{hf}.weight", f"{p}.{hf}.weight", "norm") for hf in NORMS + record.qk_norms]
         for hf in BLOCK_LINEARS:
             if moe and hf.startswith("mlp."):
                 continue
             out.append(entry(f"{p}.{hf}.weight", f"{p}.{hf}", "linear"))
-            if hf.rpartition(".")[2] in BIASES[arch]:
+            if hf.rpartition(".")[2] in record.biases:
                 out.append(entry(f"{p}.{hf}.bias", f"{p}.{hf}.bias", "bias"))
         if moe:  # the router (float), then each projection of every expert stacked
             out.append(entry(f"{p}.{ROUTER}.weight", f"{p}.{ROUTER}.weight", "norm"))
@@ -146,14 +146,15 @@ def gguf_problems(model: nn.Module, qtype: str) -> list[str]:
     if qtype not in GGUF_TYPES:
         return [f"unknown GGUF type {qtype!r}; choose one of {', '.join(GGUF_TYPES)}"]
     cls = type(model).__name__
-    if cls not in ARCHITECTURES:
+    record = gguf_arch(model)
+    if record is None or not cls.endswith("ForCausalLM"):
         return [f"{cls} ({getattr(model.config, 'model_type', '?')}) is not an architecture the GGUF exporter "
-                f"writes (it writes {', '.join(sorted(ARCHITECTURES))}); export `dense` and convert it with "
-                "llama.cpp's convert_hf_to_gguf.py, or export another format"]
-    arch, _ = ARCHITECTURES[cls]
-    problems = _config_problems(model, arch)
+                f"writes (it writes the model types {', '.join(families_with('gguf'))}: those whose entry in "
+                "compress/arch/tables.py has gguf=); export `dense` and convert it with llama.cpp's "
+                "convert_hf_to_gguf.py, or export another format"]
+    problems = _config_problems(model, record.name)
     try:
-        entries = _entries(model, arch)
+        entries = _entries(model, record)
         uncovered = sorted(set(model.state_dict()) - _state_names(model, entries))
     except AttributeError as exc:
         return problems + [f"{cls}: module layout differs from the one this exporter maps ({exc})"]
@@ -272,7 +273,8 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
     """
     embed_qtype = _check_types(model, qtype, embed_qtype)
     gguf = gguf_package()
-    arch, permute = ARCHITECTURES[type(model).__name__]
+    record = gguf_arch(model)
+    arch = record.name
     n_vocab = model.get_input_embeddings().weight.shape[0]
     notes: list[str] = []
 
@@ -302,7 +304,7 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, qtype: str, source
     notes += _model_notes(model, arch)
 
     encoder = _TensorEncoder(writer, model, qtype, imatrix, hessians)
-    _add_tensors(encoder, model, arch, permute, embed_qtype, parts)
+    _add_tensors(encoder, model, record, embed_qtype, parts)
     tensors = encoder.tensors
     fallbacks = [g for g, t in tensors.items() if "fallback" in t]
     if fallbacks:
@@ -489,11 +491,11 @@ def _present(model: nn.Module, hf: str, role: str) -> bool:
     return resident(model.get_submodule(hf))
 
 
-def _add_tensors(encoder: _TensorEncoder, model: nn.Module, arch: str, permute: bool, embed_qtype: str,
+def _add_tensors(encoder: _TensorEncoder, model: nn.Module, record: GGUFArch, embed_qtype: str,
                  parts: Iterable | None) -> None:
     """Every tensor of the file in _entries' order, each encoded once its part of the model is in memory."""
-    qtype, config = encoder.qtype, model.config
-    pending = _entries(model, arch)
+    qtype, config, permute = encoder.qtype, model.config, record.permute_qk
+    pending = _entries(model, record)
     for _ in parts if parts is not None else (None,):
         later = []
         for gname, hf, role in pending:

@@ -15,11 +15,16 @@ from torch import Tensor, nn
 from ..core.nn import QuantLinear
 from ..core.qtensor import QuantizedTensor
 from ..arch.moe import checkpoint_tensors, hub_names, router_names
+from ..arch import family_spec
 from .shards import MAX_SHARD_BYTES, ShardWriter
 
-# transformers models whose linear layers are GPT-2 style Conv1D ([in, out] weights): quantized formats
-# are read into nn.Linear-shaped modules, so their quantized layers have nowhere to go.
-CONV1D_MODEL_TYPES = ("gpt2",)
+
+def _conv1d(model: nn.Module) -> bool:
+    """Whether the family's linear layers are GPT-2 style Conv1D ([in, out] weights; `conv1d=True` in its
+    compress/arch/tables.py entry): quantized formats are read into nn.Linear-shaped modules, so their quantized
+    layers have nowhere to go."""
+    spec = family_spec(model)
+    return spec is not None and spec.conv1d
 
 
 def quant_layers(model: nn.Module) -> dict[str, QuantLinear]:
@@ -54,7 +59,7 @@ def kv_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def conv1d_problems(model: nn.Module, fmt: str) -> list[str]:
-    if quant_layers(model) and getattr(model.config, "model_type", "") in CONV1D_MODEL_TYPES:
+    if quant_layers(model) and _conv1d(model):
         return [f"{model.config.model_type} keeps its linear layers as Conv1D ([in, out] weights), which the "
                 f"{fmt} loaders do not read quantized; export `dense` or `gguf-*` instead"]
     return []
@@ -164,7 +169,7 @@ def write_dense(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = 
                 max_shard_bytes: int = MAX_SHARD_BYTES, parts: Iterable | None = None, **_) -> dict:
     """A plain float checkpoint any loader reads: quantized layers dequantized, pruned shapes as they are."""
     layers: dict[str, str] = {}
-    conv1d = getattr(model.config, "model_type", "") in CONV1D_MODEL_TYPES
+    conv1d = _conv1d(model)
 
     def tensors() -> dict[str, Tensor]:
         out = float_tensors(model, dtype)

@@ -10,17 +10,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..arch import ArchSpec, get_module
-from ..arch.tables import PRUNE_TABLE
+from ..arch import ArchSpec, families_with, family_spec, get_module
 
 
 def prune_layout(model: nn.Module, axis: str) -> dict:
-    """The family's pruning table; a clear error when the family or this axis is not supported."""
+    """The family's pruning entry; a clear error when the family or this axis is not supported."""
     family = getattr(model.config, "model_type", None)
-    layout = PRUNE_TABLE.get(family)
+    spec = family_spec(model)
+    layout = None if spec is None else spec.prune
     if layout is None:
-        raise ValueError(f"structured pruning has no table for model_type {family!r}; add an entry to PRUNE_TABLE "
-                         f"in compress/arch/tables.py (known: {sorted(PRUNE_TABLE)})")
+        raise ValueError(f"structured pruning has no table for model_type {family!r}; add prune= to its FAMILIES "
+                         f"entry in compress/arch/tables.py (known: {families_with('prune')})")
     if axis == "heads" and layout["heads"] not in ("separate", "fused"):
         raise ValueError(f"cannot prune heads of {family}: {layout['heads']}. Prune `mlp` or `depth` instead.")
     if axis == "hidden" and "hidden" in layout:

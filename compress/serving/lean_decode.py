@@ -18,9 +18,9 @@ tokens instead of ~35 torch calls a block. A row's result does not depend on the
 the decode steps it replaces bit for bit.
 
 Families: those whose decoder block is `x + attn(norm(x))` then `x + mlp(norm(x))` with rotary position embeddings
-on the whole head and full causal attention (LEAN_FAMILIES). Anything else (sliding windows, soft-capping, q/k
-norms, post-norms, a compress KV-cache wrapper) is answered by `lean_problem` with the reason, and the caller falls
-back to transformers.
+on the whole head and full causal attention: those whose entry in compress/arch/tables.py says `lean=True`. Anything
+else (sliding windows, soft-capping, q/k norms, post-norms, a compress KV-cache wrapper) is answered by `lean_problem`
+with the reason, and the caller falls back to transformers.
 """
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ import contextlib
 import torch
 from torch import Tensor, nn
 
+from ..arch import families_with, family_spec
 from ..kernels.cpu_rows import MAX_ROWS, load as load_rows, rows_linear, rows_reason
 from ..core.nn import QuantLinear
 
-LEAN_FAMILIES = ("llama", "mistral", "qwen2")  # pre-norm, full rotary, full causal attention, GQA, gated MLP
 ROWS_ATTR = "rows_kernel"  # set by use_rows for the duration of its block
 
 
@@ -118,14 +118,14 @@ def fuse_projections(model: nn.Module) -> list[str]:
 def lean_problem(model: nn.Module, max_len: int) -> str | None:
     """Why `model` cannot decode on the lean path for sequences up to `max_len` tokens (None: it can)."""
     cfg = model.config
-    family = getattr(cfg, "model_type", None)
-    if family not in LEAN_FAMILIES:
-        return f"model_type {family!r} is not one of the lean path's families {LEAN_FAMILIES}"
+    family, spec = getattr(cfg, "model_type", None), family_spec(model)
+    if spec is None or not spec.lean:
+        return f"model_type {family!r} is not one of the lean path's families {tuple(families_with('lean'))}"
     impl = getattr(cfg, "_attn_implementation", None)
     if impl not in (None, "sdpa", "eager"):
         return f"attention implementation {impl!r} (a compress KV-cache wrapper or another kernel) is not reproduced"
     window = getattr(cfg, "sliding_window", None)
-    uses_window = family == "mistral" or getattr(cfg, "use_sliding_window", False)
+    uses_window = getattr(cfg, "use_sliding_window", True)  # Mistral's window applies whenever it is set
     if uses_window and window is not None and max_len > window:
         return f"sliding-window attention ({window} tokens) is not implemented on the lean path"
     if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())) and uses_window:

@@ -1,8 +1,8 @@
 """Greedy decoding over a static KV cache, one step captured in a CUDA graph and replayed per token.
 
 The loop is lean_decode.py's (the model's own modules called one after another: norms, linears, MLP, rotary table,
-head; the same families, LEAN_FAMILIES) with what a CUDA graph needs: every tensor a step reads or writes lives at a
-fixed address, allocated once for `batch` sequences of up to `max_len` tokens (the KV cache [layers, batch,
+head; the same families: `lean=True` in compress/arch/tables.py) with what a CUDA graph needs: every tensor a step
+reads or writes lives at a fixed address, allocated once for `batch` sequences of up to `max_len` tokens (the KV cache [layers, batch,
 kv_heads, max_len, head_dim] in the model's dtype, the token buffer, the rotary table, the position), and the step
 is a function of those alone: the position is a device tensor, the cache is written with index_copy_ at it,
 attention reads the whole cache with the slots past the position masked (at a few hundred tokens that costs less

@@ -59,7 +59,7 @@ class RotateStage(StageBase):
             name = mlp_out_name(arch)
             if name is None or not isinstance(get_module(arch.block_list(model)[0], name), nn.Linear):
                 raise ValueError(f"stage {index} (rotate): online_hadamard needs the MLP's down projection as an "
-                                 f"nn.Linear, which {arch.family!r} does not have (PRUNE_TABLE mlp_out: {name})")
+                                 f"nn.Linear, which {arch.family!r} does not have (its prune entry's mlp_out: {name})")
             n = get_module(arch.block_list(model)[0], name).in_features
             text += (f"; and an online Hadamard on every {name} input ({hadamard_factors(n)[1]}, order {n}), "
                      "applied at run time")

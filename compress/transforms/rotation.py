@@ -161,12 +161,10 @@ def rotate_output(lin: nn.Linear, q: Tensor) -> None:
 
 def rotation_problem(model: nn.Module, arch) -> str | None:
     """Why the residual stream of `model` cannot be rotated (None: it can)."""
-    from ..arch.tables import ROTATE_TABLE
-
-    entry = ROTATE_TABLE.get(arch.family)
+    entry = arch.rotate
     if entry is None:
         return (f"no rotation entry for model_type {arch.family!r}: add the linears that write into its residual "
-                "stream to ROTATE_TABLE in compress/arch/tables.py")
+                "stream to its FAMILIES entry in compress/arch/tables.py (rotate=)")
     if isinstance(entry, str):
         return entry
     return None
@@ -177,7 +175,6 @@ def rotate_model(model: nn.Module, arch, kind: str = "hadamard", seed: int = 0) 
     """Rotate the residual stream of `model` in place (see the module docstring); the float function is unchanged.
     Returns what was done, for the report."""
     from ..arch import get_module
-    from ..arch.tables import ROTATE_TABLE
     from ..arch.paths import is_tied, untie_lm_head
 
     if (why := rotation_problem(model, arch)) is not None:
@@ -200,7 +197,7 @@ def rotate_model(model: nn.Module, arch, kind: str = "hadamard", seed: int = 0) 
             for lin in lins:
                 rotate_input(lin, q)
                 rotated += 1
-        for name in ROTATE_TABLE[arch.family]:
+        for name in arch.rotate:
             rotate_output(get_module(block, name), q)
             rotated += 1
     final, head = get_module(model, arch.final_norm), get_module(model, arch.lm_head)
@@ -314,9 +311,8 @@ def fold_online_hadamard(linear: nn.Linear, seed: int) -> OnlineHadamard:
 
 def mlp_out_name(arch) -> str | None:
     """The linear that reads the MLP's intermediate activations (where QuaRot and SpinQuant's R4 put the online
-    Hadamard), from the pruning table."""
-    from ..arch.tables import PRUNE_TABLE
-    return (PRUNE_TABLE.get(arch.family) or {}).get("mlp_out")
+    Hadamard), from the family's pruning entry."""
+    return (arch.prune or {}).get("mlp_out")
 
 
 @torch.no_grad()
@@ -327,8 +323,8 @@ def rotate_mlp_inputs(model: nn.Module, arch, seed: int = 0) -> dict:
 
     name = mlp_out_name(arch)
     if name is None:
-        raise ValueError(f"no MLP output linear for model_type {arch.family!r} in PRUNE_TABLE "
-                         "(compress/arch/tables.py): the online Hadamard does not know where to go")
+        raise ValueError(f"no MLP output linear for model_type {arch.family!r} (its FAMILIES entry's prune= "
+                         "mlp_out, compress/arch/tables.py): the online Hadamard does not know where to go")
     what = None
     for i, block in enumerate(arch.block_list(model)):
         what = fold_online_hadamard(get_module(block, name), seed + 1 + i).what
