@@ -509,7 +509,7 @@ def test_a_plan_that_fails_on_the_pruned_shapes_fails_before_distillation(tmp_pa
 
 def test_a_run_that_fails_after_distillation_resumes_from_its_checkpoint(tmp_path, model_dir, calib_file, capsys,
                                                                         monkeypatch):
-    import compress.pipeline.resident
+    import compress.pipeline.source
 
     recipe = _minitron_recipe(model_dir, calib_file, tmp_path / "out",
                               {"stage": "quantize", "method": "rtn", "scheme": {"dtype": "int4", "group_size": 32}})
@@ -522,7 +522,7 @@ def test_a_run_that_fails_after_distillation_resumes_from_its_checkpoint(tmp_pat
         raise RuntimeError("simulated crash after distillation")
 
     with monkeypatch.context() as patch:
-        patch.setattr(compress.pipeline.resident, "compress_model", crash)
+        patch.setattr(compress.pipeline.source, "compress_model", crash)
         assert main(["run", str(path), "--no-progress"]) == 2
     assert "simulated crash" in capsys.readouterr().err
     checkpoints = tmp_path / "out.work" / "distill-1" / "checkpoints"

@@ -129,6 +129,9 @@ def test_a_streamed_run_writes_the_same_exports_as_the_in_memory_run(tmp_path):
     entry = reports["always"]["exports"][0]
     assert entry["folder"] == "exports/compressed-tensors" and any("compress verify" in n for n in entry["notes"])
     assert "## Exports" in (tmp_path / "out-always" / "report.md").read_text()
+    for mode, report in reports.items():  # the checkpoint alone, not the exports' shards written beside it
+        checkpoint = sum(f.stat().st_size for f in (tmp_path / f"out-{mode}").glob("*.safetensors"))
+        assert report["memory"]["checkpoint_bytes"] == checkpoint, mode
 
 
 @requires_data

@@ -1,12 +1,12 @@
-"""`compress run`: load -> plan -> calibrate block by block -> apply stages -> save -> evaluate -> report.
+"""`compress run`: the entry point `run` (refuse what cannot fit, then run the model loaded whole, or streamed from
+disk: streamed.run_streamed), and `ResidentSource`, the model loaded whole, that source.run_source runs: load -> plan
+-> whole-model stages -> calibrate block by block -> after-stages -> save -> evaluate -> export -> report.
 
 State is passed explicitly; the output folder is written under a temporary name and renamed into
 place at the end, so a crash or Ctrl-C never leaves a half-written output.
 """
 from __future__ import annotations
 
-import dataclasses
-import shutil
 from pathlib import Path
 
 import torch
@@ -19,16 +19,15 @@ from .memory_plan import MemoryPlan, conversion_bytes
 from ..model.load import checkpoint_files, load_config, load_model, resolve_device, resolve_dtype
 from ..export.native import load_compressed, quantized_skeleton, save_compressed
 from ..transforms.outliers import plant_outliers
-from .model_stages import run_after_stages, run_model_stages, work_dir, world
+from .model_stages import run_model_stages, work_dir
 from ..precision.mixed import fits
 from ..recipe import Recipe
 from ..core.scheme import QuantScheme
 from ..stages.base import Plan, make_plan, next_target
-from .calibration import (PassExtras, Timings, check_output, compress_model, run_header, set_threads,
-        write_run_report)
+from .calibration import PassExtras, check_output, set_threads
 from .options import RunOptions
-from ..export.staging import staged
-from .provenance import export_provenance, provenance
+from .provenance import export_provenance
+from .source import ModelSource, run_source
 
 
 def planned_model(model, plan: Plan, offered: tuple[QuantScheme, ...] = (), target: int | None = None,
@@ -144,45 +143,67 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
     if streamed:
         from .streamed import run_streamed
         return run_streamed(recipe, progress, log, memory, resume)
-    opts = RunOptions(recipe, out, device, progress, log, resume)
-    timings = Timings()
-    with timings("load"):
-        log(f"loading model {recipe.model.source!r} ...")
-        loaded, planted = load_source(recipe, device)
-    model, tokenizer = loaded.model, loaded.tokenizer
-    record = provenance(recipe, loaded.source)
-    n_params = sum(p.numel() for p in model.parameters())
-    # strict-mode errors and impossible exports surface here, on the shapes after pruning, before any heavy work
-    plan = make_plan(model, get_arch(model), recipe.stages)
-    check_formats(plan.model, plan, recipe.output.formats)
-    with timings("prune_distill", any(s.whole_model and not s.after_calibration for s in recipe.stages)):
-        model_reports, before_distill, stages = run_model_stages(model, tokenizer, get_arch(model), opts)
-    if model_reports:  # planned again on the model as pruned and distilled, with the stages as they resolved them
-        recipe = dataclasses.replace(recipe, stages=stages)
-        opts = dataclasses.replace(opts, recipe=recipe)
-        plan = make_plan(model, get_arch(model), recipe.stages, model_stages_done=True)
-        check_formats(model, plan, recipe.output.formats)
-    report = run_header(record, recipe, loaded.kind, model, plan.arch, n_params, device, planted)
-    report["memory_plan"] = memory.to_dict()
-    with timings("compress"):
-        sections, samples = compress_model(model, tokenizer, recipe, plan, device, progress, log,
-                                           PassExtras(model_reports, spill_dir=out.parent))
-    if world()[0] != 0:  # torchrun / `accelerate launch`: the other processes helped distill and calibrate
-        return {}
-    with timings("tune", any(s.after_calibration for s in recipe.stages)):
-        def teacher():  # the original, reloaded only when such a stage runs
-            return load_source(recipe, device)[0].model
+    return run_source(ResidentSource(), RunOptions(recipe, out, device, progress, log, resume), memory)
 
-        for i, section in run_after_stages(model, tokenizer, opts, samples, teacher).items():
-            sections["stages"][i] = section
-    report.update(sections)
-    set_threads(recipe.model.threads)
-    with staged(out) as tmp:
-        report.update(save_and_evaluate(opts, record, loaded, model, before_distill, samples, tmp, timings))
-        write_run_report(report, tmp)
-    shutil.rmtree(work_dir(out), ignore_errors=True)  # distillation checkpoints: the run finished
-    log(f"wrote {out}/report.md")
-    return report
+
+class ResidentSource(ModelSource):
+    """The model loaded whole into memory (model/load.py): every stage runs, the baseline is reloaded for the
+    evaluation and the exports are verified on reloading (see source.py for what a streamed source does instead)."""
+
+    stages_timing = "prune_distill"
+
+    def open(self, opts: RunOptions) -> None:
+        opts.log(f"loading model {opts.recipe.model.source!r} ...")
+        loaded, self.planted = load_source(opts.recipe, opts.device)
+        self.model, self.tokenizer, self.name, self.kind = loaded.model, loaded.tokenizer, loaded.source, loaded.kind
+
+    @property
+    def arch(self):
+        return get_arch(self.model)  # a prune changes the block list
+
+    def check_plan(self, plan: Plan, formats: tuple[str, ...]) -> None:
+        check_formats(plan.model, plan, formats)
+
+    def model_stages(self, opts: RunOptions) -> tuple[dict, torch.nn.Module | None, tuple]:
+        return run_model_stages(self.model, self.tokenizer, self.arch, opts)
+
+    def pass_extras(self, opts: RunOptions, model_reports: dict) -> PassExtras:
+        return PassExtras(model_reports, spill_dir=opts.out.parent)
+
+    def reload(self, opts: RunOptions) -> torch.nn.Module:
+        return load_source(opts.recipe, opts.device)[0].model
+
+    def save(self, tmp: Path, opts: RunOptions, record: dict) -> None:
+        output = opts.recipe.output
+        opts.log("saving the compressed model ...")
+        save_compressed(self.model, self.tokenizer, tmp, record, output.save_dtype, output.max_shard_bytes)
+
+    def evaluate(self, opts: RunOptions, before_distill: torch.nn.Module | None) -> tuple[dict, int]:
+        """The compressed model evaluated beside the baseline (reloaded rather than copied up front: that keeps the
+        calibration pass's peak low) and the pruned model before distillation, on the same windows; afterwards the
+        compressed model is back in host memory (the exporters read it from there) and the others are freed."""
+        recipe, device, log = opts.recipe, opts.device, opts.log
+        baseline = None
+        if recipe.eval.baseline:
+            log("reloading the original model as the baseline ...")
+            baseline = self.reload(opts)
+        log("evaluating ...")
+        models = {"baseline": baseline} if baseline is not None else {}
+        if before_distill is not None:
+            models["pruned"] = before_distill
+        models["compressed"] = self.model
+        on_device(models, device)
+        section = evaluate_models(models, self.tokenizer, recipe.eval, device,
+                                  baseline="baseline" if baseline is not None else None, progress=opts.progress)
+        baseline_bytes = _bf16_bytes(baseline or self.model)
+        models.pop("baseline", None)
+        del baseline  # freed, not moved back
+        on_device(models, "cpu")  # device memory is freed
+        return section, baseline_bytes
+
+    def export(self, tmp: Path, opts: RunOptions, record: dict, samples) -> list[dict]:
+        windows, text = verify_windows(opts.recipe, self.tokenizer, samples)
+        return write_exports(self.model, self.tokenizer, tmp, opts, record, windows, text)
 
 
 class NotEnoughMemory(RuntimeError):
@@ -217,47 +238,6 @@ def load_source(recipe: Recipe, device: str):
     return loaded, planted
 
 
-def save_and_evaluate(opts: RunOptions, record: dict, loaded, model, before_distill, samples, tmp: Path,
-                      timings: Timings) -> dict:
-    """Save the compressed model into `tmp`, evaluate it beside the baseline (and the pruned model before
-    distillation), write the exports, then the report; returns the report sections added here."""
-    recipe, device, log = opts.recipe, opts.device, opts.log
-    report: dict = {}
-    if recipe.output.save_model:
-        with timings("save"):
-            log("saving the compressed model ...")
-            save_compressed(model, loaded.tokenizer, tmp, record, recipe.output.save_dtype,
-                            recipe.output.max_shard_bytes)
-    with timings("eval"):
-        baseline = None
-        if recipe.eval.baseline:  # reloaded rather than copied up front: keeps the calibration pass's peak low
-            log("reloading the original model as the baseline ...")
-            baseline = load_source(recipe, device)[0].model
-        log("evaluating ...")
-        models = {"baseline": baseline} if baseline is not None else {}
-        if before_distill is not None:
-            models["pruned"] = before_distill  # the same windows before and after distillation
-        models["compressed"] = model
-        on_device(models, device)
-        report["eval"] = evaluate_models(models, loaded.tokenizer, recipe.eval, device,
-                                         baseline="baseline" if baseline is not None else None,
-                                         progress=opts.progress)
-    report["memory"] = {"checkpoint_bytes": folder_bytes(tmp) if recipe.output.save_model else None,
-                        "baseline_checkpoint_bf16_bytes": _bf16_bytes(baseline or model)}
-    models.pop("baseline", None)
-    del baseline  # freed, not moved back
-    on_device(models, "cpu")  # the exporters read the compressed model from host memory; device memory is freed
-    del models
-    if recipe.output.formats:
-        with timings("export"):
-            windows, text = verify_windows(recipe, loaded.tokenizer, samples)
-            report["exports"] = write_exports(model, loaded.tokenizer, tmp, opts, record, windows, text)
-    report["timings"] = dict(timings)
-    (tmp / "recipe.yaml").write_text(recipe.text or recipe.resolved_yaml())
-    (tmp / "recipe.resolved.yaml").write_text(recipe.resolved_yaml())
-    return report
-
-
 def on_device(models: dict, device: str) -> None:
     """Move each model to `device` (in place; tied weights stay tied). The calibration pass hands every block back
     to the CPU after its turn and the baseline is loaded there, so a CUDA run's evaluation moves them to the GPU
@@ -278,4 +258,4 @@ def _bf16_bytes(model) -> int:
     return total
 
 
-__all__ = ["run", "compress_model", "make_plan"]
+__all__ = ["run", "ResidentSource", "make_plan"]

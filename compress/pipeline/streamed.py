@@ -8,6 +8,7 @@ both models' final hidden states go through the final norm and the head for perp
 is never a second copy. What needs the whole model resident (speed, lm-eval tasks, exports, self-generated
 calibration, pruning and distillation) is refused up front or reported as not measured, with the reason. The
 exports are written afterwards from the saved checkpoint, again one block at a time (export_streamed).
+`StreamedSource` is what this changes in the run's one sequence (source.run_source); `run_streamed` runs it.
 """
 from __future__ import annotations
 
@@ -32,14 +33,13 @@ from ..export.native import meta_quant_layers, storage_tensors, write_model_file
 from ..core.scheme import FP8_MAX
 from ..core.nn import QuantLinear
 from ..recipe import Recipe
-from .calibration import (PassExtras, Timings, check_output, compress_model, run_header, set_threads,
-        write_run_report)
+from .calibration import PassExtras, check_output
 from .model_stages import work_dir
 from .options import RunOptions
-from .provenance import export_provenance, provenance
+from .provenance import export_provenance
+from .source import ModelSource, parameters, run_source
 from ..export.shards import ShardReader, ShardWriter
-from ..export.staging import staged, write_atomic
-from ..stages.base import make_plan
+from ..export.staging import write_atomic
 from ..model.streaming import STREAM_KINDS, Streamed, open_streamed, trim_heap
 
 NOT_STREAMED = {  # measured only on a resident model: reported as not measured in a streamed run
@@ -184,11 +184,6 @@ def open_source(recipe: Recipe, device: str) -> Streamed:
     spec = recipe.model
     kind, where = _classify(spec.source)
     return open_streamed(kind, where, resolve_dtype(spec.dtype, device), spec.revision, spec.trust_remote_code)
-
-
-def parameters(model: nn.Module) -> int:
-    """Parameter count including the meta-device ones, each shared tensor once."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
 class StreamCheckpoint(BlockVisitor):
@@ -339,110 +334,129 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, 
     """The recipe on a model streamed block by block (see the module docstring). Called by pipeline.run. The output
     is staged in OUTPUT.work/ beside it (with the pass's checkpoint) and renamed into place at the end; an
     interrupted run leaves that folder for `resume`."""
-    if why := stream_blockers(recipe):
+    if why := StreamedSource.refusals(recipe):
         raise ValueError("this recipe cannot run streamed (model.stream): " + "; ".join(why))
     out = Path(recipe.output.dir)
     check_output(out, recipe.output.overwrite)
-    work = work_dir(out)
-    rank, processes = world()
-    main = rank == 0  # with torchrun, the other processes only calibrate (distributed.py)
-    # every rank reads the checkpoint (each resumes from its own windows' inputs); only rank 0 removes or creates
-    state = StreamCheckpoint.load(work / "stream", recipe.sha256, processes) if resume else None
-    if not main:
-        pass
-    elif state is None and work.exists():
-        log(f"removing {work} (an interrupted run's files; --resume would have continued it)" if not resume else
-            f"nothing to resume in {work}: starting over")
-        shutil.rmtree(work)
-    elif state is not None:
-        log(f"resuming the streamed pass at block {state['next']} from {work}")
-    stage = work / "output"
-    if main:
-        stage.mkdir(parents=True, exist_ok=True)
-        (work / "stream").mkdir(exist_ok=True)
-    device = resolve_device(recipe.model.device)
-    opts = RunOptions(recipe, out, device, progress, log, resume)
-    set_threads(recipe.model.threads)
-    timings = Timings()
-    with timings("load"):
-        log(f"opening {recipe.model.source!r} to stream it block by block ...")
-        streamed = open_source(recipe, device)
-    model, arch, tokenizer = streamed.model, streamed.arch, streamed.tokenizer
-    record = provenance(recipe, streamed.source_name)
-    n_params = parameters(model)
-    plan = make_plan(model, arch, recipe.stages)
-    if inputs := per_layer_inputs_quantized(plan):
-        raise ValueError(f"{inputs[0]} is quantized by the recipe, but a streamed run carries the per-layer inputs it "
-                         "computes to its evaluation from the float layer (it is quantized after the pass), so the "
-                         "evaluation would not see the quantized layer: leave it out of `targets:` (float, the "
-                         "default), or run the model in memory (model.stream: false)")
-    model_reports: dict = {}
-    if any(s.whole_model and not s.after_calibration for s in recipe.stages):  # those that stream: auto_precision
-        with timings("model_stages"):
-            model_reports, recipe = streamed_model_stages(dataclasses.replace(opts, out=work,
-                                                                              progress=progress and main), streamed,
-                                                          main)
-        opts = dataclasses.replace(opts, recipe=recipe)
-        plan = make_plan(model, arch, recipe.stages, model_stages_done=True)
-    from .report import model_figures
-    baseline_figures = model_figures(model, recipe.eval, meta=True)
-    report = run_header(record, recipe, streamed.kind, model, arch, n_params, device, None)
-    if memory is not None:
-        report["memory_plan"] = memory.to_dict()
-    windows = eval_windows(tokenizer, recipe.eval.split, recipe.eval.seq_len, recipe.eval.max_windows) \
-        if recipe.eval.perplexity and main else None
-    evaluation = StreamedEval(windows) if windows is not None else None
-    writer = None
-    if recipe.output.save_model and main:
-        shard_args = ({"compress": "1"}, recipe.output.max_shard_bytes, True)  # keep_closed: for the checkpoint
-        writer = ShardWriter.restore(stage, state["writer"], *shard_args) if state else ShardWriter(stage, *shard_args)
-    blocks = StreamedBlocks(streamed, writer, recipe.output.save_dtype)
-    checkpoint = StreamCheckpoint(work / "stream", recipe.sha256, writer, blocks, evaluation, state, rank, processes)
-    try:
-        with timings("compress"):  # one pass: calibration, stages, the evaluation's forwards, the blocks' shards
-            sections, _ = compress_model(model, tokenizer, recipe, plan, device, progress, log, PassExtras(
-                model_reports, out.parent, blocks, (evaluation,) if evaluation is not None else (), checkpoint))
-    except BaseException:
-        log(f"the streamed pass stopped; its progress is in {work}: the same command with --resume continues it")
-        raise
-    if not main:
-        return {}
-    report.update(sections)
-    if writer is not None:
-        with timings("save"):
-            log("writing the rest of the model (embeddings, final norm, head) and closing the shards ...")
-            for name, t in storage_tensors(model, recipe.output.save_dtype):
-                writer.add(name, t)
-            if any(p.is_meta for p in get_module(model, arch.embed).parameters()):
-                for name, t in streamed.outside_tensors(arch.embed, getattr(torch, recipe.output.save_dtype)):
-                    writer.add(name, t)
-            writer.finish()
-            write_model_files(model, tokenizer, stage, record, recipe.output.save_dtype, blocks.kv)
-    if recipe.output.formats:
-        with timings("export"):
-            report["exports"] = export_streamed(opts, record, stage, streamed)
-    with timings("eval"):
-        set_threads(recipe.model.threads)
-        report["eval"] = streamed_eval(recipe, model, arch, evaluation, windows, baseline_figures, progress, device)
-    report["memory"] = {"checkpoint_bytes": folder_bytes(stage) if recipe.output.save_model else None,
-                        "baseline_checkpoint_bf16_bytes": n_params * 2}
-    report["streamed"] = {
-        "weights_from": streamed.where, "blocks": len(arch.block_list(model)),
-        "resumed_at_block": state["next"] if state else None,
-        "evaluation": "perplexity, KL and top-1 computed in the same pass, the baseline's and the compressed "
-                      "model's hidden states carried block by block (no second copy)" if windows is not None
-        else "no perplexity evaluation (eval.perplexity: false)",
-        "not_measured": NOT_STREAMED if recipe.eval.speed else {},
-        "dtype": str(streamed.dtype).replace("torch.", ""),
-    }
-    report["timings"] = dict(timings)
-    (stage / "recipe.yaml").write_text(recipe.text or recipe.resolved_yaml())
-    (stage / "recipe.resolved.yaml").write_text(recipe.resolved_yaml())
-    with staged(out, stage):  # the staging folder stays for --resume if this fails
-        write_run_report(report, stage)
-    shutil.rmtree(work, ignore_errors=True)
-    log(f"wrote {out}/report.md")
-    return report
+    opts = RunOptions(recipe, out, resolve_device(recipe.model.device), progress, log, resume)
+    return run_source(StreamedSource(), opts, memory)
+
+
+class StreamedSource(ModelSource):
+    """The model streamed from disk one block at a time (model/streaming.py): the calibration pass also saves the
+    blocks and carries the evaluation's hidden states, and is checkpointed after every block; what needs the whole
+    model resident is refused up front (`refusals`, `check_plan`) or reported as not measured."""
+
+    staging = None  # OUTPUT.work/output, from `prepare`
+    refusals = staticmethod(stream_blockers)
+
+    def prepare(self, opts: RunOptions) -> None:
+        """OUTPUT.work: the pass's checkpoint read when resuming (by every rank: each resumes from its own windows'
+        inputs), else an interrupted run's files removed; only rank 0 removes or creates."""
+        recipe, log = opts.recipe, opts.log
+        self.work = work_dir(opts.out)
+        self.rank, self.processes = world()
+        self.main = self.rank == 0  # with torchrun, the other processes only calibrate (distributed.py)
+        self.state = StreamCheckpoint.load(self.work / "stream", recipe.sha256, self.processes) if opts.resume \
+            else None
+        if not self.main:
+            pass
+        elif self.state is None and self.work.exists():
+            log(f"removing {self.work} (an interrupted run's files; --resume would have continued it)"
+                if not opts.resume else f"nothing to resume in {self.work}: starting over")
+            shutil.rmtree(self.work)
+        elif self.state is not None:
+            log(f"resuming the streamed pass at block {self.state['next']} from {self.work}")
+        self.staging = self.work / "output"
+        if self.main:
+            self.staging.mkdir(parents=True, exist_ok=True)
+            (self.work / "stream").mkdir(exist_ok=True)
+
+    def open(self, opts: RunOptions) -> None:
+        opts.log(f"opening {opts.recipe.model.source!r} to stream it block by block ...")
+        self.streamed = open_source(opts.recipe, opts.device)
+        self.model, self.tokenizer = self.streamed.model, self.streamed.tokenizer
+        self.name, self.kind = self.streamed.source_name, self.streamed.kind
+        self.n_params = parameters(self.model)
+
+    @property
+    def arch(self):
+        return self.streamed.arch
+
+    def check_plan(self, plan, formats: tuple[str, ...]) -> None:
+        if inputs := per_layer_inputs_quantized(plan):
+            raise ValueError(f"{inputs[0]} is quantized by the recipe, but a streamed run carries the per-layer inputs "
+                             "it computes to its evaluation from the float layer (it is quantized after the pass), so "
+                             "the evaluation would not see the quantized layer: leave it out of `targets:` (float, "
+                             "the default), or run the model in memory (model.stream: false)")
+
+    def model_stages(self, opts: RunOptions) -> tuple[dict, None, tuple]:
+        """Those that stream (auto_precision), their files in OUTPUT.work; nothing is distilled."""
+        if not any(s.whole_model and not s.after_calibration for s in opts.recipe.stages):
+            return {}, None, opts.recipe.stages
+        reports, recipe = streamed_model_stages(
+            dataclasses.replace(opts, out=self.work, progress=opts.progress and self.main), self.streamed, self.main)
+        return reports, None, recipe.stages
+
+    def pass_extras(self, opts: RunOptions, model_reports: dict) -> PassExtras:
+        """The pass reads the blocks from disk and writes them to the output's shards (`writer`), carries the
+        evaluation windows through both models, and checkpoints itself after every block; the baseline's figures
+        are taken before it changes the model."""
+        from .report import model_figures
+
+        recipe = opts.recipe
+        self.baseline_figures = model_figures(self.model, recipe.eval, meta=True)
+        self.windows = eval_windows(self.tokenizer, recipe.eval.split, recipe.eval.seq_len, recipe.eval.max_windows) \
+            if recipe.eval.perplexity and self.main else None
+        self.evaluation = StreamedEval(self.windows) if self.windows is not None else None
+        self.writer = None
+        if recipe.output.save_model and self.main:
+            shard_args = ({"compress": "1"}, recipe.output.max_shard_bytes, True)  # keep_closed: for the checkpoint
+            self.writer = ShardWriter.restore(self.staging, self.state["writer"], *shard_args) if self.state else \
+                ShardWriter(self.staging, *shard_args)
+        self.blocks = StreamedBlocks(self.streamed, self.writer, recipe.output.save_dtype)
+        checkpoint = StreamCheckpoint(self.work / "stream", recipe.sha256, self.writer, self.blocks, self.evaluation,
+                                      self.state, self.rank, self.processes)
+        visitors = (self.evaluation,) if self.evaluation is not None else ()
+        return PassExtras(model_reports, opts.out.parent, self.blocks, visitors, checkpoint)
+
+    def stopped(self, opts: RunOptions) -> None:
+        opts.log(f"the streamed pass stopped; its progress is in {self.work}: the same command with --resume "
+                 "continues it")
+
+    def reload(self, opts: RunOptions) -> nn.Module:
+        raise ValueError("a streamed run does not load the original model whole (a stage after the calibration "
+                         "pass needs it as a teacher): run the model in memory (model.stream: false)")
+
+    def save(self, tmp: Path, opts: RunOptions, record: dict) -> None:
+        """The tensors outside the blocks (the blocks' went to the shards in the pass), then the model files."""
+        model, arch, save_dtype = self.model, self.arch, opts.recipe.output.save_dtype
+        opts.log("writing the rest of the model (embeddings, final norm, head) and closing the shards ...")
+        for name, t in storage_tensors(model, save_dtype):
+            self.writer.add(name, t)
+        if any(p.is_meta for p in get_module(model, arch.embed).parameters()):
+            for name, t in self.streamed.outside_tensors(arch.embed, getattr(torch, save_dtype)):
+                self.writer.add(name, t)
+        self.writer.finish()
+        write_model_files(model, self.tokenizer, tmp, record, save_dtype, self.blocks.kv)
+
+    def evaluate(self, opts: RunOptions, before_distill: None) -> tuple[dict, int]:
+        return streamed_eval(opts.recipe, self.model, self.arch, self.evaluation, self.windows, self.baseline_figures,
+                             opts.progress, opts.device), self.n_params * 2
+
+    def export(self, tmp: Path, opts: RunOptions, record: dict, samples) -> list[dict]:
+        return export_streamed(opts, record, tmp, self.streamed)
+
+    def sections(self, opts: RunOptions) -> dict:
+        return {"streamed": {
+            "weights_from": self.streamed.where, "blocks": len(self.arch.block_list(self.model)),
+            "resumed_at_block": self.state["next"] if self.state else None,
+            "evaluation": "perplexity, KL and top-1 computed in the same pass, the baseline's and the compressed "
+                          "model's hidden states carried block by block (no second copy)" if self.windows is not None
+            else "no perplexity evaluation (eval.perplexity: false)",
+            "not_measured": NOT_STREAMED if opts.recipe.eval.speed else {},
+            "dtype": str(self.streamed.dtype).replace("torch.", ""),
+        }}
 
 
 NOT_VERIFIED = ("not reloaded and compared here: the loaders read the whole model, which this run streamed "
