@@ -41,7 +41,7 @@ class ModelSpec:
     plant_outliers: PlantSpec | None = None  # tests and benchmarks: plant LLM.int8-style outlier features first
     # refuse, before loading, a run the memory plan (memory_plan.py) predicts will not fit; false: run anyway
     check_memory: bool = True
-    # stream the weights from disk one decoder block at a time (stream_run.py): auto = when the memory plan says the
+    # stream the weights from disk one decoder block at a time (pipeline/streamed.py): auto = when the memory plan says the
     # whole model does not fit; always; never
     stream: Literal["auto", "always", "never"] = "auto"
 

@@ -82,7 +82,7 @@ def _wrapper(base: str):
         if record is not None:  # calibration: running maxima of |k| and |v|
             record[0] = max(record[0], float(key.detach().abs().amax()))
             record[1] = max(record[1], float(value.detach().abs().amax()))
-        elif getattr(module, "kv_quant", None) is not None:  # int8 / int4 KIVI cache (kv_quant.py)
+        elif getattr(module, "kv_quant", None) is not None:  # int8 / int4 KIVI cache (kv/kivi.py)
             return kivi_attention(module, query, key, value, attention_mask, module.kv_quant, **kwargs)
         elif getattr(module, "k_scale", None) is not None:
             key = fake_quantize_kv(key, module.k_scale, module.kv_cache_dtype)
@@ -134,7 +134,7 @@ def kv_layers(model: nn.Module) -> dict[str, dict]:
 
 
 def attach_kv_quant(module: nn.Module, kv: KVQuant) -> list[str]:
-    """Mark every attention module under `module` to attend over an int KIVI cache of format `kv` (kv_quant.py; the
+    """Mark every attention module under `module` to attend over an int KIVI cache of format `kv` (kv/kivi.py; the
     attention wrapper above reads it); returns their names."""
     names = attention_modules(module)
     for name in names:

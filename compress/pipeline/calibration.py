@@ -1,4 +1,4 @@
-"""What the in-memory run (pipeline.py) and the streamed run (stream_run.py) share: the calibration pass with the
+"""What the in-memory run (resident.py) and the streamed run (streamed.py) share: the calibration pass with the
 block stages (`compress_model`), the report's header and files."""
 from __future__ import annotations
 

@@ -243,7 +243,7 @@ def _pass_memory(recipe, basis) -> tuple[int, dict[str, int], dict[str, int]]:
 
 
 def _streamed_plan(recipe, basis, dtype, device: str, available, device_available) -> MemoryPlan:
-    """A streamed run (stream_run.py): one block (and its dequantized copy while its compressed forward runs), the
+    """A streamed run (pipeline/streamed.py): one block (and its dequantized copy while its compressed forward runs), the
     calibration activations and statistics, both models' evaluation hidden states; before and after the blocks, the
     embedding (to capture the blocks' inputs) or the head (to score), one at a time, and the logits. A stage's work
     between the block's forwards (GPTQ's solve) is a phase of its own, with the block's float weights alone."""

@@ -1,7 +1,7 @@
 """The recipe's stages and their registry.
 
 `STAGES` maps a recipe's `stage:` name to its class, and is the only list of stages: the recipe loader, the runner
-(`pipeline.py`), `compress inspect` and the report renderer reach every stage through it and the lifecycle in
+(`pipeline/resident.py`), `compress inspect` and the report renderer reach every stage through it and the lifecycle in
 `base.py`. A new stage is one file here, one line below, and its tests; a new weight quantization method for the
 `quantize` stage is one file in `quantizers/` and one line in `quantizers.QUANTIZERS` (HQQ is the worked example).
 """

@@ -1,5 +1,5 @@
 """The `kv_cache` stage: per-layer fp8 key/value scales, calibrated from the keys and values attention reads
-(kv_cache.py holds the attention wrapper that records and applies them); or an int8 / int4 KIVI cache (kv_quant.py:
+(kv/cache.py holds the attention wrapper that records and applies them); or an int8 / int4 KIVI cache (kv/kivi.py:
 keys per channel, values per token, a float residual window), which needs no calibration."""
 from __future__ import annotations
 
