@@ -138,3 +138,29 @@ def test_the_layer_check_sees_an_upward_import():
 def test_top_level_keeps_what_every_package_uses():
     top = sorted(p.stem for p in PACKAGE.glob("*.py"))
     assert len(top) <= 6, top
+
+
+def _functions(root: Path = PACKAGE):
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield path.relative_to(root.parent), node
+
+
+def test_no_function_is_longer_than_a_screenful_or_two():
+    """Issue 47's bar: no function over 120 lines (a longer one is several steps that want names)."""
+    long = [f"{path}:{node.name} ({node.end_lineno - node.lineno + 1} lines)" for path, node in _functions()
+            if node.end_lineno - node.lineno + 1 > 120]
+    assert long == []
+
+
+def test_the_runner_takes_small_objects_not_long_argument_lists():
+    """No function of the runner (pipeline/, calibrate/) takes more than 8 parameters: what travels together is one
+    dataclass (BlockPass, PassExtras, RunOptions)."""
+    def count(a: ast.arguments) -> int:
+        n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs)
+        return n - (1 if a.args and a.args[0].arg in ("self", "cls") else 0)
+
+    wide = [f"{path}:{node.name} ({count(node.args)})" for path, node in _functions()
+            if path.parts[1] in ("pipeline", "calibrate") and count(node.args) > 8]
+    assert wide == []
