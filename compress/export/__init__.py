@@ -88,7 +88,7 @@ EXPORTERS: dict[str, Exporter] = {e.name: e for e in (
     Exporter("modelopt-nvfp4", "TensorRT-LLM, vLLM (ModelOpt NVFP4, Blackwell)",
              _lazy("modelopt", "problems"), _lazy("modelopt", "write"), _lazy("readers", "read_modelopt")),
     Exporter("native", "compress (`compress eval` / `export` / `verify`; what `compress run` writes)",
-             _lazy("native", "problems"), _lazy("native", "write"), _lazy("readers", "read_native")),
+             _lazy("native", "problems"), _lazy("native", "write"), _lazy("native", "read")),
     *(_gguf(qtype) for qtype in GGUF_TYPES),
 )}
 FORMAT_NAMES = tuple(EXPORTERS)

@@ -166,3 +166,8 @@ def write(model: nn.Module, tokenizer, folder: Path, source_gguf=None, parts=Non
     save_compressed(model, tokenizer, folder, {}, max_shard_bytes=max_shard_bytes)
     layers = sum(isinstance(m, QuantLinear) for m in model.modules())
     return {"layers": layers, "float_dtype": "bfloat16", "notes": []}
+
+
+def read(folder: Path, record: dict):
+    """`compress verify`'s reader: the checkpoint rebuilt with its QuantLinear layers (reference matmuls)."""
+    return "compress (its own checkpoint: QuantLinear layers, reference matmuls)", load_compressed(folder)

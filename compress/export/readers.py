@@ -1,9 +1,9 @@
-"""Reading each export format back, for `compress verify`: through the format's own loader where it runs here
-(transformers for dense, compressed-tensors and block-scaled fp8; llama-cpp-python for GGUF; our loader for our own
-checkpoint), else with the format's published layout dequantized into a dense model (AWQ, GPTQ, per-tensor fp8,
-ModelOpt NVFP4: their serving kernels need a GPU), and the description says which. Each EXPORTERS entry names its
-reader; every reader takes (folder, export.json's record) and returns (loader description, model), or for GGUF
-(loader, path of the .gguf file)."""
+"""Reading export formats back, for `compress verify`: through the format's own loader where it runs here
+(transformers for dense, compressed-tensors and block-scaled fp8; llama-cpp-python for GGUF), else with the format's
+published layout dequantized into a dense model (AWQ, GPTQ, per-tensor fp8, ModelOpt NVFP4: their serving kernels need
+a GPU), and the description says which. Each EXPORTERS entry names its reader (a new format may keep its reader in its
+own module, as native.py does, using the helpers here); every reader takes (folder, export.json's record) and returns
+(loader description, model), or for GGUF (loader, path of the .gguf file)."""
 from __future__ import annotations
 
 import json
@@ -149,8 +149,3 @@ def read_fp8(folder: Path, record: dict):
     if quant.get("weight_block_size"):
         return read_transformers(folder, record)
     return READER, _dense_from_tensors(folder, lambda p, s: s[f"{p}.weight"].float() * s[f"{p}.weight_scale"])
-
-
-def read_native(folder: Path, record: dict):
-    from .native import load_compressed
-    return "compress (its own checkpoint: QuantLinear layers, reference matmuls)", load_compressed(folder)
