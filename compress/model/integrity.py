@@ -335,13 +335,17 @@ def _check_gguf(path: Path, buf, size: int) -> None:
         else:
             raise corrupt(f"metadata entry {key!r} has value type {kind}, which GGUF does not define")
 
+    def text(what: str) -> str:
+        start = cur.pos
+        try:
+            return cur.string().decode("utf-8")
+        except UnicodeDecodeError:
+            raise corrupt(f"the {what} at byte {start} is not UTF-8") from None
+
     try:
         for _ in range(n_kv):
             start = cur.pos
-            try:
-                key = cur.string().decode("utf-8")
-            except UnicodeDecodeError:
-                raise corrupt(f"the metadata key at byte {start} is not UTF-8") from None
+            key = text("metadata key")
             if key in keys:
                 raise corrupt(f"metadata key {key!r} appears twice (again at byte {start})")
             keys.add(key)
@@ -356,10 +360,7 @@ def _check_gguf(path: Path, buf, size: int) -> None:
             raise corrupt(f"general.alignment is {alignment}, not a power of two")
         for _ in range(n_tensors):
             start = cur.pos
-            try:
-                name = cur.string().decode("utf-8")
-            except UnicodeDecodeError:
-                raise corrupt(f"the tensor name at byte {start} is not UTF-8") from None
+            name = text("tensor name")
             if name in infos:
                 raise corrupt(f"tensor name {name!r} appears twice (again at byte {start})", name)
             key = name
