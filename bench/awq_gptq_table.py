@@ -239,7 +239,7 @@ def compress_all(out_root: Path, only: list[str], jobs: int = 1, reuse: bool = F
 
 
 def score_all(info: dict, max_windows: int) -> dict:
-    from compress.evaluate.ppl import score_windows
+    from compress.measure.ppl import score_windows
     from compress.pipeline.report import eval_windows
     from compress.model.load import load_model
     from compress.export.native import load_compressed

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from compress.arch import get_arch  # noqa: E402
-from compress.evaluate.speed import measure_speed  # noqa: E402
+from compress.measure.speed import measure_speed  # noqa: E402
 from compress.kernels import cpu  # noqa: E402
 from compress.kernels.dispatch import install_dispatch, plan_dispatch, summary  # noqa: E402
 from compress.model.load import load_model  # noqa: E402

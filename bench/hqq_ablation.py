@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from compress.arch import get_arch, get_module, set_module  # noqa: E402
-from compress.evaluate.ppl import score_windows  # noqa: E402
+from compress.measure.ppl import score_windows  # noqa: E402
 from compress.pipeline.report import eval_windows  # noqa: E402
 from compress.model.load import load_model  # noqa: E402
 from compress.core.nn import QuantLinear, is_linear  # noqa: E402

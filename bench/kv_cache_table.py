@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `compress` from a checkout, installed or not
 
 from compress.calibrate.data import sequential_windows, tokenize_joined, wikitext2_rows  # noqa: E402
-from compress.evaluate.memory import serving_bytes  # noqa: E402
-from compress.evaluate.ppl import _final_hidden, _logits, score_hidden  # noqa: E402
+from compress.measure.memory import serving_bytes  # noqa: E402
+from compress.measure.ppl import _final_hidden, _logits, score_hidden  # noqa: E402
 from compress.serving.roofline import get_accelerator, max_batch, model_facts  # noqa: E402
 from compress.kv.cache import attach_kv_quant, use_kv_attention  # noqa: E402
 from compress.kv.kivi import KVQuant  # noqa: E402
@@ -177,7 +177,7 @@ def lm_eval_wikitext(loaded, args) -> None:
     long-context task the shared data allows) for the float cache and the two KIVI caches."""
     import copy
 
-    from compress.evaluate.harness import evaluate_tasks
+    from compress.measure.harness import evaluate_tasks
 
     configs = {"float": None, "int8 KIVI g32 r128": KVQuant(8, 32, 128), "int4 KIVI g32 r128": KVQuant(4, 32, 128)}
     models = {}

@@ -69,7 +69,7 @@ def quiet_speed(folders: list[Path]) -> dict[str, dict]:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from compress.evaluate.speed import measure_speed
+    from compress.measure.speed import measure_speed
     from compress.model.load import load_model
 
     torch.set_num_threads(1)

@@ -106,7 +106,7 @@ def compress_all(out_root: Path, variant: str, only: list[str], reuse: bool) -> 
 
 def score_variant(info: dict, variant: str, max_windows: int, with_bnb: bool) -> dict:
     from compress.arch import get_arch
-    from compress.evaluate.ppl import score_windows
+    from compress.measure.ppl import score_windows
     from compress.pipeline.report import eval_windows, llm_int8_float_share
     from compress.model.load import load_model
     from compress.export.native import load_compressed

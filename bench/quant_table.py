@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import protocol  # noqa: E402
 from compress.arch import get_arch  # noqa: E402
-from compress.evaluate.memory import peak_rss_bytes, weight_bytes  # noqa: E402
-from compress.evaluate.ppl import score_windows  # noqa: E402
+from compress.measure.memory import peak_rss_bytes, weight_bytes  # noqa: E402
+from compress.measure.ppl import score_windows  # noqa: E402
 from compress.pipeline.report import eval_windows  # noqa: E402
 from compress.model.load import load_model  # noqa: E402
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize  # noqa: E402

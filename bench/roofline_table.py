@@ -18,7 +18,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `compress` from a checkout, installed or not
 
-from compress.evaluate.memory import serving_bytes  # noqa: E402
+from compress.measure.memory import serving_bytes  # noqa: E402
 from compress.serving.roofline import ACCELERATORS, model_facts, roofline  # noqa: E402
 from compress.kv.cache import kv_layers  # noqa: E402
 from compress.model.load import load_model  # noqa: E402

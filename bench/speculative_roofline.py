@@ -15,8 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `compress` from a checkout, installed or not
 
-from compress.evaluate.memory import serving_bytes  # noqa: E402
-from compress.evaluate.speculation import SELF_DRAFT, int4_copy, roofline_rows  # noqa: E402
+from compress.measure.memory import serving_bytes  # noqa: E402
+from compress.measure.speculation import SELF_DRAFT, int4_copy, roofline_rows  # noqa: E402
 from compress.model.load import load_model  # noqa: E402
 
 

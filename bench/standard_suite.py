@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from compress.arch import get_arch  # noqa: E402
-from compress.evaluate.pareto import write as write_pareto  # noqa: E402
+from compress.measure.pareto import write as write_pareto  # noqa: E402
 from compress.pipeline.report import evaluate_models, write_report  # noqa: E402
 from compress.model.load import load_model  # noqa: E402
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize  # noqa: E402
@@ -47,7 +47,7 @@ RESULTS = ROOT / "bench" / "results" / "standard_suite"
 def rerender() -> None:
     """Rebuild the published pages from the stored scores (no model is run): lm-eval differences to the baseline
     with their standard errors replace the recovery ratios of the first render."""
-    from compress.evaluate.harness import difference
+    from compress.measure.harness import difference
 
     report = json.loads((RESULTS / "report.json").read_text())
     lm = report["eval"]["lm_eval"]

@@ -39,7 +39,7 @@ def parse_setting(text: str) -> dict:
 def main() -> None:
     from compress.arch import get_arch
     from compress.calibrate.data import fingerprint
-    from compress.evaluate.ppl import score_windows
+    from compress.measure.ppl import score_windows
     from compress.pipeline.report import eval_windows
     from compress.model.load import load_model
     from compress.export.native import load_compressed

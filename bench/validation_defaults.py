@@ -85,7 +85,7 @@ def compress_all(root: Path, only: list[str], reuse: bool) -> dict:
 
 
 def score_all(info: dict) -> dict:
-    from compress.evaluate.ppl import score_windows
+    from compress.measure.ppl import score_windows
     from compress.pipeline.report import eval_windows
     from compress.model.load import load_model
     from compress.export.native import load_compressed

@@ -51,13 +51,14 @@ class CalibrationSpec:
     """Calibration windows: `preset:` names a file in calib/; any other key here overrides it."""
 
     preset: str | None = None
-    kind: Literal["wikitext2", "hub", "files", "self"] = "wikitext2"
+    kind: Literal["wikitext2", "hub", "files", "self", "texts"] = "wikitext2"
     split: str = "validation"
     dataset: str | None = None
     config: str | None = None
     data_files: str | None = None
     text_field: str = "text"
     files: tuple[str, ...] = ()
+    texts: tuple[str, ...] = ()  # kind texts: the documents themselves (compress.compress(..., dataset=[...]))
     n_samples: int = 128
     seq_len: int = 512
     seed: int = 0
@@ -79,7 +80,7 @@ class CalibrationSpec:
 
     def source(self) -> TextSource:
         return TextSource(self.kind, self.split, self.dataset, self.config, self.data_files, self.text_field,
-                          self.files)
+                          self.files, self.texts)
 
 
 @dataclass(frozen=True)
@@ -103,13 +104,13 @@ class EvalSpec:
     # before measuring speed, time every kernel that can run each quantized layer (kernels/dispatch.py) and use the
     # fastest per batch size; accuracy is always measured on the reference path
     dispatch: bool = True
-    # lm-eval tasks (compress/evaluate/harness.py: arc_easy, arc_challenge, piqa, winogrande, boolq, lambada_openai,
+    # lm-eval tasks (compress/measure/harness.py: arc_easy, arc_challenge, piqa, winogrande, boolq, lambada_openai,
     # wikitext), on the local data folder when there is one; task_limit: documents per task (null: all)
     tasks: tuple[str, ...] = ()
     task_limit: int | None = None
     num_fewshot: int = 0
     task_batch_size: int = 8
-    # the compressed model as a speculative-decoding draft for the baseline (compress/evaluate/speculation.py):
+    # the compressed model as a speculative-decoding draft for the baseline (compress/measure/speculation.py):
     # these draft lengths (empty: off) and the adaptive one, greedy, on WikiText-2 test prompts, batch 1
     speculative: tuple[int, ...] = ()
     speculative_prompts: int = 2
@@ -127,7 +128,7 @@ class EvalSpec:
             raise ValueError(f"threads must be >= 0 (0 = all cores), got {self.threads}")
         if self.max_windows is not None and self.max_windows < 1:
             raise ValueError(f"max_windows must be >= 1 or null, got {self.max_windows}")
-        from .evaluate.harness import check_tasks
+        from .measure.harness import check_tasks
         check_tasks(self.tasks)
         if self.task_limit is not None and self.task_limit < 1:
             raise ValueError(f"task_limit must be >= 1 or null, got {self.task_limit}")

@@ -14,7 +14,7 @@ from torch import nn
 from compress.arch import ArchSpec, get_arch, get_module
 from compress.calibrate.blockwise import (BlockInputs, BlockPass, ReplayWarning, block_forward, capture_block_inputs,
                                 relative_error, run_blockwise)
-from compress.evaluate.ppl import final_logits
+from compress.measure.ppl import final_logits
 from compress.arch.moe import unfuse_experts
 from compress.core.nn import QuantLinear, is_linear
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize

@@ -622,7 +622,7 @@ def test_run_scores_lm_eval_tasks_for_baseline_and_compressed(tmp_path, model_di
 
 
 def test_speed_sweep_over_batch_and_context_skips_what_does_not_fit(tmp_path, model_dir, calib_file):
-    from compress.evaluate.speed import speed_sweep, sweep_bytes
+    from compress.measure.speed import speed_sweep, sweep_bytes
 
     recipe = _recipe(model_dir, calib_file, tmp_path / "out")
     recipe["eval"].update(speed_batches=[1, 4], speed_contexts=[8, 16], decode_tokens=2, speed_repeats=1)

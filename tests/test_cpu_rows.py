@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from compress.evaluate.speculation import int4_copy
+from compress.measure.speculation import int4_copy
 from compress.kernels import cpu_rows
 from compress.kernels.cpu_rows import RowsUnavailable, has_vnni, load, rows_linear, rows_reason
 from compress.serving.lean_decode import LeanStream, fuse_projections, use_rows

@@ -13,7 +13,7 @@ from tests.conftest import make_tiny_model, requires_data, shared_data_dir
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
 pytest.importorskip("lm_eval")
-from compress.evaluate import harness  # noqa: E402
+from compress.measure import harness  # noqa: E402
 from compress.resources import resource_dir  # noqa: E402
 
 TASK_DIR = resource_dir("eval") / "lm_eval"

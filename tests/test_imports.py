@@ -100,7 +100,7 @@ LAYERS = (
     ("transforms",),       # function-preserving rewrites (rotation, smoothing)
     ("quantizers",),       # weight methods
     ("serving",),          # decode loops, speculative decoding, capacity planner, roofline
-    ("evaluate",),         # perplexity, KL, lm-eval, memory, speed
+    ("measure",),          # perplexity, KL, lm-eval, memory, speed
     ("export",),           # serving formats (and the shards they are written in)
     ("model",),            # where models come from: hub, folder, GGUF, our own checkpoints, streamed blocks
     ("engines",),          # an export run by the engine itself
@@ -108,6 +108,7 @@ LAYERS = (
     ("distill",),          # training after compression
     ("stages",),           # recipe stages: they compose everything below
     ("pipeline", "compress.recipe"),
+    ("api",),              # the Python API: compress / evaluate / load / run, and what they return
     ("cli", "compress", "compress.__main__"),
 )
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import (AutoModelForCausalLM, GemmaConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config)
 
-from compress.evaluate.speculation import int4_copy
+from compress.measure.speculation import int4_copy
 from compress.serving.lean_decode import LeanStream, lean_problem
 from compress.serving.speculative import generate_plain, generate_speculative, make_stream
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from compress.arch import get_arch
-from compress.evaluate.ppl import score_windows
+from compress.measure.ppl import score_windows
 from compress.pipeline.report import eval_windows
 from compress.core.nn import QuantLinear
 from compress.pipeline.calibration import compress_model

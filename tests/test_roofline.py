@@ -108,7 +108,7 @@ def test_weights_that_do_not_fit_give_no_batch():
 
 def test_serving_bytes_count_floats_at_bf16_and_quantized_layers_as_stored():
     from compress.arch import get_arch
-    from compress.evaluate.memory import serving_bytes
+    from compress.measure.memory import serving_bytes
     from compress.core.nn import QuantLinear
     from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
     from compress.core.scheme import scheme
@@ -125,7 +125,7 @@ def test_serving_bytes_count_floats_at_bf16_and_quantized_layers_as_stored():
 
 
 def test_pareto_frontier_keeps_exactly_the_undominated_runs():
-    from compress.evaluate.pareto import frontier
+    from compress.measure.pareto import frontier
     rows = [{"run": "a", "weight_bytes": 100, "ppl": 20.0}, {"run": "b", "weight_bytes": 50, "ppl": 22.0},
             {"run": "c", "weight_bytes": 60, "ppl": 23.0},  # dominated by b: bigger and worse
             {"run": "d", "weight_bytes": 30, "ppl": 30.0}, {"run": "e", "weight_bytes": 100, "ppl": 21.0},  # e: by a

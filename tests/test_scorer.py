@@ -1,4 +1,4 @@
-"""The scorer (evaluate/ppl.py) against independent computations: transformers' own loss for perplexity, and a
+"""The scorer (measure/ppl.py) against independent computations: transformers' own loss for perplexity, and a
 plain full-logits implementation of KL(baseline || model) and top-1 agreement."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from compress.arch import get_arch
-from compress.evaluate import ppl
-from compress.evaluate.ppl import score_windows
+from compress.measure import ppl
+from compress.measure.ppl import score_windows
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
 from compress.core.scheme import scheme
 from tests.conftest import TINY_CONFIGS, make_tiny_model, requires_data
@@ -100,7 +100,7 @@ def test_logits_from_final_hidden_states_are_the_models_own(family):
     what the streamed evaluation computed before."""
     import transformers
 
-    from compress.evaluate.ppl import _final_hidden, final_logits
+    from compress.measure.ppl import _final_hidden, final_logits
     from tests.conftest import _COMMON
 
     if family == "granite":
@@ -219,7 +219,7 @@ def test_kl_top1_and_both_perplexities_over_several_chunks(seq_len):
 def test_score_hidden_over_several_chunks_reads_each_windows_own_hidden_states():
     """score_hidden (the streamed run's and distillation's entry point) with hidden states handed in per window index,
     as a block-by-block pass carries them: the same scores as one full forward per window, KL included."""
-    from compress.evaluate.ppl import _final_hidden, final_logits
+    from compress.measure.ppl import _final_hidden, final_logits
 
     base = _long_model("llama")
     quantized = _int2(base)

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
 from compress.arch import get_arch
-from compress.evaluate.speed import _static_speed
+from compress.measure.speed import _static_speed
 from compress.kernels import dispatch
 from compress.serving.lean_decode import fuse_projections
 from compress.core.scheme import W4A16, FP8_DYNAMIC

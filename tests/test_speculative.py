@@ -199,7 +199,7 @@ def test_adaptive_verify_cost_is_learned_per_length():
 
 
 def test_int4_copy_quantizes_a_copy_and_reports_what_it_kept():
-    from compress.evaluate.speculation import int4_copy
+    from compress.measure.speculation import int4_copy
     from compress.core.nn import QuantLinear
     from compress.core.scheme import W4A16_ASYM_G64
 
@@ -222,7 +222,7 @@ def test_int4_copy_quantizes_a_copy_and_reports_what_it_kept():
 
 
 def test_measure_draft_reports_each_length_and_checks_greedy_outputs():
-    from compress.evaluate.speculation import int4_copy, measure_draft, render
+    from compress.measure.speculation import int4_copy, measure_draft, render
 
     target = make_tiny_model("llama").double()
     draft, _ = int4_copy(target, dtype=torch.float64)
@@ -237,11 +237,11 @@ def test_measure_draft_reports_each_length_and_checks_greedy_outputs():
     assert k3["tokens_per_step"] <= 4 and abs(k3["expected_tokens_per_step"] - spec.expected_tokens(k3["alpha"], 3)) < 1e-12
     assert any("| 3 |" in line for line in render(result))
     # the roofline counts float tensors at bf16 whatever their dtype here (this target is float64)
-    from compress.evaluate.speculation import roofline_rows
+    from compress.measure.speculation import roofline_rows
     params = sum(p.numel() for p in target.parameters())
     assert result["target_serving_bytes"] == 2 * params and result["target_bytes"] == 8 * params
     rows = roofline_rows(result, target.config, draft.config, ["H100-SXM"])
-    from compress.evaluate.memory import serving_bytes
+    from compress.measure.memory import serving_bytes
     assert result["draft_serving_bytes"] == serving_bytes(draft) < result["target_serving_bytes"]
     assert [r["k"] for r in rows] == [1, 3, "adaptive"] and all(0 < r["draft_cost"] < 1 for r in rows)
 
@@ -310,7 +310,7 @@ def test_a_vocabulary_subset_draft_keeps_decoding_exact():
     slow here, so: every token the subset excludes still appears through the residual)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from compress.evaluate.speculation import VocabSubsetHead, int4_copy
+    from compress.measure.speculation import VocabSubsetHead, int4_copy
 
     torch.manual_seed(0)
     target = AutoModelForCausalLM.from_config(LlamaConfig(

@@ -41,13 +41,14 @@ def find_data_dir() -> Path | None:
 class TextSource:
     """Where text comes from. `kind` picks which of the other fields apply."""
 
-    kind: Literal["wikitext2", "hub", "files", "self"] = "wikitext2"
+    kind: Literal["wikitext2", "hub", "files", "self", "texts"] = "wikitext2"
     split: str = "validation"  # wikitext2 / hub
     dataset: str | None = None  # hub: dataset id, e.g. "mit-han-lab/pile-val-backup"
     config: str | None = None  # hub: dataset config name
     data_files: str | None = None  # hub: passed to load_dataset(data_files=...)
     text_field: str = "text"  # hub / jsonl / parquet column
     files: tuple[str, ...] = ()  # files: .txt, .jsonl or .parquet paths
+    texts: tuple[str, ...] = ()  # texts: the documents themselves (the Python API's `dataset=`)
 
 
 _WIKITEXT_FILES = {"test": "wiki.test.raw", "validation": "wiki.valid.raw", "valid": "wiki.valid.raw",
@@ -144,6 +145,10 @@ def load_texts(source: TextSource) -> list[str]:
         return _hub_texts(source.dataset, source.config, source.data_files, source.split, source.text_field)
     if source.kind == "files":
         return _file_texts(source.files, source.text_field)
+    if source.kind == "texts":
+        if not source.texts or not all(isinstance(t, str) for t in source.texts):
+            raise ValueError("calibration kind 'texts' needs `texts:` (a non-empty list of strings)")
+        return list(source.texts)
     raise ValueError(f"load_texts cannot read kind {source.kind!r}; text of kind 'self' comes from sample_from_model")
 
 

@@ -222,7 +222,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from ..evaluate.pareto import write
+    from ..measure.pareto import write
 
     out = Path(args.output)
     write([Path(d) for d in args.run_dirs], out)
@@ -338,8 +338,7 @@ def _quiet_libraries() -> None:
 
 
 def cmd_run(args) -> int:
-    from ..pipeline.resident import run
-    from ..recipe import load_recipe
+    from ..api import run
 
     overrides = list(args.overrides)
     if args.output:
@@ -348,21 +347,22 @@ def cmd_run(args) -> int:
         overrides.append("output.overwrite=true")
     if args.max_windows is not None:
         overrides.append(f"eval.max_windows={args.max_windows}")
-    recipe = load_recipe(args.recipe, overrides)
     if args.no_progress:
         _quiet_libraries()
-    report = run(recipe, progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr), resume=args.resume)
-    if not report:  # a helper process under `accelerate launch`: the main process writes the report
+    report = run(args.recipe, overrides, progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr),
+                 resume=args.resume)
+    if not report.data:  # a helper process under `accelerate launch`: the main process writes the report
         return 0
-    print((Path(recipe.output.dir) / "report.md").read_text())
+    print(report.markdown())
     return 0
 
 
 def cmd_eval(args) -> int:
     import torch
 
-    from ..pipeline.report import evaluate_models, render_markdown, write_report
-    from ..model.load import load_model, offloaded, resolve_device
+    from ..api.session import evaluate_loaded
+    from ..pipeline.report import render_markdown, write_report
+    from ..model.load import load_model, resolve_device
     from ..recipe import EvalSpec, build, eval_suite_settings
 
     device = resolve_device(args.device)
@@ -387,13 +387,8 @@ def cmd_eval(args) -> int:
         models = {"model": loaded.model}
         if args.baseline:
             models = {"baseline": load_model(args.baseline, args.dtype, device, offload=offload()).model, **models}
-        for m in models.values():
-            if not offloaded(m):  # accelerate's hooks place an offloaded model's weights themselves
-                m.to(device)
-        report = {"model": {"source": loaded.source, "kind": loaded.kind},
-                  "eval": evaluate_models(models, loaded.tokenizer, spec, device,
-                                          baseline="baseline" if args.baseline else None,
-                                          progress=not args.no_progress)}
+        report = evaluate_loaded(models, loaded.tokenizer, spec, device, not args.no_progress,
+                                 {"source": loaded.source, "kind": loaded.kind})
     if args.output:
         Path(args.output).mkdir(parents=True, exist_ok=True)
         write_report(report, args.output)

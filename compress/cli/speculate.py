@@ -92,7 +92,7 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from ..serving.roofline import get_accelerator
-    from ..evaluate.speculation import (ROW_KINDS, SELF_DRAFT, choose_kernels, frequent_tokens, int4_copy,
+    from ..measure.speculation import (ROW_KINDS, SELF_DRAFT, choose_kernels, frequent_tokens, int4_copy,
             measure_draft, render, roofline_rows, subset_head, wikitext_prompts)
     from ..core.scheme import W4A16_ASYM_G64, W8A16
     from ..kernels.dispatch import plan_dispatch, use_dispatch

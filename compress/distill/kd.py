@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..evaluate.ppl import score_hidden, score_windows
+from ..measure.ppl import score_hidden, score_windows
 from ..model.integrity import check_resume_dir
 
 STATE_FILE = "distill_state.json"  # written last, so a checkpoint folder without it is incomplete

@@ -16,7 +16,7 @@ from ..calibrate.distributed import (active, check_stages, local_keep, reduce_st
 from ..arch import block_pairs
 from ..calibrate.blockwise import BlockPass, run_blockwise
 from ..calibrate.data import calibration_windows, fingerprint
-from ..evaluate.plots import plot_recovery
+from ..measure.plots import plot_recovery
 from .report import write_report
 from ..core.nn import QuantLinear, is_linear, native_bf16
 from ..calibrate.observers import BlockObserver
@@ -42,6 +42,8 @@ def calibration_samples(recipe: Recipe, model, tokenizer) -> tuple[torch.Tensor,
     cal = recipe.calibration
     samples = calibration_windows(cal.source(), tokenizer, model, cal.n_samples, cal.seq_len, cal.seed)
     info = {k: v for k, v in asdict(cal).items() if v not in (None, ())}
+    if cal.texts:  # the documents themselves stay out of the report: their count (and the windows' fingerprint)
+        info["texts"] = f"{len(cal.texts)} documents"
     info.update(fingerprint=fingerprint(samples), tokens=int(samples.numel()))
     return samples, info
 

@@ -11,11 +11,11 @@ from torch import nn
 from ..calibrate.data import eval_windows, fingerprint
 from ..core.nn import QuantLinear
 from ..stages import get_stage
-from ..evaluate.fmt import mb as _mb, num as _f
-from ..evaluate.memory import peak_cuda_bytes, peak_rss_bytes, serving_bytes, weight_bytes
-from ..evaluate.ppl import score_windows
+from ..measure.fmt import mb as _mb, num as _f
+from ..measure.memory import peak_cuda_bytes, peak_rss_bytes, serving_bytes, weight_bytes
+from ..measure.ppl import score_windows
 from ..kernels.dispatch import plan_dispatch, render as render_dispatch, use_dispatch
-from ..evaluate.speed import measure_speed, speed_sweep
+from ..measure.speed import measure_speed, speed_sweep
 from ..threads import cpu_threads
 
 
@@ -67,7 +67,7 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
                                                                      spec.speed_contexts, spec.decode_tokens,
                                                                      spec.speed_repeats, device)
     if getattr(spec, "tasks", ()):
-        from ..evaluate.harness import evaluate_tasks
+        from ..measure.harness import evaluate_tasks
         with cpu_threads(accuracy_threads):
             result["lm_eval"] = evaluate_tasks(models, tokenizer, spec.tasks, spec.task_limit, spec.num_fewshot,
                                                spec.task_batch_size, baseline=baseline)
@@ -85,7 +85,7 @@ def speculative_section(target: nn.Module, draft: nn.Module, tokenizer, spec) ->
     """The compressed model measured as a greedy speculative-decoding draft for the original (batch 1, on the speed
     threads, its fastest kernels): α, tokens per target step, speed-up per draft length, the roofline's prediction."""
     from ..serving.lean_decode import use_rows
-    from ..evaluate.speculation import choose_kernels, measure_draft, roofline_rows, wikitext_prompts
+    from ..measure.speculation import choose_kernels, measure_draft, roofline_rows, wikitext_prompts
 
     prompts = wikitext_prompts(tokenizer, spec.speculative_prompts, spec.speculative_prompt_tokens)
     quantized = any(isinstance(q, QuantLinear) for q in draft.modules())
@@ -110,7 +110,7 @@ def _speculative_lines(report: dict) -> list[str]:
     section = report.get("eval", {}).get("speculative")
     if not section:
         return []
-    from ..evaluate.speculation import render
+    from ..measure.speculation import render
     return ["", "## The compressed model as a speculative-decoding draft for the original"] + render(section)[1:]
 
 

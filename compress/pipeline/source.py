@@ -67,7 +67,7 @@ import shutil
 
 from torch import nn
 
-from ..evaluate.memory import folder_bytes
+from ..measure.memory import folder_bytes
 from ..export.staging import staged
 from ..stages.base import make_plan
 from .calibration import PassExtras, Timings, compress_model, run_header, set_threads, write_run_report

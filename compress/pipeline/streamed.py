@@ -24,7 +24,7 @@ from ..arch import get_module
 from ..calibrate.blockwise import BlockInputs, BlockVisitor, block_forward, capture_block_inputs
 from ..calibrate.data import eval_windows
 from ..calibrate.distributed import world
-from ..evaluate.memory import folder_bytes
+from ..measure.memory import folder_bytes
 from ..kv.cache import kv_layers, set_kv_scales
 from ..model.integrity import check_resume_dir
 from .memory_plan import plan_memory
@@ -489,7 +489,7 @@ def streamed_eval(recipe: Recipe, model: nn.Module, arch, evaluation: StreamedEv
                   baseline_figures: dict, progress: bool, device: str = "cpu") -> dict:
     """The report's `eval` section of a streamed run, in the in-memory run's shape. The hidden states were carried
     on `device`; the final norms and heads (on the CPU after the pass) go there for the scoring, and back."""
-    from ..evaluate.ppl import final_logits, score_hidden
+    from ..measure.ppl import final_logits, score_hidden
     from .report import eval_protocol, model_figures, peak_cuda_bytes, peak_rss_bytes
 
     spec = recipe.eval

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from ..arch import get_arch, get_module
 from ..calibrate.blockwise import (BlockInputs, ReplayWarning, ResidentBlocks, _first, block_forward,
         capture_block_inputs)
-from ..evaluate.ppl import final_logits
+from ..measure.ppl import final_logits
 from .mixed import FisherSums, rtn_error, sample_labels, solve_layers, solved_error
 from ..model.streaming import check_streamable, trim_heap
 

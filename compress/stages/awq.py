@@ -10,7 +10,7 @@ from ..arch import block_pairs
 from ..arch.moe import any_expert
 from ..transforms.smoothing import pair_label, pair_skip_reason
 from ..core.scheme import QuantScheme
-from ..evaluate.fmt import num
+from ..measure.fmt import num
 from .base import (BlockState, MemoryBasis, Needs, PassMemory, Plan, RunContext, StageBase, StageRecord, next_target,
         replay_memory)
 

@@ -12,7 +12,7 @@ from torch import nn
 from ..calibrate.data import (TextSource, eval_windows, load_texts, sample_from_model, sequential_windows,
         tokenize_joined)
 from ..distill.kd import distill
-from ..evaluate.fmt import num
+from ..measure.fmt import num
 from ..calibrate.distributed import world
 from .base import MemoryBasis, MemoryPhase, ModelStageContext, Plan, StageBase, StageRecord, inline, work_dir
 

@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
-from ..evaluate.fmt import num
+from ..measure.fmt import num
 from ..arch import ArchSpec, get_module, set_module
 from ..arch.mixers import float_linear_reason, float_reason
 from ..arch.moe import EXPERT, ROUTER_REASON, any_expert, router_names
