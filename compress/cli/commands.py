@@ -215,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="folders written by `compress run`")
     p.add_argument("--output", default="runs/report", help="folder for report.md, report.json and the PNGs "
                                                           "(default runs/report)")
+    from .plan import add_parser as add_plan_parser
+    from .speculate import add_parser as add_speculate_parser
+    add_speculate_parser(sub)
+    add_plan_parser(sub)
     p = sub.add_parser("push", help="upload a run or an export, with its model card, to the Hugging Face Hub",
                        epilog=EPILOG_PUSH, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folder", metavar="RUN_OR_EXPORT", help="a `compress run` output folder or an export folder")
@@ -225,10 +229,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", help="Hugging Face token (default: HF_TOKEN or the saved login)")
     p.add_argument("--write-card", action="store_true",
                    help="write (or rewrite) README.md from the folder's report.json / export.json first")
-    from .plan import add_parser as add_plan_parser
-    from .speculate import add_parser as add_speculate_parser
-    add_speculate_parser(sub)
-    add_plan_parser(sub)
     return parser
 
 

@@ -331,8 +331,9 @@ def write_folder_card(folder: str | Path) -> Path:
     push --write-card` does for a folder written before compress wrote cards."""
     folder = Path(folder)
     record = _read_json(folder / "export.json")
-    if record is not None:  # an export: its run is the checkpoint it was written from
-        run_dir = Path(record.get("source_model") or folder.parent.parent)
+    if record is not None:  # an export: inside its run (RUN/exports/FORMAT, moved with it), or where it was written
+        inside = folder.parent.name == "exports" and (folder.parent.parent / "compress.json").is_file()
+        run_dir = folder.parent.parent if inside else Path(record.get("source_model") or folder.parent.parent)
         report = _read_json(run_dir / "report.json") or {}
         entry = next((e for e in report.get("exports") or () if (run_dir / e["folder"]).resolve() == folder.resolve()),
                      None)
