@@ -100,6 +100,11 @@ def test_push_refuses_a_folder_without_a_card_or_weights_and_a_bad_repo_id(card_
     (empty / CARD).write_text("---\nlibrary_name: transformers\n---\n# nothing\n")
     with pytest.raises(ValueError, match="no model weights"):
         push(empty, "me/tiny", api=hub)
+    unsaved = _copy(card_run_dir, tmp_path / "unsaved")  # a run with output.save_model false: only its exports
+    for name in ("compress.json", "model.safetensors"):
+        (unsaved / name).unlink()
+    with pytest.raises(ValueError, match="no model weights"):  # not its exports' weights, in one repository
+        push(unsaved, "me/tiny", api=hub)
     with pytest.raises(ValueError, match="owner/name"):
         push(card_run_dir, "not a repo", api=hub)
     assert hub.calls == []

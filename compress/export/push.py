@@ -24,7 +24,7 @@ REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 def upload_list(folder: str | Path) -> list[str]:
     """The folder's files to upload, as repository paths (see the module docstring), sorted."""
     folder = Path(folder)
-    run_folder = (folder / "compress.json").is_file()
+    run_folder = (folder / "compress.json").is_file() or (folder / "report.json").is_file()  # saved model or not
     files = []
     for path in folder.rglob("*"):
         rel = path.relative_to(folder)
