@@ -178,8 +178,8 @@ def _metrics_lines(report: dict) -> list[str]:
                      f"{proto['dtype']}; KL and top-1 agreement of next-token predictions against the baseline.")
     if first_speed:
         lines.append(f"Speed: prefill {first_speed['prefill_tokens']} tokens, {first_speed['decode_tokens']} greedy "
-                     f"decode steps, on {first_speed['device']} ({first_speed['threads']} thread(s)); a serving "
-                     "engine on a GPU is much faster.")
+                     f"decode steps, on {first_speed['device']} ({first_speed['threads']} thread(s)): the run's own "
+                     "measurement, not a serving engine's.")
     lines += ["", "| metric | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
     lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows]
     return lines
@@ -311,7 +311,7 @@ def render_card(report: dict, fmt: str, recipe: str | None = None, entry: dict |
             f"{'A pruned / distilled' if relation(report) == 'finetune' else 'A quantized'} version of "
             + (f"[{base}](https://huggingface.co/{base})" if base else f"`{title}`")
             + f" ({', '.join(methods(report)) or 'no stages'}), stored as {what}. Made with "
-              "compress from the recipe below, which also wrote this card.", ""]
+              "compress from the recipe below; compress wrote this card from the run's report.", ""]
     body += _made_lines(report, fmt, base, entry) + [""] + _metrics_lines(report) + _export_check_lines(entry, fmt)
     if recipe:
         body += ["", "## Recipe", "", "Resolved (every default filled in):", "", "```yaml", recipe.rstrip("\n"), "```"]
