@@ -192,3 +192,11 @@ def run_tiny_recipe(tmp_path: Path, stages: list[dict], eval_spec: dict, formats
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     run(load_recipe(tmp_path / "recipe.yaml"), progress=False)
     return tmp_path / "out"
+
+
+@pytest.fixture(scope="session")
+def card_run_dir(tmp_path_factory) -> Path:
+    """One finished tiny run with a compressed-tensors and a gguf-q8_0 export, measured (tests/card_run.py), shared
+    by tests/test_card.py and tests/test_push.py."""
+    from tests.card_run import card_run
+    return card_run(tmp_path_factory.mktemp("card-run"), ("compressed-tensors", "gguf-q8_0"))

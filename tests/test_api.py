@@ -108,6 +108,9 @@ def test_a_notebook_session(tiny, tmp_path):
         assert (theirs - ours).abs().max() < 1e-2 * ours.abs().max()
         assert (theirs.argmax(-1) == ours.argmax(-1)).float().mean() > 0.95
     assert (dense / "export.json").is_file()
+    from tests.test_card import validate  # the Hub's conventions, the metrics table against the report
+    validate(saved / "README.md", result.report.data, "native", result.recipe.resolved_yaml(), "gptq")
+    validate(dense / "README.md", result.report.data, "dense", result.recipe.resolved_yaml(), "gptq")
 
 
 def test_recipes_come_as_a_path_text_dict_or_recipe(tiny):

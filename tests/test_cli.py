@@ -263,7 +263,8 @@ def test_eval_suite_with_flags_over_it(tmp_path, model_dir, capsys):
     assert "evaluation suite 'nosuch' not found" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", ["run", "eval", "inspect", "export", "verify", "report", "speculate", "plan"])
+@pytest.mark.parametrize("command", ["run", "eval", "inspect", "export", "verify", "report", "speculate", "plan",
+                                     "push"])
 def test_subcommand_help_shows_an_example(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])
@@ -278,7 +279,7 @@ def test_top_level_help(capsys):
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert "usage: compress" in out and "{run,eval,inspect,export,verify,report,speculate,plan}" in out
+    assert "usage: compress" in out and "{run,eval,inspect,export,verify,report,speculate,plan,push}" in out
 
 
 @pytest.mark.parametrize("command", ["run", "inspect"])

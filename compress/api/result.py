@@ -80,6 +80,7 @@ class Result:
         """The run folder `compress run` writes, without exports: the checkpoint (model*.safetensors, config.json,
         compress.json, the tokenizer), report.json / report.md and the recipe files; staged and renamed into place.
         `compress.load(path)`, `compress eval`, `compress export` and `compress verify` read it."""
+        from ..export.card import write_run_cards
         from ..export.native import save_compressed
         from ..export.staging import staged
         from ..pipeline.calibration import check_output, write_run_report
@@ -87,11 +88,13 @@ class Result:
         path = Path(path)
         check_output(path, overwrite)
         output = self.recipe.output
+        report = {k: v for k, v in self.report.data.items() if k != "exports"}  # exports stay where they were
         with staged(path) as tmp:
             save_compressed(self.model, self.tokenizer, tmp, self.record, output.save_dtype, output.max_shard_bytes)
-            write_run_report(self.report.data, tmp)
+            write_run_report(report, tmp)
             (tmp / "recipe.yaml").write_text(self.recipe.text or self.recipe.resolved_yaml())
             (tmp / "recipe.resolved.yaml").write_text(self.recipe.resolved_yaml())
+            write_run_cards(report, tmp)  # README.md, the Hub's model card
         return path
 
     def export(self, fmt: str, path: str | Path, overwrite: bool = False) -> Path:
@@ -99,12 +102,17 @@ class Result:
         records the recipe and the original model. Refused, before anything is written, when the format cannot
         hold the model (the error names the layers and why)."""
         from ..export import export_model
+        from ..export.card import write_card
+        from ..measure.memory import folder_bytes
 
         meta = {"recipe_sha256": self.record.get("recipe_sha256"), "recipe": self.record.get("recipe"),
                 "source_model": str(self.output.resolve()) if self.output else None,
                 "original_model": self.record.get("source")}
         source = str(self.record.get("source") or "")
-        export_model(self.model, self.tokenizer, fmt, path, meta, overwrite=overwrite,
-                     source_gguf=source if source.endswith(".gguf") else None,
-                     max_shard_bytes=self.recipe.output.max_shard_bytes)
+        record = export_model(self.model, self.tokenizer, fmt, path, meta, overwrite=overwrite,
+                              source_gguf=source if source.endswith(".gguf") else None,
+                              max_shard_bytes=self.recipe.output.max_shard_bytes)
+        entry = {"format": fmt, "folder": str(path), "loaders": record.get("loaders", ""),
+                 "bytes": folder_bytes(path), "notes": record.get("notes") or []}
+        write_card(path, self.report.data, fmt, self.recipe.resolved_yaml(), entry, record)  # the model card
         return Path(path)

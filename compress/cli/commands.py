@@ -91,6 +91,19 @@ shown: the default, and with the setting that serves the exported model (VLLM_CP
 """
 
 
+EPILOG_PUSH = """examples:
+  compress push runs/awq_int4/exports/compressed-tensors --repo my-org/SmolLM2-135M-awq-int4 --dry-run
+  compress push runs/int8_g32/exports/gguf-q8_0 --repo my-org/SmolLM2-135M-GGUF --private
+  compress push runs/int4_rtn --repo my-org/SmolLM2-135M-int4-compress        # the native checkpoint
+
+Uploads the folder to a Hugging Face model repository (created if needed; files added or replaced, none deleted)
+with its model card (README.md, written by `compress run` and `compress export`; OWNER/NAME in its snippets
+becomes --repo). Every file but hidden ones goes; a run folder's exports/ stays behind: push each export to its
+own repository. --dry-run lists the files and prints the card without contacting the Hub. The token: --token,
+else HF_TOKEN or `hf auth login`'s.
+"""
+
+
 EPILOG_REPORT = """examples:
   compress report runs/int8_absmax runs/int4_rtn runs/awq_int4 --output runs/report
   compress report runs/* --output runs/report
@@ -206,6 +219,16 @@ def build_parser() -> argparse.ArgumentParser:
     from .speculate import add_parser as add_speculate_parser
     add_speculate_parser(sub)
     add_plan_parser(sub)
+    p = sub.add_parser("push", help="upload a run or an export, with its model card, to the Hugging Face Hub",
+                       epilog=EPILOG_PUSH, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folder", metavar="RUN_OR_EXPORT", help="a `compress run` output folder or an export folder")
+    p.add_argument("--repo", required=True, help="the model repository, owner/name")
+    p.add_argument("--private", action="store_true", help="create the repository private (an existing one keeps "
+                                                          "its visibility)")
+    p.add_argument("--dry-run", action="store_true", help="list the files and print the card; upload nothing")
+    p.add_argument("--token", help="Hugging Face token (default: HF_TOKEN or the saved login)")
+    p.add_argument("--write-card", action="store_true",
+                   help="write (or rewrite) README.md from the folder's report.json / export.json first")
     return parser
 
 
@@ -219,6 +242,14 @@ def cmd_plan(args) -> int:
     from .plan import run
 
     return run(args)
+
+
+def cmd_push(args) -> int:
+    from ..export.push import push
+
+    push(args.folder, args.repo, private=args.private, dry_run=args.dry_run, token=args.token,
+         write_card=args.write_card)
+    return 0
 
 
 def cmd_report(args) -> int:
@@ -255,6 +286,7 @@ def _print_verify(fmt: str, result: dict) -> None:
 
 def cmd_export(args) -> int:
     from ..export import check_export, export_model
+    from ..export.card import write_export_card
     from ..export.verify import verify_export
     from ..model.load import load_model
     from ..model.streaming import open_compressed, stream_parts
@@ -287,10 +319,12 @@ def cmd_export(args) -> int:
         print(f"{fmt}: wrote {out}")
         for note in record.get("notes") or []:
             print(f"  note: {note}")
+        verified = None
         if args.verify:  # the comparison needs the whole model
             whole = whole or load_model(str(run_dir))
-            _print_verify(fmt, verify_export(out, whole.model, _verify_windows(whole.tokenizer, args.windows,
-                                                                                 args.seq_len)))
+            verified = verify_export(out, whole.model, _verify_windows(whole.tokenizer, args.windows, args.seq_len))
+            _print_verify(fmt, verified)
+        write_export_card(out, run_dir, record, verified)  # README.md: the Hub's model card (export/card.py)
     return 0
 
 
@@ -465,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"run": cmd_run, "eval": cmd_eval, "inspect": cmd_inspect, "export": cmd_export,
                "verify": cmd_verify, "report": cmd_report, "speculate": cmd_speculate,
-               "plan": cmd_plan}[args.command]
+               "plan": cmd_plan, "push": cmd_push}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt:

@@ -68,6 +68,7 @@ import shutil
 from torch import nn
 
 from ..measure.memory import folder_bytes
+from ..export.card import write_run_cards
 from ..export.staging import staged
 from ..stages.base import make_plan
 from .calibration import PassExtras, Timings, compress_model, run_header, set_threads, write_run_report
@@ -179,6 +180,7 @@ def run_source(source: ModelSource, opts: RunOptions, memory=None) -> dict:
     with staged(opts.out, source.staging) as tmp:
         report.update(write_output(source, opts, record, before_distill, samples, tmp, timings))
         write_run_report(report, tmp)
+        write_run_cards(report, tmp)  # README.md, the Hub's model card, in the run folder and each export
     shutil.rmtree(work_dir(opts.out), ignore_errors=True)  # distillation checkpoints, a streamed pass's: finished
     log(f"wrote {opts.out}/report.md")
     return report
