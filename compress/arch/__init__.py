@@ -13,6 +13,7 @@ from .moe import ExpertLinears
 from ..core.nn import is_linear
 from .paths import _has, block_pairs, get_module, resolve, set_module  # noqa: F401 (the package's names)
 from .tables import FAMILIES, GGUFArch
+from .vlm import auto_model_class, is_vision_language  # noqa: F401 (the package's names)
 
 
 @dataclass(frozen=True)
@@ -57,21 +58,6 @@ def family_spec(model: nn.Module) -> ArchSpec | None:
     model_type = getattr(model.config, "model_type", None)
     entry = FAMILIES.get(model_type)
     return None if entry is None else ArchSpec(family=model_type, **entry)
-
-
-def is_vision_language(config) -> bool:
-    """Whether `config` is a vision-language model's composite config of a family in the table (its entry has
-    `vision`): loaded with AutoModelForImageTextToText, its language model quantized, the rest kept float."""
-    return bool(FAMILIES.get(getattr(config, "model_type", None), {}).get("vision"))
-
-
-def auto_model_class(config):
-    """The transformers Auto class that builds a model of `config`: AutoModelForImageTextToText for a vision-language
-    model of the table (AutoModelForCausalLM would refuse Qwen2.5-VL's config, and build Llama 3.2 Vision without its
-    vision tower), else AutoModelForCausalLM."""
-    import transformers
-    return transformers.AutoModelForImageTextToText if is_vision_language(config) else \
-        transformers.AutoModelForCausalLM
 
 
 def language_model(arch: ArchSpec) -> str:

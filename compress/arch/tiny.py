@@ -203,7 +203,7 @@ def tiny_model(config, seed: int = 0) -> nn.Module:
     """A float32 model of `config` (already tiny) on the CPU with eager attention, in eval mode, its fused experts
     unfused (compress/arch/moe.py), and every weight that initialises to one value (zeros, ones) given random values
     around it, so that no module's output is trivially independent of its inputs."""
-    from . import auto_model_class
+    from .vlm import auto_model_class
     from .moe import unfuse_experts
 
     torch.manual_seed(seed)
