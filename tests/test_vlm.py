@@ -198,3 +198,17 @@ def test_a_streamed_run_equals_the_run_held_in_memory_bit_for_bit(tmp_path):
         states.append(load_compressed(out).state_dict())
     assert states[0].keys() == states[1].keys()
     assert [k for k in states[0] if not torch.equal(states[0][k], states[1][k])] == []
+
+
+def test_an_fp8_kv_cache_leaves_the_cross_attention_layer_without_scales_and_says_why(tmp_path):
+    """The kv_cache stage calibrates the self-attention layers' key/value scales on text; Llama 3.2 Vision's
+    cross-attention layer never sees a key there, and a scale from nothing (2e-11 before this was handled) would crush
+    the image keys and values: it gets none, listed with the reason, and the checkpoint holds none for it."""
+    from compress.stages.kv_cache import UNSEEN_REASON
+    folder = _save("mllama", tmp_path / "mllama")
+    report = _run(folder, tmp_path / "out", [{"stage": "quantize", "method": "rtn", "scheme": SCHEME},
+                                             {"stage": "kv_cache", "dtype": "fp8_e4m3"}], formats=())
+    kv = report["stages"][1]
+    assert kv["skipped"] == [{"name": "model.language_model.layers.1.cross_attn", "reason": UNSEEN_REASON}]
+    assert sorted(kv["layers"]) == ["model.language_model.layers.0.self_attn", "model.language_model.layers.2.self_attn"]
+    assert all(v["k_scale"] > 1e-6 and v["v_scale"] > 1e-6 for v in kv["layers"].values())
