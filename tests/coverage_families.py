@@ -1,6 +1,7 @@
-"""The coverage matrix's families: every decoder-only text family of transformers 5.25 that compress claims, as a
-tiny random model of its own config class, and what running RTN, GPTQ and AWQ on it gives (tests/test_coverage.py
-checks it, bench/coverage_matrix.py writes docs/coverage.md from it).
+"""The coverage matrix's families: every decoder-only text family of transformers 5.25 that compress claims, and the
+vision-language models whose language model it quantizes, as a tiny random model of its own config class, and what
+running RTN, GPTQ and AWQ on it gives (tests/test_coverage.py checks it, bench/coverage_matrix.py writes
+docs/coverage.md from it).
 
 The tiny models come from compress/arch/tiny.py (hidden 64, 4 heads of 16, 4 experts, the fewest layers that hold
 every kind of layer), with grouped heads (2 key/value heads, as real models have) and, where a family has sliding
@@ -56,6 +57,12 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in [
     Family("cohere", "Command R (Cohere)", issue=False), Family("phi", "Phi-2", issue=False),
     Family("starcoder2", "StarCoder2", issue=False), Family("ernie4_5", "ERNIE 4.5", issue=False),
     Family("seed_oss", "Seed-OSS", issue=False),
+    # vision-language models (issue 48): their language model, calibrated on text; the vision tower stays float
+    Family("qwen2_5_vl", "Qwen2.5-VL", issue=False, overrides=dict(num_key_value_heads=2)),
+    Family("qwen3_vl", "Qwen3-VL", issue=False, overrides=dict(num_key_value_heads=2)),
+    Family("gemma3", "Gemma 3 (vision)", issue=False, overrides=dict(num_key_value_heads=2, sliding_window=WINDOW)),
+    Family("mllama", "Llama 3.2 Vision", issue=False, overrides=dict(num_key_value_heads=2)),
+    Family("mistral3", "Mistral 3 (Small 3.1 vision)", issue=False, overrides=dict(num_key_value_heads=2)),
 ]}
 
 # what fails today, per family: method (or "all") -> a part of the error, and whether it is a refusal (a clear

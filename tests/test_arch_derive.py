@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from compress.arch import ArchSpec, _generic, block_pairs, get_arch
+from compress.arch import ArchSpec, _generic, block_pairs, get_arch, is_vision_language
 from compress.arch import derive as derive_module
 from compress.arch.derive import derive_from_model
 from compress.arch.tables import FAMILIES
@@ -17,7 +17,10 @@ from compress.transforms.smoothing import apply_smoothing, out_channels, pair_sk
 from tests.conftest import TINY_CONFIGS, TINY_MOE_CONFIGS, TINY_PER_LAYER_CONFIGS, make_tiny_model
 
 def blocks_path(model):
-    """Where a tiny model's decoder blocks are, as the generic spec finds them."""
+    """Where a tiny model's decoder blocks are, as the generic spec finds them (a vision-language model has two stacks,
+    the vision tower's and the language model's: its table entry names the latter)."""
+    if is_vision_language(model.config):
+        return FAMILIES[model.config.model_type]["blocks"]
     return _generic(model, model.config.model_type, derive_pairs=False).blocks
 
 

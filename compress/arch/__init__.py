@@ -13,6 +13,7 @@ from .moe import ExpertLinears
 from ..core.nn import is_linear
 from .paths import _has, block_pairs, get_module, resolve, set_module  # noqa: F401 (the package's names)
 from .tables import FAMILIES, GGUFArch
+from .vlm import auto_model_class, is_vision_language  # noqa: F401 (the package's names)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class ArchSpec:
     gguf: GGUFArch | None = None  # the GGUF architecture llama.cpp runs it as
     lean: bool = False  # the lean decode loop runs it
     conv1d: bool = False  # linears are transformers' Conv1D ([in, out] weights)
+    vision: tuple[tuple[str, str], ...] = ()  # a vision-language model's modules outside its language model
+    cross_attention: str = ""  # the submodule of a cross-attention block (reads the images; skipped on text)
 
     def block_list(self, model: nn.Module) -> nn.ModuleList:
         return get_module(model, self.blocks)
@@ -55,6 +58,30 @@ def family_spec(model: nn.Module) -> ArchSpec | None:
     model_type = getattr(model.config, "model_type", None)
     entry = FAMILIES.get(model_type)
     return None if entry is None else ArchSpec(family=model_type, **entry)
+
+
+def language_model(arch: ArchSpec) -> str:
+    """The path of the module that holds the decoder blocks (a vision-language model's language model)."""
+    return arch.blocks.rpartition(".")[0]
+
+
+def multimodal_part(arch: ArchSpec, name: str) -> str | None:
+    """What part of a vision-language model module `name` lies in when it is outside the language model and is not
+    the output head: the part its `vision` entry names ("vision tower", "multimodal projector"), else "module outside
+    the language model"; None inside the language model, for the head, and for a text-only model."""
+    if not arch.vision or name == arch.lm_head or name.startswith(arch.lm_head + ".") or \
+            name.startswith(language_model(arch) + "."):
+        return None
+    return next((what for path, what in arch.vision if name == path or name.startswith(path + ".")),
+                "module outside the language model")
+
+
+def cross_attention_blocks(model: nn.Module, arch: ArchSpec) -> list[int]:
+    """Indices of the decoder blocks that are cross-attention layers (arch.cross_attention): they read the image
+    features, and the model's forward skips them on text."""
+    if not arch.cross_attention:
+        return []
+    return [i for i, b in enumerate(arch.block_list(model)) if _has(b, arch.cross_attention)]
 
 
 def families_with(switch: str) -> list[str]:

@@ -20,6 +20,12 @@ the switches below. An entry holds:
 - `lean`: the lean decode loop (serving/lean_decode.py) runs it: pre-norm blocks `x + attn(norm(x))`,
   `x + mlp(norm(x))`, rotary embeddings on the whole head in transformers' rotate-half layout, a gated MLP.
 - `conv1d`: its linears are transformers' Conv1D ([in, out] weights, GPT-2).
+- `vision`: a vision-language model (loaded with AutoModelForImageTextToText): the modules outside its language model,
+  (path, what it is): the vision tower and the multimodal projector. Only the language model's decoder blocks are
+  quantized; these, and anything else outside the language model but lm_head, stay float and are listed with the
+  reason (stages/quantize.py). `cross_attention`: the submodule that marks a decoder block as a cross-attention layer
+  reading the image features (Llama 3.2 Vision): the model skips such blocks on text, so text calibration never runs
+  them; they stay float, listed (a text-only calibration pass passes them by).
 """
 from __future__ import annotations
 
@@ -89,6 +95,15 @@ class GGUFArch:
 
 _GGUF_LLAMA = GGUFArch("llama", permute_qk=True)
 _GGUF_QKV_BIAS = ("q_proj", "k_proj", "v_proj")
+
+# Vision-language models (issue 48): the language model sits at model.language_model (transformers 5), the vision
+# tower and the projector beside it. Rotation and pruning are refused: the projector writes image features into the
+# residual stream and its width, which neither transform follows.
+_LM = "model.language_model"
+_VLM = dict(_LLAMA, blocks=f"{_LM}.layers", embed=f"{_LM}.embed_tokens", final_norm=f"{_LM}.norm")
+_VLM_ROTATE = ("vision-language model: the multimodal projector writes image features into the residual stream, and "
+               "rotating its output is not built")
+_TOWER_PROJECTOR = (("model.vision_tower", "vision tower"), ("model.multi_modal_projector", "multimodal projector"))
 
 # the one table
 FAMILIES: dict[str, dict] = {
@@ -189,4 +204,17 @@ FAMILIES: dict[str, dict] = {
             config=dict(intermediate="n_inner", layers="n_layer")),
         rotate=_LAYERNORM.format(family="GPT-2"), conv1d=True,
     ),
+    "qwen2_5_vl": dict(_VLM, vision=(("model.visual", "vision tower (its merger is the projector)"),),
+                       rotate=_VLM_ROTATE),
+    "qwen3_vl": dict(_VLM, norms=_QK_NORMS, vision=(("model.visual", "vision tower (its mergers are the projector)"),),
+                     rotate=_VLM_ROTATE),
+    "gemma3": dict(_VLM, norms=_GEMMA2_NORMS + ("self_attn.q_norm", "self_attn.k_norm"), norm_offset=1.0,
+                   awq=(_LLAMA_AWQ[0], _LLAMA_AWQ[1], ("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj"),
+                                                       "mlp"), _LLAMA_AWQ[3]),
+                   vision=_TOWER_PROJECTOR, rotate=_VLM_ROTATE),
+    "mistral3": dict(_VLM, vision=_TOWER_PROJECTOR, rotate=_VLM_ROTATE),
+    # Llama 3.2 Vision: self-attention blocks as Llama's, and cross-attention blocks (cross_attn) that read the images
+    "mllama": dict(_VLM, vision=(("model.vision_model", "vision tower"), ("model.multi_modal_projector",
+                                                                          "multimodal projector")),
+                   cross_attention="cross_attn", rotate=_VLM_ROTATE),
 }

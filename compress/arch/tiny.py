@@ -48,6 +48,9 @@ _TOKENS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_
 # keys that make the first layers differ from the rest: the tiny model keeps one layer past them
 _FIRST_LAYERS = ("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index")
 
+# text models whose rotary frequencies split into multimodal sections (Qwen2.5-VL's default: 16 + 24 + 24 of 64)
+MROPE = ("qwen2_5_vl_text", "qwen3_vl_text")
+
 # per family (config.model_type): what the generic rules above do not give
 FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "falcon_h1": dict(mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_expand=2),
@@ -61,7 +64,39 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
                              layer_types=["mamba", "attention"], shared_intermediate_size=64),
     "zamba2": dict(mamba_headdim=16, n_mamba_heads=8, mamba_ngroups=1, attention_hidden_size=128,
                    attention_head_dim=32, adapter_rank=8),
+    # Llama 3.2 Vision's text model: a cross-attention layer between two self-attention ones
+    "mllama_text_model": dict(num_hidden_layers=3, cross_attention_layers=[1]),
 }
+
+
+# a vision-language model's vision config (by the composite config's model_type): the generic widths of _SIZES, 2
+# layers, small images, and what must agree with the text model's width or the vision layers kept
+VISION_LAYERS = ("num_hidden_layers", "depth")
+VISION_OVERRIDES: dict[str, dict[str, Any]] = {
+    "qwen2_5_vl": dict(out_hidden_size=HIDDEN, fullatt_block_indexes=[1]),
+    "qwen3_vl": dict(out_hidden_size=HIDDEN, deepstack_visual_indexes=[0], num_position_embeddings=64),
+    "gemma3": dict(image_size=32, patch_size=8),
+    "mllama": dict(image_size=28, num_global_layers=1, intermediate_layers_indices=[0], vision_output_dim=2 * HIDDEN),
+    "mistral3": dict(image_size=32, patch_size=8),
+}
+# and the composite config's own keys: Gemma 3 pools the 16 patches of a 32-pixel image to 4 tokens
+COMPOSITE_OVERRIDES: dict[str, dict[str, Any]] = {"gemma3": dict(mm_tokens_per_image=4)}
+
+
+def _tiny_vision(vision, model_type: str | None):
+    """A vision config with the generic widths, 2 layers and the family's VISION_OVERRIDES."""
+    d = vision.to_dict()
+    for k, v in _SIZES.items():
+        if k in ("hidden_size", "intermediate_size", "head_dim") or "heads" in k:
+            if isinstance(d.get(k), int) and not isinstance(d.get(k), bool):
+                d[k] = v
+    for k in VISION_LAYERS:
+        if isinstance(d.get(k), int):
+            d[k] = 2
+    d.update(VISION_OVERRIDES.get(model_type, {}))
+    for k in ("architectures", "transformers_version", "model_type", "_name_or_path"):
+        d.pop(k, None)
+    return type(vision)(**d)
 
 
 def _layer_count(d: dict) -> tuple[str | None, int | None]:
@@ -106,11 +141,15 @@ def _per_layer(v):
 def tiny_config(config, overrides: dict | None = None):
     """A copy of `config` (a transformers config) with small sizes and the fewest layers that keep every kind of
     layer; `overrides` (and FAMILY_OVERRIDES for its model_type) set last. A composite config (a vision-language
-    model's) has its text config shrunk."""
+    model's) has its text config shrunk so, and its vision config too (_tiny_vision)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if text is not config:
         out = copy.deepcopy(config)
         setattr(out, next(k for k, v in vars(config).items() if v is text), tiny_config(text, overrides))
+        if getattr(config, "vision_config", None) is not None:
+            out.vision_config = _tiny_vision(config.vision_config, config.model_type)
+        for k, v in COMPOSITE_OVERRIDES.get(config.model_type, {}).items():
+            setattr(out, k, v)
         return out
     d = config.to_dict()
     for k, v in _SIZES.items():
@@ -149,6 +188,8 @@ def tiny_config(config, overrides: dict | None = None):
             d[k] = {"pad_token_id": 0, "bos_token_id": 1}.get(k, 2)
         elif isinstance(v, list):
             d[k] = [x if x < VOCAB else 2 for x in v]
+    if d.get("model_type") in MROPE:  # multimodal rotary sections: temporal, height, width of HEAD_DIM / 2 = 8
+        d["rope_parameters"] = {**(d.get("rope_parameters") or {}), "mrope_section": [2, 3, 3]}
     if isinstance(d.get("max_position_embeddings"), int):
         d["max_position_embeddings"] = min(d["max_position_embeddings"], 4096)
     d.update(FAMILY_OVERRIDES.get(d.get("model_type"), {}))
@@ -162,15 +203,14 @@ def tiny_model(config, seed: int = 0) -> nn.Module:
     """A float32 model of `config` (already tiny) on the CPU with eager attention, in eval mode, its fused experts
     unfused (compress/arch/moe.py), and every weight that initialises to one value (zeros, ones) given random values
     around it, so that no module's output is trivially independent of its inputs."""
-    from transformers import AutoModelForCausalLM
-
+    from .vlm import auto_model_class
     from .moe import unfuse_experts
 
     torch.manual_seed(seed)
     config = copy.deepcopy(config)
     config._attn_implementation = "eager"
     with torch.device("cpu"):  # also inside a caller's meta-device context
-        model = AutoModelForCausalLM.from_config(config).float().eval()
+        model = auto_model_class(config).from_config(config).float().eval()
     if any(p.is_meta for p in model.parameters()):
         raise RuntimeError("the tiny model was built without weights (inside accelerate's init_empty_weights?)")
     g = torch.Generator().manual_seed(seed)

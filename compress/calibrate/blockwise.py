@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .distributed import active, reduce_sums
-from ..arch import ArchSpec, get_module, set_module
+from ..arch import ArchSpec, cross_attention_blocks, get_module, set_module
 from ..core.nn import QuantLinear, cached_dequantize, is_linear
 
 
@@ -51,6 +51,9 @@ class BlockArguments:
     per_block: list[list[dict]]
     problems: list[str]
     state: list = field(default_factory=list)
+    # blocks the model's forward passes by on these inputs (Llama 3.2 Vision's cross-attention layers on text): their
+    # hidden states go through unchanged, as in the model (block_forward)
+    skipped: frozenset[int] = frozenset()
 
     def of(self, i: int) -> list[dict] | None:
         """Block i's arguments per sample (None past the last block)."""
@@ -71,7 +74,7 @@ class BlockArguments:
             return rebuilt[id(kw)]
 
         return BlockArguments([[swap(kw) for kw in block] for block in self.per_block], self.problems,
-                              list(fresh.values()))
+                              list(fresh.values()), self.skipped)
 
 
 @dataclass
@@ -87,6 +90,11 @@ class BlockInputs:
         if self.arguments is None:
             return BlockInputs(hidden, self.kwargs)
         return BlockInputs(hidden, self.arguments.of(i), self.arguments, i)
+
+    @property
+    def skipped(self) -> bool:
+        """The model's forward passes these hidden states by this block (BlockArguments.skipped)."""
+        return self.arguments is not None and self.block in self.arguments.skipped
 
     def advance(self, outputs: list[Tensor]) -> BlockInputs:
         """The next block's inputs: this block's `outputs` with the next block's arguments."""
@@ -215,10 +223,12 @@ def _without_passed_on(v):
 
 
 def _chain_break(calls: list[list]) -> int | None:
-    """The first block i whose hidden states (what its stand-in returned) are not what block i + 1 received: the
-    model's loop changes them between blocks, or takes the block's output in another form. None: unchanged."""
-    for i in range(len(calls) - 1):
-        out, nxt = calls[i][0][0], calls[i + 1][0][0]
+    """The first block i whose hidden states (what its stand-in returned) are not what the next block called (i + 1,
+    or the one after the blocks the loop passed by) received: the model's loop changes them between blocks, or takes
+    the block's output in another form. None: unchanged."""
+    called = [i for i, c in enumerate(calls) if c]
+    for i, j in zip(called, called[1:]):
+        out, nxt = calls[i][0][0], calls[j][0][0]
         if not (nxt is out or (isinstance(nxt, Tensor) and nxt.shape == out.shape and nxt.dtype == out.dtype
                                and torch.equal(nxt, out))):
             return i
@@ -231,6 +241,8 @@ def _how_to_follow(model: nn.Module, arch: ArchSpec, blocks, signatures, ids: Te
     sample's calls and the problems of replaying with them; (None, block 0's calls, problems) when no form reaches
     the last block."""
     family, failures, fallback = arch.family, [], None
+    cross = set(cross_attention_blocks(model, arch))  # skipped by the model's loop without images
+    expected = [0 if i in cross else 1 for i in range(len(blocks))]
     for name, form in _FORMS:
         try:
             calls = _follow(model, blocks, signatures, ids, form)
@@ -238,7 +250,7 @@ def _how_to_follow(model: nn.Module, arch: ArchSpec, blocks, signatures, ids: Te
             failures.append(f"{name}: {type(e).__name__}: {e}")
             continue
         counts = [len(c) for c in calls]
-        if counts != [1] * len(blocks):
+        if counts != expected:
             failures.append(f"{name}: the blocks were called {counts} times")
             continue
         broken = _chain_break(calls)
@@ -325,7 +337,7 @@ def capture_block_inputs(model: nn.Module, arch: ArchSpec, samples: Tensor, devi
     per_block: list[list[dict]] = [[] for _ in blocks]
     store: list = []
     canonical = _Canonical()
-    form, problems, passed_on = None, [], set()
+    form, problems, passed_on, skipped = None, [], set(), set()
     for k, row in enumerate(samples):
         ids = row[None].to(device)
         if k == 0:
@@ -339,6 +351,10 @@ def capture_block_inputs(model: nn.Module, arch: ArchSpec, samples: Tensor, devi
             h = _keep(h, store[0], len(hidden))
         hidden.append(h)
         for i, block_calls in enumerate(calls if form is not None else calls[:1]):
+            if not block_calls:  # a block the model's loop passed by (a cross-attention layer on text)
+                skipped.add(i)
+                per_block[i].append({})
+                continue
             named = block_calls[0][1]
             if names := _passed_on(named):
                 passed_on.update(names)
@@ -352,7 +368,7 @@ def capture_block_inputs(model: nn.Module, arch: ArchSpec, samples: Tensor, devi
                         f"next block (as {sorted(passed_on)}); the replay passes None there, as to the first block")
     for p in problems:
         warnings.warn(f"calibration replay is not the model's own forward: {p}", ReplayWarning, stacklevel=3)
-    arguments = BlockArguments(per_block, problems, canonical.state)
+    arguments = BlockArguments(per_block, problems, canonical.state, frozenset(skipped))
     return BlockInputs(hidden, arguments.of(0), arguments, 0), (store[0] if store else None)
 
 
@@ -394,6 +410,8 @@ def block_forward(block: nn.Module, inputs: BlockInputs, compute_dtype: torch.dt
     there and return views of it."""
     if inputs.kwargs is None:
         raise ValueError(f"no block {inputs.block} to run: these are the last block's outputs")
+    if inputs.skipped:  # the model passes the hidden states by this block (a cross-attention layer on text)
+        return [_keep(h, store, i) for i, h in enumerate(inputs.hidden)]
     dtype = matmul_dtype(inputs, compute_dtype)
     if dtype == inputs.hidden[0].dtype:
         return [_keep(_first(block(h, **kw)), store, i) for i, (h, kw) in enumerate(zip(inputs.hidden, inputs.kwargs))]

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..arch import set_module
+from ..arch import auto_model_class, set_module
 from ..arch.moe import unfuse_experts
 from ..core.nn import QuantLinear, linear_shape
 from ..core.scheme import QuantScheme
@@ -81,10 +81,9 @@ def quantized_skeleton(config, layers: dict[str, QuantScheme], dtype: torch.dtyp
     """A meta-device model of `config` (no weights) whose modules named in `layers` are QuantLinear layers of those
     schemes: what a saved compressed model is rebuilt into, and what the export checks of a plan look at."""
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
 
     with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = auto_model_class(config).from_config(config, dtype=dtype)
     unfuse_experts(model)  # a compress checkpoint names each expert's layers (experts.{e}.gate_proj, ...)
     return meta_quant_layers(model, layers, dtype)
 

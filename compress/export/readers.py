@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ..arch import auto_model_class
 from ..arch.moe import unfuse_experts
 from .shards import read_safetensors
 
@@ -32,7 +33,7 @@ def _needs_dequantize(config: dict) -> bool:
 
 def _dense_from_tensors(folder: Path, dequantize_layer) -> nn.Module:
     """A float model of the export's config whose quantized layers are filled by `dequantize_layer`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(folder)
     if hasattr(config, "quantization_config"):
@@ -49,7 +50,7 @@ def _dense_from_tensors(folder: Path, dequantize_layer) -> nn.Module:
         dense[k] = v.float() if v.is_floating_point() else v
     for p in prefixes:
         dense[f"{p}.weight"] = dequantize_layer(p, state)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = auto_model_class(config).from_config(config, dtype=torch.float32)
     unfuse_experts(model)  # exports name each expert's layers (experts.{e}.gate_proj, ...)
     missing, unexpected = model.load_state_dict(dense, strict=False)
     model.tie_weights()
@@ -93,7 +94,7 @@ def read_gguf(folder: Path, record: dict):
 
 def read_transformers(folder: Path, record: dict):
     """transformers' own loader (compressed-tensors' for its format), in float32."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
     fmt = record["format"]
@@ -110,7 +111,8 @@ def read_transformers(folder: Path, record: dict):
     try:
         with warnings.catch_warnings():  # "quantization_config from the model will be used": the point
             warnings.simplefilter("ignore", UserWarning)
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
+            auto = auto_model_class(AutoConfig.from_pretrained(folder))
+            model = auto.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
     finally:
         hf_logging.set_verbosity(verbosity)
     _without_offloading(model)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..arch import auto_model_class
 from ..arch.moe import unfuse_experts
 from ..export.native import COMPRESS_META, load_compressed
 from .default_model import default_model_path
@@ -72,6 +73,9 @@ def load_model(source: str = "default", dtype: str = "auto", device: str = "cpu"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kind, where = _classify(source)
+    # a vision-language model (its config names a family of the table with a vision tower) loads whole, vision tower
+    # and projector included: AutoModelForImageTextToText
+    auto = AutoModelForCausalLM if kind == "gguf" else auto_model_class(load_config(where, revision, trust_remote_code))
     torch_dtype = resolve_dtype(dtype, device)
     if offload is not None and kind not in ("folder", "hub"):
         raise ValueError(f"offloading to disk loads Hugging Face checkpoints through accelerate's device_map, and "
@@ -97,7 +101,7 @@ def load_model(source: str = "default", dtype: str = "auto", device: str = "cpu"
     try:
         loading = ("trust_remote_code", "revision", "gguf_file")
         tokenizer = AutoTokenizer.from_pretrained(where_load, **{k: v for k, v in kwargs.items() if k in loading})
-        model = AutoModelForCausalLM.from_pretrained(where_load, **kwargs)
+        model = auto.from_pretrained(where_load, **kwargs)
     except OSError as exc:
         hint = " The hub is unreachable from here? Use a local folder, a .gguf file or `default`." \
             if kind == "hub" else ""
@@ -151,15 +155,14 @@ def model_skeleton(source: str = "default", revision: str | None = None, trust_r
     tied weights without reading a weight, for planning a model of any size. A compress output folder is loaded
     (its QuantLinear layers are known from its files)."""
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
 
     kind, where = _classify(source)
     if kind == "compressed":
         return where, kind, load_compressed(where)
+    config = load_config(source, revision, trust_remote_code)
     with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(load_config(source, revision, trust_remote_code),
-                                                 trust_remote_code=trust_remote_code,
-                                                 **({"dtype": dtype} if dtype is not None else {}))
+        model = auto_model_class(config).from_config(config, trust_remote_code=trust_remote_code,
+                                                     **({"dtype": dtype} if dtype is not None else {}))
     unfuse_experts(model)
     return where, "default" if source == "default" else kind, model.eval()
 

@@ -42,16 +42,15 @@ class ModelSize:
 
 def model_size(config) -> ModelSize:
     """Sizes of the model `config` describes, from a skeleton on the meta device (nothing allocated)."""
-    from transformers import AutoModelForCausalLM
-
-    from ..arch import block_pairs, get_arch
+    from ..arch import auto_model_class, block_pairs, get_arch
     from ..arch.moe import EXPERT, moe_blocks, unfuse_experts
     from ..core.nn import is_linear, linear_shape
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto_model_class(config).from_config(config)
     unfuse_experts(model)
     arch = get_arch(model)
+    config = config.get_text_config()  # a vision-language model's sizes: its language model's
     blocks = arch.block_list(model)
     per_block = []  # (linears {name: (out, in)}, distinct linear inputs {reader: in}, parameters) of each block
     for block in blocks:

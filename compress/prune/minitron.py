@@ -82,10 +82,10 @@ def model_shape_from_config(cfg, layout) -> Shape:
 
 def count_params(config) -> int:
     """Parameters of the model `config` describes (tied weights once), built on the meta device."""
-    from transformers import AutoModelForCausalLM
+    from ..arch import auto_model_class
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto_model_class(config).from_config(config)
     return sum(p.numel() for p in model.parameters())
 
 

@@ -552,7 +552,7 @@ def plan(shape: ModelShape, accelerator: str, weights: str, kv: str, work: Workl
 def shape_from_config(config, name: str = "model") -> ModelShape:
     """A ModelShape from a transformers config, parameters counted on the meta device (no weights)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from ..arch import auto_model_class
 
     from ..core.nn import is_linear, linear_shape
 
@@ -561,7 +561,7 @@ def shape_from_config(config, name: str = "model") -> ModelShape:
         raise ValueError(f"{name} is a mixture of experts: decode reads only the routed experts' weights, which "
                          "this planner does not model; plan a dense model")
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto_model_class(config).from_config(config)
     params = sum(p.numel() for p in model.parameters())
     heads = [m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
     embedding = sum(p.numel() for p in {id(p): p for m in heads for p in m.parameters()}.values())

@@ -27,6 +27,10 @@ class KVCacheRecord(StageRecord):
     bytes_per_element: float | None = optional()
 
 
+UNSEEN_REASON = ("the calibration text never reached it (a cross-attention layer of a vision-language model, skipped "
+                 "without images): no scale; its cache keeps the model's dtype")
+
+
 @dataclass(frozen=True)
 class KVCacheStage(StageBase):
     """Recipe entry `- stage: kv_cache`: fp8 (calibrate per-layer key/value scales; needs calibration data) or
@@ -71,7 +75,9 @@ class KVCacheStage(StageBase):
 
     def begin(self, ctx: RunContext, index: int) -> None:
         use_kv_attention(ctx.model)  # the attention wrapper that records (now) and applies (later) the scales
-        ctx.records[index] = {}  # attention layer -> its scales, kept as set (a streamed block leaves memory)
+        # attention layer -> its scales, kept as set (a streamed block leaves memory), or {"skipped": why} for one
+        # left without scales
+        ctx.records[index] = {}
 
     def observing(self, block: BlockState, index: int):
         if self.int_format is not None:
@@ -86,11 +92,17 @@ class KVCacheStage(StageBase):
             return
         # with several processes, every rank's maxima (each saw its share of the windows)
         for name, (k_max, v_max) in max_over_ranks(block.observed[index]).items():
+            if k_max == 0 and v_max == 0:  # never called: the model passes this block by on text (Llama 3.2 Vision's
+                ctx.records[index][f"{block.prefix}.{name}"] = {"skipped": UNSEEN_REASON}
+                continue  # cross-attention layers): a scale from nothing would crush the image keys and values
             set_kv_scales(block.module.get_submodule(name), k_max, v_max, self.dtype)
         ctx.records[index].update({f"{block.prefix}.{n}": v for n, v in kv_layers(block.module).items()})
 
     def report(self, ctx: RunContext, index: int) -> dict:
-        record = KVCacheRecord(index, "kv_cache", self.dtype, 0, [], ctx.records[index])
+        kept = ctx.records[index]
+        skipped = [{"name": n, "reason": v["skipped"]} for n, v in kept.items() if "skipped" in v]
+        record = KVCacheRecord(index, "kv_cache", self.dtype, 0, skipped,
+                               {n: v for n, v in kept.items() if "skipped" not in v})
         if self.int_format is not None:
             record = replace(record, format=self.int_format.name, group=self.group, residual=self.residual,
                              bytes_per_element=self.int_format.bytes_per_element())
@@ -110,4 +122,5 @@ class KVCacheStage(StageBase):
                 f"{len(kv)} attention layers with calibrated scales (max|k| / fp8 max, max|v| / fp8 max), "
                 "applied to the keys and values every attention call reads during evaluation.", "",
                 "| attention layer | k_scale | v_scale |", "|---|---:|---:|"] + \
-            [f"| `{n}` | {v['k_scale']:.4g} | {v['v_scale']:.4g} |" for n, v in kv.items()]
+            [f"| `{n}` | {v['k_scale']:.4g} | {v['v_scale']:.4g} |" for n, v in kv.items()] + \
+            [f"\nNo scales for `{s['name']}`: {s['reason']}." for s in section.get("skipped", [])]

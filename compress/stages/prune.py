@@ -92,7 +92,7 @@ class PruneStage(StageBase):
 
     def plan(self, model: nn.Module, arch: ArchSpec, claimed: dict[str, int], index: int) -> PrunePlan:
         """The shapes and parameter counts after pruning (no data needed), and a meta model of that shape."""
-        from transformers import AutoModelForCausalLM
+        from ..arch import auto_model_class
 
         orig, new, changed = resolve_shape(model, arch, self)
         before, config = count_params(model.config), shaped_config(model, new)
@@ -102,7 +102,7 @@ class PruneStage(StageBase):
                 f"{orig.intermediate} -> {new.layers} blocks, hidden {new.hidden}, {new.heads}q/{new.kv_heads}kv "
                 f"heads, MLP {new.intermediate}; parameters {before:,} -> {after:,} ({after / before:.1%})")
         with torch.device("meta"):
-            reshaped = AutoModelForCausalLM.from_config(config)
+            reshaped = auto_model_class(config).from_config(config)
         return PrunePlan(line, reshaped)
 
     def describe(self, plan: Plan, index: int) -> tuple[list[str], str]:

@@ -89,7 +89,7 @@ class PruneExpertsStage(StageBase):
         return now, keep
 
     def plan(self, model: nn.Module, arch: ArchSpec, claimed: dict[str, int], index: int) -> ExpertPrunePlan:
-        from transformers import AutoModelForCausalLM
+        from ..arch import auto_model_class
 
         now, keep = self.kept_count(model)
         config = copy.deepcopy(model.config)
@@ -101,7 +101,7 @@ class PruneExpertsStage(StageBase):
             raise ValueError(f"prune_experts keeps {keep} experts per block, fewer than the {top_k} each token is "
                              "routed to (num_experts_per_tok)")
         with torch.device("meta"):
-            reshaped = AutoModelForCausalLM.from_config(config)
+            reshaped = auto_model_class(config).from_config(config)
         unfuse_experts(reshaped)
         before = sum(p.numel() for p in model.parameters())
         after = sum(p.numel() for p in reshaped.parameters())

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from ..measure.fmt import num
-from ..arch import ArchSpec, get_module, set_module
+from ..arch import ArchSpec, cross_attention_blocks, get_module, multimodal_part, set_module
 from ..arch.mixers import float_linear_reason, float_reason
 from ..arch.moe import EXPERT, ROUTER_REASON, any_expert, router_names
 from ..arch.paths import is_tied, untie_lm_head
@@ -156,6 +156,7 @@ class QuantizeStage(StageBase):
             f"{len(mixed)} schemes ({', '.join(sorted(s.name for s in mixed))}; per layer below)"
         lines = [f"\nstage {index}: quantize, method {self.method}, scheme {what}: "
                  f"{len(step.quantized)} layers quantized, {len(step.skipped)} left in float"]
+        lines += multimodal_lines(step, plan.arch, plan.model)
         rows = expert_rows(step.layers)
         width = max((len(name) for name, _, _ in rows), default=0)
         for name, e, count in rows:
@@ -426,6 +427,7 @@ def plan_quantize(model: nn.Module, arch: ArchSpec, stage: QuantizeStage) -> Qua
     plan = QuantPlan()
     routers = router_names(model)
     tied = is_tied(model, arch.lm_head)
+    cross = cross_attention_prefixes(model, arch)
     for name, module in model.named_modules():
         if not is_linear(module):
             continue
@@ -435,6 +437,8 @@ def plan_quantize(model: nn.Module, arch: ArchSpec, stage: QuantizeStage) -> Qua
         in_features = entry.shape[1]
         if isinstance(module, QuantLinear):
             entry.reason = f"already quantized ({module.scheme.name})"
+        elif why := multimodal_reason(name, arch, cross):
+            entry.reason = why
         elif name in routers and not _named(name, module, stage.targets, arch.lm_head):
             entry.reason = ROUTER_REASON + " (name it in `targets:` to quantize it)"
         elif recurrent := float_linear_reason(model, name):
@@ -467,8 +471,70 @@ def plan_quantize(model: nn.Module, arch: ArchSpec, stage: QuantizeStage) -> Qua
         else:
             entry.scheme = sch
             entry.untie = name == arch.lm_head and tied
-    plan.float_params = float_parameters(model, plan, routers)
+    plan.float_params = float_parameters(model, plan, routers, arch)
     return plan
+
+
+# a vision-language model (arch/tables.py `vision`): only its language model's decoder blocks are quantized
+VISION_REASON = ("{what} of a vision-language model: outside the language model; kept in float (calibrating it "
+                 "needs images, which compress does not feed)")
+CROSS_ATTENTION_REASON = ("cross-attention layer of a vision-language model: it reads the image features and the "
+                          "model skips it on text, so text calibration never runs it; kept in float")
+
+
+def multimodal_split(step: "QuantPlan", arch: ArchSpec, model: nn.Module) -> dict[str, dict]:
+    """A vision-language model's plan by part: {"language model": ..., "vision tower": ..., "cross-attention
+    layers": ...}, each {"linears": linear layers, "quantized": of them quantized, "tensors": parameters kept float,
+    "elements": their elements, "reason": why they stay float}; {} for a text-only model."""
+    if not arch.vision:
+        return {}
+    cross = cross_attention_prefixes(model, arch)
+
+    def part(name: str) -> str:
+        if (what := multimodal_part(arch, name)) is not None:
+            return what
+        return "cross-attention layers" if name.startswith(cross) else "language model"
+
+    out: dict[str, dict] = {}
+    for e in step.layers:
+        row = out.setdefault(part(e.name), dict(linears=0, quantized=0, tensors=0, elements=0, reason=""))
+        row["linears"] += 1
+        row["quantized"] += e.scheme is not None
+    for name, n, why in step.float_params:
+        row = out.setdefault(part(name), dict(linears=0, quantized=0, tensors=0, elements=0, reason=""))
+        row["tensors"] += 1
+        row["elements"] += n
+        if row is not out.get("language model"):
+            row["reason"] = why.removeprefix("linear left in float: ")
+    return out
+
+
+def multimodal_lines(step: "QuantPlan", arch: ArchSpec, model: nn.Module) -> list[str]:
+    """`compress inspect`'s lines on how a vision-language model is split: what is quantized, what stays float."""
+    split = multimodal_split(step, arch, model)
+    if not split:
+        return []
+    lm = split.get("language model", {})
+    lines = [f"  vision-language model: {lm.get('quantized', 0)} of the language model's {lm.get('linears', 0)} "
+             "linear layers quantized; kept in float, with every parameter:"]
+    for what, row in split.items():
+        if what != "language model":
+            lines.append(f"    {what}: {row['linears']} linear layers, {row['tensors']} tensors, "
+                         f"{row['elements']:,} parameters ({row['reason']})")
+    return lines
+
+
+def cross_attention_prefixes(model: nn.Module, arch: ArchSpec) -> tuple[str, ...]:
+    """The names of the decoder blocks that are cross-attention layers (Llama 3.2 Vision), each with a final dot."""
+    return tuple(f"{arch.blocks}.{i}." for i in cross_attention_blocks(model, arch))
+
+
+def multimodal_reason(name: str, arch: ArchSpec, cross: tuple[str, ...]) -> str | None:
+    """Why module or parameter `name` of a vision-language model stays float: it lies in the vision tower, the
+    projector or elsewhere outside the language model, or in a cross-attention block; None otherwise."""
+    if (what := multimodal_part(arch, name)) is not None:
+        return VISION_REASON.format(what=what)
+    return CROSS_ATTENTION_REASON if name.startswith(cross) else None
 
 
 CLASS_TARGETS = (None, "Linear", "Conv1D")  # a target that names a module class, not a layer
@@ -486,12 +552,14 @@ def is_per_layer_input(name: str, arch: ArchSpec) -> bool:
     return name.rpartition(".")[2] in PER_LAYER_INPUTS and not name.startswith(arch.blocks + ".")
 
 
-def float_parameters(model: nn.Module, plan: QuantPlan, routers: set[str]) -> list[tuple[str, int, str]]:
+def float_parameters(model: nn.Module, plan: QuantPlan, routers: set[str],
+                     arch: ArchSpec | None = None) -> list[tuple[str, int, str]]:
     """Every parameter of `model` the plan does not quantize, with the reason: the weights of layers left in float
     (their plan's reason), biases, norms, embeddings, routers and anything else, by module type. With the planned
     weights, these are all of the model's parameters (a test checks every family)."""
     planned = {e.name: e for e in plan.layers}
     embed = model.get_input_embeddings()
+    cross = () if arch is None else cross_attention_prefixes(model, arch)
     out, seen = [], set()
     for mod_name, module in model.named_modules():
         for p_name, p in module.named_parameters(recurse=False):
@@ -504,7 +572,9 @@ def float_parameters(model: nn.Module, plan: QuantPlan, routers: set[str]) -> li
                 if entry.scheme is None:
                     out.append((full, p.numel(), f"linear left in float: {entry.reason}"))
                 continue
-            if module is embed:
+            if arch is not None and (multimodal := multimodal_reason(full, arch, cross)):
+                why = multimodal  # a vision tower's or a cross-attention block's every parameter, by its part
+            elif module is embed:
                 why = "input embedding: a lookup table, not a matmul"
             elif entry is not None:
                 why = f"{p_name} of a linear layer: kept in float, as every checkpoint format does"
