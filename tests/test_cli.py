@@ -713,6 +713,7 @@ def test_eval_offloads_a_model_to_disk_with_the_same_figures(tmp_path, recipe_fi
     assert offloaded["lm_eval"]["scores"] == resident["lm_eval"]["scores"]
     md = (tmp_path / "offloaded" / "report.md").read_text()
     assert "## Offloaded to disk" in md and "(disk offload: " in md and "time the disk" in md
+    assert "offloaded to disk" in offloaded["samples"]["skipped"] and len(resident["samples"]["prompts"]) == 3
     capsys.readouterr()
     assert main(["eval", str(out), "--offload", "1", "--no-speed", "--max-windows", "1", "--seq-len", "32"]) == 2
     assert "compress export DIR --format dense" in capsys.readouterr().err

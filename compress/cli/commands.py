@@ -31,6 +31,7 @@ Prune and distill (recipes/minitron_prune_distill.yaml) also run data-parallel o
 EPILOG_EVAL = """examples:
   compress eval runs/int4_rtn --baseline default --max-windows 4
   compress eval default --max-windows 2 --no-speed
+  compress eval runs/int4_rtn --baseline default --max-windows 4 --samples 64   # longer generated samples
   compress eval runs/awq_int4 --baseline default --tasks arc_easy,lambada_openai --task-limit 50
   compress eval runs/awq_int4/exports/compressed-tensors --baseline default --max-windows 4
   compress eval runs/awq_int4 --baseline default --suite quick       # eval/quick.yaml; flags override it
@@ -135,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, help="window length in tokens (default 2048)")
     p.add_argument("--max-windows", type=int, help="at most N windows (default: the whole split)")
     p.add_argument("--no-speed", action="store_true", help="skip the tokens/s measurement")
+    p.add_argument("--samples", type=int, metavar="N",
+                   help="greedy continuations of the report's three prompts, at most N new tokens (default 32; 0: "
+                        "none)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: stable timings)")
     p.add_argument("--output", help="folder for report.json / report.md (default: print the markdown)")
@@ -204,8 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "(default runs/report)")
     from .plan import add_parser as add_plan_parser
     from .speculate import add_parser as add_speculate_parser
+    from .generate import add_parser as add_generate_parser
     add_speculate_parser(sub)
     add_plan_parser(sub)
+    add_generate_parser(sub)
     return parser
 
 
@@ -217,6 +223,12 @@ def cmd_speculate(args) -> int:
 
 def cmd_plan(args) -> int:
     from .plan import run
+
+    return run(args)
+
+
+def cmd_generate(args) -> int:
+    from .generate import run
 
     return run(args)
 
@@ -369,7 +381,7 @@ def cmd_eval(args) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     flags = {"split": args.split, "seq_len": args.seq_len, "max_windows": args.max_windows,
-             "speed": False if args.no_speed else None,
+             "speed": False if args.no_speed else None, "samples": args.samples,
              "tasks": [t.strip() for t in args.tasks.split(",")] if args.tasks else None, "task_limit": args.task_limit}
     settings = eval_suite_settings(args.suite, "--suite") if args.suite else {}
     spec = build(EvalSpec, {**settings, **{k: v for k, v in flags.items() if v is not None}}, "eval",
@@ -470,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"run": cmd_run, "eval": cmd_eval, "inspect": cmd_inspect, "export": cmd_export,
                "verify": cmd_verify, "report": cmd_report, "speculate": cmd_speculate,
-               "plan": cmd_plan}[args.command]
+               "plan": cmd_plan, "generate": cmd_generate}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt:
