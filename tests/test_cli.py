@@ -47,7 +47,8 @@ def _recipe(model_dir: Path, calib_file: Path, out: Path, **stage) -> dict:
         "calibration": {"kind": "files", "files": [str(calib_file)], "n_samples": N_SAMPLES, "seq_len": SEQ_LEN},
         "stages": [{"stage": "quantize", "method": "rtn", "scheme": {"dtype": "int4", "group_size": 16},
                     "ignore": ["lm_head"], **stage}],
-        "eval": {"perplexity": False, "speed": True, "prefill_tokens": 8, "decode_tokens": 2, "speed_repeats": 1},
+        "eval": {"perplexity": False, "speed": True, "prefill_tokens": 8, "decode_tokens": 2, "speed_repeats": 1,
+                 "samples": 4},
         "output": {"dir": str(out)},
     }
 
@@ -263,7 +264,8 @@ def test_eval_suite_with_flags_over_it(tmp_path, model_dir, capsys):
     assert "evaluation suite 'nosuch' not found" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", ["run", "eval", "inspect", "export", "verify", "report", "speculate", "plan"])
+@pytest.mark.parametrize("command", ["run", "eval", "inspect", "export", "verify", "report", "speculate", "plan",
+                                     "generate"])
 def test_subcommand_help_shows_an_example(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])
@@ -278,7 +280,7 @@ def test_top_level_help(capsys):
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert "usage: compress" in out and "{run,eval,inspect,export,verify,report,speculate,plan}" in out
+    assert "usage: compress" in out and "{run,eval,inspect,export,verify,report,speculate,plan,generate}" in out
 
 
 @pytest.mark.parametrize("command", ["run", "inspect"])

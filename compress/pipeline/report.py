@@ -25,8 +25,9 @@ OFFLOAD_PREFILL, OFFLOAD_DECODE = 32, 4  # a disk-offloaded model's speed run: e
 def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str = "cpu", baseline: str | None = None,
                     progress: bool = True) -> dict:
     """Perplexity (+ KL / top-1 against `baseline`), greedy samples (`spec.samples` new tokens; where they first
-    depart from the baseline's), weight bytes and speed for each model, same windows. Accuracy passes and samples run
-    on `spec.threads` CPU threads, speed on the threads set by the caller."""
+    depart from the baseline's), weight bytes and speed for each model, same windows. Accuracy passes run on
+    `spec.threads` CPU threads; speed and samples (batch-1 decoding: small ops, where a second thread's barriers
+    cost more than it adds on a small model) on the threads set by the caller."""
     result: dict = {"models": {n: {} for n in models}}
     accuracy_threads = getattr(spec, "threads", None)
     if spec.perplexity:
@@ -42,9 +43,8 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
             result["models"][n].update(ppl=s.ppl, nll=s.nll, tokens=s.tokens, kl=s.kl, top1_agreement=s.top1_agreement)
             result["models"][n].update(llm_int8_figures(models[n]))
     from ..model.load import offloaded
-    if getattr(spec, "samples", 0):
-        with cpu_threads(accuracy_threads):
-            result["samples"] = samples_section(models, tokenizer, spec.samples, baseline, offloaded)
+    if getattr(spec, "samples", 0):  # decoding, as the speed figures: on the caller's threads
+        result["samples"] = samples_section(models, tokenizer, spec.samples, baseline, offloaded)
     for n, m in models.items():
         on_disk = offloaded(m)
         result["models"][n]["weights"] = weight_bytes(m, meta=bool(on_disk))
