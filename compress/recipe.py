@@ -145,7 +145,8 @@ class EvalSpec:
         if min(self.speculative_prompts, self.speculative_prompt_tokens, self.speculative_new_tokens) < 1:
             raise ValueError("eval.speculative_prompts, _prompt_tokens and _new_tokens must be >= 1")
         if not 0 <= self.samples <= 4096:
-            raise ValueError(f"eval.samples must be new tokens in 0..4096 (0: no generated samples), got {self.samples}")
+            raise ValueError(f"eval.samples must be new tokens in 0..4096 (0: no generated samples), "
+                             f"got {self.samples}")
         if self.roofline_context < 1 or any(b < 1 for b in self.roofline_batches):
             raise ValueError("roofline_context and roofline_batches must be >= 1")
 

@@ -46,6 +46,10 @@ def test_the_continuation_ends_at_an_end_of_sequence_id():
     stop = full[4]  # a token the model generates fifth (and maybe earlier)
     ours = greedy(model, ids, 12, [stop])
     assert ours == reference_greedy(model, ids, 12, (stop,)) and ours[-1] == stop and len(ours) <= 5
+    # the report's samples stop where the model's config says its sequence ends
+    model.config.eos_token_id, model.generation_config.eos_token_id = stop, None
+    (section,) = [p for p in generate_samples({"m": model}, tok, 12)["prompts"] if p["prompt"] == PROMPTS[1][1]]
+    assert section["outputs"]["m"]["tokens"] == ours
 
 
 @pytest.mark.parametrize("a,b,index", [

@@ -4,7 +4,7 @@ from __future__ import annotations
 EPILOG = """examples:
   compress generate default "What is the capital of France?"
   compress generate runs/awq_int4 "Write a haiku about rain." --baseline default
-  compress generate runs/int4_rtn/exports/gguf-q4_0/model.gguf "def fibonacci(n):" --no-chat-template
+  compress generate runs/int4_rtn/exports/gguf-q4_0/model-q4_0.gguf "def fibonacci(n):" --no-chat-template
   compress generate runs/awq_int4 --max-new-tokens 64          # no prompt: the report's three prompts
 
 MODEL and --baseline accept `default`, a compress output folder, an export folder, a Hugging Face folder, a .gguf
