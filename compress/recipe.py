@@ -116,6 +116,9 @@ class EvalSpec:
     speculative_prompts: int = 2
     speculative_prompt_tokens: int = 128
     speculative_new_tokens: int = 32
+    # each model's greedy continuation of three fixed prompts (compress/measure/samples.py: a fact, an instruction,
+    # a bit of code; in the tokenizer's chat template where it has one), at most this many new tokens; 0: none
+    samples: int = 32
     # roofline predictions (compress/serving/roofline.py) on these accelerators, at this context and batches
     accelerators: tuple[str, ...] = ("H100-SXM",)
     roofline_context: int = 1024
@@ -142,6 +145,9 @@ class EvalSpec:
                              "eval.baseline: true")
         if min(self.speculative_prompts, self.speculative_prompt_tokens, self.speculative_new_tokens) < 1:
             raise ValueError("eval.speculative_prompts, _prompt_tokens and _new_tokens must be >= 1")
+        if not 0 <= self.samples <= 4096:
+            raise ValueError(f"eval.samples must be new tokens in 0..4096 (0: no generated samples), "
+                             f"got {self.samples}")
         if self.roofline_context < 1 or any(b < 1 for b in self.roofline_batches):
             raise ValueError("roofline_context and roofline_batches must be >= 1")
 

@@ -47,7 +47,8 @@ def _recipe(model_dir: Path, calib_file: Path, out: Path, **stage) -> dict:
         "calibration": {"kind": "files", "files": [str(calib_file)], "n_samples": N_SAMPLES, "seq_len": SEQ_LEN},
         "stages": [{"stage": "quantize", "method": "rtn", "scheme": {"dtype": "int4", "group_size": 16},
                     "ignore": ["lm_head"], **stage}],
-        "eval": {"perplexity": False, "speed": True, "prefill_tokens": 8, "decode_tokens": 2, "speed_repeats": 1},
+        "eval": {"perplexity": False, "speed": True, "prefill_tokens": 8, "decode_tokens": 2, "speed_repeats": 1,
+                 "samples": 4},
         "output": {"dir": str(out)},
     }
 
@@ -264,7 +265,7 @@ def test_eval_suite_with_flags_over_it(tmp_path, model_dir, capsys):
 
 
 @pytest.mark.parametrize("command", ["run", "eval", "inspect", "export", "verify", "report", "speculate", "plan",
-                                     "push"])
+                                     "push", "generate"])
 def test_subcommand_help_shows_an_example(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])
@@ -279,7 +280,7 @@ def test_top_level_help(capsys):
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert "usage: compress" in out and "{run,eval,inspect,export,verify,report,speculate,plan,push}" in out
+    assert "usage: compress" in out and "{run,eval,inspect,export,verify,report,speculate,plan,push,generate}" in out
 
 
 @pytest.mark.parametrize("command", ["run", "inspect"])
@@ -714,6 +715,7 @@ def test_eval_offloads_a_model_to_disk_with_the_same_figures(tmp_path, recipe_fi
     assert offloaded["lm_eval"]["scores"] == resident["lm_eval"]["scores"]
     md = (tmp_path / "offloaded" / "report.md").read_text()
     assert "## Offloaded to disk" in md and "(disk offload: " in md and "time the disk" in md
+    assert "offloaded to disk" in offloaded["samples"]["skipped"] and len(resident["samples"]["prompts"]) == 3
     capsys.readouterr()
     assert main(["eval", str(out), "--offload", "1", "--no-speed", "--max-windows", "1", "--seq-len", "32"]) == 2
     assert "compress export DIR --format dense" in capsys.readouterr().err

@@ -232,6 +232,8 @@ def test_only_one_block_is_in_memory_at_a_time_and_the_output_reloads(tmp_path):
     assert sum(type(m).__name__ == "QuantLinear" for m in again.modules()) == 4 * 7
     assert report["eval"]["models"]["compressed"]["ppl"] > 0 and "speed" in report["streamed"]["not_measured"]
     assert "Streamed" in (tmp_path / "out" / "report.md").read_text()
+    assert "streamed the model from disk" in report["eval"]["samples"]["skipped"]  # no samples, and why
+    assert "## Generated samples\n\nNot generated: this run streamed" in (tmp_path / "out" / "report.md").read_text()
 
 
 @pytest.mark.parametrize("extra,words", [

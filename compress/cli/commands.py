@@ -31,6 +31,7 @@ Prune and distill (recipes/minitron_prune_distill.yaml) also run data-parallel o
 EPILOG_EVAL = """examples:
   compress eval runs/int4_rtn --baseline default --max-windows 4
   compress eval default --max-windows 2 --no-speed
+  compress eval runs/int4_rtn --baseline default --max-windows 4 --samples 64   # longer generated samples
   compress eval runs/awq_int4 --baseline default --tasks arc_easy,lambada_openai --task-limit 50
   compress eval runs/awq_int4/exports/compressed-tensors --baseline default --max-windows 4
   compress eval runs/awq_int4 --baseline default --suite quick       # eval/quick.yaml; flags override it
@@ -148,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, help="window length in tokens (default 2048)")
     p.add_argument("--max-windows", type=int, help="at most N windows (default: the whole split)")
     p.add_argument("--no-speed", action="store_true", help="skip the tokens/s measurement")
+    p.add_argument("--samples", type=int, metavar="N",
+                   help="greedy continuations of the report's three prompts, at most N new tokens (default 32; 0: "
+                        "none)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: stable timings)")
     p.add_argument("--output", help="folder for report.json / report.md (default: print the markdown)")
@@ -217,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "(default runs/report)")
     from .plan import add_parser as add_plan_parser
     from .speculate import add_parser as add_speculate_parser
+    from .generate import add_parser as add_generate_parser
     add_speculate_parser(sub)
     add_plan_parser(sub)
     p = sub.add_parser("push", help="upload a run or an export, with its model card, to the Hugging Face Hub",
@@ -229,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", help="Hugging Face token (default: HF_TOKEN or the saved login)")
     p.add_argument("--write-card", action="store_true",
                    help="write (or rewrite) README.md from the folder's report.json / export.json first")
+    add_generate_parser(sub)
     return parser
 
 
@@ -250,6 +256,12 @@ def cmd_push(args) -> int:
     push(args.folder, args.repo, private=args.private, dry_run=args.dry_run, token=args.token,
          write_card=args.write_card)
     return 0
+
+
+def cmd_generate(args) -> int:
+    from .generate import run
+
+    return run(args)
 
 
 def cmd_report(args) -> int:
@@ -403,7 +415,7 @@ def cmd_eval(args) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     flags = {"split": args.split, "seq_len": args.seq_len, "max_windows": args.max_windows,
-             "speed": False if args.no_speed else None,
+             "speed": False if args.no_speed else None, "samples": args.samples,
              "tasks": [t.strip() for t in args.tasks.split(",")] if args.tasks else None, "task_limit": args.task_limit}
     settings = eval_suite_settings(args.suite, "--suite") if args.suite else {}
     spec = build(EvalSpec, {**settings, **{k: v for k, v in flags.items() if v is not None}}, "eval",
@@ -499,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"run": cmd_run, "eval": cmd_eval, "inspect": cmd_inspect, "export": cmd_export,
                "verify": cmd_verify, "report": cmd_report, "speculate": cmd_speculate,
-               "plan": cmd_plan, "push": cmd_push}[args.command]
+               "plan": cmd_plan, "push": cmd_push, "generate": cmd_generate}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt:

@@ -24,8 +24,10 @@ OFFLOAD_PREFILL, OFFLOAD_DECODE = 32, 4  # a disk-offloaded model's speed run: e
 
 def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str = "cpu", baseline: str | None = None,
                     progress: bool = True) -> dict:
-    """Perplexity (+ KL / top-1 against `baseline`), weight bytes and speed for each model, same windows.
-    Accuracy passes run on `spec.threads` CPU threads, speed on the threads set by the caller."""
+    """Perplexity (+ KL / top-1 against `baseline`), greedy samples (`spec.samples` new tokens; where they first
+    depart from the baseline's), weight bytes and speed for each model, same windows. Accuracy passes run on
+    `spec.threads` CPU threads; speed and samples (batch-1 decoding: small ops, where a second thread's barriers
+    cost more than it adds on a small model) on the threads set by the caller."""
     result: dict = {"models": {n: {} for n in models}}
     accuracy_threads = getattr(spec, "threads", None)
     if spec.perplexity:
@@ -41,6 +43,8 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
             result["models"][n].update(ppl=s.ppl, nll=s.nll, tokens=s.tokens, kl=s.kl, top1_agreement=s.top1_agreement)
             result["models"][n].update(llm_int8_figures(models[n]))
     from ..model.load import offloaded
+    if getattr(spec, "samples", 0):  # decoding, as the speed figures: on the caller's threads
+        result["samples"] = samples_section(models, tokenizer, spec.samples, baseline, offloaded)
     for n, m in models.items():
         on_disk = offloaded(m)
         result["models"][n]["weights"] = weight_bytes(m, meta=bool(on_disk))
@@ -81,6 +85,22 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
     return result
 
 
+def samples_section(models: dict[str, nn.Module], tokenizer, new_tokens: int, baseline: str | None,
+                    offloaded) -> dict:
+    """Each model's greedy continuations of the fixed prompts (evaluate/samples.py), or why there are none: an
+    offloaded model would read its weights from disk for every token; a failure is reported, not raised (the run's
+    figures are worth more than its samples)."""
+    from ..measure.samples import generate_samples
+
+    if on_disk := [n for n, m in models.items() if offloaded(m)]:
+        return {"skipped": f"{', '.join(on_disk)} offloaded to disk: every generated token would read the offloaded "
+                           "weights again; `compress generate` where the model fits"}
+    try:
+        return generate_samples(models, tokenizer, new_tokens, baseline)
+    except Exception as exc:  # noqa: BLE001 - said in the report instead
+        return {"skipped": f"generation failed: {type(exc).__name__}: {exc}"}
+
+
 def speculative_section(target: nn.Module, draft: nn.Module, tokenizer, spec) -> dict:
     """The compressed model measured as a greedy speculative-decoding draft for the original (batch 1, on the speed
     threads, its fastest kernels): α, tokens per target step, speed-up per draft length, the roofline's prediction."""
@@ -104,6 +124,11 @@ def speculative_section(target: nn.Module, draft: nn.Module, tokenizer, spec) ->
     result["kernels"] = "rows" if why_not is None else why_not
     result["roofline"] = roofline_rows(result, target.config, draft.config, spec.accelerators)
     return result
+
+
+def _sample_lines(report: dict) -> list[str]:
+    from ..measure.samples import render
+    return render(report.get("eval", {}).get("samples"))
 
 
 def _speculative_lines(report: dict) -> list[str]:
@@ -479,7 +504,7 @@ def _timing_lines(report: dict) -> list[str]:
 
 # report.md, section by section, in this order; each reads its part of report.json (`compress report` re-renders
 # a saved report.json with the same functions)
-SECTIONS = (_header_lines, _accuracy_lines, _memory_lines, _streamed_lines, _offload_lines, _speed_lines,
+SECTIONS = (_header_lines, _accuracy_lines, _memory_lines, _sample_lines, _streamed_lines, _offload_lines, _speed_lines,
             _dispatch_lines, _stage_lines, _block_error_lines, lambda r: _task_lines(r.get("eval", {}).get("lm_eval")),
             _speculative_lines, lambda r: _sweep_lines(_models(r)), lambda r: _roofline_lines(_models(r)),
             lambda r: _export_lines(r.get("exports") or []), _timing_lines)

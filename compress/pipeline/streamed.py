@@ -47,6 +47,11 @@ NOT_STREAMED = {  # measured only on a resident model: reported as not measured 
              "with `--offload GB` where it does not (that times the disk)",
 }
 
+# generating reads every block from disk once per token, for each model: 2 x 3 prompts x eval.samples passes
+NO_SAMPLES = ("this run streamed the model from disk one block at a time, and each generated token would read every "
+              "block again; `compress generate OUTPUT \"prompt\" --baseline MODEL` where the model fits, or "
+              "`compress eval OUTPUT --baseline MODEL` (samples included)")
+
 
 def stream_blockers(recipe: Recipe) -> list[str]:
     """Why this recipe cannot run streamed (empty when it can), each naming the way out."""
@@ -511,6 +516,8 @@ def streamed_eval(recipe: Recipe, model: nn.Module, arch, evaluation: StreamedEv
             m.to("cpu")
         for n, s in scores.items():
             result["models"][n].update(ppl=s.ppl, nll=s.nll, tokens=s.tokens, kl=s.kl, top1_agreement=s.top1_agreement)
+    if spec.samples:
+        result["samples"] = {"skipped": NO_SAMPLES}
     if spec.baseline:
         result["models"]["baseline"].update(baseline_figures)
     result["models"]["compressed"].update(model_figures(model, spec, meta=True))
