@@ -96,7 +96,7 @@ def export_runs(work: Path) -> list[dict]:
             continue
         data.update(model={"source": str(folder), "dtype": "float32", "device": "cpu"},
                     calibration={"kind": "files", "files": [str(calib)], "n_samples": 4, "seq_len": 64},
-                    eval={"perplexity": False, "speed": False, "baseline": False},
+                    eval={"perplexity": False, "speed": False, "baseline": False, "samples": 0},
                     output={"dir": str(work / recipe.stem), "formats": formats})
         try:
             report = run(data, progress=False, log=lambda m: None).data

@@ -425,7 +425,7 @@ def run_auto(tmp_path_factory, request):
                                 "gptq_samples": 2})
     if request.param.startswith("awq"):
         recipe["stages"].insert(1, {"stage": "awq", "n_grid": 4, "search_samples": 1})
-    recipe["eval"] = {"perplexity": True, "max_windows": 1, "seq_len": 16, "speed": False, "split": "test"}
+    recipe["eval"] = {"perplexity": True, "max_windows": 1, "seq_len": 16, "speed": False, "split": "test", "samples": 0}
     path = root / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     assert main(["run", str(path), "--no-progress"]) == 0

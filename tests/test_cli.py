@@ -426,7 +426,7 @@ def test_prune_distill_then_quantize_evaluates_before_and_after(tmp_path, model_
     recipe = _minitron_recipe(model_dir, calib_file, tmp_path / "out",
                               {"stage": "quantize", "method": "rtn", "scheme": {"dtype": "int4", "group_size": 16},
                                "ignore": ["lm_head"]})
-    recipe["eval"] = {"perplexity": False, "speed": False}
+    recipe["eval"] = {"perplexity": False, "speed": False, "samples": 0}
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     assert main(["run", str(path), "--no-progress"]) == 0
@@ -480,7 +480,7 @@ def test_accelerate_launch_runs_the_recipe_on_two_processes(tmp_path, model_dir,
     import sys
 
     recipe = _minitron_recipe(model_dir, calib_file, tmp_path / "out", batch_size=1)
-    recipe["eval"] = {"perplexity": False, "speed": False}
+    recipe["eval"] = {"perplexity": False, "speed": False, "samples": 0}
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     with socket.socket() as s:
@@ -516,7 +516,7 @@ def test_a_run_that_fails_after_distillation_resumes_from_its_checkpoint(tmp_pat
     recipe = _minitron_recipe(model_dir, calib_file, tmp_path / "out",
                               {"stage": "quantize", "method": "rtn", "scheme": {"dtype": "int4", "group_size": 32}})
     recipe["stages"][0]["mlp"] = 0.75
-    recipe["eval"] = {"perplexity": False, "speed": False}
+    recipe["eval"] = {"perplexity": False, "speed": False, "samples": 0}
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
 

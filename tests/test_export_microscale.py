@@ -134,7 +134,7 @@ def test_shipped_microscale_recipes_run_and_their_exports_reload(name, tmp_path)
     from tests.conftest import run_tiny_recipe
 
     shipped = yaml.safe_load((resource_dir("recipes") / name).read_text())
-    out = run_tiny_recipe(tmp_path, shipped["stages"], {"perplexity": False, "speed": False, "baseline": False},
+    out = run_tiny_recipe(tmp_path, shipped["stages"], {"perplexity": False, "speed": False, "baseline": False, "samples": 0},
                           tuple(shipped["output"]["formats"]))
     report = json.loads((out / "report.json").read_text())
     assert [e["format"] for e in report["exports"]] == shipped["output"]["formats"]

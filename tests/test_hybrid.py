@@ -197,7 +197,7 @@ def test_a_per_layer_input_projection_named_in_targets_is_quantized_in_memory_an
     recipe = from_dict({"model": {"source": str(folder), "stream": "always", "dtype": "float32"},
                         "stages": [{"stage": "quantize", "method": "rtn", "scheme": {"dtype": "int4", "group_size": 16},
                                     "targets": ["Linear", "re:model.per_layer_model_projection"]}],
-                        "eval": {"perplexity": False, "speed": False}, "output": {"dir": str(tmp_path / "out")}})
+                        "eval": {"perplexity": False, "speed": False, "samples": 0}, "output": {"dir": str(tmp_path / "out")}})
     with pytest.raises(ValueError, match=r"model.per_layer_model_projection is quantized by the recipe, but a "
                                          r"streamed run .*\(model.stream: false\)"):
         run(recipe, progress=False, log=lambda *a: None)

@@ -321,7 +321,7 @@ def _recipe_file(tmp_path: Path, source: Path, stream: str = "never") -> Path:
         "model": {"source": str(source), "dtype": "float32", "stream": stream},
         "calibration": {"kind": "files", "files": [str(calib)], "n_samples": 2, "seq_len": 16},
         "stages": [{"stage": "quantize", "method": "rtn", "scheme": {"dtype": "int4", "group_size": 16}}],
-        "eval": {"perplexity": False, "speed": False}, "output": {"dir": str(tmp_path / "out")}}))
+        "eval": {"perplexity": False, "speed": False, "samples": 0}, "output": {"dir": str(tmp_path / "out")}}))
     return path
 
 
@@ -409,7 +409,7 @@ def interrupted(tmp_path_factory) -> tuple[Path, object]:
         "stages": [{"stage": "quantize", "method": "gptq",
                     "scheme": {"dtype": "int4", "granularity": "group", "group_size": 32}}],
         "calibration": {"kind": "files", "files": [str(tmp / "calib.txt")], "n_samples": 4, "seq_len": 32},
-        "eval": {"perplexity": False, "speed": False}, "output": {"dir": str(tmp / "out"), "max_shard_gb": 0.00002}})
+        "eval": {"perplexity": False, "speed": False, "samples": 0}, "output": {"dir": str(tmp / "out"), "max_shard_gb": 0.00002}})
     load = StreamedBlocks.load
 
     def crashing(self, i, device):

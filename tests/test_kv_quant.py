@@ -127,7 +127,7 @@ def test_a_recipe_stage_applies_it_and_the_checkpoint_keeps_it(tmp_path):
     from compress.stages.kv_cache import KVCacheStage
 
     out = run_tiny_recipe(tmp_path, [{"stage": "kv_cache", "dtype": "int4", "group": 16, "residual": 16}],
-                          {"perplexity": False, "speed": False})
+                          {"perplexity": False, "speed": False, "samples": 0})
     report = json.loads((out / "report.json").read_text())
     section = next(s for s in report["stages"] if s["stage"] == "kv_cache")
     assert section["format"] == "int4-kivi-g16-r16" and len(section["layers"]) == 2

@@ -97,7 +97,7 @@ def _run(tmp_path, folder, method: str, prepend: list = (), **stage) -> dict:
               "calibration": {"kind": "files", "files": [str(calib)], "n_samples": 4, "seq_len": 16},
               "stages": [*prepend, {"stage": "quantize", "method": method,
                                     "scheme": {"dtype": "int4", "group_size": 16}, **stage}],
-              "eval": {"perplexity": False, "speed": False}, "output": {"dir": str(tmp_path / "out")}}
+              "eval": {"perplexity": False, "speed": False, "samples": 0}, "output": {"dir": str(tmp_path / "out")}}
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
     assert main(["run", str(tmp_path / "r.yaml"), "--no-progress"]) == 0
     return json.loads((tmp_path / "out" / "report.json").read_text())
@@ -194,7 +194,7 @@ def test_awq_scales_every_expert_and_the_quantized_moe_reloads(tmp_path):
               "calibration": {"kind": "files", "files": [str(calib)], "n_samples": 4, "seq_len": 16},
               "stages": [{"stage": "awq", "n_grid": 5},
                          {"stage": "quantize", "method": "rtn", "scheme": {"dtype": "int4", "group_size": 16}}],
-              "eval": {"perplexity": False, "speed": False}, "output": {"dir": str(tmp_path / "out")}}
+              "eval": {"perplexity": False, "speed": False, "samples": 0}, "output": {"dir": str(tmp_path / "out")}}
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
     assert main(["run", str(tmp_path / "r.yaml"), "--no-progress"]) == 0
     blocks = json.loads((tmp_path / "out" / "report.json").read_text())["stages"][0]["blocks"]
@@ -366,7 +366,7 @@ def test_pruning_an_expert_no_token_reaches_changes_nothing_and_plain_transforme
     recipe = {"model": {"source": str(folder), "dtype": "float32", "device": "cpu"},
               "calibration": {"kind": "files", "files": [str(calib)], "n_samples": 4, "seq_len": 16},
               "stages": [{"stage": "prune_experts", "keep": 3, "n_samples": 4, "seq_len": 16}],
-              "eval": {"perplexity": False, "speed": False}, "output": {"dir": str(tmp_path / "out")}}
+              "eval": {"perplexity": False, "speed": False, "samples": 0}, "output": {"dir": str(tmp_path / "out")}}
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
     assert main(["run", str(tmp_path / "r.yaml"), "--no-progress"]) == 0
     section = json.loads((tmp_path / "out" / "report.json").read_text())["stages"][0]

@@ -237,7 +237,7 @@ def _run_recipe(tmp_path, formats: list[str]) -> dict:
         "stages": [{"stage": "quantize", "scheme": {"dtype": "int4", "group_size": 16}},
                    {"stage": "quantize", "scheme": "W8A16", "targets": ["lm_head"], "ignore": [],
                     "tied_lm_head": "untie"}],
-        "eval": {"perplexity": False, "speed": False, "baseline": False},
+        "eval": {"perplexity": False, "speed": False, "baseline": False, "samples": 0},
         "output": {"dir": str(tmp_path / "out"), "save_dtype": "float32", "formats": formats}})
     return run(recipe, progress=False, log=lambda *_: None)
 

@@ -291,7 +291,7 @@ def test_a_run_measures_its_model_as_a_draft_for_the_original(tmp_path):
     import json
 
     out = run_tiny_recipe(tmp_path, [{"stage": "quantize", "method": "rtn", "scheme": {"dtype": "int4", "group_size": 32}}],
-                          {"perplexity": False, "speed": False, "speculative": [1, 3], "speculative_prompts": 2,
+                          {"perplexity": False, "speed": False, "samples": 0, "speculative": [1, 3], "speculative_prompts": 2,
                            "speculative_prompt_tokens": 16, "speculative_new_tokens": 8})
     section = json.loads((tmp_path / "out" / "report.json").read_text())["eval"]["speculative"]
     assert [r["k"] for r in section["rows"]] == [1, 3, "adaptive"] and section["greedy_mismatches"] == 0

@@ -44,7 +44,7 @@ def _run(tmp_path, scheme, stream="never", formats=(), name="run", source=None):
     recipe = from_dict({
         "model": {"source": str(source or _source(tmp_path)), "dtype": "float32", "stream": stream},
         "stages": [{"stage": "quantize", "method": "rtn", "scheme": scheme}],
-        "eval": {"perplexity": False, "speed": False},
+        "eval": {"perplexity": False, "speed": False, "samples": 0},
         "output": {"dir": str(out), "max_shard_gb": 0.00003, "formats": list(formats), "verify_windows": 0}})
     return out, run(recipe, **QUIET)
 
@@ -140,7 +140,7 @@ def test_fp8_kv_scales_go_to_the_streamed_export(tmp_path):
     run(from_dict({"model": {"source": str(_source(tmp_path)), "dtype": "float32"},
                    "stages": [{"stage": "quantize", "method": "rtn", "scheme": "FP8"}, {"stage": "kv_cache"}],
                    "calibration": {"kind": "wikitext2", "n_samples": 2, "seq_len": 32},
-                   "eval": {"perplexity": False, "speed": False}, "output": {"dir": str(out)}}), **QUIET)
+                   "eval": {"perplexity": False, "speed": False, "samples": 0}, "output": {"dir": str(out)}}), **QUIET)
     for fmt in ("fp8", "compressed-tensors"):
         whole = export_model(load_compressed(out), None, fmt, tmp_path / f"whole-{fmt}")
         streamed = open_compressed(out)

@@ -127,7 +127,7 @@ def test_a_checkpoint_missing_tensors_is_refused_naming_the_fix(tmp_path):
 
 def _recipe(folder, out, stages, stream, calibrate=True, **extra):
     r = {"model": {"source": str(folder), "stream": stream, "dtype": "float32"}, "stages": stages,
-         "eval": {"seq_len": 64, "max_windows": 3, "speed": False, "threads": 1},
+         "eval": {"seq_len": 64, "max_windows": 3, "speed": False, "threads": 1, "samples": 0},
          "output": {"dir": str(out), "max_shard_gb": 0.00002}, **extra}
     if calibrate:
         r["calibration"] = {"kind": "wikitext2", "n_samples": 4, "seq_len": 32, "threads": 1}
@@ -281,7 +281,7 @@ def _embedded_runs(tmp_path, source: str) -> tuple[dict, dict]:
     for mode in ("never", "always"):
         recipe = from_dict({"model": {"source": source, "stream": mode}, "stages": stages,
                             "calibration": {"kind": "wikitext2", "n_samples": 2, "seq_len": 64, "threads": 1},
-                            "eval": {"seq_len": 128, "max_windows": 2, "speed": False, "threads": 1},
+                            "eval": {"seq_len": 128, "max_windows": 2, "speed": False, "threads": 1, "samples": 0},
                             "output": {"dir": str(tmp_path / mode)}})
         reports[mode] = run(recipe, progress=False, log=lambda *a: None)
         tensors[mode] = read_safetensors(tmp_path / mode)
@@ -470,7 +470,7 @@ def test_a_killed_two_process_run_resumes_bit_for_bit(tmp_path):
     folder = _four_blocks(tmp_path)
     recipe = {"model": {"source": str(folder), "stream": "always", "dtype": "float32"}, "stages": RECIPES["gptq"],
               "calibration": {"kind": "wikitext2", "n_samples": 4, "seq_len": 32, "threads": 1},
-              "eval": {"seq_len": 64, "max_windows": 2, "speed": False, "threads": 1}}
+              "eval": {"seq_len": 64, "max_windows": 2, "speed": False, "threads": 1, "samples": 0}}
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     args = ["run", str(path), "--no-progress", "--output"]
@@ -520,7 +520,7 @@ def test_two_processes_equal_one_process(tmp_path, stages, stream, family):
                               # gptq flips 42 of 73,728 codes (its Hessian summed in another order), which moves
                               # block 2's error by 0.13% (over rel=1e-4) and the perplexity by 1e-5
                               "dtype": "bfloat16"},
-              "eval": {"seq_len": 64, "max_windows": 2, "speed": False, "threads": 1}}
+              "eval": {"seq_len": 64, "max_windows": 2, "speed": False, "threads": 1, "samples": 0}}
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     one = run(from_dict({**recipe, "output": {"dir": str(tmp_path / "one")}}), progress=False, log=lambda *a: None)

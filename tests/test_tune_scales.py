@@ -190,7 +190,7 @@ def test_memory_plan_counts_the_teacher_and_a_streamed_run_refuses_it():
 @pytest.fixture(scope="module")
 def tiny_runs(tmp_path_factory):
     """The same tiny quantization run with and without tune_scales."""
-    spec = {"perplexity": True, "max_windows": 2, "seq_len": 64, "speed": False, "split": "test"}
+    spec = {"perplexity": True, "max_windows": 2, "seq_len": 64, "speed": False, "split": "test", "samples": 0}
     scheme = {"dtype": "int3", "granularity": "group", "group_size": 32, "symmetric": False}
     plain = run_tiny_recipe(tmp_path_factory.mktemp("plain"), [{**QUANTIZE, "scheme": scheme}], spec)
     tuned = run_tiny_recipe(tmp_path_factory.mktemp("tuned"), [

@@ -54,7 +54,7 @@ def _run(folder: Path, out: Path, stages: list, formats=("dense", "compressed-te
     calib.write_text(word_text(600) + "\n")
     recipe = from_dict({"model": {"source": str(folder), "dtype": "float32", "stream": stream},
                         "calibration": {"kind": "files", "files": [str(calib)], "n_samples": 2, "seq_len": 32},
-                        "stages": stages, "eval": {"perplexity": False, "speed": False},
+                        "stages": stages, "eval": {"perplexity": False, "speed": False, "samples": 0},
                         "output": {"dir": str(out), "formats": list(formats), "verify_windows": 0}})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
