@@ -148,15 +148,24 @@ def test_a_refused_model_is_refused_before_anything_is_written(tmp_path):
 
 # ------------------------------------------------------------------ config, names, reader
 
+ROPE = {"rope_theta": 100000.0, "rope_type": "default"}  # SmolLM2's base, not mlx-lm's default 10000
+
+
 def mixed_model():
-    """int4 g32 asym mostly, int8 g64 sym in the MLPs' down_proj, layer 1's o_proj left in float."""
+    """int4 g32 asym mostly, int8 g64 sym in the MLPs' down_proj, layer 1's o_proj left in float; SmolLM2's rotary
+    base, which transformers 5 writes only inside rope_parameters."""
     def choose(name):
         if name.endswith("layers.1.self_attn.o_proj"):
             return None
         if name.endswith("down_proj"):
             return scheme("int8", "group", 64)
         return scheme("int4", "group", 32, symmetric=False)
-    return quantize_layers(make_tiny_model("llama"), choose)
+    model = make_tiny_model("llama", rope_parameters=dict(ROPE))
+    with torch.no_grad():  # sharp attention, so that the rotary base shows in the logits (random weights: flat)
+        for block in model.model.layers:
+            block.self_attn.q_proj.weight.mul_(6)
+            block.self_attn.k_proj.weight.mul_(6)
+    return quantize_layers(model, choose)
 
 
 def test_config_entry_names_and_mixed_precision(tmp_path):
@@ -169,6 +178,7 @@ def test_config_entry_names_and_mixed_precision(tmp_path):
         "model.layers.0.mlp.down_proj": {"group_size": 64, "bits": 8},
         "model.layers.1.mlp.down_proj": {"group_size": 64, "bits": 8}}
     assert record["format"] == "mlx" and record["quantization"] == config["quantization"]
+    assert config["rope_theta"] == 100000.0 and "rope_scaling" not in config  # what mlx-lm's llama reads
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         names = set(f.keys())
         q = f.get_tensor("model.layers.0.self_attn.q_proj.weight")

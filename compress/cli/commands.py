@@ -78,7 +78,7 @@ EPILOG_VERIFY = """examples:
   compress verify runs/int8_absmax/exports/gguf-q8_0 --windows 4 --seq-len 512
   compress verify runs/awq_int4/exports/awq --engine vllm --engine-python ~/vllm/bin/python
   compress verify runs/int4_rtn/exports/gguf-q4_1 --engine llama.cpp
-  compress verify runs/int4_rtn/exports/mlx --engine mlx --engine-python ~/mlx/bin/python --engine-dtype auto
+  compress verify runs/int4_rtn/exports/mlx --engine mlx --engine-python ~/mlx/bin/python --engine-dtype float32
 
 Reloads the export through its loader (transformers + compressed-tensors, llama-cpp-python; AWQ / GPTQ /
 per-tensor fp8 are read with their published layout, since their serving kernels need a GPU) and prints the

@@ -5,7 +5,8 @@ mlx-lm pins its own transformers and needs no torch, so it is usually installed 
 (python -m venv ~/mlx && ~/mlx/bin/pip install mlx mlx-cpu mlx-lm on Linux); the interpreter comes from `python` (the
 request), else COMPRESS_MLX_PYTHON, else this one when it can import mlx_lm: vllm.py's convention. The engine
 computes in the dtype the checkpoint holds when the request's dtype is "auto", else with every float parameter cast
-(scales and biases included, as vLLM casts its scales to its dtype).
+(scales and biases included, as vLLM casts its scales to its dtype). On mlx-cpu, ask for float32: its float16 and
+bfloat16 quantized matmuls are 40x and 10x slower than its float32 one (measured: bench/mlx_export.py).
 """
 from __future__ import annotations
 

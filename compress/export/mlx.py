@@ -17,7 +17,8 @@ grids (a power of two) and rounded to 11 bits for asymmetric ones (the report sa
 
 Names are the Hugging Face checkpoint's (`model.layers.N.self_attn.q_proj.weight` ...), which is what mlx-lm's
 model classes read (mlx_lm/models/llama.py; `sanitize` drops a tied lm_head.weight and rotary buffers). config.json
-is the Hugging Face config plus mlx-lm's `quantization` entry (and the same dict as `quantization_config`, as
+is the Hugging Face config (with transformers 4's top-level `rope_theta` / `rope_scaling`, which mlx-lm reads and
+transformers 5 nests in `rope_parameters`) plus mlx-lm's `quantization` entry (and the same dict as `quantization_config`, as
 mlx_lm.utils.save_config writes it): {"group_size": G, "bits": b} for the most common pair, plus one entry per layer
 whose pair differs, keyed by its module path; a layer without `.scales` stays float (mlx_lm.utils.load_model's
 class_predicate). "mode" is left out: it defaults to affine, and mlx-lm versions before the mode argument pass each
@@ -143,6 +144,23 @@ def quantization_entry(model: nn.Module) -> dict:
     return entry
 
 
+def legacy_rope(config: dict) -> str | None:
+    """transformers 5 writes the rotary settings nested (`rope_parameters`); mlx-lm's model classes read the top-level
+    `rope_theta` and `rope_scaling` of transformers 4 configs (mlx_lm/models/llama.py ModelArgs, default theta 10000),
+    so a config without them loads with the wrong rotary base and serves another model. Adds them, unless already
+    there; a per-layer-type `rope_parameters` (Gemma 3 style) is left as it is, and the returned note says so."""
+    rope = config.get("rope_parameters")
+    if not isinstance(rope, dict) or "rope_theta" in config:
+        return None
+    if "rope_theta" not in rope:
+        return ("rope_parameters is per layer type; mlx-lm reads its own per-family keys for these models (not "
+                "checked here): serve-check this export with `compress verify --engine mlx`")
+    config["rope_theta"] = rope["rope_theta"]
+    if rope.get("rope_type", "default") != "default" and "rope_scaling" not in config:
+        config["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return None
+
+
 def _bias_rounding(qt: QuantizedTensor, stored: Tensor) -> float:
     """The largest |stored bias - (-s z)| of one layer, in quantization steps (units of its scale)."""
     s = qt.scale.float()
@@ -175,8 +193,10 @@ def write(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.
     config = json.loads(config_path.read_text())
     if quantization:
         config["quantization"] = config["quantization_config"] = quantization
+    rope_note = legacy_rope(config)
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
-    notes = ["mlx-lm loads this folder with mlx_lm.load (Apple silicon; the mlx-cpu build on Linux) and computes in "
+    notes = [rope_note] if rope_note else []
+    notes += ["mlx-lm loads this folder with mlx_lm.load (Apple silicon; the mlx-cpu build on Linux) and computes in "
              f"the dtype it holds ({config_dtype(dtype)}); layers without .scales stay float"]
     if worst["bias"] > 0:
         notes.append(f"biases = -scale * zero rounded to {config_dtype(dtype)}: at most {worst['bias']:.2g} of a "
