@@ -103,8 +103,8 @@ def bench_run(name: str, baseline, windows, args) -> dict:
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| run | quantization KL (float model \\|\\| ours) | KL(ours \\|\\| mlx-lm) | share of the quantization's KL "
-             "| top-1 agreement | bars |", "|---|---:|---:|---:|---:|---|"]
+    lines = ["| run | quantization KL (float model \\|\\| ours) | KL(ours \\|\\| mlx-lm) | share of the quantization's "
+             "KL | top-1 agreement | bars |", "|---|---:|---:|---:|---:|---|"]
     for r in rows:
         m = r["mlx_float32"]
         lines.append(f"| {r['run']} | {r['quant_kl']:.4f} | {m['kl']:.2e} | {100 * m['kl_share_of_quant_kl']:.3f}% | "

@@ -18,10 +18,10 @@ grids (a power of two) and rounded to 11 bits for asymmetric ones (the report sa
 Names are the Hugging Face checkpoint's (`model.layers.N.self_attn.q_proj.weight` ...), which is what mlx-lm's
 model classes read (mlx_lm/models/llama.py; `sanitize` drops a tied lm_head.weight and rotary buffers). config.json
 is the Hugging Face config (with transformers 4's top-level `rope_theta` / `rope_scaling`, which mlx-lm reads and
-transformers 5 nests in `rope_parameters`) plus mlx-lm's `quantization` entry (and the same dict as `quantization_config`, as
-mlx_lm.utils.save_config writes it): {"group_size": G, "bits": b} for the most common pair, plus one entry per layer
-whose pair differs, keyed by its module path; a layer without `.scales` stays float (mlx_lm.utils.load_model's
-class_predicate). "mode" is left out: it defaults to affine, and mlx-lm versions before the mode argument pass each
+transformers 5 nests in `rope_parameters`) plus mlx-lm's `quantization` entry (and the same dict as
+`quantization_config`, as mlx_lm.utils.save_config writes it): {"group_size": G, "bits": b} for the most common
+pair, plus one entry per layer whose pair differs, keyed by its module path; a layer without `.scales` stays float
+(mlx_lm.utils.load_model's class_predicate). "mode" is left out: it defaults to affine, and mlx-lm versions before the mode argument pass each
 entry to `to_quantized` as keyword arguments.
 """
 from __future__ import annotations
@@ -183,8 +183,10 @@ def write(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.
             worst["bias"] = max(worst["bias"], _bias_rounding(qt, out[f"{name}.biases"]))
             if m.bias is not None:
                 out[f"{name}.bias"] = m.bias.detach().to(dtype)
+            copied = "codes and scales copied exactly" if torch.equal(out[f"{name}.scales"].float(), qt.scale.float()) \
+                else f"codes copied exactly, scales rounded to {config_dtype(dtype)}"  # a float32 scale_dtype
             layers[name] = (f"{m.scheme.name} -> mlx affine {m.scheme.bits}-bit g{m.scheme.group_size} "
-                            "(codes and scales copied exactly; biases = -scale * zero)")
+                            f"({copied}; biases = -scale * zero)")
         return out
 
     quantization = quantization_entry(model)
@@ -200,7 +202,7 @@ def write(model: nn.Module, tokenizer, folder: Path, dtype: torch.dtype = torch.
              f"the dtype it holds ({config_dtype(dtype)}); layers without .scales stay float"]
     if worst["bias"] > 0:
         notes.append(f"biases = -scale * zero rounded to {config_dtype(dtype)}: at most {worst['bias']:.2g} of a "
-                     "quantization step off (asymmetric grids; write with dtype float32 to keep them exact)")
+                     "quantization step off (asymmetric grids; symmetric ones are exact: -2**(b-1) * scale)")
     if kv_modules(model):
         notes.append("fp8 KV-cache scales are not part of an mlx-lm checkpoint; they were left out")
     return {"layers": layers, "float_dtype": config_dtype(dtype), "quantization": quantization,
