@@ -21,8 +21,8 @@ is the Hugging Face config (with transformers 4's top-level `rope_theta` / `rope
 transformers 5 nests in `rope_parameters`) plus mlx-lm's `quantization` entry (and the same dict as
 `quantization_config`, as mlx_lm.utils.save_config writes it): {"group_size": G, "bits": b} for the most common
 pair, plus one entry per layer whose pair differs, keyed by its module path; a layer without `.scales` stays float
-(mlx_lm.utils.load_model's class_predicate). "mode" is left out: it defaults to affine, and mlx-lm versions before the mode argument pass each
-entry to `to_quantized` as keyword arguments.
+(mlx_lm.utils.load_model's class_predicate). "mode" is left out: it defaults to affine, and mlx-lm versions before
+the mode argument pass each entry to `to_quantized` as keyword arguments.
 """
 from __future__ import annotations
 
