@@ -107,7 +107,7 @@ def table(rows: list[dict]) -> list[str]:
              "KL | top-1 agreement | bars |", "|---|---:|---:|---:|---:|---|"]
     for r in rows:
         m = r["mlx_float32"]
-        lines.append(f"| {r['run']} | {r['quant_kl']:.4f} | {m['kl']:.2e} | {100 * m['kl_share_of_quant_kl']:.3f}% | "
+        lines.append(f"| {r['run']} | {r['quant_kl']:.4f} | {m['kl']:.2e} | {100 * m['kl_share_of_quant_kl']:.4f}% | "
                      f"{m['top1_agreement']:.4f} | {'met' if m['bars_met'] else '**missed**'} |")
     return lines
 
