@@ -22,6 +22,7 @@ from tests.tiny_tokenizer import byte_bpe_tokenizer
 INT4 = {"dtype": "int4", "granularity": "group", "group_size": 32, "symmetric": True}
 # format -> the scheme its run quantizes with (each format's exact layout: q4_0 holds symmetric int4 g32)
 FORMATS = {"dense": INT4, "compressed-tensors": INT4, "awq": {**INT4, "symmetric": False}, "gptq": INT4,
+           "mlx": {**INT4, "symmetric": False},
            "gguf-q4_0": INT4, "fp8": {"dtype": "fp8_e4m3", "granularity": "block", "group_size": 16,
                                       "act": {"dtype": "fp8_e4m3", "granularity": "token"}}}
 QUIET = {"progress": False, "log": lambda *a: None}

@@ -57,6 +57,8 @@ EPILOG_EXPORT = """formats (FORMAT: who loads it):
   awq                 vLLM, SGLang, transformers: int4 group, AutoAWQ GEMM layout
   gptq                vLLM, SGLang, transformers: int4 / int8 group or channel, GPTQ v1 layout
   fp8                 vLLM (quant_method fp8), TensorRT-LLM / ModelOpt (hf_quant_config.json)
+  mlx                 mlx-lm (Apple silicon; mlx-cpu on Linux): int2-int6 / int8 group 32 / 64 / 128, MLX's affine
+                      layout (codes and scales exactly; mixed bit widths and float layers per layer)
   gguf-f16 | gguf-q8_0 | gguf-q4_0 | gguf-q4_1   llama.cpp: int4 g32 sym -> q4_0, asym -> q4_1, int8 g32 -> q8_0
                       keep our codes exactly; anything else is dequantized and re-quantized (export.json says
                       which path each tensor took)
@@ -77,6 +79,7 @@ EPILOG_VERIFY = """examples:
   compress verify runs/int8_absmax/exports/gguf-q8_0 --windows 4 --seq-len 512
   compress verify runs/awq_int4/exports/awq --engine vllm --engine-python ~/vllm/bin/python
   compress verify runs/int4_rtn/exports/gguf-q4_1 --engine llama.cpp
+  compress verify runs/int4_rtn/exports/mlx --engine mlx --engine-python ~/mlx/bin/python --engine-dtype float32
 
 Reloads the export through its loader (transformers + compressed-tensors, llama-cpp-python; AWQ / GPTQ /
 per-tensor fp8 are read with their published layout, since their serving kernels need a GPU) and prints the
@@ -84,8 +87,8 @@ KL divergence and top-1 agreement of its next-token predictions against the sour
 windows.
 
 --engine loads the export in the serving engine itself (vLLM in its own Python: --engine-python or
-COMPRESS_VLLM_PYTHON; llama.cpp through llama-cpp-python) and prints, against the source model on the same
-tokens: mean |delta log p| of each next token, top-1 agreement, how many greedy tokens match on 3 prompts, decode
+COMPRESS_VLLM_PYTHON; mlx-lm likewise, or COMPRESS_MLX_PYTHON; llama.cpp through llama-cpp-python) and prints,
+against the source model on the same tokens: mean |delta log p| of each next token, top-1 agreement, how many greedy tokens match on 3 prompts, decode
 tokens/s, the method and kernels the engine chose, or the engine's own error when it refuses the checkpoint.
 Where an engine default changes the model (vLLM CPU quantizes int4 layers' activations to int8), both runs are
 shown: the default, and with the setting that serves the exported model (VLLM_CPU_INT4_W4A8=0).
@@ -205,13 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--windows", type=int, default=2, help="WikiText-2 test windows (default 2)")
     p.add_argument("--seq-len", type=int, default=512, help="window length in tokens (default 512)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--engine", choices=("vllm", "llama.cpp"),
+    p.add_argument("--engine", choices=("vllm", "llama.cpp", "mlx"),
                    help="load the export in this serving engine instead of its Python loader (see below)")
     p.add_argument("--engine-python", metavar="PYTHON",
-                   help="the engine's interpreter, when it lives in its own virtual environment (vLLM)")
+                   help="the engine's interpreter, when it lives in its own virtual environment (vLLM, mlx-lm)")
     p.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE",
                    help="an engine setting (environment variable), repeatable, e.g. VLLM_CPU_INT4_W4A8=0")
-    p.add_argument("--engine-dtype", default="bfloat16", help="the engine's compute dtype (default bfloat16)")
+    p.add_argument("--engine-dtype", default="bfloat16",
+                   help="the engine's compute dtype (default bfloat16; mlx: auto keeps the checkpoint's)")
     p.add_argument("--new-tokens", type=int, default=32, help="--engine: greedy tokens per prompt (default 32)")
 
     p = sub.add_parser("report", help="put finished runs side by side: one page, JSON and Pareto plots",

@@ -4,7 +4,7 @@ ENGINES maps an engine name to an Engine: the export formats it serves and a `ru
 the engine and returns an EngineAnswer (the log-probability it gives each next token of some windows, its most
 likely token there, greedy continuations of some prompts, decode speed, and the method and kernels it chose, or
 the engine's own error when it refuses the checkpoint). `check.engine_check` compares an answer with our model.
-vLLM runs in its own interpreter (its virtual environment: `--engine-python`), llama.cpp in this one.
+vLLM and mlx-lm run in their own interpreters (their virtual environments: `--engine-python`), llama.cpp in this one.
 """
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ from .base import CHECKED_WITH, Engine, EngineAnswer, EngineRequest, EngineUnava
 
 
 def _registry() -> dict[str, Engine]:
-    from . import llama_cpp, vllm
+    from . import llama_cpp, mlx, vllm
 
     return {"vllm": Engine("vllm", vllm.format_problem, vllm.run, vllm.plain_env),
-            "llama.cpp": Engine("llama.cpp", llama_cpp.format_problem, llama_cpp.run)}
+            "llama.cpp": Engine("llama.cpp", llama_cpp.format_problem, llama_cpp.run),
+            "mlx": Engine("mlx", mlx.format_problem, mlx.run)}
 
 
-ENGINE_NAMES = ("vllm", "llama.cpp")
+ENGINE_NAMES = ("vllm", "llama.cpp", "mlx")
 
 
 def get_engine(name: str) -> Engine:

@@ -87,6 +87,8 @@ EXPORTERS: dict[str, Exporter] = {e.name: e for e in (
              _lazy("fp8", "problems"), _lazy("fp8", "write"), _lazy("readers", "read_fp8")),
     Exporter("modelopt-nvfp4", "TensorRT-LLM, vLLM (ModelOpt NVFP4, Blackwell)",
              _lazy("modelopt", "problems"), _lazy("modelopt", "write"), _lazy("readers", "read_modelopt")),
+    Exporter("mlx", "mlx-lm (Apple silicon; mlx-cpu on Linux)", _lazy("mlx", "problems"), _lazy("mlx", "write"),
+             _lazy("mlx", "read")),
     Exporter("native", "compress (`compress eval` / `export` / `verify`; what `compress run` writes)",
              _lazy("native", "problems"), _lazy("native", "write"), _lazy("native", "read")),
     *(_gguf(qtype) for qtype in GGUF_TYPES),

@@ -8,7 +8,8 @@ from torch import nn
 
 # the engine versions whose loaders the export layouts were last run against (bench/engines.py, docs/engines.md);
 # export.json records them beside the library versions it was written with
-CHECKED_WITH = {"vllm": "0.32.0 (CPU build)", "llama.cpp": "llama-cpp-python 0.3.36"}
+CHECKED_WITH = {"vllm": "0.32.0 (CPU build)", "llama.cpp": "llama-cpp-python 0.3.36",
+                "mlx-lm": "0.32.2 (mlx-cpu 0.32.4, Linux)"}
 
 W4A8 = ("vLLM's CPU build runs int4 weight-only layers with int8 activations by default (VLLM_CPU_INT4_W4A8=1, on "
         "AMX CPUs in bfloat16), which serves a visibly different model (docs/engines.md measures it); serve with "
@@ -29,7 +30,7 @@ CPU_NO_FP4 = ("vLLM's CPU build has no NVFP4 / MXFP4 kernel (\"Marlin FP4 not av
 def vllm_notes(model: nn.Module, fmt: str) -> list[str]:
     from .hf import quant_layers
 
-    if fmt.startswith("gguf-") or fmt in ("dense", "native"):
+    if fmt.startswith("gguf-") or fmt in ("dense", "native", "mlx"):
         return []
     schemes = {m.scheme for m in quant_layers(model).values()}
     weight_only_int = {s for s in schemes if s.act is None and not s.is_float and not s.is_micro}

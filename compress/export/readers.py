@@ -40,7 +40,8 @@ def _dense_from_tensors(folder: Path, dequantize_layer) -> nn.Module:
         del config.quantization_config
     state = read_safetensors(folder)
     dense: dict[str, Tensor] = {}
-    prefixes = {k.rsplit(".", 1)[0] for k in state if k.endswith((".qweight", ".weight_scale", ".weight_scale_inv"))}
+    prefixes = {k.rsplit(".", 1)[0] for k in state
+                if k.endswith((".qweight", ".weight_scale", ".weight_scale_inv", ".scales"))}  # .scales: mlx
     for k, v in state.items():
         module, _, leaf = k.rpartition(".")
         if module in prefixes and leaf != "bias":
