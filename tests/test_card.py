@@ -185,7 +185,7 @@ def test_every_format_a_tiny_run_writes_gets_a_valid_card(tmp_path):
     """Each export format, from a run whose scheme it can store (as tests/test_streamed_export.py pairs them)."""
     runs = {"int4": (INT4, ("dense", "gptq", "gguf-q4_0", "gguf-q4_1", "gguf-q8_0", "gguf-f16", "gguf-q4_k_m",
                             "gguf-q6_k")),
-            "awq": ({**INT4, "symmetric": False}, ("awq",)),
+            "awq": ({**INT4, "symmetric": False}, ("awq", "mlx")),
             "fp8": ({"dtype": "fp8_e4m3", "granularity": "block", "group_size": 16,
                      "act": {"dtype": "fp8_e4m3", "granularity": "token"}}, ("fp8", "compressed-tensors")),
             "nvfp4": ("NVFP4", ("modelopt-nvfp4",))}
