@@ -51,7 +51,7 @@ class CalibrationSpec:
     """Calibration windows: `preset:` names a file in calib/; any other key here overrides it."""
 
     preset: str | None = None
-    kind: Literal["wikitext2", "hub", "files", "self", "texts"] = "wikitext2"
+    kind: Literal["wikitext2", "hub", "files", "self", "texts", "images"] = "wikitext2"
     split: str = "validation"
     dataset: str | None = None
     config: str | None = None
@@ -59,6 +59,10 @@ class CalibrationSpec:
     text_field: str = "text"
     files: tuple[str, ...] = ()
     texts: tuple[str, ...] = ()  # kind texts: the documents themselves (compress.compress(..., dataset=[...]))
+    # kind images (a vision-language model): a folder of .png/.jpg images with their captions (calibrate/images.py);
+    # each sample is one image and its caption as the model's processor renders them, at its own length (seq_len
+    # does not apply)
+    folder: str | None = None
     n_samples: int = 128
     seq_len: int = 512
     seed: int = 0
@@ -77,10 +81,20 @@ class CalibrationSpec:
             raise ValueError(f"threads must be >= 0 (0 = all cores), got {self.threads}")
         if self.n_samples < 1 or self.seq_len < 2:
             raise ValueError(f"n_samples must be >= 1 and seq_len >= 2, got {self.n_samples} and {self.seq_len}")
+        if self.kind == "images":
+            if not self.folder:
+                raise ValueError("calibration kind 'images' needs `folder:` (a folder of .png/.jpg images with a "
+                                 "captions.jsonl or a .txt caption beside each image)")
+            if self.offload == "disk":
+                raise ValueError("calibration kind 'images' keeps its activations in memory (each sample has its own "
+                                 "length, the disk spill holds equal ones): set calibration.offload: memory")
+        elif self.folder is not None:
+            raise ValueError(f"calibration `folder:` is for kind 'images' (kind is {self.kind!r}); remove it or set "
+                             "kind: images")
 
     def source(self) -> TextSource:
         return TextSource(self.kind, self.split, self.dataset, self.config, self.data_files, self.text_field,
-                          self.files, self.texts)
+                          self.files, self.texts, self.folder)
 
 
 @dataclass(frozen=True)

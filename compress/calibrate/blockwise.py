@@ -168,12 +168,14 @@ _FORMS = (("a tensor", lambda h: h), ("a 1-tuple", lambda h: (h,)), ("a pair", l
           ("a triple", lambda h: (h, _PASSED_ON, _PASSED_ON)))
 
 
-def _follow(model: nn.Module, blocks: list[nn.Module], signatures: list, ids: Tensor, form,
+def _follow(model: nn.Module, blocks: list[nn.Module], signatures: list, ids: Tensor | dict, form,
             last: int | None = None) -> list[list]:
     """One sample's forward through the model with every block's forward replaced by a stand-in that records the
     block's arguments by name and returns its hidden states unchanged (in `form`), so that the model's own loop
     computes every per-block argument; stopped at the last block (or at block `last`: the final norm and the head
-    do not run). Returns, per block, the (hidden states, other arguments) of each call it received."""
+    do not run). `ids`: the token ids [1, seq_len], or all of a sample's model inputs by name (a vision-language
+    model's input_ids with its image inputs: calibrate/images.py). Returns, per block, the (hidden states, other
+    arguments) of each call it received."""
     calls: list[list] = [[] for _ in blocks]
     last = len(blocks) - 1 if last is None else last
 
@@ -192,7 +194,7 @@ def _follow(model: nn.Module, blocks: list[nn.Module], signatures: list, ids: Te
         for i, b in enumerate(blocks):
             b.forward = stand_in(i)
         try:
-            model(input_ids=ids, use_cache=False)
+            model(**(ids if isinstance(ids, dict) else {"input_ids": ids}), use_cache=False)
         except _StopForward:
             pass
     finally:
@@ -235,14 +237,15 @@ def _chain_break(calls: list[list]) -> int | None:
     return None
 
 
-def _how_to_follow(model: nn.Module, arch: ArchSpec, blocks, signatures, ids: Tensor):
+def _how_to_follow(model: nn.Module, arch: ArchSpec, blocks, signatures, ids: Tensor | dict):
     """The form the model's loop takes a block's output in, found on the first sample (the first form with which
     the forward reaches the last block, every block called once, the hidden states passed on unchanged), with that
     sample's calls and the problems of replaying with them; (None, block 0's calls, problems) when no form reaches
     the last block."""
     family, failures, fallback = arch.family, [], None
-    cross = set(cross_attention_blocks(model, arch))  # skipped by the model's loop without images
-    expected = [0 if i in cross else 1 for i in range(len(blocks))]
+    cross = set(cross_attention_blocks(model, arch))  # skipped by the model's loop without images, run with them
+    images = isinstance(ids, dict) and any(k != "input_ids" and k != "attention_mask" for k in ids)
+    expected = [0 if i in cross and not images else 1 for i in range(len(blocks))]
     for name, form in _FORMS:
         try:
             calls = _follow(model, blocks, signatures, ids, form)
@@ -322,9 +325,11 @@ class ReplayWarning(UserWarning):
 
 
 @torch.no_grad()
-def capture_block_inputs(model: nn.Module, arch: ArchSpec, samples: Tensor, device,
+def capture_block_inputs(model: nn.Module, arch: ArchSpec, samples, device,
                          spill_dir: Path | None = None) -> tuple[BlockInputs, Tensor | None]:
-    """Block 0's inputs for each sample [n, seq_len], and every block's other arguments (BlockArguments), by the
+    """Block 0's inputs for each sample [n, seq_len] (or each of a vision-language model's image-caption samples,
+    calibrate/images.py ImageSamples: its model inputs by name, at its own length), and every block's other
+    arguments (BlockArguments), by the
     model's own forward: each block's forward is replaced meanwhile by a stand-in that records its arguments and
     returns its hidden states unchanged, so the model's loop computes each block's rotary embeddings, mask, per-layer
     inputs and positions as it does in a real forward, and no block computes (a streamed model's blocks stay on the
@@ -339,7 +344,7 @@ def capture_block_inputs(model: nn.Module, arch: ArchSpec, samples: Tensor, devi
     canonical = _Canonical()
     form, problems, passed_on, skipped = None, [], set(), set()
     for k, row in enumerate(samples):
-        ids = row[None].to(device)
+        ids = _sample_inputs(model, row, device) if isinstance(row, dict) else row[None].to(device)
         if k == 0:
             form, calls, problems = _how_to_follow(model, arch, blocks, signatures, ids)
         else:
@@ -370,6 +375,13 @@ def capture_block_inputs(model: nn.Module, arch: ArchSpec, samples: Tensor, devi
         warnings.warn(f"calibration replay is not the model's own forward: {p}", ReplayWarning, stacklevel=3)
     arguments = BlockArguments(per_block, problems, canonical.state, frozenset(skipped))
     return BlockInputs(hidden, arguments.of(0), arguments, 0), (store[0] if store else None)
+
+
+def _sample_inputs(model: nn.Module, sample: dict, device) -> dict:
+    """A sample's model inputs on `device`, its float ones (pixel values) in the model's dtype, as a processor's
+    output is passed to a model loaded in bfloat16."""
+    dtype = model.get_input_embeddings().weight.dtype
+    return {k: v.to(device, dtype=dtype) if v.is_floating_point() else v.to(device) for k, v in sample.items()}
 
 
 def matmul_dtype(inputs: BlockInputs, compute_dtype: torch.dtype | None) -> torch.dtype:

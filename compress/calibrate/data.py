@@ -41,7 +41,7 @@ def find_data_dir() -> Path | None:
 class TextSource:
     """Where text comes from. `kind` picks which of the other fields apply."""
 
-    kind: Literal["wikitext2", "hub", "files", "self", "texts"] = "wikitext2"
+    kind: Literal["wikitext2", "hub", "files", "self", "texts", "images"] = "wikitext2"
     split: str = "validation"  # wikitext2 / hub
     dataset: str | None = None  # hub: dataset id, e.g. "mit-han-lab/pile-val-backup"
     config: str | None = None  # hub: dataset config name
@@ -49,6 +49,7 @@ class TextSource:
     text_field: str = "text"  # hub / jsonl / parquet column
     files: tuple[str, ...] = ()  # files: .txt, .jsonl or .parquet paths
     texts: tuple[str, ...] = ()  # texts: the documents themselves (the Python API's `dataset=`)
+    folder: str | None = None  # images: image-caption pairs for a vision-language model (calibrate/images.py)
 
 
 _WIKITEXT_FILES = {"test": "wiki.test.raw", "validation": "wiki.valid.raw", "valid": "wiki.valid.raw",
@@ -149,6 +150,10 @@ def load_texts(source: TextSource) -> list[str]:
         if not source.texts or not all(isinstance(t, str) for t in source.texts):
             raise ValueError("calibration kind 'texts' needs `texts:` (a non-empty list of strings)")
         return list(source.texts)
+    if source.kind == "images":
+        raise ValueError("calibration kind 'images' holds image-caption samples for the calibration pass of a "
+                         "vision-language model, not text windows: what needs text windows (a prune, auto-precision "
+                         "or expert-pruning stage, the export check) needs a text calibration kind")
     raise ValueError(f"load_texts cannot read kind {source.kind!r}; text of kind 'self' comes from sample_from_model")
 
 

@@ -16,6 +16,7 @@ from ..calibrate.distributed import (active, check_stages, local_keep, reduce_st
 from ..arch import block_pairs
 from ..calibrate.blockwise import BlockPass, run_blockwise
 from ..calibrate.data import calibration_windows, fingerprint
+from ..calibrate.images import ImageSamples, image_samples, load_processor
 from ..measure.plots import plot_recovery
 from .report import write_report
 from ..core.nn import QuantLinear, is_linear, native_bf16
@@ -38,14 +39,35 @@ def calibration_dtype(setting: str, device: str) -> str:
     return "bfloat16" if native_bf16(str(device).split(":")[0]) else "float32"
 
 
-def calibration_samples(recipe: Recipe, model, tokenizer) -> tuple[torch.Tensor, dict]:
+def calibration_samples(recipe: Recipe, model, tokenizer) -> tuple[torch.Tensor | ImageSamples, dict]:
+    """The calibration samples (text windows [n, seq_len], or a vision-language model's image-caption samples for
+    kind images) and the report's `calibration` section."""
     cal = recipe.calibration
-    samples = calibration_windows(cal.source(), tokenizer, model, cal.n_samples, cal.seq_len, cal.seed)
+    if cal.kind == "images":
+        samples = image_calibration(recipe, model)
+    else:
+        samples = calibration_windows(cal.source(), tokenizer, model, cal.n_samples, cal.seq_len, cal.seed)
     info = {k: v for k, v in asdict(cal).items() if v not in (None, ())}
     if cal.texts:  # the documents themselves stay out of the report: their count (and the windows' fingerprint)
         info["texts"] = f"{len(cal.texts)} documents"
-    info.update(fingerprint=fingerprint(samples), tokens=int(samples.numel()))
+    if isinstance(samples, ImageSamples):  # each sample at its own length: seq_len does not apply
+        info.pop("seq_len", None)
+        info.update(fingerprint=samples.fingerprint(), tokens=samples.tokens, images=samples.names)
+    else:
+        info.update(fingerprint=fingerprint(samples), tokens=int(samples.numel()))
     return samples, info
+
+
+def image_calibration(recipe: Recipe, model) -> ImageSamples:
+    """Kind images: the folder's image-caption pairs rendered by the model's processor (calibrate/images.py);
+    refused for a text-only model and for a model folder without a processor."""
+    from ..arch.vlm import is_vision_language
+    if not is_vision_language(model.config):
+        raise ValueError(f"calibration kind 'images' is for a vision-language model (Qwen2.5-VL, Qwen3-VL, Gemma 3, "
+                         f"Llama 3.2 Vision, Mistral 3); {recipe.model.source} is a text-only "
+                         f"{getattr(model.config, 'model_type', '?')} model: calibrate it on text")
+    cal = recipe.calibration
+    return image_samples(cal.folder, load_processor(recipe.model.source), cal.n_samples, cal.seed)
 
 
 class StagePass:
@@ -164,12 +186,17 @@ def compress_model(model, tokenizer, recipe: Recipe, plan: Plan, device: str, pr
             set_threads(recipe.calibration.threads)
             rank, size = start_processes(device)
             if size > 1:
+                if isinstance(samples, ImageSamples):
+                    raise ValueError("calibration kind 'images' runs in one process (its samples differ in length); "
+                                     "run without data-parallel processes")
                 check_stages(plan)
                 sections["calibration"]["processes"] = size
                 log(f"data-parallel calibration: process {rank} of {size} takes every {size}th window")
             dtype = calibration_dtype(recipe.calibration.dtype, device)
             sections["calibration"]["compute_dtype"] = dtype
-            log(f"calibrating block by block on {device} ({samples.shape[0]} × {samples.shape[1]} tokens, "
+            size_text = f"{len(samples)} image-caption samples, {samples.tokens} tokens" if \
+                isinstance(samples, ImageSamples) else f"{samples.shape[0]} × {samples.shape[1]} tokens"
+            log(f"calibrating block by block on {device} ({size_text}, "
                 f"{dtype} matmuls, {torch.get_num_threads()} threads) ...")
         else:
             log(f"compressing block by block on {device} (no calibration data) ...")
@@ -201,7 +228,8 @@ def compress_model(model, tokenizer, recipe: Recipe, plan: Plan, device: str, pr
         if section.get("summary"):
             log(f"WARNING: {section['summary']}")
     sections["kept_in_float"] = kept_in_float(model)
-    return sections, samples
+    # what follows (distill, the exports' check) takes text windows: image-caption samples are not
+    return sections, None if isinstance(samples, ImageSamples) else samples
 
 
 def write_run_report(report: dict, folder: Path) -> None:

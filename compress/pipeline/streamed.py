@@ -71,6 +71,8 @@ def stream_blockers(recipe: Recipe) -> list[str]:
                    "`compress eval OUTPUT --tasks ...` where the model fits)")
     if recipe.calibration is not None and recipe.calibration.kind == "self":
         why.append("calibration.kind: self samples text from the whole model (use a text calibration set)")
+    if recipe.calibration is not None and recipe.calibration.kind == "images":
+        why.append("calibration.kind: images runs the vision tower in the model's forward (load the model whole)")
     return why
 
 
