@@ -476,10 +476,11 @@ def plan_quantize(model: nn.Module, arch: ArchSpec, stage: QuantizeStage) -> Qua
 
 
 # a vision-language model (arch/tables.py `vision`): only its language model's decoder blocks are quantized
-VISION_REASON = ("{what} of a vision-language model: outside the language model; kept in float (calibrating it "
-                 "needs images, which compress does not feed)")
-CROSS_ATTENTION_REASON = ("cross-attention layer of a vision-language model: it reads the image features and the "
-                          "model skips it on text, so text calibration never runs it; kept in float")
+VISION_REASON = ("{what} of a vision-language model: outside the language model; kept in float (only the "
+                 "language model's blocks are quantized, also when calibrating on images)")
+CROSS_ATTENTION_REASON = ("cross-attention layer of a vision-language model: it reads the image features; the model "
+                          "skips it on text, so text calibration never runs it, and calibration on images (kind "
+                          "images) runs it but does not quantize it; kept in float")
 
 
 def multimodal_split(step: "QuantPlan", arch: ArchSpec, model: nn.Module) -> dict[str, dict]:
