@@ -262,3 +262,16 @@ def test_awq_then_gptq_on_images_with_samples_of_different_lengths(tmp_path):
     assert report["stages"][0]["unscaled"]["scaled"] > 0
     errors = report["block_errors"]
     assert errors[1] == 0 and 0 < errors[0] < 0.1 and 0 < errors[2] < 0.1, errors
+
+
+def test_a_streamed_run_and_text_window_stages_say_why_not(tmp_path):
+    """A streamed run refuses kind images (the vision tower runs in the model's forward), naming the way out; a
+    stage that takes text windows from the calibration set says kind images holds none."""
+    from compress.calibrate.data import TextSource, calibration_windows
+    from compress.pipeline.streamed import stream_blockers
+    from compress.recipe import from_dict
+    recipe = from_dict({"model": {"source": str(tmp_path)}, "calibration": {"kind": "images", "folder": "x"},
+                        "stages": [{"stage": "quantize", "method": "gptq", "scheme": SCHEME}]})
+    assert any("calibration.kind: images runs the vision tower" in w for w in stream_blockers(recipe))
+    with pytest.raises(ValueError, match="needs a text calibration kind"):
+        calibration_windows(TextSource("images", folder="x"), None, None, 2, 16, 0)
