@@ -329,13 +329,12 @@ def capture_block_inputs(model: nn.Module, arch: ArchSpec, samples, device,
                          spill_dir: Path | None = None) -> tuple[BlockInputs, Tensor | None]:
     """Block 0's inputs for each sample [n, seq_len] (or each of a vision-language model's image-caption samples,
     calibrate/images.py ImageSamples: its model inputs by name, at its own length), and every block's other
-    arguments (BlockArguments), by the
-    model's own forward: each block's forward is replaced meanwhile by a stand-in that records its arguments and
-    returns its hidden states unchanged, so the model's loop computes each block's rotary embeddings, mask, per-layer
-    inputs and positions as it does in a real forward, and no block computes (a streamed model's blocks stay on the
-    meta device). With `spill_dir`, block 0's hidden states go to a memory-mapped file there, one sample at a time
-    (returned as the second value; else None). Whatever keeps the replay from being the model's own forward is in
-    the arguments' `problems` (and warned about)."""
+    arguments (BlockArguments), by the model's own forward: each block's forward is replaced meanwhile by a stand-in
+    that records its arguments and returns its hidden states unchanged, so the model's loop computes each block's
+    rotary embeddings, mask, per-layer inputs and positions as it does in a real forward, and no block computes (a
+    streamed model's blocks stay on the meta device). With `spill_dir`, block 0's hidden states go to a memory-mapped
+    file there, one sample at a time (returned as the second value; else None). Whatever keeps the replay from being
+    the model's own forward is in the arguments' `problems` (and warned about)."""
     blocks = arch.block_list(model)
     signatures = [inspect.signature(b.forward) for b in blocks]
     hidden: list[Tensor] = []
