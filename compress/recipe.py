@@ -350,10 +350,25 @@ def _check_stages(stages: tuple, calibration, file: str) -> tuple:
             raise RecipeError(f"{file}: `stages.{i}` ({st.name}) must come before the quantization stages "
                               "(prune and distill change the model that calibration sees); move it up")
         try:
-            out.append(st.check(i, stages, calibration is not None))
+            out.append(_cross_attention(st.check(i, stages, calibration is not None), i, calibration))
         except ValueError as exc:
             raise RecipeError(f"{file}: {exc}") from None
     return tuple(out)
+
+
+def _cross_attention(stage, index: int, calibration):
+    """A quantize stage's `cross_attention` resolved from the calibration: a vision-language model's cross-attention
+    layers (Llama 3.2 Vision) are quantized when calibrated on images (kind images), else kept float (the model
+    skips them on text); `quantize` without images is refused."""
+    if not hasattr(stage, "cross_attention"):
+        return stage
+    images = calibration is not None and calibration.kind == "images"
+    if stage.cross_attention == "quantize" and not images:
+        raise ValueError(f"`stages.{index}` cross_attention: quantize needs calibration on images (calibration kind "
+                         "images): the model skips its cross-attention layers on text; set cross_attention: float")
+    if stage.cross_attention is None and images:  # unset without images: float (the plan's default)
+        return dataclasses.replace(stage, cross_attention="quantize")
+    return stage
 
 
 def eval_suites() -> list[str]:

@@ -83,6 +83,10 @@ class QuantizeStage(StageBase):
     layer_schemes: per-layer exceptions to `scheme` (mixed precision by hand, or as `auto_precision` chose it): a
     list of {layer: NAME or re:PATTERN, scheme: SCHEME or null}; a layer matched by `targets` (and not `ignore`)
     takes the first matching entry's scheme, float for null.
+    cross_attention: a vision-language model's cross-attention layers (Llama 3.2 Vision): `float` keeps them float,
+    `quantize` quantizes them like the other blocks' layers, which needs calibration on images (calibration kind
+    images: the model skips them on text); unset, the recipe resolves it from the calibration (quantize with kind
+    images; else it stays unset, which plans them float).
     """
 
     method: str = "rtn"
@@ -94,6 +98,7 @@ class QuantizeStage(StageBase):
     tied_lm_head: Literal["keep", "untie"] = "keep"
     min_expert_tokens: int = 16  # a MoE expert routed fewer calibration tokens is quantized by the fallback rule
     layer_schemes: tuple[LayerScheme, ...] = ()
+    cross_attention: Literal["float", "quantize"] | None = None
 
     @property
     def schemes(self) -> list[QuantScheme]:
@@ -130,6 +135,10 @@ class QuantizeStage(StageBase):
             raise ValueError(f"tied_lm_head is {self.tied_lm_head!r}; allowed values: "
                              f"{', '.join(map(repr, TIED_LM_HEAD))} (keep: leave a tied lm_head in float; untie: "
                              "quantize a separate copy of it)")
+        if self.cross_attention not in (None, "float", "quantize"):
+            raise ValueError(f"cross_attention is {self.cross_attention!r}; allowed values: 'float' (keep a vision-"
+                             "language model's cross-attention layers float), 'quantize' (with calibration kind "
+                             "images), or leave it out (resolved from the calibration)")
         if self.tied_lm_head == "untie" and "lm_head" in self.ignore:
             raise ValueError("tied_lm_head: untie quantizes the lm_head, but `ignore` still lists lm_head (the "
                              "default ignore is [lm_head]); set `ignore: []` (or drop lm_head from it), or use "
@@ -385,6 +394,7 @@ class LayerPlan:
 @dataclass
 class QuantPlan:
     layers: list[LayerPlan] = field(default_factory=list)
+    cross_attention: str = "float"  # a vision-language model's cross-attention layers (QuantizeStage.cross_attention)
     # every parameter that is not the weight of a planned layer: (name, elements, reason it stays float)
     float_params: list[tuple[str, int, str]] = field(default_factory=list)
 
@@ -424,10 +434,10 @@ def _named(name: str, module: nn.Module, targets: tuple[str, ...], lm_head: str)
 def plan_quantize(model: nn.Module, arch: ArchSpec, stage: QuantizeStage) -> QuantPlan:
     """Decide, for every linear layer, the scheme or the reason it stays in float. Raises on a
     layer the scheme cannot hold when stage.strict is set."""
-    plan = QuantPlan()
+    plan = QuantPlan(cross_attention=stage.cross_attention or "float")
     routers = router_names(model)
     tied = is_tied(model, arch.lm_head)
-    cross = cross_attention_prefixes(model, arch)
+    cross = cross_attention_prefixes(model, arch) if plan.cross_attention == "float" else ()
     for name, module in model.named_modules():
         if not is_linear(module):
             continue
@@ -478,9 +488,12 @@ def plan_quantize(model: nn.Module, arch: ArchSpec, stage: QuantizeStage) -> Qua
 # a vision-language model (arch/tables.py `vision`): only its language model's decoder blocks are quantized
 VISION_REASON = ("{what} of a vision-language model: outside the language model; kept in float (only the "
                  "language model's blocks are quantized, also when calibrating on images)")
-CROSS_ATTENTION_REASON = ("cross-attention layer of a vision-language model: it reads the image features; the model "
-                          "skips it on text, so text calibration never runs it, and calibration on images (kind "
-                          "images) runs it but does not quantize it; kept in float")
+CROSS_ATTENTION_REASON = ("cross-attention layer of a vision-language model: it reads the image features and the "
+                          "model skips it on text, so text calibration never runs it; kept in float (calibration "
+                          "kind images quantizes it)")
+# with calibration kind images the cross-attention layers' linears are quantized; their gates and norms stay float
+CROSS_ATTENTION_PARAMS_REASON = ("gate or norm of a cross-attention layer (its linear layers quantized, calibrated on "
+                                 "images): one value per channel or a scalar; kept in float")
 
 
 def multimodal_split(step: "QuantPlan", arch: ArchSpec, model: nn.Module) -> dict[str, dict]:
@@ -520,7 +533,8 @@ def multimodal_lines(step: "QuantPlan", arch: ArchSpec, model: nn.Module) -> lis
              "linear layers quantized; kept in float, with every parameter:"]
     for what, row in split.items():
         if what != "language model":
-            lines.append(f"    {what}: {row['linears']} linear layers, {row['tensors']} tensors, "
+            quantized = f" ({row['quantized']} quantized, calibrated on images)" if row["quantized"] else ""
+            lines.append(f"    {what}: {row['linears']} linear layers{quantized}, {row['tensors']} tensors, "
                          f"{row['elements']:,} parameters ({row['reason']})")
     return lines
 
@@ -530,12 +544,15 @@ def cross_attention_prefixes(model: nn.Module, arch: ArchSpec) -> tuple[str, ...
     return tuple(f"{arch.blocks}.{i}." for i in cross_attention_blocks(model, arch))
 
 
-def multimodal_reason(name: str, arch: ArchSpec, cross: tuple[str, ...]) -> str | None:
+def multimodal_reason(name: str, arch: ArchSpec, cross: tuple[str, ...], cross_attention: str = "float") -> str | None:
     """Why module or parameter `name` of a vision-language model stays float: it lies in the vision tower, the
-    projector or elsewhere outside the language model, or in a cross-attention block; None otherwise."""
+    projector or elsewhere outside the language model, or in a cross-attention block (with `cross_attention:
+    quantize`, only that block's parameters besides its linears' weights); None otherwise."""
     if (what := multimodal_part(arch, name)) is not None:
         return VISION_REASON.format(what=what)
-    return CROSS_ATTENTION_REASON if name.startswith(cross) else None
+    if not name.startswith(cross):
+        return None
+    return CROSS_ATTENTION_REASON if cross_attention == "float" else CROSS_ATTENTION_PARAMS_REASON
 
 
 CLASS_TARGETS = (None, "Linear", "Conv1D")  # a target that names a module class, not a layer
@@ -573,7 +590,7 @@ def float_parameters(model: nn.Module, plan: QuantPlan, routers: set[str],
                 if entry.scheme is None:
                     out.append((full, p.numel(), f"linear left in float: {entry.reason}"))
                 continue
-            if arch is not None and (multimodal := multimodal_reason(full, arch, cross)):
+            if arch is not None and (multimodal := multimodal_reason(full, arch, cross, plan.cross_attention)):
                 why = multimodal  # a vision tower's or a cross-attention block's every parameter, by its part
             elif module is embed:
                 why = "input embedding: a lookup table, not a matmul"
