@@ -244,7 +244,7 @@ def _how_to_follow(model: nn.Module, arch: ArchSpec, blocks, signatures, ids: Te
     the last block."""
     family, failures, fallback = arch.family, [], None
     cross = set(cross_attention_blocks(model, arch))  # skipped by the model's loop without images, run with them
-    images = isinstance(ids, dict) and any(k != "input_ids" and k != "attention_mask" for k in ids)
+    images = isinstance(ids, dict) and "pixel_values" in ids
     expected = [0 if i in cross and not images else 1 for i in range(len(blocks))]
     for name, form in _FORMS:
         try:

@@ -152,8 +152,8 @@ def load_texts(source: TextSource) -> list[str]:
         return list(source.texts)
     if source.kind == "images":
         raise ValueError("calibration kind 'images' holds image-caption samples for the calibration pass of a "
-                         "vision-language model, not text windows: what needs text windows (a prune, auto-precision "
-                         "or expert-pruning stage, the export check) needs a text calibration kind")
+                         "vision-language model, not text windows: a stage that needs text windows (prune, auto_precision, "
+                         "prune_experts) needs a text calibration kind")
     raise ValueError(f"load_texts cannot read kind {source.kind!r}; text of kind 'self' comes from sample_from_model")
 
 
