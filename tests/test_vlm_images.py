@@ -2,8 +2,9 @@
 models (tests/test_vlm.py's builders) saved with a processor built offline (the tiny word tokenizer with the family's
 image tokens, the family's image processor at small sizes, a chat template that places the family's image
 placeholder), a folder of small random PNG images with captions. The calibration pass feeds each image with its
-caption through the model's own forward, so the decoder blocks see the image tokens' hidden states; the vision tower
-stays bit for bit; the kind is refused on a text-only model and on a folder without a processor.
+caption through the model's own forward, so the decoder blocks see the image tokens' hidden states (and Llama 3.2
+Vision's cross-attention layers run, and are quantized); the vision tower stays bit for bit; the kind is refused on a
+text-only model and on a folder without a processor.
 
 Qwen2.5-VL's processor cannot be built without torchvision (transformers builds its video processor with it), which
 this machine lacks: there its processor is built without one and handed to the run (_without_video_processor).
