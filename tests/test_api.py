@@ -144,6 +144,10 @@ def test_the_dataset_replaces_the_calibration_text(tiny):
         with_dataset(recipe, datasets.Dataset.from_dict({"body": ["x"]}))
     with pytest.raises(ValueError, match="list of strings"):
         with_dataset(recipe, [1, 2])
+    images = dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, kind="images",
+                                                                         folder="pictures"))
+    with pytest.raises(RecipeError, match="image-caption pairs of calibration.folder"):
+        with_dataset(images, ["text"])
     rtn = as_recipe({"stages": [{"stage": "quantize", "method": "rtn", "scheme": {"dtype": "int8"}}]})
     with pytest.raises(RecipeError, match="no calibration pass"):
         with_dataset(rtn, ["text"])

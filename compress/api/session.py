@@ -71,6 +71,9 @@ def with_dataset(recipe: Recipe, dataset) -> Recipe:
     if cal is None:
         raise RecipeError("dataset= gives calibration text, and this recipe has no calibration pass (its stages "
                           "need none): leave dataset out")
+    if cal.kind == "images":
+        raise RecipeError(f"dataset= gives calibration text, and this recipe calibrates on the image-caption pairs of "
+                          f"calibration.folder ({cal.folder}): leave dataset out, or use a text calibration kind")
     if isinstance(dataset, str):
         return dataclasses.replace(recipe, calibration=dataclasses.replace(cal, kind="hub", dataset=dataset))
     if hasattr(dataset, "column_names"):  # a datasets.Dataset
