@@ -45,7 +45,7 @@ def _kv_scales(report):
 def test_recipe_on_smollm2(tmp_path, recipe_file, max_ppl_increase, check):
     out = tmp_path / "run"
     recipe = load_recipe(recipe_file, [f"output.dir={out}", "calibration.n_samples=2", "calibration.seq_len=128",
-                                       "eval.seq_len=512", "eval.max_windows=2", "eval.speed=false"])
+                                       "eval.seq_len=512", "eval.max_windows=2", "eval.speed=false", "eval.samples=0"])
     report = run(recipe, progress=False, log=lambda m: None)
     models = report["eval"]["models"]
     base, comp = models["baseline"], models["compressed"]
@@ -67,7 +67,8 @@ def test_recipe_on_smollm2(tmp_path, recipe_file, max_ppl_increase, check):
 def test_awq_then_gptq_on_smollm2(tmp_path):
     """The headline pipeline on the real model with a small calibration set; RTN on the same windows as the bar."""
     common = ["calibration.n_samples=8", "calibration.seq_len=256", "eval.seq_len=512", "eval.max_windows=2",
-              "eval.speed=false", "output.save_model=false"]
+              "eval.speed=false", "output.save_model=false",
+              "eval.samples=0"]
     rtn = run(load_recipe("recipes/int4_rtn.yaml", common + [f"output.dir={tmp_path / 'rtn'}", "calibration=null"]),
               progress=False, log=lambda m: None)
     both = run(load_recipe("recipes/awq_gptq_int4.yaml", common + [f"output.dir={tmp_path / 'awq_gptq'}",
@@ -92,7 +93,7 @@ def test_minitron_prune_distill_on_smollm2_loads_with_plain_transformers(tmp_pat
         f"output.dir={out}", "stages.0.n_samples=4", "stages.0.seq_len=256", "stages.1.steps=6",
         "stages.1.batch_size=2", "stages.1.seq_len=128", "stages.1.warmup_steps=1", "stages.1.eval_every=3",
         "stages.1.eval_windows=1", "stages.1.eval_seq_len=256", "stages.1.checkpoint_every=0",
-        "eval.seq_len=512", "eval.max_windows=2", "eval.speed=false"])
+        "eval.seq_len=512", "eval.max_windows=2", "eval.speed=false", "eval.samples=0"])
     report = run(recipe, progress=False, log=lambda m: None)
     prune, distill = report["stages"]
     assert prune["pruned"]["intermediate"] == 864 and 0.73 < prune["parameter_ratio"] <= 0.75
