@@ -173,12 +173,12 @@ def pytest_make_collect_report(collector):  # a module-level importorskip skips 
     _fail_ci_skip(outcome.get_result())
 
 
-def run_tiny_recipe(tmp_path: Path, stages: list[dict], eval_spec: dict, formats: tuple[str, ...] = ()) -> Path:
-    """`compress run` of `stages` on a saved tiny llama (word tokenizer, a word-text calibration file), exporting to
-    `formats`; returns the output folder."""
+def tiny_recipe(tmp_path: Path, stages: list[dict], eval_spec: dict, formats: tuple[str, ...] = (),
+                out: str = "out") -> Path:
+    """A recipe file for `stages` on a saved tiny llama (tmp_path/tiny: word tokenizer; tmp_path/calib.txt: a
+    word-text calibration file), writing to tmp_path/`out` and exporting to `formats`; returns its path."""
     import yaml
 
-    from compress import load_recipe, run
     from tests.tiny_tokenizer import make_tiny_tokenizer, word_text
 
     folder = tmp_path / "tiny"
@@ -188,9 +188,16 @@ def run_tiny_recipe(tmp_path: Path, stages: list[dict], eval_spec: dict, formats
     calib.write_text(word_text(4096) + "\n")
     recipe = {"model": {"source": str(folder), "dtype": "float32", "device": "cpu"},
               "calibration": {"kind": "files", "files": [str(calib)], "n_samples": 4, "seq_len": 64},
-              "stages": stages, "eval": eval_spec, "output": {"dir": str(tmp_path / "out"), "formats": list(formats)}}
+              "stages": stages, "eval": eval_spec, "output": {"dir": str(tmp_path / out), "formats": list(formats)}}
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    run(load_recipe(tmp_path / "recipe.yaml"), progress=False)
+    return tmp_path / "recipe.yaml"
+
+
+def run_tiny_recipe(tmp_path: Path, stages: list[dict], eval_spec: dict, formats: tuple[str, ...] = ()) -> Path:
+    """`compress run` of tiny_recipe's recipe; returns the output folder."""
+    from compress import load_recipe, run
+
+    run(load_recipe(tiny_recipe(tmp_path, stages, eval_spec, formats)), progress=False)
     return tmp_path / "out"
 
 

@@ -14,8 +14,8 @@ import compress
 from compress.api.session import as_recipe, cpu_copy, with_dataset
 from compress.cli import main as cli
 from compress.recipe import RecipeError
-from tests.conftest import make_tiny_model, shared_data_dir
-from tests.tiny_tokenizer import make_tiny_tokenizer, word_text
+from tests.conftest import make_tiny_model, shared_data_dir, tiny_recipe
+from tests.tiny_tokenizer import make_tiny_tokenizer
 
 GPTQ = {"stage": "quantize", "method": "gptq", "scheme": {"dtype": "int4", "group_size": 32}}
 EVAL = {"max_windows": 2, "seq_len": 64, "speed": False}
@@ -39,18 +39,9 @@ def assert_same_tensors(a: Path, b: Path) -> None:
 
 @pytest.fixture
 def tiny(tmp_path):
-    """A saved tiny llama, its word tokenizer, a calibration text file and a recipe file naming them."""
-    folder = tmp_path / "tiny"
-    make_tiny_model("llama").save_pretrained(folder)
-    make_tiny_tokenizer().save_pretrained(folder)
-    calib = tmp_path / "calib.txt"
-    calib.write_text(word_text(4096) + "\n")
-    recipe = {"model": {"source": str(folder), "dtype": "float32", "device": "cpu"},
-              "calibration": {"kind": "files", "files": [str(calib)], "n_samples": 4, "seq_len": 64},
-              "stages": [GPTQ], "eval": EVAL, "output": {"dir": str(tmp_path / "cli")}}
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return folder, path, calib
+    """A saved tiny llama, a calibration text file and a recipe file naming them (conftest.tiny_recipe)."""
+    path = tiny_recipe(tmp_path, [GPTQ], EVAL, out="cli")
+    return tmp_path / "tiny", path, tmp_path / "calib.txt"
 
 
 def load_hf(folder: Path):

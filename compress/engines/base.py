@@ -11,6 +11,24 @@ class EngineUnavailable(RuntimeError):
     """The engine cannot be started here (not installed, wrong interpreter): the message says how to get it."""
 
 
+def engine_interpreter(explicit: str | None, env_var: str, module: str, engine: str, install: str) -> str:
+    """The Python an engine's worker runs in: `explicit` (--engine-python), else the environment variable `env_var`,
+    else this interpreter when it can import `module`; EngineUnavailable, saying how to install it, otherwise."""
+    import importlib.util
+    import os
+    import sys
+    from pathlib import Path
+
+    python = explicit or os.environ.get(env_var)
+    if python:
+        if not Path(python).is_file():
+            raise EngineUnavailable(f"{engine} interpreter {python} does not exist; {install}")
+        return python
+    if importlib.util.find_spec(module) is not None:
+        return sys.executable
+    raise EngineUnavailable(f"{engine} is not importable in this Python; {install}")
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     folder: str                     # the export folder

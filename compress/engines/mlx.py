@@ -10,18 +10,16 @@ bfloat16 quantized matmuls are 40x and 10x slower than its float32 one (measured
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from .base import EngineAnswer, EngineRequest, EngineUnavailable
+from .base import EngineAnswer, EngineRequest, engine_interpreter
 
 WORKER = Path(__file__).with_name("mlx_worker.py")
 INSTALL = ("install mlx-lm in its own virtual environment (Linux: python -m venv ~/mlx && ~/mlx/bin/pip install mlx "
@@ -34,14 +32,7 @@ def format_problem(fmt: str) -> str | None:
 
 
 def interpreter(explicit: str | None = None) -> str:
-    python = explicit or os.environ.get("COMPRESS_MLX_PYTHON")
-    if python:
-        if not Path(python).is_file():
-            raise EngineUnavailable(f"mlx-lm interpreter {python} does not exist; {INSTALL}")
-        return python
-    if importlib.util.find_spec("mlx_lm") is not None:
-        return sys.executable
-    raise EngineUnavailable(f"mlx-lm is not importable in this Python; {INSTALL}")
+    return engine_interpreter(explicit, "COMPRESS_MLX_PYTHON", "mlx_lm", "mlx-lm", INSTALL)
 
 
 def _call(request: EngineRequest, logits_dir: str | None = None) -> dict:

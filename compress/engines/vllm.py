@@ -7,17 +7,15 @@ gives the loader's own error, and vLLM's log, which names the kernels it chose, 
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from .base import EngineAnswer, EngineRequest, EngineUnavailable
+from .base import EngineAnswer, EngineRequest, engine_interpreter
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 INSTALL = ("install vLLM in its own virtual environment (CPU build: python -m venv ~/vllm && ~/vllm/bin/pip install "
@@ -37,14 +35,7 @@ def format_problem(fmt: str) -> str | None:
 
 
 def interpreter(explicit: str | None = None) -> str:
-    python = explicit or os.environ.get("COMPRESS_VLLM_PYTHON")
-    if python:
-        if not Path(python).is_file():
-            raise EngineUnavailable(f"vLLM interpreter {python} does not exist; {INSTALL}")
-        return python
-    if importlib.util.find_spec("vllm") is not None:
-        return sys.executable
-    raise EngineUnavailable(f"vLLM is not importable in this Python; {INSTALL}")
+    return engine_interpreter(explicit, "COMPRESS_VLLM_PYTHON", "vllm", "vLLM", INSTALL)
 
 
 def engine_env(request: EngineRequest) -> dict:
