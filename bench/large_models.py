@@ -46,8 +46,7 @@ RUNS = {  # name -> (recipe, overrides); every run: 2 × 256-token evaluation wi
     "rtn-dense": ("recipes/int4_rtn.yaml", ["calibration.n_samples=4", "calibration.seq_len=256",
                                             "output.formats=[dense]", "output.verify_windows=0"]),
 }
-COMMON = ["eval.max_windows=2", "eval.seq_len=256", "eval.speed=false", "calibration.threads=2", "eval.threads=2",
-          "output.overwrite=true"]
+COMMON = ["eval.max_windows=2", "eval.seq_len=256", "eval.speed=false", "output.overwrite=true"]  # threads: default
 
 
 def llama_config(shape: tuple, max_positions: int = 4096):
@@ -140,7 +139,7 @@ def run_one(model: Path, recipe: str, overrides: list[str], out: Path, log: Path
         "peak_rss_report": report["eval"]["peak_rss_bytes"],
         "memory_plan_peak": report.get("memory_plan", {}).get("peak_bytes"),
         "memory_plan_dtype": report.get("memory_plan", {}).get("dtype"),
-        "streamed": report.get("streamed"), "timings": report["timings"],
+        "streamed": report.get("streamed"), "timings": report["timings"], "profile": report.get("profile"),
         "ppl": {n: m.get("ppl") for n, m in models.items()}, "kl": models["compressed"].get("kl"),
         "top1": models["compressed"].get("top1_agreement"),
         "checkpoint_bytes": report["memory"]["checkpoint_bytes"],
@@ -284,7 +283,7 @@ def main() -> None:
                 size_bytes = sum(p.stat().st_size for p in dense.glob("*.safetensors"))
                 row["reload_dense"] = {**reload_dense(dense, base / f"log-{size}-{name}-reload.txt"),
                                        "export_files": files, "export_bytes": size_bytes}
-            print(json.dumps({k: v for k, v in row.items() if k not in ("streamed", "timings")}), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("streamed", "timings", "profile")}), flush=True)
             results["rows"] = [r for r in results["rows"] if (r["model"], r["run"]) != (row["model"], name)] + [row]
             results_path.write_text(json.dumps(results, indent=2) + "\n")
             if not args.keep:

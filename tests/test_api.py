@@ -65,6 +65,12 @@ def test_the_api_writes_the_bits_the_cli_writes(tiny, tmp_path):
         for key in ("ppl", "kl", "top1_agreement"):
             assert result.report.models[name][key] == cli_eval[name][key], (name, key)
     assert result.report.ppl == cli_eval["compressed"]["ppl"] and result.report.kl > 0
+    # the CLI's profile starts with the process (its imports: `startup`) and covers nearly all of its wall
+    profile = json.loads((tmp_path / "cli" / "report.json").read_text())["profile"]
+    phases = {r["phase"] for r in profile["phases"]}
+    assert {"startup", "load", "calibration data", "capture", "float forward", "statistics", "solves",
+            "compressed forward", "save", "eval"} <= phases and profile["covered"] > 0.9, profile
+    assert "startup" not in {r["phase"] for r in result.report.data["profile"]["phases"]}  # the API's: no start-up
 
 
 @needs_data

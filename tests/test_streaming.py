@@ -4,6 +4,7 @@ give the same tensors and the same report figures as the in-memory run, bit for 
 recipes; only one block may be in memory at a time; what cannot stream is refused with the way out."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -62,6 +63,51 @@ def test_shard_writer_writes_files_safetensors_and_transformers_read(tmp_path):
         (tmp_path / "x").mkdir()
         w.add("a", torch.zeros(1))
         w.add("a", torch.zeros(1))
+
+
+def test_a_large_shard_is_closed_in_place_and_read_by_safetensors_and_transformers(tmp_path, monkeypatch):
+    """A shard of at least IN_PLACE_MIN bytes gets its header in the room left in front of its data (padded with
+    spaces, as safetensors allows) instead of being copied behind it; the files read the same everywhere. A writer
+    restored from a checkpoint taken before such a close reopens the closed shard and writes it again."""
+    from transformers import AutoModelForCausalLM
+
+    from compress.export import shards
+
+    monkeypatch.setattr(shards, "IN_PLACE_MIN", 1000)
+    model = make_tiny_model("qwen2")
+    state = model.state_dict()
+    folder = tmp_path / "m"
+    folder.mkdir()
+    writer = ShardWriter(folder, max_shard_bytes=200_000, keep_closed=True)
+    names = list(state)
+    for name in names:
+        writer.add(name, state[name])
+    assert not writer.stale  # closed in place: no data file kept, none copied
+    files = writer.finish()
+    model.config.save_pretrained(folder)
+    for path in shard_files(folder):
+        header_len = int.from_bytes(path.read_bytes()[:8], "little")
+        assert header_len == shards.HEADER_ROOM  # every shard here holds more than IN_PLACE_MIN
+    again = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+    ids = torch.randint(0, 256, (1, 16))
+    assert torch.equal(again(ids).logits, model(ids).logits)
+    back = read_safetensors(folder)
+    assert all(torch.equal(back[n], state[n]) for n in names)
+    # a run that crashed after block 3's checkpoint, its shards closed since: restored and written again
+    second = tmp_path / "r"
+    second.mkdir()
+    writer = ShardWriter(second, max_shard_bytes=200_000, keep_closed=True)
+    for name in names[:3]:
+        writer.add(name, state[name])
+    saved = json.loads(json.dumps(writer.state()))  # as the checkpoint stores it
+    for name in names[3:]:
+        writer.add(name, state[name])  # shards closed in place after the checkpoint
+    writer.data.close()
+    writer = ShardWriter.restore(second, saved, max_shard_bytes=200_000)
+    for name in names[3:]:
+        writer.add(name, state[name])
+    assert writer.finish() == files
+    assert all(torch.equal(read_safetensors(second)[n], state[n]) for n in names)
 
 
 def test_shard_writer_small_model_is_one_file_and_transformers_loads_shards(tmp_path):
@@ -149,6 +195,29 @@ def test_the_streamed_run_equals_the_in_memory_run_bit_for_bit(tmp_path, family,
     _streamed_equals_in_memory(tmp_path, family, RECIPES[recipe], calibrate)
 
 
+@requires_data
+def test_a_bfloat16_checkpoint_streams_in_bfloat16_where_the_cpu_has_it(tmp_path):
+    """model.dtype auto on a bfloat16 checkpoint, streamed: no float32 copy where bf16 is native (the forwards at the
+    bf16 rate), float32 elsewhere. Round-to-nearest reads only the weights, which bf16 holds exactly: the same
+    tensors as the float32 run, bit for bit; the figures move by bf16 rounding only."""
+    from compress.core.nn import cpu_has_bf16
+
+    folder, _ = _folder(tmp_path, "llama", dtype=torch.bfloat16)
+    reports, tensors = {}, {}
+    for dtype in ("auto", "float32"):
+        recipe = _recipe(folder, tmp_path / dtype, RECIPES["rtn"], "always")
+        recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, dtype=dtype))
+        reports[dtype] = run(recipe, progress=False, log=lambda *a: None)
+        tensors[dtype] = read_safetensors(tmp_path / dtype)
+    expected = "bfloat16" if cpu_has_bf16() else "float32"
+    assert reports["auto"]["streamed"]["dtype"] == expected
+    assert reports["auto"]["memory_plan"]["dtype"] == f"{expected}, streamed"
+    assert all(torch.equal(tensors["auto"][k], tensors["float32"][k]) for k in tensors["float32"])
+    auto, full = (reports[d]["eval"]["models"]["compressed"] for d in ("auto", "float32"))
+    assert auto["ppl"] == pytest.approx(full["ppl"], rel=0.02) and auto["kl"] == pytest.approx(full["kl"], rel=0.1,
+                                                                                                 abs=1e-3)
+
+
 def _streamed_equals_in_memory(tmp_path, family, stages, calibrate=True, **overrides):
     folder, model = _folder(tmp_path, family, **overrides)
     reports, tensors = {}, {}
@@ -234,6 +303,13 @@ def test_only_one_block_is_in_memory_at_a_time_and_the_output_reloads(tmp_path):
     assert "Streamed" in (tmp_path / "out" / "report.md").read_text()
     assert "streamed the model from disk" in report["eval"]["samples"]["skipped"]  # no samples, and why
     assert "## Generated samples\n\nNot generated: this run streamed" in (tmp_path / "out" / "report.md").read_text()
+    profile = report["profile"]  # every phase of the pass timed, the read ahead overlapped, nearly all the wall
+    phases = {r["phase"]: r for r in profile["phases"]}
+    assert {"read", "convert", "float forward", "statistics", "solves", "compressed forward", "evaluation",
+            "writing", "load", "eval", "save"} <= set(phases)
+    assert profile["covered"] > 0.9 and profile["overlapped"]["read"] > 0, profile["phases"]
+    assert phases["float forward"]["unit"] == "GFLOP/s" and phases["float forward"]["peak"] > 0
+    assert "Profile: " in (tmp_path / "out" / "report.md").read_text()
 
 
 @pytest.mark.parametrize("extra,words", [

@@ -187,10 +187,12 @@ def compress(model: nn.Module, tokenizer, recipe, dataset=None, output: str | Pa
                   provenance(recipe, str(name)))
 
 
-def run(recipe, overrides=(), *, progress: bool = True, log=print, resume: bool = False) -> Report:
+def run(recipe, overrides=(), *, progress: bool = True, log=print, resume: bool = False, profile=None) -> Report:
     """`compress run`: the recipe's model loaded from its `model:` source, compressed, saved to output.dir,
-    evaluated and exported; returns the report."""
-    return Report(run_recipe(as_recipe(recipe, overrides), progress=progress, log=log, resume=resume))
+    evaluated and exported; returns the report. `profile` (core.profile.Profile): where the run's phases are timed
+    (None: one started when the run starts; the CLI starts one with the process's start-up in it)."""
+    return Report(run_recipe(as_recipe(recipe, overrides), progress=progress, log=log, resume=resume,
+                             profile=profile))
 
 
 def load(path: str, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False):

@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 
 from .distributed import active, reduce_sums
 from ..arch import ArchSpec, cross_attention_blocks, get_module, set_module
-from ..core.nn import QuantLinear, cached_dequantize, is_linear
+from ..core.nn import QuantLinear, cached_dequantize, is_linear, linear_shape
+from ..core.profile import Profile, phase_of
 
 
 class _StopForward(Exception):
@@ -442,6 +443,23 @@ def spill(folder: Path, name: str, like: Tensor, n: int) -> Tensor:
     return torch.from_file(str(path), shared=True, size=numel, dtype=like.dtype).view(n, *like.shape)
 
 
+def linear_flop(block: nn.Module, tokens: int) -> int:
+    """Floating-point operations of the block's linear layers on `tokens` tokens (2 per weight per token; attention's
+    own products and the element-wise work are left out: a profile's rates are those of the matmuls)."""
+    n = 0
+    for m in block.modules():
+        if is_linear(m):
+            out_features, in_features = linear_shape(m)
+            n += out_features * in_features
+    return 2 * n * tokens
+
+
+def forward_work(block: nn.Module, inputs: BlockInputs, compute_dtype: torch.dtype | None) -> tuple[int, int, str]:
+    """(flop, bytes, dtype) of a block forward over `inputs`, for profile.phase."""
+    tokens = sum(h.shape[0] * h.shape[1] for h in inputs.hidden)
+    return linear_flop(block, tokens), 0, str(matmul_dtype(inputs, compute_dtype)).replace("torch.", "")
+
+
 def relative_error(ref: list[Tensor], out: list[Tensor]) -> float:
     """||out - ref||^2 / ||ref||^2 summed over all samples (over every process's samples in a data-parallel pass)."""
     num = sum(float((o.float() - r.float()).pow(2).sum()) for r, o in zip(ref, out))
@@ -508,7 +526,9 @@ class BlockPass:
     `start` > 0 resumes an interrupted pass at that block: `restore(inputs)` then returns (the block's calibration
     inputs, the errors so far) from the checkpoint, given the freshly captured block-0 inputs (every block's
     arguments are captured afresh). `notes` (a list) receives why replaying the blocks with their captured arguments
-    is not the model's own forward, where it is not (also warned about as a ReplayWarning)."""
+    is not the model's own forward, where it is not (also warned about as a ReplayWarning). `profile`
+    (core/profile.py): the pass's phases are timed into it (capture, read, float forward, solves, compressed
+    forward, the visitors' own phases)."""
     device: str | torch.device = "cpu"
     offload: str | torch.device = "cpu"
     progress: bool = True
@@ -520,6 +540,7 @@ class BlockPass:
     start: int = 0
     restore: Callable | None = None
     notes: list[str] | None = None
+    profile: Profile | None = None
 
 
 def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor | None, on_block: OnBlock,
@@ -537,6 +558,7 @@ def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor | None, on_b
     o = options
     device, offload, progress, observe, compute_dtype = o.device, o.offload, o.progress, o.observe, o.compute_dtype
     spill_dir, blocks, visitors, start, restore, notes = o.spill_dir, o.blocks, o.visitors, o.start, o.restore, o.notes
+    profile = o.profile
     model.eval()
     if start and (shared := getattr(model.config, "num_kv_shared_layers", 0)):
         raise ValueError(f"cannot resume at block {start}: the last {shared} layers of this model read the keys and "
@@ -548,7 +570,8 @@ def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor | None, on_b
                          "(offload: memory) or lower calibration.n_samples")
     inputs, stores = None, [None, None, None]
     if samples is not None:
-        inputs, captured_store = capture_block_inputs(model, arch, samples, device, spill_dir)
+        with phase_of(profile, "capture"):
+            inputs, captured_store = capture_block_inputs(model, arch, samples, device, spill_dir)
         if notes is not None:
             notes += inputs.arguments.problems
         if spill_dir is not None:  # block inputs (already in "a"), float outputs, compressed outputs
@@ -567,29 +590,35 @@ def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor | None, on_b
     blocks.begin()
     n = len(arch.block_list(model))
     for i in tqdm(range(start, n), desc="blocks", unit="block", disable=not progress, initial=start, total=n):
-        block = blocks.load(i, device)
+        with phase_of(profile, "read"):
+            block = blocks.load(i, device)
         for v in visitors:
             v.loaded(i, block)
         observer = observe(i, f"{arch.blocks}.{i}", block) if observe else None
         reference = None
         if inputs is not None:
-            with observer if observer is not None else contextlib.nullcontext():
+            with observer if observer is not None else contextlib.nullcontext(), \
+                    phase_of(profile, "float forward", *forward_work(block, inputs, compute_dtype)):
                 reference = block_forward(block, inputs, compute_dtype, stores[1])
-        on_block(i, f"{arch.blocks}.{i}", block, inputs, observer)
+        with phase_of(profile, "solves"):
+            on_block(i, f"{arch.blocks}.{i}", block, inputs, observer)
         observer = None  # the block's statistics (Hessians: 0.7 GB for a 7B block) are not needed past its stages
         block = get_module(model, f"{arch.blocks}.{i}")  # a stage may have swapped the whole block
         if inputs is not None:
-            with cached_dequantize(block, matmul_dtype(inputs, compute_dtype)):
+            with phase_of(profile, "compressed forward", *forward_work(block, inputs, compute_dtype)), \
+                    cached_dequantize(block, matmul_dtype(inputs, compute_dtype)):
                 outputs = block_forward(block, inputs, compute_dtype, stores[2])
-            errors.append(relative_error(reference, outputs))
+                errors.append(relative_error(reference, outputs))
             inputs = inputs.advance(outputs)
             stores[0], stores[2] = stores[2], stores[0]  # the next block writes over these inputs
         for v in visitors:
             v.compressed(i, block)
-        blocks.done(i, block)
+        with phase_of(profile, "offload"):  # a streamed block's tensors written (phase "writing") and released
+            blocks.done(i, block)
         del reference, observer
-        for v in visitors:
-            v.done(i, inputs, errors)
+        with phase_of(profile, "checkpoint"):  # a streamed run's progress saved after each block
+            for v in visitors:
+                v.done(i, inputs, errors)
     blocks.end()
     _move_non_blocks(model, arch, offload)
     return errors

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from ..core.profile import phase_of
+
 
 @dataclass
 class InputStats:
@@ -52,6 +54,7 @@ class BlockObserver:
     def __init__(self, block: nn.Module, linears: list[str], inspect: list[str], *, abs_mean: bool,
                  hessian: bool, keep_samples: int, abs_max: bool = False, kv: tuple[str, ...] = ()):
         self.block, self.linears, self.inspect = block, linears, inspect
+        self.profile = None  # a core.profile.Profile: the statistics' time and FLOPs as its phase `statistics`
         self.want_abs, self.want_hessian, self.keep = abs_mean, hessian, keep_samples
         self.want_max = abs_max
         # attention modules whose key/value maxima the kv_cache attention wrapper records: name -> [k, v]
@@ -110,7 +113,9 @@ class BlockObserver:
             self._seen.append((x, name))
             # statistics in float32 even when the pass runs under bfloat16 autocast (a bf16 X^T X over thousands
             # of tokens is not even positive definite)
-            with torch.autocast(device_type=x.device.type, enabled=False):
+            flop = 2 * x.numel() * x.shape[-1] if self.want_hessian else 0  # X^T X: [T, K] x [T, K]
+            with torch.autocast(device_type=x.device.type, enabled=False), \
+                    phase_of(self.profile, "statistics", flop, dtype="float32"):
                 self._accumulate(self.stats.setdefault(name, InputStats()), x)
         return hook
 

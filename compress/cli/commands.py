@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 # The `compress` program's process defaults (importing the package sets none), before torch loads its OpenMP
@@ -387,9 +388,17 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
+def process_age() -> float:
+    """Seconds since this process started (its interpreter start-up and imports, before the command began)."""
+    import psutil
+    return max(0.0, time.time() - psutil.Process().create_time())
+
+
 def cmd_run(args) -> int:
     from ..api import run
+    from ..core.profile import Profile
 
+    profile = Profile(startup=process_age())  # the report's profile covers the process: imports included
     overrides = list(args.overrides)
     if args.output:
         overrides.append(f"output.dir={args.output}")
@@ -400,7 +409,7 @@ def cmd_run(args) -> int:
     if args.no_progress:
         _quiet_libraries()
     report = run(args.recipe, overrides, progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr),
-                 resume=args.resume)
+                 resume=args.resume, profile=profile)
     if not report.data:  # a helper process under `accelerate launch`: the main process writes the report
         return 0
     print(report.markdown())
@@ -476,7 +485,9 @@ def cmd_inspect(args) -> int:
         return cmd_inspect_model(args)
     from ..arch import get_arch
     from ..pipeline.memory_plan import conversion_bytes
-    from ..model.load import checkpoint_files, model_skeleton, resolve_device, resolve_dtype
+    from ..measure.machine import machine_peaks
+    from ..model.load import checkpoint_files, model_skeleton, resolve_device, resolve_dtype, streamed_dtype
+    from ..pipeline.time_plan import time_lines, time_plan
     from ..recipe import load_recipe, to_plain
     from ..stages import make_plan
     from ..pipeline.streamed import choose_plan
@@ -489,11 +500,16 @@ def cmd_inspect(args) -> int:
     described = [stage.describe(plan, i) for i, stage in enumerate(recipe.stages)]
     device = resolve_device(spec.device)
     dtype = resolve_dtype(spec.dtype, device)
+    files = checkpoint_files(spec.source)
     memory, recipe, stream, notes = choose_plan(recipe, model.config, dtype, device,
-                                                conversion_bytes(checkpoint_files(spec.source), model.config, dtype))
+                                                conversion_bytes(files, model.config, dtype))
+    threads = (recipe.calibration or recipe.model).threads
+    timing = time_plan(model, arch, recipe, plan.needs().hessian, sum(f.stat().st_size for f in files),
+                       streamed_dtype(spec.dtype, device, model.config) if stream else dtype, device,
+                       machine_peaks(device, threads if threads > 0 else os.cpu_count() or 1))
     if args.json:
         print(json.dumps({"arch": to_plain(arch), "stages": [data for _, data in described],
-                          "memory_plan": memory.to_dict(), "streamed": stream}, indent=2))
+                          "memory_plan": memory.to_dict(), "streamed": stream, "time_plan": timing}, indent=2))
         return 0
     print(f"recipe: {recipe.path} (sha256 {recipe.sha256[:16]}…)")
     print(f"model: {source} [{kind}], family {arch.family}, blocks at `{arch.blocks}` "
@@ -505,7 +521,7 @@ def cmd_inspect(args) -> int:
                              if cal else "none (no calibration pass)"))
     for lines, _ in described:
         print("\n".join(lines))
-    print("\n" + "\n".join(notes + memory.lines()))
+    print("\n" + "\n".join(notes + memory.lines() + time_lines(timing)))
     if (why := memory.problem(recipe)) is not None:
         print(f"`compress run` would refuse this: {why}")
     return 0

@@ -180,10 +180,13 @@ class QuantLinear(nn.Module):
 
 
 @contextlib.contextmanager
-def cached_dequantize(module: nn.Module, dtype: torch.dtype = torch.float32):
+def cached_dequantize(module: nn.Module, dtype: torch.dtype = torch.float32, weight_only: bool = False):
     """Dequantize the QuantLinears under `module` once for a burst of forwards (the calibration runner
-    pushes every sample through a block), instead of once per call; the float copies go away on exit."""
-    layers = [m for m in module.modules() if isinstance(m, QuantLinear)]
+    pushes every sample through a block), instead of once per call; the float copies go away on exit.
+    `weight_only`: only the layers whose activations stay float, whose forward is then bit for bit what it is
+    uncached (a layer that quantizes its activations takes its integer-matmul path only uncached)."""
+    layers = [m for m in module.modules()
+              if isinstance(m, QuantLinear) and not (weight_only and m.scheme.act is not None)]
     try:
         for m in layers:
             m._weight_cache = m.qtensor().dequantize(dtype)

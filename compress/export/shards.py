@@ -21,6 +21,12 @@ from torch import Tensor
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 * 10 ** 9  # transformers' default max_shard_size, "5GB"
+# ShardWriter keeps this much room in front of a shard's data for its header (safetensors allows the header to be
+# padded with spaces), so a large shard is closed in place; copying a 5 GB shard behind its header cost minutes when
+# the page cache was full of the model being read. A shard of less data than IN_PLACE_MIN, or whose header outgrows
+# the room (tens of thousands of tensors), is rewritten with an exact header, as before.
+HEADER_ROOM = 1 << 20
+IN_PLACE_MIN = 256 << 20
 
 
 def plan_shards(tensors: dict[str, Tensor], max_shard_bytes: int = MAX_SHARD_BYTES) -> list[list[str]]:
@@ -151,6 +157,7 @@ class ShardWriter:
         if max_shard_bytes < 1:
             raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
         self.folder, self.max = Path(folder), max_shard_bytes
+        self.offset = 8 + HEADER_ROOM  # where the data starts in the open shard's file (HEADER_ROOM)
         self.metadata = {"format": "pt", **(metadata or {})}
         self.parts: list[tuple[Path, list[str]]] = []  # closed shards: file, tensor names
         self.header: dict[str, dict] = {}
@@ -170,6 +177,7 @@ class ShardWriter:
             self._close()
         if self.data is None:
             self.data = open(self.folder / f".part-{len(self.parts) + 1:05d}.data", "wb")
+            self.data.seek(self.offset)
         self.header[name] = {"dtype": CODES[t.dtype], "shape": list(t.shape),
                              "data_offsets": [self.size, self.size + nbytes]}
         if nbytes:
@@ -178,18 +186,26 @@ class ShardWriter:
         self.total += nbytes
 
     def _close(self) -> None:
-        self.data.close()
         data_path = Path(self.data.name)
         path = self.folder / f".part-{len(self.parts) + 1:05d}.safetensors"
         header = json.dumps({"__metadata__": self.metadata, **self.header}, separators=(",", ":")).encode()
-        header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-        with open(path, "wb") as out, open(data_path, "rb") as data:
-            out.write(struct.pack("<Q", len(header)) + header)
-            shutil.copyfileobj(data, out, 16 << 20)
-        if self.keep_closed:
-            self.stale.append(data_path)
+        room = self.offset - 8
+        if self.size >= IN_PLACE_MIN and 0 < len(header) <= room:  # the header into the room left for it
+            self.data.seek(0)
+            self.data.write(struct.pack("<Q", room) + header + b" " * (room - len(header)))
+            self.data.close()
+            os.replace(data_path, path)
         else:
-            data_path.unlink()
+            self.data.close()
+            header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+            with open(path, "wb") as out, open(data_path, "rb") as data:
+                out.write(struct.pack("<Q", len(header)) + header)
+                data.seek(self.offset)
+                shutil.copyfileobj(data, out, 16 << 20)
+            if self.keep_closed:
+                self.stale.append(data_path)
+            else:
+                data_path.unlink()
         self.parts.append((path, list(self.header)))
         self.header, self.size, self.data = {}, 0, None
 
@@ -199,7 +215,8 @@ class ShardWriter:
         if self.data is not None:
             self.data.flush()
         return {"parts": [[p.name, names] for p, names in self.parts], "header": self.header, "size": self.size,
-                "total": self.total, "data": Path(self.data.name).name if self.data is not None else None}
+                "total": self.total, "data": Path(self.data.name).name if self.data is not None else None,
+                "offset": self.offset}
 
     def drop_stale(self) -> None:
         """Delete the data files of closed shards (once a checkpoint records them as closed)."""
@@ -211,14 +228,20 @@ class ShardWriter:
     def restore(cls, folder: str | Path, state: dict, metadata: dict[str, str] | None = None,
                 max_shard_bytes: int = MAX_SHARD_BYTES, keep_closed: bool = True) -> "ShardWriter":
         """The writer as `state()` recorded it: tensors added after that are cut from the open shard's data file
-        (it is reopened from the closed shard's data if the shard was closed after the checkpoint)."""
+        (it is reopened from the closed shard's data if the shard was closed after the checkpoint: the kept data
+        file, or the shard itself when it was closed in place, its header room written again at the next close)."""
         writer = cls(folder, metadata, max_shard_bytes, keep_closed)
         writer.parts = [(writer.folder / name, names) for name, names in state["parts"]]
         writer.header, writer.size, writer.total = state["header"], state["size"], state["total"]
+        writer.offset = state.get("offset", 0)  # 0: a checkpoint of a writer that kept no header room
         if state["data"] is not None:
-            writer.data = open(writer.folder / state["data"], "r+b")
-            writer.data.truncate(writer.size)
-            writer.data.seek(writer.size)
+            data = writer.folder / state["data"]
+            closed_in_place = data.with_suffix(".safetensors")
+            if not data.exists() and closed_in_place.exists():
+                os.replace(closed_in_place, data)
+            writer.data = open(data, "r+b")
+            writer.data.truncate(writer.offset + writer.size)
+            writer.data.seek(writer.offset + writer.size)
         closed = {p.name for p, _ in writer.parts}
         for path in writer.folder.glob(".part-*"):  # what was written after the checkpoint is written again
             if path.name not in closed and (writer.data is None or path.name != state["data"]):
@@ -230,6 +253,7 @@ class ShardWriter:
         if self.data is not None or not self.parts:
             if self.data is None:
                 self.data = open(self.folder / f".part-{len(self.parts) + 1:05d}.data", "wb")
+                self.data.seek(self.offset)
             self._close()
         self.drop_stale()
         if len(self.parts) == 1:

@@ -35,6 +35,21 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+def streamed_dtype(name: str, device: str, config) -> torch.dtype:
+    """model.dtype of a run streamed from disk: `auto` keeps a bfloat16 checkpoint's bfloat16 wherever the device
+    multiplies it natively (CUDA; a CPU with AMX or AVX512-BF16): the weights are then read as stored, with no
+    float32 copy, and every forward runs at the bf16 rate (6.5x float32 on this AMX machine), as a GPU run computes;
+    statistics and solves stay float32. Elsewhere, and for other checkpoints (float16, float32, GGUF), as
+    resolve_dtype. An in-memory CPU run keeps float32 (`resolve_dtype`): the small-model path, where float32
+    evaluation costs little and keeps its figures comparable with every float32 result."""
+    from ..core.nn import native_bf16
+    stored = getattr(config, "dtype", None)
+    stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
+    if name == "auto" and stored == torch.bfloat16 and native_bf16(torch.device(device).type):
+        return torch.bfloat16
+    return resolve_dtype(name, device)
+
+
 def resolve_device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"

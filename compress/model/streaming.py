@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from ..arch import ArchSpec, get_arch, get_module
+from ..core.profile import phase_of
 from .gguf_source import gguf_tensor_source
 from .integrity import check_safetensors_folder
 from ..arch.moe import hub_names, moe_blocks, split_expert
@@ -59,9 +60,13 @@ class Streamed:
     keep: frozenset = frozenset()  # tensors read at their stored dtype (a compressed model's codes and scales)
     fused: dict = field(default_factory=dict)  # experts module -> (layout, fused name -> checkpoint name)
 
-    def _state(self, prefix: str, module: nn.Module, skip: str | None = None) -> dict[str, Tensor]:
+    def _state(self, prefix: str, module: nn.Module, skip: str | None = None, profile=None) -> dict[str, Tensor]:
         """The tensors of `module` (at `prefix`) read from the checkpoint at the run's dtype, except those under
-        `skip`."""
+        `skip` (timed as phases read and convert of `profile`, a core.profile.Profile, when given)."""
+        return self._convert(self._read(prefix, module, skip, profile), prefix, profile)
+
+    def _read(self, prefix: str, module: nn.Module, skip: str | None = None, profile=None) -> dict[str, Tensor]:
+        """The tensors of `module` (at `prefix`, but those under `skip`) as the checkpoint stores them."""
         out, blocks = {}, {}
         for rel in module.state_dict(keep_vars=True):
             full = f"{prefix}.{rel}" if prefix else rel
@@ -75,15 +80,35 @@ class Streamed:
                     blocks[moe] = (layout, {n: self.source.get(f) for n, f in files.items()})
                 t = split_expert(blocks[moe][0], blocks[moe][1], int(e))[part].contiguous()
             else:
-                t = self.source.get(key)
-            out[rel] = t.to(self.dtype) if t.is_floating_point() and full not in self.keep else t
+                with phase_of(profile, "read"):
+                    t = self.source.get(key)
+                if profile is not None:
+                    profile.add_work("read", nbytes=t.numel() * t.element_size())
+            out[rel] = t
         return out
 
-    def load(self, i: int) -> nn.Module:
-        """Decoder block i with its weights read from the checkpoint at the run's dtype."""
+    def _convert(self, stored: dict[str, Tensor], prefix: str, profile=None) -> dict[str, Tensor]:
+        """Tensors as read (`_read`) at the run's dtype (but `keep`'s)."""
+        out = {}
+        with phase_of(profile, "convert"):
+            for rel, t in stored.items():
+                full = f"{prefix}.{rel}" if prefix else rel
+                out[rel] = t.to(self.dtype) if t.is_floating_point() and full not in self.keep else t
+        return out
+
+    def read_block(self, i: int, profile=None) -> dict[str, Tensor]:
+        """Block i's tensors as the checkpoint stores them, for `load` (safe on a helper thread: it only reads)."""
+        prefix = f"{self.arch.blocks}.{i}"
+        return self._read(prefix, get_module(self.model, prefix), profile=profile)
+
+    def load(self, i: int, profile=None, stored: dict[str, Tensor] | None = None) -> nn.Module:
+        """Decoder block i with its weights at the run's dtype: `stored` (read_block's, read ahead) or read now
+        (`profile`: see _state)."""
         prefix = f"{self.arch.blocks}.{i}"
         block = get_module(self.model, prefix)
-        block.load_state_dict(self._state(prefix, block), strict=True, assign=True)
+        if stored is None:
+            stored = self._read(prefix, block, profile=profile)
+        block.load_state_dict(self._convert(stored, prefix, profile), strict=True, assign=True)
         self.loaded_blocks += 1
         return block
 

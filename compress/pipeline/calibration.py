@@ -20,6 +20,7 @@ from ..calibrate.images import ImageSamples, image_samples, load_processor
 from ..measure.plots import plot_recovery
 from .report import write_report
 from ..core.nn import QuantLinear, is_linear, native_bf16
+from ..core.profile import Profile, device_sync, phase_of
 from ..calibrate.observers import BlockObserver
 from ..recipe import Recipe, to_plain
 from ..stages.base import BlockState, Plan, RunContext
@@ -92,6 +93,7 @@ class StagePass:
             keep = local_keep(nd.replay_samples, *world()) if active() else nd.replay_samples
             observer = BlockObserver(block, linears, inspect, abs_mean=nd.abs_mean, hessian=nd.hessian,
                                      keep_samples=keep, abs_max=nd.abs_max)
+            observer.profile = self.ctx.profile
         state = BlockState(i, prefix, block, observer)
         return _Observing(state, ([observer] if observer is not None else []) +
                           [stage.observing(state, k) for k, stage in self.stages])
@@ -156,12 +158,13 @@ class PassExtras:
     go with calibration.offload: disk (a temporary folder inside it). `blocks` (a streamed model's block source, see
     blockwise.BlockPass) makes the pass run even without calibration data: the stages then act on each block as it
     is read, and `visitors` ride along. `checkpoint` (streamed.StreamCheckpoint) saves the pass after every block
-    and resumes it at the block where an interrupted run stopped."""
+    and resumes it at the block where an interrupted run stopped. `profile`: see the field."""
     model_reports: dict = field(default_factory=dict)
     spill_dir: Path | None = None
     blocks: object = None
     visitors: tuple = ()
     checkpoint: object = None
+    profile: Profile | None = None  # the run's (core/profile.py): the pass's phases are timed into it
 
 
 def compress_model(model, tokenizer, recipe: Recipe, plan: Plan, device: str, progress: bool = True, log=print,
@@ -174,6 +177,7 @@ def compress_model(model, tokenizer, recipe: Recipe, plan: Plan, device: str, pr
     sections: dict = {}
     samples = None
     ctx = start_stages(model, plan)
+    ctx.profile = profile = extras.profile
     start, restore = 0, None
     if checkpoint is not None:
         start, restore = checkpoint.bind(ctx), checkpoint.restore
@@ -182,7 +186,8 @@ def compress_model(model, tokenizer, recipe: Recipe, plan: Plan, device: str, pr
     if calibrate or blocks is not None:
         if calibrate:
             log("preparing calibration data ...")
-            samples, sections["calibration"] = calibration_samples(recipe, model, tokenizer)
+            with phase_of(profile, "calibration data"):
+                samples, sections["calibration"] = calibration_samples(recipe, model, tokenizer)
             set_threads(recipe.calibration.threads)
             rank, size = start_processes(device)
             if size > 1:
@@ -213,7 +218,7 @@ def compress_model(model, tokenizer, recipe: Recipe, plan: Plan, device: str, pr
             errors = run_blockwise(model, plan.arch, mine, stage_pass.on_block, BlockPass(
                 device=device, progress=progress, observe=stage_pass.observe,
                 compute_dtype=getattr(torch, dtype) if calibrate else None, spill_dir=spill_dir if spill else None,
-                blocks=blocks, visitors=visitors, start=start, restore=restore, notes=replay))
+                blocks=blocks, visitors=visitors, start=start, restore=restore, notes=replay, profile=profile))
         if calibrate:
             sections["block_errors"] = errors
             sections["calibration"]["replay"] = replay or "exact"  # the blocks saw the model's own forward's inputs
@@ -240,22 +245,21 @@ def write_run_report(report: dict, folder: Path) -> None:
             plot_recovery(section, folder / f"recovery_curve_stage{section['index']}.png")
 
 
-def device_sync() -> None:
-    """Wait for the GPU's queued work (a no-op without CUDA, or before it is first used): a phase's time includes
-    the kernels it launched, not only their launching."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
 class Timings(dict):
-    """Seconds per phase of a run: `with timings("load"): ...` (not recorded when `when` is false), the GPU's queued
-    work finished at both ends."""
+    """Seconds per part of a run (the report's `timings`): `with timings("load"): ...` (not recorded when `when` is
+    false), the GPU's queued work finished at both ends; each part is also a phase of `profile` (its seconds there:
+    what the finer phases inside it did not take)."""
+
+    def __init__(self, profile: Profile | None = None):
+        super().__init__()
+        self.profile = profile
 
     @contextlib.contextmanager
     def __call__(self, key: str, when: bool = True):
         device_sync()
         t = time.perf_counter()
-        yield
+        with phase_of(self.profile if when else None, key):
+            yield
         device_sync()
         if when:
             self[key] = time.perf_counter() - t

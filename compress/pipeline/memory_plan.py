@@ -253,7 +253,10 @@ def _streamed_plan(recipe, basis, dtype, device: str, available, device_availabl
     # one block at the run's dtype, its bfloat16 copies under autocast, its dequantized copy during the compressed
     # forward, the tensors being read and the allocator's slack: 3.5x its weights (bench/large_models.py measured
     # 3.3x on the 7B shape at float32: 3.28 GB anonymous peak, of which 2.7 GB came with the block)
-    passing = {"one block": int(3.5 * size.block_parameters * width), "evaluation hidden states": hidden}
+    passing = {"one block": int(3.5 * size.block_parameters * width), "evaluation hidden states": hidden,
+               # the next block, read on a helper thread while this one computes (StreamedBlocks), as stored:
+               # counted at 16 bits, the dtype checkpoints are published in
+               "next block (read ahead)": size.block_parameters * min(width, 2)}
     between = {}
     if recipe.calibration is not None:
         cal = recipe.calibration

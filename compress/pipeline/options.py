@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..core.profile import Profile
 from ..recipe import Recipe
 
 
@@ -12,10 +13,12 @@ from ..recipe import Recipe
 class RunOptions:
     """The run's recipe (replaced, with dataclasses.replace, when the memory plan or the whole-model stages resolve
     it), its output folder `out` (or the work folder a phase keeps its files in), the compute `device`, whether to
-    show progress bars, where log lines go, and whether the run continues an interrupted one (`resume`)."""
+    show progress bars, where log lines go, whether the run continues an interrupted one (`resume`), and the
+    `profile` its phases are timed into (None: run_source starts one; the CLI starts it at the process's start)."""
     recipe: Recipe
     out: Path
     device: str = "cpu"
     progress: bool = True
     log: Callable = print
     resume: bool = False
+    profile: Profile | None = None

@@ -13,6 +13,7 @@ from ..core.nn import QuantLinear
 from ..stages import get_stage
 from ..measure.fmt import mb as _mb, num as _f
 from ..measure.memory import peak_cuda_bytes, peak_rss_bytes, serving_bytes, weight_bytes
+from ..measure.machine import profile_lines
 from ..measure.ppl import score_windows
 from ..kernels.dispatch import plan_dispatch, render as render_dispatch, use_dispatch
 from ..measure.speed import measure_speed, speed_sweep
@@ -507,7 +508,8 @@ def _timing_lines(report: dict) -> list[str]:
 SECTIONS = (_header_lines, _accuracy_lines, _memory_lines, _sample_lines, _streamed_lines, _offload_lines, _speed_lines,
             _dispatch_lines, _stage_lines, _block_error_lines, lambda r: _task_lines(r.get("eval", {}).get("lm_eval")),
             _speculative_lines, lambda r: _sweep_lines(_models(r)), lambda r: _roofline_lines(_models(r)),
-            lambda r: _export_lines(r.get("exports") or []), _timing_lines)
+            lambda r: _export_lines(r.get("exports") or []), _timing_lines,
+            lambda r: profile_lines(r.get("profile")))
 
 
 def render_markdown(report: dict) -> str:

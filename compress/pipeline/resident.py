@@ -145,9 +145,10 @@ def verifier_missing(fmt: str) -> str | None:
     return None
 
 
-def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) -> dict:
+def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False, profile=None) -> dict:
     """Run the recipe. `resume` continues a crashed run: its distill stage from its newest checkpoint, or a streamed
-    run (model.stream) at the block where it stopped."""
+    run (model.stream) at the block where it stopped. `profile` (core.profile.Profile): where the run's phases are
+    timed (None: a new one, started here)."""
     out = Path(recipe.output.dir)
     check_output(out, recipe.output.overwrite)
     if resume:  # what a resume reads, checked before any work (integrity.py)
@@ -157,8 +158,8 @@ def run(recipe: Recipe, progress: bool = True, log=print, resume: bool = False) 
     memory, recipe, streamed = check_memory(recipe, device, log)  # before any weight is read: refuse what cannot fit
     if streamed:
         from .streamed import run_streamed
-        return run_streamed(recipe, progress, log, memory, resume)
-    return run_source(ResidentSource(), RunOptions(recipe, out, device, progress, log, resume), memory)
+        return run_streamed(recipe, progress, log, memory, resume, profile)
+    return run_source(ResidentSource(), RunOptions(recipe, out, device, progress, log, resume, profile), memory)
 
 
 class ResidentSource(ModelSource):

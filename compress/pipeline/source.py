@@ -56,17 +56,21 @@ The two sequences as they were, each difference and where it went ([source]: a M
     block, not verified. [source] `export`, timed as "export" when output.formats [shared].
 21. The streamed run's own report section (where the weights came from, a resumed block, what was not measured).
     [source] `sections`.
-22. Timings, the recipe files, the report, removing OUTPUT.work, the last log line. [shared].
+22. Timings and the profile (every phase's seconds against this machine's measured peaks, core/profile.py and
+    measure/machine.py), the recipe files, the report, removing OUTPUT.work, the last log line. [shared].
 Left as it was: the formats check (7) could be shared (a streamed run writes the same formats, from the checkpoint,
 and today meets an unwritable one only at its end); that would refuse some streamed runs up front that run today.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 
 from torch import nn
 
+from ..core.profile import Profile, phase_of
+from ..measure.machine import machine_peaks, profile_section
 from ..measure.memory import folder_bytes
 from ..export.card import write_run_cards
 from ..export.staging import staged
@@ -140,10 +144,12 @@ def parameters(model: nn.Module) -> int:
 def run_source(source: ModelSource, opts: RunOptions, memory=None) -> dict:
     """The run on `source`, given the options the entry point resolved (and its memory plan, for the report): see the
     module docstring."""
+    if opts.profile is None:
+        opts = dataclasses.replace(opts, profile=Profile())
     recipe, log = opts.recipe, opts.log
     source.prepare(opts)
     set_threads(recipe.model.threads)
-    timings = Timings()
+    timings = Timings(opts.profile)
     with timings("load"):
         source.open(opts)
     model, tokenizer = source.model, source.tokenizer
@@ -162,7 +168,8 @@ def run_source(source: ModelSource, opts: RunOptions, memory=None) -> dict:
     report = run_header(record, recipe, source.kind, model, plan.arch, n_params, opts.device, source.planted)
     if memory is not None:
         report["memory_plan"] = memory.to_dict()
-    extras = source.pass_extras(opts, model_reports)
+    with phase_of(opts.profile, "pass setup"):  # a streamed run's evaluation windows and baseline figures
+        extras = dataclasses.replace(source.pass_extras(opts, model_reports), profile=opts.profile)
     try:
         with timings("compress"):
             sections, samples = compress_model(model, tokenizer, recipe, plan, opts.device, opts.progress, log,
@@ -204,6 +211,10 @@ def write_output(source: ModelSource, opts: RunOptions, record: dict, before_dis
             report["exports"] = source.export(tmp, opts, record, samples)
     report.update(source.sections(opts))
     report["timings"] = dict(timings)
+    with phase_of(opts.profile, "machine probe"):  # this machine's peaks, cached after the first run
+        threads = (recipe.calibration or recipe.model).threads  # the pass's, where most of the work is
+        peaks = machine_peaks(opts.device, threads if threads > 0 else os.cpu_count() or 1)
+    report["profile"] = profile_section(opts.profile, peaks)
     (tmp / "recipe.yaml").write_text(recipe.text or recipe.resolved_yaml())
     (tmp / "recipe.resolved.yaml").write_text(recipe.resolved_yaml())
     return report

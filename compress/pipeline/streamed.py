@@ -15,23 +15,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..arch import get_module
-from ..calibrate.blockwise import BlockInputs, BlockVisitor, block_forward, capture_block_inputs
+from ..calibrate.blockwise import BlockInputs, BlockVisitor, block_forward, capture_block_inputs, forward_work
+from ..core.profile import phase_of
 from ..calibrate.data import eval_windows
 from ..calibrate.distributed import world
 from ..measure.memory import folder_bytes
 from ..kv.cache import kv_layers, set_kv_scales
 from ..model.integrity import check_resume_dir
 from .memory_plan import plan_memory
-from ..model.load import _classify, resolve_device, resolve_dtype
+from ..model.load import _classify, load_config, resolve_device, streamed_dtype
 from ..export.native import meta_quant_layers, storage_tensors, write_model_files
 from ..core.scheme import FP8_MAX
-from ..core.nn import QuantLinear
+from ..core.nn import QuantLinear, cached_dequantize
 from ..recipe import Recipe
 from .calibration import PassExtras, check_output
 from .model_stages import work_dir
@@ -83,10 +85,11 @@ def choose_plan(recipe: Recipe, config, dtype: torch.dtype, device: str, convers
     never does not. Before streaming, and when a streamed run alone does not fit, calibration activations that do
     not fit in memory go to disk (calibration.offload: disk, chosen here when the recipe left it at memory)."""
     spec = recipe.model
+    stream_dtype = streamed_dtype(spec.dtype, device, config)  # a bfloat16 checkpoint streams as stored
 
     def plan(r: Recipe, streamed: bool):
-        return plan_memory(r, config, dtype, device, available, conversion=0 if streamed else conversion,
-                           streamed=streamed)
+        return plan_memory(r, config, stream_dtype if streamed else dtype, device, available,
+                           conversion=0 if streamed else conversion, streamed=streamed)
 
     def fitting(streamed: bool):
         """The recipe as given, or with its activations on disk, whichever fits first (None: neither)."""
@@ -122,27 +125,49 @@ def choose_plan(recipe: Recipe, config, dtype: torch.dtype, device: str, convers
 
 class StreamedBlocks:
     """The runner's block source for a streamed model: each block read from disk for its turn; afterwards its
-    tensors go to the output's shards (`writer`, None when output.save_model is false) and it leaves memory."""
+    tensors go to the output's shards (`writer`, None when output.save_model is false) and it leaves memory.
 
-    def __init__(self, streamed: Streamed, writer: ShardWriter | None, save_dtype: str):
-        self.streamed, self.writer, self.save_dtype = streamed, writer, save_dtype
+    While block i computes, block i + 1 is read on a helper thread (`read_ahead`): its tensors as stored (one more
+    block at the checkpoint's dtype in memory, which the memory plan counts), converted to the run's dtype when its
+    turn comes. The profile then shows the read as overlapped, and as `read` only the time the pass waited for it."""
+
+    def __init__(self, streamed: Streamed, writer: ShardWriter | None, save_dtype: str, profile=None,
+                 read_ahead: bool = True):
+        self.streamed, self.writer, self.save_dtype, self.profile = streamed, writer, save_dtype, profile
         self.kv: dict = {}
+        self.n = len(streamed.arch.block_list(streamed.model))
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="read-ahead") if read_ahead else None
+        self.ahead: tuple[int, Future] | None = None
 
     def begin(self) -> None:  # the block-0 inputs are captured: embeddings and head are not needed until the end
         self.streamed.release_outside()
 
     def end(self) -> None:  # the head for its quantization and the scoring; the embedding goes to disk directly
+        self.ahead = None
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
         self.streamed.load_outside(skip=self.streamed.arch.embed)
 
     def load(self, i: int, device) -> nn.Module:
-        return self.streamed.load(i).to(device)
+        stored = None
+        if self.ahead is not None and self.ahead[0] == i:
+            stored = self.ahead[1].result()  # the wait, if any, is timed as `read` by the runner
+        self.ahead = None
+        if self.pool is not None and i + 1 < self.n:
+            self.ahead = (i + 1, self.pool.submit(self.streamed.read_block, i + 1, self.profile))
+        return self.streamed.load(i, self.profile, stored).to(device)
 
     def done(self, i: int, block: nn.Module) -> None:
         prefix = f"{self.streamed.arch.blocks}.{i}"
         self.kv.update({f"{prefix}.{n}": v for n, v in kv_layers(block).items()})
         if self.writer is not None:
-            for name, t in storage_tensors(block, self.save_dtype, prefix):
-                self.writer.add(name, t)
+            written = 0
+            with phase_of(self.profile, "writing"):
+                for name, t in storage_tensors(block, self.save_dtype, prefix):
+                    self.writer.add(name, t)
+                    written += t.numel() * t.element_size()
+            if self.profile is not None:
+                self.profile.add_work("writing", nbytes=written)
         self.streamed.release(block)
         trim_heap()
 
@@ -152,8 +177,8 @@ class StreamedEval(BlockVisitor):
     the compressed model through each compressed block (the same computation as the in-memory evaluation's model
     forward). The final norm and head are applied afterwards by `final`."""
 
-    def __init__(self, windows: torch.Tensor):
-        self.windows = windows
+    def __init__(self, windows: torch.Tensor, profile=None):
+        self.windows, self.profile = windows, profile
 
     def start(self, model: nn.Module, arch, device) -> None:
         self.base, _ = capture_block_inputs(model, arch, self.windows, device)
@@ -163,14 +188,18 @@ class StreamedEval(BlockVisitor):
         self.norm, self.head = get_module(model, arch.final_norm), model.get_output_embeddings()
 
     def loaded(self, i: int, block: nn.Module) -> None:
-        self.base = self.base.advance(block_forward(block, self.base))
+        with phase_of(self.profile, "evaluation", *forward_work(block, self.base, None)):
+            self.base = self.base.advance(block_forward(block, self.base))
 
     def compressed(self, i: int, block: nn.Module) -> None:
         for m in block.modules():  # LLM.int8 dynamic outliers are counted over the evaluation windows only
             if isinstance(m, QuantLinear):
                 m.outlier_counts.update(forwards=0, total=0, max=0)
-        # the layers' own forward, as the in-memory evaluation runs them (int8 matmuls where a scheme has them)
-        self.comp = self.comp.advance(block_forward(block, self.comp))
+        # the layers' own forward, as the in-memory evaluation runs them (int8 matmuls where a scheme has them); the
+        # weight-only layers dequantized once for all the windows, not once per window (the same numbers)
+        with phase_of(self.profile, "evaluation", *forward_work(block, self.comp, None)), \
+                cached_dequantize(block, self.dtype, weight_only=True):
+            self.comp = self.comp.advance(block_forward(block, self.comp))
 
     @torch.no_grad()
     def final(self, model: nn.Module, arch) -> dict[str, list[torch.Tensor]]:
@@ -190,7 +219,8 @@ def per_layer_inputs_quantized(plan) -> list[str]:
 def open_source(recipe: Recipe, device: str) -> Streamed:
     spec = recipe.model
     kind, where = _classify(spec.source)
-    return open_streamed(kind, where, resolve_dtype(spec.dtype, device), spec.revision, spec.trust_remote_code)
+    dtype = streamed_dtype(spec.dtype, device, load_config(spec.source, spec.revision, spec.trust_remote_code))
+    return open_streamed(kind, where, dtype, spec.revision, spec.trust_remote_code)
 
 
 class StreamCheckpoint(BlockVisitor):
@@ -337,7 +367,8 @@ def streamed_model_stages(opts: RunOptions, streamed: Streamed, main: bool = Tru
     return reports, dataclasses.replace(recipe, stages=stages)
 
 
-def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, resume: bool = False) -> dict:
+def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, resume: bool = False,
+                 profile=None) -> dict:
     """The recipe on a model streamed block by block (see the module docstring). Called by pipeline.run. The output
     is staged in OUTPUT.work/ beside it (with the pass's checkpoint) and renamed into place at the end; an
     interrupted run leaves that folder for `resume`."""
@@ -345,7 +376,7 @@ def run_streamed(recipe: Recipe, progress: bool = True, log=print, memory=None, 
         raise ValueError("this recipe cannot run streamed (model.stream): " + "; ".join(why))
     out = Path(recipe.output.dir)
     check_output(out, recipe.output.overwrite)
-    opts = RunOptions(recipe, out, resolve_device(recipe.model.device), progress, log, resume)
+    opts = RunOptions(recipe, out, resolve_device(recipe.model.device), progress, log, resume, profile)
     return run_source(StreamedSource(), opts, memory)
 
 
@@ -415,13 +446,13 @@ class StreamedSource(ModelSource):
         self.baseline_figures = model_figures(self.model, recipe.eval, meta=True)
         self.windows = eval_windows(self.tokenizer, recipe.eval.split, recipe.eval.seq_len, recipe.eval.max_windows) \
             if recipe.eval.perplexity and self.main else None
-        self.evaluation = StreamedEval(self.windows) if self.windows is not None else None
+        self.evaluation = StreamedEval(self.windows, opts.profile) if self.windows is not None else None
         self.writer = None
         if recipe.output.save_model and self.main:
             shard_args = ({"compress": "1"}, recipe.output.max_shard_bytes, True)  # keep_closed: for the checkpoint
             self.writer = ShardWriter.restore(self.staging, self.state["writer"], *shard_args) if self.state else \
                 ShardWriter(self.staging, *shard_args)
-        self.blocks = StreamedBlocks(self.streamed, self.writer, recipe.output.save_dtype)
+        self.blocks = StreamedBlocks(self.streamed, self.writer, recipe.output.save_dtype, opts.profile)
         checkpoint = StreamCheckpoint(self.work / "stream", recipe.sha256, self.writer, self.blocks, self.evaluation,
                                       self.state, self.rank, self.processes)
         visitors = (self.evaluation,) if self.evaluation is not None else ()
@@ -444,7 +475,8 @@ class StreamedSource(ModelSource):
         if any(p.is_meta for p in get_module(model, arch.embed).parameters()):
             for name, t in self.streamed.outside_tensors(arch.embed, getattr(torch, save_dtype)):
                 self.writer.add(name, t)
-        self.writer.finish()
+        with phase_of(opts.profile, "writing"):  # the last shard closed
+            self.writer.finish()
         write_model_files(model, self.tokenizer, tmp, record, save_dtype, self.blocks.kv)
 
     def evaluate(self, opts: RunOptions, before_distill: None) -> tuple[dict, int]:

@@ -235,6 +235,7 @@ class RunContext:
     plan: Plan
     records: dict[int, Any] = field(default_factory=dict)  # stage index -> that stage's record
     calibrated: bool = False  # the calibration pass has run (every decoder block went through the stages)
+    profile: Any = None  # the run's core.profile.Profile (None: not timed): stages time their finer phases in it
 
     @property
     def arch(self) -> ArchSpec:
