@@ -218,6 +218,24 @@ def test_a_bfloat16_checkpoint_streams_in_bfloat16_where_the_cpu_has_it(tmp_path
                                                                                                  abs=1e-3)
 
 
+@requires_data
+def test_a_bfloat16_streamed_run_equals_the_bfloat16_in_memory_run(tmp_path):
+    """At bfloat16 the pass computes in the model's dtype, and the streamed evaluation shares the calibration
+    forward's dequantized weight-only layers (blockwise.run_blockwise): the figures stay the in-memory run's, bit for
+    bit, W8A8's integer matmuls included (its layers are never served from that cache)."""
+    folder, _ = _folder(tmp_path, "llama", dtype=torch.bfloat16)
+    reports = {}
+    for mode in ("never", "always"):
+        stages = [{"stage": "quantize", "method": "rtn", "scheme": INT4, "targets": ["re:.*self_attn.*"]},
+                  {"stage": "quantize", "method": "rtn", "scheme": "W8A8", "targets": ["re:.*mlp.*"]}]
+        recipe = _recipe(folder, tmp_path / mode, stages, mode)
+        recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, dtype="bfloat16"))
+        reports[mode] = run(recipe, progress=False, log=lambda *a: None)
+    assert _figures(reports["never"]) == _figures(reports["always"])
+    assert reports["never"]["block_errors"] == reports["always"]["block_errors"]
+    assert reports["always"]["streamed"]["dtype"] == "bfloat16"
+
+
 def _streamed_equals_in_memory(tmp_path, family, stages, calibrate=True, **overrides):
     folder, model = _folder(tmp_path, family, **overrides)
     reports, tensors = {}, {}

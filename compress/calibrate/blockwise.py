@@ -604,15 +604,20 @@ def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor | None, on_b
             on_block(i, f"{arch.blocks}.{i}", block, inputs, observer)
         observer = None  # the block's statistics (Hessians: 0.7 GB for a 7B block) are not needed past its stages
         block = get_module(model, f"{arch.blocks}.{i}")  # a stage may have swapped the whole block
-        if inputs is not None:
-            with phase_of(profile, "compressed forward", *forward_work(block, inputs, compute_dtype)), \
-                    cached_dequantize(block, matmul_dtype(inputs, compute_dtype)):
-                outputs = block_forward(block, inputs, compute_dtype, stores[2])
-                errors.append(relative_error(reference, outputs))
-            inputs = inputs.advance(outputs)
-            stores[0], stores[2] = stores[2], stores[0]  # the next block writes over these inputs
-        for v in visitors:
-            v.compressed(i, block)
+        # a model computing in its own dtype (no autocast): its weight-only layers dequantized once for the
+        # calibration windows and the visitors' forwards (the streamed evaluation's, in that dtype too)
+        shared = inputs is not None and visitors and matmul_dtype(inputs, compute_dtype) == inputs.hidden[0].dtype
+        with cached_dequantize(block, inputs.hidden[0].dtype, weight_only=True) if shared else \
+                contextlib.nullcontext():
+            if inputs is not None:
+                with phase_of(profile, "compressed forward", *forward_work(block, inputs, compute_dtype)), \
+                        cached_dequantize(block, matmul_dtype(inputs, compute_dtype)):
+                    outputs = block_forward(block, inputs, compute_dtype, stores[2])
+                    errors.append(relative_error(reference, outputs))
+                inputs = inputs.advance(outputs)
+                stores[0], stores[2] = stores[2], stores[0]  # the next block writes over these inputs
+            for v in visitors:
+                v.compressed(i, block)
         with phase_of(profile, "offload"):  # a streamed block's tensors written (phase "writing") and released
             blocks.done(i, block)
         del reference, observer

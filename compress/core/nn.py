@@ -184,16 +184,22 @@ def cached_dequantize(module: nn.Module, dtype: torch.dtype = torch.float32, wei
     """Dequantize the QuantLinears under `module` once for a burst of forwards (the calibration runner
     pushes every sample through a block), instead of once per call; the float copies go away on exit.
     `weight_only`: only the layers whose activations stay float, whose forward is then bit for bit what it is
-    uncached (a layer that quantizes its activations takes its integer-matmul path only uncached)."""
-    layers = [m for m in module.modules()
-              if isinstance(m, QuantLinear) and not (weight_only and m.scheme.act is not None)]
+    uncached (a layer that quantizes its activations takes its integer-matmul path only uncached). A layer already
+    cached at `dtype` (an enclosing cached_dequantize) is left as it is; one cached at another dtype gets its
+    earlier copy back on exit."""
+    saved = []
     try:
-        for m in layers:
+        for m in module.modules():
+            if not isinstance(m, QuantLinear) or (weight_only and m.scheme.act is not None):
+                continue
+            if m._weight_cache is not None and m._weight_cache.dtype == dtype:
+                continue
+            saved.append((m, m._weight_cache))
             m._weight_cache = m.qtensor().dequantize(dtype)
         yield
     finally:
-        for m in layers:
-            m._weight_cache = None
+        for m, earlier in saved:
+            m._weight_cache = earlier
 
 
 def _rotate_input_hook(module: nn.Module, args: tuple):
