@@ -1,7 +1,9 @@
 """GPTQ as compress/quantizers/gptq.py computed it before its speed work (commit 1ebc46c), kept verbatim as the
 bit-for-bit reference: one column at a time on the [N, K] weight (W[:, j:i2] -= err[:, None] * h_inv[j, j:i2]),
 each layer factoring its own copy of H. The fast form (a factor shared by the layers reading one input, the
-lazy-update blocks worked on transposed) must give exactly these codes, scales and zero points.
+lazy-update blocks worked on transposed) must give exactly these codes, scales and zero points, given the same
+inverse-Hessian factor (`inverse_factor`: the function that makes it; by default the textbook Cholesky,
+cholesky_inverse, Cholesky of the base commit, which compress's cheaper factor is not bit for bit).
 """
 from __future__ import annotations
 
@@ -66,7 +68,8 @@ def _column_qparams(w_cols: Tensor, scheme: QuantScheme, gscale: Tensor | None =
 
 
 def plain_gptq(w: Tensor, hessian: Tensor, scheme: QuantScheme, cfg: GPTQConfig = GPTQConfig(),
-                  name: str = "layer", overwrite_hessian: bool = False, clip: Tensor | None = None) -> QuantizedTensor:
+               name: str = "layer", overwrite_hessian: bool = False, clip: Tensor | None = None,
+               inverse_factor=None) -> QuantizedTensor:
     """GPTQ-quantize a [out, in] weight given the Hessian [in, in] of its inputs.
 
     `clip` [rows, groups] (AWQ's clipping search, handed over with clip_to: grid): each group's grid is that of its
@@ -109,7 +112,7 @@ def plain_gptq(w: Tensor, hessian: Tensor, scheme: QuantScheme, cfg: GPTQConfig 
         _permute_rows_(H, perm)
         group_of = group_of[perm.cpu()]  # stays on the CPU: the loop reads one entry per column (no device sync)
 
-    h_inv = _inverse_hessian_factor(H, cfg.dampening, name)
+    h_inv = (inverse_factor or _inverse_hessian_factor)(H, cfg.dampening, name)
     if not static:
         n_groups = k // g
         scale_g = torch.zeros(n_rows, n_groups, dtype=dtype, device=W.device)
