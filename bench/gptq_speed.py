@@ -57,14 +57,25 @@ def _problem(hidden: int, mlp: int, tokens: int, seed: int = 0):
     return hess, layers, weights
 
 
+def _clock() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def _since(t0: tuple[float, float]) -> tuple[float, float]:
+    """(wall, CPU) seconds since t0: with one thread the CPU time is what the step costs even when other processes
+    share the cores (they stretch its wall time, not its CPU time, short of memory-bandwidth contention)."""
+    wall, cpu = _clock()
+    return wall - t0[0], cpu - t0[1]
+
+
 def _run_before(hess, layers, weights, sch, cfg):
     from tests.reference.gptq_plain import plain_gptq
     times, codes = {}, {}
     for layer, inp, _ in layers:
-        t0 = time.perf_counter()
+        t0 = _clock()
         h = hess[inp].clone()  # the stage handed each layer a fresh H/n
         codes[layer] = plain_gptq(weights[layer], h, sch, cfg, name=layer, overwrite_hessian=True).qdata
-        times[layer] = time.perf_counter() - t0
+        times[layer] = _since(t0)
         del h
     return times, codes
 
@@ -75,13 +86,13 @@ def _run_after(hess, layers, weights, sch, cfg):
     for layer, inp, _ in layers:
         if held != inp:
             factor = None
-            t0 = time.perf_counter()
+            t0 = _clock()
             factor = hessian_factor(hess[inp].clone(), cfg, name=layer, overwrite=True)
-            times[f"factor {inp}"] = time.perf_counter() - t0
+            times[f"factor {inp}"] = _since(t0)
             held = inp
-        t0 = time.perf_counter()
+        t0 = _clock()
         codes[layer] = quantize_gptq(weights[layer], factor, sch, cfg, name=layer).qdata
-        times[layer] = time.perf_counter() - t0
+        times[layer] = _since(t0)
     return times, codes
 
 
@@ -108,17 +119,19 @@ def _worker(args) -> dict:
         best, diff = {}, None
         for _ in range(args.repeats):
             times, codes = fn(hess, layers, weights, sch, cfg)
-            best = {k: min(v, best.get(k, v)) for k, v in times.items()}
+            best = {k: tuple(map(min, v, best.get(k, v))) for k, v in times.items()}
             ref = codes if ref is None else ref
             diff = {k: float((ref[k] != codes[k]).float().mean()) for k in codes}
-        out[variant] = {"per_step_s": {k: round(v, 3) for k, v in best.items()},
-                        "block_s": round(sum(best.values()), 2)}
+        out[variant] = {"per_step_s": {k: round(v[0], 3) for k, v in best.items()},
+                        "block_s": round(sum(v[0] for v in best.values()), 2),
+                        "per_step_cpu_s": {k: round(v[1], 3) for k, v in best.items()},
+                        "block_cpu_s": round(sum(v[1] for v in best.values()), 2)}
         if variant != args.variants[0]:  # against the first variant run (before)
             out[variant]["packed_code_bytes_differing"] = {k: round(v, 6) for k, v in diff.items()}
             if variant == "after":
                 assert not any(diff.values()), f"after: codes differ from {args.variants[0]}: {diff}"
-        print(f"threads={threads} {variant}: block {out[variant]['block_s']} s {out[variant]['per_step_s']}",
-              flush=True)
+        print(f"threads={threads} {variant}: block {out[variant]['block_s']} s (CPU {out[variant]['block_cpu_s']} s) "
+              f"{out[variant]['per_step_s']}", flush=True)
     return out
 
 
@@ -163,9 +176,11 @@ def main() -> None:
         for variant in ("before", "after", "fast_factor"):
             if variant in run:
                 run[variant]["projected_solve_s"] = round(run[variant]["block_s"] * args.blocks, 1)
+                run[variant]["projected_solve_cpu_s"] = round(run[variant]["block_cpu_s"] * args.blocks, 1)
         for variant in ("after", "fast_factor"):
             if "before" in run and variant in run:
                 run[f"speedup_{variant}"] = round(run["before"]["block_s"] / run[variant]["block_s"], 2)
+                run[f"speedup_cpu_{variant}"] = round(run["before"]["block_cpu_s"] / run[variant]["block_cpu_s"], 2)
         print(json.dumps(run), flush=True)
         runs.append(run)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -178,8 +193,10 @@ def main() -> None:
               "machine": _machine(),
               "shape": {"hidden": args.hidden, "mlp": args.mlp, "tokens": args.tokens, "blocks": args.blocks,
                         "scheme": "int4 g128 symmetric, act_order, dampening 0.01, block_size 128"},
-              "note": "min of --repeats runs per step; projected_solve_s = block_s x blocks (the solves only: "
-                      "no forward passes, no I/O). The machine is shared: load_before/after is the 1-min loadavg.",
+              "note": "min of --repeats runs per step, wall (per_step_s) and process CPU time (per_step_cpu_s: "
+                      "with 1 thread the figure other processes on the shared cores stretch least); "
+                      "projected_solve_s = block_s x blocks (the solves only: no forward passes, no I/O). "
+                      "load_before/after: the 1-min loadavg.",
               "runs": runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
