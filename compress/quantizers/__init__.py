@@ -29,12 +29,15 @@ class LayerInputs:
     (AWQ, SmoothQuant) divided them by s per channel (`divisor`), the statistics are corrected for it here, once.
     `stats` is None for a layer the pass did not observe (calibration-free methods need nothing). `clip`: AWQ's
     clipping as factors [rows, groups] of each group's range, for a method that takes its grid from them (GPTQ,
-    with the awq stage's clip_to: grid)."""
+    with the awq stage's clip_to: grid). `shared`: a scratch dict the caller keeps across the layers of one block,
+    where a method may keep what layers reading the same input can reuse (GPTQ: the factor of their Hessian); None:
+    nothing is shared."""
 
     name: str
     stats: InputStats | None = None
     divisor: Tensor | None = None
     clip: Tensor | None = None
+    shared: dict | None = dataclasses.field(default=None, compare=False)
 
     def _need(self, why: str) -> InputStats:
         if self.stats is None:

@@ -203,7 +203,8 @@ class QuantizeStage(StageBase):
 
     def pass_memory(self, basis: MemoryBasis) -> PassMemory:
         """GPTQ (and AutoRound started from it): one block's Hessians, K² floats per distinct linear input, and one
-        solve at a time beside them: the layer's H/n, its weight being updated, the lazy update (quantizers/gptq.py);
+        solve at a time beside them: the layer's H/n, its weight being updated, the lazy update (quantizers/gptq.py;
+        the factor of H that layers reading one input share is held across them, and let go before the next is made);
         AutoRound: the tuning of one block (tuning_bytes). Both are named, 0 where the method has none (a device plan
         lists them)."""
         size, seq_len = basis.size, basis.calibration.seq_len
@@ -627,6 +628,7 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
     """
     quantizer = get_quantizer(stage.method)
     count = 0
+    shared: dict = {}  # what layers reading one input share (GPTQ's factor of their Hessian), one at a time
     for entry in plan.quantized:
         if prefix is not None and not entry.name.startswith(prefix + "."):
             continue
@@ -640,7 +642,7 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
         rel = entry.name[len(prefix) + 1:] if prefix else entry.name
         stats = None if observer is None else observer.stats.get(rel)
         divisor = (input_divisor or {}).get(rel)
-        inputs = LayerInputs(entry.name, stats, divisor, (clip or {}).get(rel))
+        inputs = LayerInputs(entry.name, stats, divisor, (clip or {}).get(rel), shared)
         method, options, expert_info = quantizer, stage.options, {}
         if observer is not None and EXPERT.search(rel):  # a MoE expert: calibrated on the tokens routed to it
             tokens = 0 if stats is None else stats.tokens
