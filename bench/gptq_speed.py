@@ -7,11 +7,11 @@ low-rank-plus-noise X (rank 256 plus 5 % noise, per-channel scales over two deca
 as ill-conditioned and as rank-deficient below 2048 tokens).
 
 `before`: tests/reference/gptq_plain.py, the code of the base commit: every layer factors its own fresh copy of H
-(as the quantize stage did) with Cholesky, cholesky_inverse, Cholesky. `after`: compress.quantizers.gptq as it is
-by default: one factor per distinct input (hessian_factor, the same textbook factor) and the faster column loop;
+(as the quantize stage did) with Cholesky, cholesky_inverse, Cholesky. `after`: compress.quantizers.gptq with the
+textbook factor (fast_factor=False): one factor per distinct input (hessian_factor) and the faster column loop;
 its codes are checked equal (torch.equal) to `before`'s on every layer. `fast_factor`: `after` with
-GPTQConfig(fast_factor=True), the cheaper factor (one Cholesky, one triangular inverse; off by default, not bit for
-bit): the fraction of packed code bytes that differ from `before`'s is reported. Each variant runs `--repeats`
+GPTQConfig(fast_factor=True), the cheaper factor (one Cholesky, one triangular inverse; the default since this
+bench was first run, not bit for bit): the fraction of packed code bytes that differ from `before`'s is reported. Each variant runs `--repeats`
 times; the minimum per step is reported. One process per thread count, with OMP_NUM_THREADS set before torch
 starts.
 
@@ -107,7 +107,7 @@ def _worker(args) -> dict:
     from compress.quantizers.gptq import GPTQConfig
     threads = args.threads[0]
     torch.set_num_threads(threads)
-    sch, cfg = scheme("int4", "group", 128, True), GPTQConfig()
+    sch, cfg = scheme("int4", "group", 128, True), GPTQConfig(fast_factor=False)
     t0 = time.perf_counter()
     hess, layers, weights = _problem(args.hidden, args.mlp, args.tokens)
     setup = time.perf_counter() - t0
