@@ -146,9 +146,10 @@ def profile_section(profile: Profile, peaks: dict | None = None, before: float =
     for name, s in sorted(seconds.items(), key=lambda kv: -kv[1]):
         row = {"phase": name, "seconds": round(s, 3), "share": round(s / wall, 4) if wall else 0.0}
         work = profile.work.get(name, {})
-        if s > 0 and (work.get("flop") or work.get("bytes")):
+        busy = s + profile.overlapped.get(name, 0.0)  # the work was done in both (a read ahead: mostly overlapped)
+        if busy > 0 and (work.get("flop") or work.get("bytes")):
             unit = "GFLOP/s" if work.get("flop") else "GB/s"
-            row["rate"] = round((work["flop"] / 1e9 if work.get("flop") else work["bytes"] / 1e9) / s, 2)
+            row["rate"] = round((work["flop"] / 1e9 if work.get("flop") else work["bytes"] / 1e9) / busy, 2)
             row["unit"] = unit
             if work.get("dtype"):
                 row["dtype"] = work["dtype"]
