@@ -122,11 +122,17 @@ class QuantLinear(nn.Module):
         if qt.shape != (out_features, in_features):
             raise ValueError(f"quantized shape {qt.shape} does not match the layer's {(out_features, in_features)}")
         ref = linear_weight(module)
-        layer = cls(in_features, out_features, qt.scheme, bias=module.bias is not None, dtype=ref.dtype,
-                    device=ref.device)
+        # built on the meta device, then given qt's buffers: no placeholder codes packed only to be replaced (0.1-0.5 s
+        # per 7B layer at int4: a third of a round-to-nearest run's solves)
+        layer = cls(in_features, out_features, qt.scheme, bias=False, dtype=ref.dtype, device="meta")
         layer.qdata, layer.scale, layer.zero_point = qt.qdata, qt.scale, qt.zero_point
-        if qt.global_scale is not None:
-            layer.global_scale = qt.global_scale
+        if qt.global_scale is not None or layer.global_scale is not None:
+            layer.global_scale = qt.global_scale if qt.global_scale is not None else \
+                torch.ones((), device=ref.device)
+        if layer.input_scale is not None:
+            layer.input_scale = torch.ones((), device=ref.device)
+        if layer.outlier_cols is not None:
+            layer.outlier_cols = torch.zeros(0, dtype=torch.int64, device=ref.device)
         if module.bias is not None:
             layer.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=False)
         return layer
