@@ -47,8 +47,8 @@ def fake_quantize(w: Tensor, scheme: QuantScheme) -> Tensor:
     # without the int8 / uint8 codes in between (every code is an integer in range: bit for bit the same values)
     wg = group_view(w.float(), scheme)
     s = scale.reshape(wg.shape[:-1] + (1,))
-    q = torch.round(wg / s)
+    q = torch.div(wg, s).round_()
     if zero is not None:
         z = zero.reshape(s.shape)
-        return ((q + z).clamp_(scheme.qmin, scheme.qmax).sub_(z).mul_(s)).reshape(w.shape).to(w.dtype)
+        return q.add_(z).clamp_(scheme.qmin, scheme.qmax).sub_(z).mul_(s).reshape(w.shape).to(w.dtype)
     return q.clamp_(scheme.qmin, scheme.qmax).mul_(s).reshape(w.shape).to(w.dtype)
