@@ -99,6 +99,44 @@ def test_clip_search_never_increases_the_error():
     torch.testing.assert_close(shrink_range(w, f, sch), clipped, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("sch, tokens", [(scheme("int4", "group", 64, False), 512), (scheme("int3", "group", 32, True), 96),
+                                         (scheme("int4", "channel", symmetric=False), 64)],
+                         ids=["int4-g64-asym", "int3-g32-sym", "int4-channel"])
+def test_clip_search_picks_the_least_direct_error(sch, tokens):
+    """search_clip computes each group's error as d^T (X^T X / T) d (d = q - w: the Gram form, for groups smaller than
+    the token count) or directly (per channel); either way it picks, per (row, group), the first shrink step with the
+    least output error mean_t (x_t . (q - w))^2, here computed directly in float64. Ties within float32 rounding may go
+    either way: every differing choice must be such a tie (rel 1e-5; measured: none differ)."""
+    torch.manual_seed(1)
+    n, k, grid, steps = 48, 256, 20, 10
+    w = torch.randn(n, k) * 0.05
+    w[:, 5] = 0.5  # a large weight stretches its group
+    x = torch.randn(tokens, k) * (1 + 8 * (torch.rand(k) > 0.95))  # salient input channels
+    lo, hi = search_clip(w, x, sch, grid=grid, max_shrink=0.5)
+    gsz = sch.group_size if sch.granularity == "group" else k
+    wg, xg = w.reshape(n, k // gsz, gsz), x.double().reshape(tokens, k // gsz, gsz)
+    lo0, hi0 = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+    if sch.symmetric:
+        hi0 = wg.abs().amax(-1)
+        lo0 = -hi0
+    errs = []
+    for step in range(steps):
+        f = 1 - step / grid
+        clipped = torch.minimum(torch.maximum(wg, (lo0 * f)[..., None]), (hi0 * f)[..., None]).reshape(n, k)
+        d = (fake_quantize(clipped, sch) - w).double().reshape(wg.shape)
+        errs.append(torch.einsum("tgk,ngk->ntg", xg, d).pow(2).mean(1))  # [n, groups], float64
+    errs = torch.stack(errs)  # [steps, n, groups]
+    best = errs.argmin(0)  # the first least
+    f_best = 1 - best.float() / grid
+    want_hi = hi0 * f_best
+    chosen = ((hi / hi0.clamp(min=1e-12) * grid).round().long() - grid).neg()  # search_clip's step per (row, group)
+    err_chosen = errs.gather(0, chosen.clamp(0, steps - 1)[None])[0]
+    differ = ~torch.isclose(hi, want_hi, rtol=1e-6, atol=0)
+    assert torch.all(err_chosen[differ] <= errs.amin(0)[differ] * (1 + 1e-5))
+    assert differ.float().mean() < 0.01
+    assert (best > 0).any()  # some group was clipped: the choice is not trivially the full range
+
+
 def _recipe(stages):
     return from_dict({"model": "unused", "calibration": {"kind": "self", "n_samples": 4, "seq_len": 16},
                       "stages": stages})
@@ -181,9 +219,12 @@ def test_awq_searches_for_the_scheme_of_the_next_quantize_stage():
 
 
 @pytest.mark.parametrize("sch", [scheme("int4", "group", 64, True), scheme("int3", "group", 32, False),
-                                 scheme("int8", "channel")], ids=lambda s: s.name)
+                                 scheme("int8", "channel"), scheme("int4", "channel", symmetric=False),
+                                 scheme("int8", "group", 16, False)], ids=lambda s: s.name)
 def test_fake_quantize_is_the_rtn_round_trip(sch):
+    """Bit for bit (fake_quantize skips the integer codes for integer schemes: the same float operations)."""
     w = torch.randn(48, 128)
+    w[3, :40] = 0.0  # an all-zero group (scale 1)
     assert torch.equal(fake_quantize(w, sch), quantize_rtn(w, sch).dequantize())
 
 

@@ -67,16 +67,25 @@ def search_clip(w: Tensor, x: Tensor, scheme: QuantScheme, grid: int = 20, max_s
 
     Symmetric schemes shrink +-absmax; asymmetric ones shrink min and max together. Returns lo, hi of
     shape [N, n_groups]; the original range is a candidate, so clipping never increases the error.
+    The error of a group is mean_t (x_t . (q - w))^2 = d^T (X^T X / T) d with d = q - w: per group a G x G Gram
+    matrix of the inputs, computed once, instead of a [T, G] product per candidate (8x fewer FLOPs at T = 512,
+    G = 64; the same error up to float32 rounding, tested against the direct form). Where a group is not smaller
+    than the token count (per-channel scales) the direct form is cheaper and is used.
     """
     w = w.float()
     if scheme.granularity == "tensor":
         raise ValueError("the clipping search needs per-channel or per-group scales, not one per tensor")
     xg = group_view(x.float(), scheme)  # [T, groups, G]
+    gram = xg.shape[-1] < xg.shape[0] and scheme.granularity != "block"
+    if gram:
+        xt = xg.transpose(0, 1)  # [groups, T, G]
+        h = torch.bmm(xt.transpose(1, 2), xt) / xg.shape[0]  # [groups, G, G]
     lo_all, hi_all = [], []
     for r0 in range(0, w.shape[0], row_batch):
         wb = w[r0:r0 + row_batch]
         wg = group_view(wb, scheme)  # [n, groups, G]
-        ref = torch.einsum("tgk,ngk->ntg", xg, wg)  # [n, T, groups]
+        if not gram:
+            ref = torch.einsum("tgk,ngk->ntg", xg, wg)  # [n, T, groups]
         lo0, hi0 = group_range(wg, scheme.symmetric)
         best_err = torch.full_like(hi0, float("inf"))
         best_lo, best_hi = lo0.clone(), hi0.clone()
@@ -85,7 +94,11 @@ def search_clip(w: Tensor, x: Tensor, scheme: QuantScheme, grid: int = 20, max_s
             lo, hi = lo0 * f, hi0 * f
             clipped = torch.minimum(torch.maximum(wg, lo[..., None]), hi[..., None])
             q = fake_quantize(clipped.reshape(wb.shape), scheme).reshape(wg.shape)
-            err = (torch.einsum("tgk,ngk->ntg", xg, q) - ref).pow(2).mean(dim=1)  # [n, groups]
+            if gram:
+                d = (q - wg).transpose(0, 1)  # [groups, n, G]
+                err = (torch.bmm(d, h) * d).sum(dim=-1).t()  # [n, groups]
+            else:
+                err = (torch.einsum("tgk,ngk->ntg", xg, q) - ref).pow(2).mean(dim=1)  # [n, groups]
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_lo, best_hi = torch.where(better, lo, best_lo), torch.where(better, hi, best_hi)
@@ -120,12 +133,16 @@ def _replay_loss(inspect: nn.Module, calls, reference: list[Tensor], balance: li
     try:
         for m, sch in zip(balance, schemes):
             w = in_weight(m).float()
-            trial = fake_quantize(w * s[None, :], sch) / s[None, :]
+            trial = fake_quantize(w * s[None, :], sch).div_(s[None, :])
             # held in the replay's matmul dtype: the same values autocast would produce, cast once, not per call
             m.weight.data = (trial.t() if isinstance(m, Conv1D) else trial).to(replay_dtype(originals[0])).contiguous()
+        losses = []
         with replay_autocast(originals[0]):
-            outs = replay(inspect, calls)
-        return mean_over_ranks([float((o - r).pow(2).mean()) for o, r in zip(outs, reference)])
+            for call, ref in zip(calls, reference):  # replay's outputs, each compared as it comes
+                out = inspect(*call.args, **call.kwargs)
+                # a bfloat16 output minus the float32 reference is computed in float32: (out.float() - ref) exactly
+                losses.append(float(((out[0] if isinstance(out, (tuple, list)) else out) - ref).pow_(2).mean()))
+        return mean_over_ranks(losses)
     finally:
         for m, w0 in zip(balance, originals):
             m.weight.data = w0

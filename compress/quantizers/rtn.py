@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
-from ..core.primitives import compute_qparams, dequantize_affine, global_scale, quantize_affine
+from ..core.primitives import compute_qparams, dequantize_affine, global_scale, group_view, quantize_affine
 from ..core.qtensor import QuantizedTensor
 from ..core.scheme import QuantScheme
 
@@ -40,4 +41,14 @@ def fake_quantize(w: Tensor, scheme: QuantScheme) -> Tensor:
     """RTN round trip without packing: the same primitives as quantize_rtn, equal to
     quantize_rtn(w, scheme).dequantize() (tested)."""
     scale, zero = compute_qparams(w, scheme)
-    return dequantize_affine(quantize_affine(w, scale, zero, scheme), scale, zero, scheme, w.dtype)
+    if scheme.is_float or scheme.granularity == "block":
+        return dequantize_affine(quantize_affine(w, scale, zero, scheme), scale, zero, scheme, w.dtype)
+    # integer codes by group (the searches' hot path): the same operations as quantize_affine then dequantize_affine,
+    # without the int8 / uint8 codes in between (every code is an integer in range: bit for bit the same values)
+    wg = group_view(w.float(), scheme)
+    s = scale.reshape(wg.shape[:-1] + (1,))
+    q = torch.div(wg, s).round_()
+    if zero is not None:
+        z = zero.reshape(s.shape)
+        return q.add_(z).clamp_(scheme.qmin, scheme.qmax).sub_(z).mul_(s).reshape(w.shape).to(w.dtype)
+    return q.clamp_(scheme.qmin, scheme.qmax).mul_(s).reshape(w.shape).to(w.dtype)
