@@ -22,16 +22,13 @@ import torch
 
 from ..core.nn import native_bf16
 from ..core.profile import Profile
+from ..resources import cache_dir
 from ..threads import cpu_threads
 
 PROBE_VERSION = 1
 READ_PROBE_BYTES = 128 << 20
 MATMUL_PROBE_SECONDS = 0.3
 BYTE_PHASES = {"read": "read_gb_per_s"}  # phases whose bytes are held against a probed bandwidth
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("COMPRESS_CACHE") or Path.home() / ".cache" / "compress")
 
 
 def _processor() -> str:
