@@ -340,7 +340,11 @@ def plan_jobs(args, sources: dict) -> list[dict]:
         jobs.append({"id": "large/build", "kind": "build", "device": device, "folder": folder,
                      "fields": TINY_LARGE if args.dry_run else LLAMA2_7B, "tokenizer": sources.get("tokenizer")})
         for mode, stream in (("resident", "never"), ("streamed", "always")):
-            overrides = [f"model={folder}", f"model.device={device}", f"model.stream={stream}", *LARGE_PROTOCOL]
+            # one dtype for both (a streamed bf16 checkpoint would stay bf16 on a CPU with native bf16, where the
+            # resident run computes in float32): the two runs must be the same run, bit for bit
+            same = "bfloat16" if device.startswith("cuda") else "float32"
+            overrides = [f"model={folder}", f"model.device={device}", f"model.stream={stream}", f"model.dtype={same}",
+                         *LARGE_PROTOCOL]
             if args.dry_run:
                 overrides += list(DRY_PROTOCOL)
             jobs.append({"id": f"large/{LARGE_RECIPE}/{mode}", "kind": "recipe", "model": "large",

@@ -89,6 +89,7 @@ def _plain_int8(scheme: QuantScheme) -> bool:
 
 
 DEQUANTIZE_ROWS = 128  # rows dequantized at a time (QuantizedTensor.dequantize)
+SLICED_FROM = 1 << 22  # weights of fewer elements are dequantized whole (their temporaries fit the cache anyway)
 
 
 @dataclass
@@ -188,7 +189,8 @@ class QuantizedTensor:
         """The float weight [out, in] in `dtype`: on the CPU, row slices at a time where the scales are per row or per
         group (a slice's temporaries stay in the cache: 0.38 s -> 0.16 s for a 7B gate_proj, bit for bit the same)."""
         rows = DEQUANTIZE_ROWS
-        if self.scheme.granularity not in ("group", "channel") or self.shape[0] <= rows or self.qdata.is_cuda:
+        if self.scheme.granularity not in ("group", "channel") or self.shape[0] * self.shape[1] < SLICED_FROM or \
+                self.qdata.is_cuda:
             return self._dequantize(dtype)
         out = torch.empty(self.shape, dtype=dtype, device=self.qdata.device)
         for r in range(0, self.shape[0], rows):
