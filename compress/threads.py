@@ -1,8 +1,10 @@
 """torch's CPU thread count: set for a run's phase (0 = all cores), or for a while and restored."""
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
+from typing import Callable
 
 import torch
 
@@ -21,3 +23,32 @@ def cpu_threads(n: int | None):
         yield torch.get_num_threads()
     finally:
         torch.set_num_threads(saved)
+
+
+def run_groups(groups: list[list], work: Callable[[list], list], workers: int,
+               cost: Callable[[list], float] | None = None) -> list[list]:
+    """work(group) for each group, on up to `workers` threads at once; the results in the groups' order.
+
+    For independent CPU work made of many small torch operations (GPTQ's column loop), where one thread per
+    group beats all threads on one group: each worker runs its group's operations with torch's threads divided
+    between the workers (one each on two cores), so a group's result is the one a run on that many threads
+    makes, whatever the other workers do. The largest groups (by `cost`) start first, so the last to finish is
+    small. workers <= 1 or a single group: in the caller's thread, in order."""
+    if workers <= 1 or len(groups) <= 1:
+        return [work(g) for g in groups]
+    workers = min(workers, len(groups))
+    order = sorted(range(len(groups)), key=lambda i: -cost(groups[i]) if cost else i)
+    results: list = [None] * len(groups)
+    # torch's thread count is one setting per process that a new thread takes up on its first parallel operation;
+    # the pool's threads are new, and the caller's count comes back afterwards
+    with cpu_threads(max(1, torch.get_num_threads() // workers)), \
+            concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compress-solve") as pool:
+        futures = {pool.submit(work, groups[i]): i for i in order}
+        try:
+            for f in concurrent.futures.as_completed(futures):
+                results[futures[f]] = f.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()  # what has not started does not start; what has, finishes before the error is raised
+            raise
+    return results

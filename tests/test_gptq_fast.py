@@ -4,6 +4,8 @@ own copy of H): the column loop worked on transposed blocks and one factor share
 Cholesky and one triangular inverse) is within a measured bound of the float64 one, as the textbook one is."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from compress.core.nn import QuantLinear, linear_weight
 from compress.core.scheme import FP8_W8A16, MXFP4A16, NVFP4A16, scheme
 from compress.quantizers.gptq import GPTQConfig, hessian_factor, quantize_gptq
 from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantize
+from compress.threads import cpu_threads
 from tests.conftest import make_tiny_model
 from tests.reference import gptq_plain
 
@@ -84,13 +87,19 @@ def test_one_factor_serves_every_layer_of_an_input():
         quantize_gptq(w, factor, SCHEMES["int3_g64"], GPTQConfig(act_order=False))
 
 
-@pytest.mark.parametrize("act_order", [True, False])
-def test_quantize_stage_factors_each_input_once_bit_for_bit(monkeypatch, act_order):
+@pytest.mark.parametrize("act_order,threads", [(True, 1), (False, 1), (True, 2)])
+def test_quantize_stage_factors_each_input_once_bit_for_bit(monkeypatch, act_order, threads):
     """Through the quantize stage on a tiny Llama's blocks: 4 factors per block (q/k/v, o, gate/up, down) instead
-    of 7, and every layer's codes, scales and zero points exactly those of its own plain solve."""
-    made = []
+    of 7, and every layer's codes, scales and zero points exactly those of its own plain solve. On two threads the
+    four inputs' solves run on two worker threads (threads.run_groups), with the same results."""
+    made, where = [], set()
     real = gptq.hessian_factor
-    monkeypatch.setattr(gptq, "hessian_factor", lambda *a, **kw: made.append(kw.get("name")) or real(*a, **kw))
+
+    def spy(*a, **kw):
+        made.append(kw.get("name"))
+        where.add(threading.current_thread().name.split("_")[0])
+        return real(*a, **kw)
+    monkeypatch.setattr(gptq, "hessian_factor", spy)
     model = make_tiny_model("llama")
     arch = get_arch(model)
     sch, cfg = scheme("int4", "group", 16, False), GPTQConfig(block_size=16, act_order=act_order)
@@ -107,7 +116,8 @@ def test_quantize_stage_factors_each_input_once_bit_for_bit(monkeypatch, act_ord
             if entry.name.startswith(prefix + "."):
                 h = observer.stats[entry.name[len(prefix) + 1:]].hessian_mean()
                 expected[entry.name] = plain_gptq(linear_weight(get_module(model, entry.name)).detach(), h, sch, cfg)
-        apply_quantize(model, plan, stage, prefix, observer)
+        with cpu_threads(threads):
+            apply_quantize(model, plan, stage, prefix, observer)
         for name, ref in expected.items():
             layer = get_module(model, name)
             assert isinstance(layer, QuantLinear), name
@@ -121,6 +131,7 @@ def test_quantize_stage_factors_each_input_once_bit_for_bit(monkeypatch, act_ord
     blocks = len(arch.block_list(model))
     assert len(checked) == 7 * blocks
     assert len(made) == 4 * blocks, made
+    assert where == ({"MainThread"} if threads == 1 else {"compress-solve"}), where
 
 
 def _ill_conditioned_hessian(k: int, seed: int) -> torch.Tensor:

@@ -19,8 +19,9 @@ LLAMA2_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=8
                   num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096)
 
 
-def _recipe(**eval_):
-    return from_dict({"model": "unused", "calibration": {"kind": "self", "n_samples": 16, "seq_len": 512},
+def _recipe(threads: int = 0, **eval_):
+    return from_dict({"model": "unused", "calibration": {"kind": "self", "n_samples": 16, "seq_len": 512,
+                                                         "threads": threads},
                       "stages": [{"stage": "quantize", "method": "gptq", "scheme": "W4A16"}],
                       "eval": {"seq_len": 2048, **eval_}})
 
@@ -30,6 +31,8 @@ def test_sizes_from_the_config_alone():
     assert size.parameters == 6_738_415_616  # Llama-2-7B's published count
     # one Hessian per distinct input: q/k/v share the attention norm's output, gate/up the MLP norm's
     assert size.hessian_floats == 3 * 4096 ** 2 + 11008 ** 2
+    # two GPTQ solves at once: down_proj's (K = 11008) and gate/up's (K = 4096, out 11008), each K² + 2·out·K
+    assert size.two_solves == (11008 ** 2 + 2 * 4096 * 11008) + (4096 ** 2 + 2 * 11008 * 4096)
     assert size.block_linear_parameters == 32 * (4 * 4096 ** 2 + 3 * 4096 * 11008)
 
 
@@ -105,12 +108,17 @@ def test_the_streamed_plan_holds_one_block_not_the_model():
     assert streamed.phases["embedding or head"]["embedding or head"] == 32000 * 8192 * 2  # one of them at a time
     assert passing["block statistics"] == 4 * (3 * 8192 ** 2 + 28672 ** 2)  # GPTQ's Hessians, float32
     assert passing["evaluation hidden states"] == 2 * 4 * 2048 * 8192 * 2
-    # the largest GPTQ solve (down_proj, K = 28672): H/n and the weight with its lazy update, float32, between the
-    # block's forwards (its weights alone resident then)
+    # the two largest GPTQ solves (down_proj, K = 28672, and gate/up, K = 8192, at once on two threads): H/n and the
+    # weight with its lazy update, float32, between the block's forwards (its weights alone resident then)
     solve = streamed.phases["GPTQ solve"]
-    assert solve["GPTQ solve"] == 4 * (28672 ** 2 + 2 * 8192 * 28672) and solve["one block"] == block * 2
+    two = 28672 ** 2 + 2 * 8192 * 28672 + 8192 ** 2 + 2 * 28672 * 8192
+    assert solve["GPTQ solve"] == 4 * two and solve["one block"] == block * 2
     assert "GPTQ solve" not in passing
-    assert streamed.peak[1] < 16 * GB  # of a 138 GB model
+    # one thread solves one layer at a time: the largest solve alone, and a peak that fits a 16 GB machine
+    one = plan_memory(_recipe(threads=1, max_windows=4), LlamaConfig(**LLAMA2_70B), torch.bfloat16, "cpu",
+                      available=int(24 * GB), streamed=True)
+    assert one.phases["GPTQ solve"]["GPTQ solve"] == 4 * (28672 ** 2 + 2 * 8192 * 28672)
+    assert one.peak[1] < 16 * GB < streamed.peak[1] < 17 * GB  # of a 138 GB model
 
 
 def test_inspect_plans_a_70b_model_on_the_meta_device(llama70b_config_only, capsys):

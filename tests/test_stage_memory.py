@@ -73,13 +73,20 @@ def _basis(hidden: int, mlp: int, **kw):
 def test_gptq_holds_one_hessian_per_distinct_input_and_one_solve(hidden, mlp):
     """A Llama block's linears read four distinct inputs (q/k/v the attention norm's output, o_proj the attention's,
     gate/up the MLP norm's, down_proj the MLP's): 3·hidden² + mlp² float32 Hessians; the solve beside them is the
-    widest K² + 2·out·K (down_proj: mlp² + 2·hidden·mlp, or gate/up's hidden² + 2·mlp·hidden where larger)."""
+    widest K² + 2·out·K (down_proj: mlp² + 2·hidden·mlp, or gate/up's hidden² + 2·mlp·hidden where larger). On a
+    CPU pass of more than one thread two inputs' solves run at once: the two largest (down_proj's and gate/up's)."""
+    from compress.recipe import CalibrationSpec
     from compress.stages import QuantizeStage
 
-    memory = QuantizeStage(method="gptq").pass_memory(_basis(hidden, mlp))
+    down, gate_up = mlp ** 2 + 2 * hidden * mlp, hidden ** 2 + 2 * mlp * hidden
+    one_thread = _basis(hidden, mlp, calibration=CalibrationSpec(n_samples=4, seq_len=64, threads=1))
+    memory = QuantizeStage(method="gptq").pass_memory(one_thread)
     assert memory.statistics == {"Hessians": 4 * (3 * hidden ** 2 + mlp ** 2)}
-    assert memory.between == {"GPTQ solve": 4 * max(mlp ** 2 + 2 * hidden * mlp, hidden ** 2 + 2 * mlp * hidden)}
+    assert memory.between == {"GPTQ solve": 4 * max(down, gate_up)}
     assert memory.during == {"block tuning": 0}
+    assert QuantizeStage(method="gptq").pass_memory(_basis(hidden, mlp, device="cuda:0")).between == memory.between
+    both = QuantizeStage(method="gptq").pass_memory(_basis(hidden, mlp))  # threads: 0, all cores
+    assert both.between == {"GPTQ solve": 4 * (down + gate_up)}
     rtn = QuantizeStage(method="rtn").pass_memory(_basis(hidden, mlp))
     assert rtn.statistics == {} and rtn.between == {"GPTQ solve": 0}
 

@@ -131,9 +131,9 @@ class BlockObserver:
             st.abs_max = m if st.abs_max is None else torch.maximum(st.abs_max, m)
         if self.want_hessian or self._sample < self.keep:
             x2 = x2.float()
-        if self.want_hessian:
-            h = x2.T @ x2  # [K, K]
-            st.hessian = h if st.hessian is None else st.hessian.add_(h)
+        if self.want_hessian:  # [K, K]; later windows added in place by the matmul (no K² temporary: for a 7B
+            # down_proj, 485 MB allocated and faulted in per window; 1.5x faster on one CPU thread and on two)
+            st.hessian = x2.T @ x2 if st.hessian is None else st.hessian.addmm_(x2.T, x2)
         if self._sample < self.keep:
             st.kept.append(x2)
             st.kept_at.append(self._sample)

@@ -38,6 +38,9 @@ class ModelSize:
     output_features: int = 0  # one block's linear outputs, summed (the fisher pass's output errors are this wide)
     layer_hessian_floats: int = 0  # one block's Hessians, one per linear (the sensitivity pass does not share them)
     largest_hessian_floats: int = 0  # the widest linear input's K²
+    # two GPTQ solves at once (stages/quantize.py: two inputs' layers on two worker threads on a CPU): the largest
+    # sum, over blocks, of two distinct inputs' K² + 2·out·K (the widest layer reading each)
+    two_solves: int = 0
 
 
 def model_size(config) -> ModelSize:
@@ -53,6 +56,7 @@ def model_size(config) -> ModelSize:
     config = config.get_text_config()  # a vision-language model's sizes: its language model's
     blocks = arch.block_list(model)
     per_block = []  # (linears {name: (out, in)}, distinct linear inputs {reader: in}, parameters) of each block
+    two_solves = []  # each block's two largest GPTQ solves (of distinct inputs), summed
     for block in blocks:
         linears = {n: linear_shape(m) for n, m in block.named_modules() if n and is_linear(m)}
         shared = {}  # linears reading one tensor share a Hessian: a pair's balance linears (one expert's at a time)
@@ -63,6 +67,10 @@ def model_size(config) -> ModelSize:
                 shared[n] = first.setdefault(m.group(0) if m else None, n)
         readers = {shared.get(n, n): k for n, (_, k) in linears.items()}
         per_block.append((linears, readers, sum(p.numel() for p in block.parameters())))
+        solves: dict = {}  # each distinct input's GPTQ solve: K² + 2·out·K of the widest layer reading it
+        for n, (o, k) in linears.items():
+            solves[shared.get(n, n)] = max(solves.get(shared.get(n, n), 0), k * k + 2 * o * k)
+        two_solves.append(sum(sorted(solves.values(), reverse=True)[:2]))
     seen: set = set()
     params = sum(p.numel() for p in model.parameters() if not (id(p) in seen or seen.add(id(p))))
     return ModelSize(
@@ -79,6 +87,7 @@ def model_size(config) -> ModelSize:
         output_features=max(sum(o for o, _ in lin.values()) for lin, _, _ in per_block),
         layer_hessian_floats=max(sum(i * i for _, i in lin.values()) for lin, _, _ in per_block),
         largest_hessian_floats=max((i * i for lin, _, _ in per_block for _, i in lin.values()), default=0),
+        two_solves=max(two_solves, default=0),
     )
 
 
@@ -163,7 +172,7 @@ def plan_memory(recipe, config, dtype: torch.dtype, device: str, available: int 
 
     size = model_size(config)
     width = torch.empty((), dtype=dtype).element_size()
-    basis = MemoryBasis(size, width, recipe.calibration, streamed)
+    basis = MemoryBasis(size, width, recipe.calibration, streamed, device=device)
     weights = basis.weights
     compressed = next((b for s in recipe.stages if (b := s.stored_bytes(basis)) is not None), weights)
     basis = dataclasses.replace(basis, compressed=compressed)

@@ -77,6 +77,7 @@ class MemoryBasis:
     calibration: Any = None
     streamed: bool = False
     compressed: int = 0
+    device: str = "cpu"  # where the pass computes (a CPU solves two GPTQ layers at once on two threads)
 
     @property
     def weights(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -19,12 +20,16 @@ from ..arch.paths import is_tied, untie_lm_head
 from ..core.nn import QuantLinear, is_linear, kernel_for, linear_shape, linear_weight
 from ..calibrate.observers import BlockObserver
 from ..quantizers import LayerInputs, build_options, get_quantizer
+from ..threads import run_groups
 from ..core.scheme import W4A16_G64, QuantScheme
 from ..transforms.smoothing import pooled_stats
 from .base import BlockState, MemoryBasis, Needs, PassMemory, Plan, RunContext, StageBase, StageRecord
 
 COMMON_GROUP_SIZES = (16, 32, 64, 128, 256)
 TIED_LM_HEAD = ("keep", "untie")
+# GPTQ solves at once on a CPU pass of more than one thread (each on its share of the threads): two, one per core on
+# a 2-core laptop; more would hold more solves' memory for a column loop that is bound by its small operations
+SOLVE_WORKERS = 2
 
 
 @dataclass(frozen=True)
@@ -203,16 +208,20 @@ class QuantizeStage(StageBase):
 
     def pass_memory(self, basis: MemoryBasis) -> PassMemory:
         """GPTQ (and AutoRound started from it): one block's Hessians, K² floats per distinct linear input, and one
-        solve at a time beside them: the layer's H/n, its weight being updated, the lazy update (quantizers/gptq.py;
-        the factor of H that layers reading one input share is held across them, and let go before the next is made);
+        solve at a time beside them (two on a CPU pass of more than one thread: two inputs' layers at once, one per
+        worker thread): the layer's H/n, its weight being updated, the lazy update (quantizers/gptq.py; the factor of
+        H that layers reading one input share is held across them, and let go before the next is made);
         AutoRound: the tuning of one block (tuning_bytes). Both are named, 0 where the method has none (a device plan
         lists them)."""
         size, seq_len = basis.size, basis.calibration.seq_len
         hessian = self._needs_hessian()
         tuning = get_quantizer(self.method).tune_block is not None
+        # on a CPU with more than one thread, two inputs' layers are solved at once (apply_quantize: run_groups)
+        two = basis.device == "cpu" and basis.calibration.threads != 1 and not tuning
+        solve = size.two_solves if two else size.largest_solve
         return PassMemory(statistics={"Hessians": 4 * size.hessian_floats} if hessian else {},
                           during={"block tuning": tuning_bytes(size, seq_len) if tuning else 0},
-                          between={"GPTQ solve": 4 * size.largest_solve if hessian else 0})
+                          between={"GPTQ solve": 4 * solve if hessian else 0})
 
     def observing(self, block: BlockState, index: int):
         """A block-tuning method (AutoRound) keeps the block's inputs and float outputs of every window (the
@@ -627,8 +636,7 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
     `clip` (relative name -> range factors): AWQ's clipping for the quantizer's grid (the awq stage's clip_to: grid).
     """
     quantizer = get_quantizer(stage.method)
-    count = 0
-    shared: dict = {}  # what layers reading one input share (GPTQ's factor of their Hessian), one at a time
+    jobs = []  # (entry, module, w, rel, inputs, method, options, what the pass found of a MoE expert)
     for entry in plan.quantized:
         if prefix is not None and not entry.name.startswith(prefix + "."):
             continue
@@ -637,12 +645,11 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
         module = get_module(model, entry.name)
         if isinstance(module, QuantLinear):
             continue
-        untied = entry.untie and is_tied(model, entry.name)
         w = linear_weight(module).detach()
         rel = entry.name[len(prefix) + 1:] if prefix else entry.name
         stats = None if observer is None else observer.stats.get(rel)
         divisor = (input_divisor or {}).get(rel)
-        inputs = LayerInputs(entry.name, stats, divisor, (clip or {}).get(rel), shared)
+        inputs = LayerInputs(entry.name, stats, divisor, (clip or {}).get(rel))
         method, options, expert_info = quantizer, stage.options, {}
         if observer is not None and EXPERT.search(rel):  # a MoE expert: calibrated on the tokens routed to it
             tokens = 0 if stats is None else stats.tokens
@@ -661,38 +668,98 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
                                             else "") +
                                            ("input scale from its sibling experts" if needs_input_stats(entry.scheme)
                                             else ""))
-        if tuned and rel in tuned and method is quantizer:
-            qt = tuned[rel]
-        else:
-            qt = method.quantize(w, entry.scheme, options, inputs)
-        layer = QuantLinear.from_module(module, qt)
-        act = entry.scheme.act
-        # needed for static schemes (a clear error without calibration), recorded whenever observed
-        observed = stats is not None and stats.abs_max is not None
-        absmax = inputs.absmax() if needs_input_stats(entry.scheme) or observed else None
-        if act is not None and absmax is not None:
-            layer_info = {"input_absmax": float(absmax.max())}
-            if not act.dynamic:
-                layer.input_scale = (absmax.max().clamp(min=1e-8) / act.qmax).float().reshape(())
-                layer_info["input_scale"] = float(layer.input_scale)
-            if act.outlier_threshold is not None:
-                cols = torch.nonzero(absmax >= act.outlier_threshold).reshape(-1)
-                layer_info["outlier_features_calibration"] = int(cols.numel())
-                if act.outliers == "static":
-                    layer.outlier_cols = cols.to(layer.qdata.device)
-            if info is not None:
-                info[entry.name] = layer_info | expert_info
-        elif expert_info and info is not None:
-            info[entry.name] = expert_info
-        if untied:  # only once the head is quantized (an error above leaves the model as it was); afterwards the
-            untie_lm_head(model, entry.name)  # model is untied, so a second call finds nothing to untie
-            bias = 0 if layer.bias is None else layer.bias.numel() * layer.bias.element_size()
-            entry.untied_bytes = qt.nbytes + bias
-            entry.note = (f"untied from the input embedding (tied_lm_head: untie): the embedding stays float, so "
-                          f"the checkpoint grows by this head's {entry.untied_bytes} bytes")
-        set_module(model, entry.name, layer)
-        count += 1
-    return count
+        jobs.append(_Job(entry, module, w, rel, stats, inputs, method, options, expert_info))
+    if _solve_in_threads(jobs, quantizer, tuned):  # a block's GPTQ solves, one input's layers per worker thread
+        groups = _by_input(jobs)
+        done = run_groups(groups, lambda g: _quantize_group(g, quantizer, tuned), SOLVE_WORKERS,
+                          cost=lambda g: sum(j.w.shape[0] * j.w.shape[1] ** 2 for j in g))
+        for group, qts in zip(groups, done):
+            for job, qt in zip(group, qts):
+                _place(model, job, qt, info)
+        return len(jobs)
+    shared: dict = {}  # what layers reading one input share (GPTQ's factor of their Hessian), one at a time
+    for job in jobs:  # each layer replaced as soon as it is quantized: one quantized copy at a time beside the model
+        _place(model, job, _quantize_job(job, quantizer, tuned, shared), info)
+    return len(jobs)
+
+
+@dataclass
+class _Job:
+    """One layer for apply_quantize: the plan's entry, the module and its weight, the calibration inputs and the
+    method (round-to-nearest for a MoE expert that saw too few tokens; `expert_info` says so)."""
+
+    entry: Any
+    module: nn.Module
+    w: Tensor
+    rel: str
+    stats: Any
+    inputs: LayerInputs
+    method: Any
+    options: Any
+    expert_info: dict
+
+
+def _quantize_job(job: _Job, quantizer, tuned: dict | None, shared: dict):
+    """The layer's QuantizedTensor: a block-level method's result where it made one, else the method's."""
+    if tuned and job.rel in tuned and job.method is quantizer:
+        return tuned[job.rel]
+    inputs = dataclasses.replace(job.inputs, shared=shared)
+    return job.method.quantize(job.w, job.entry.scheme, job.options, inputs)
+
+
+def _solve_in_threads(jobs: list[_Job], quantizer, tuned: dict | None) -> bool:
+    """Whether the block's layers are quantized on worker threads: GPTQ (whose column loop is many small operations
+    that a second torch thread does not speed up, while a second layer on the second core does) on CPU tensors,
+    more than one thread, and layers reading more than one input."""
+    return (quantizer.needs_hessian and not tuned and torch.get_num_threads() > 1
+            and all(j.w.device.type == "cpu" for j in jobs) and len(_by_input(jobs)) > 1)
+
+
+def _by_input(jobs: list[_Job]) -> list[list[_Job]]:
+    """The jobs grouped by the statistics object they read (q/k/v, gate/up: one InputStats, so one GPTQ factor)."""
+    groups: dict[int, list[_Job]] = {}
+    for j in jobs:
+        groups.setdefault(id(j.stats) if j.stats is not None else id(j), []).append(j)
+    return list(groups.values())
+
+
+def _quantize_group(group: list[_Job], quantizer, tuned: dict | None) -> list:
+    """One worker thread's share: the layers of one input, one factor among them (their own `shared` slot)."""
+    shared: dict = {}
+    return [_quantize_job(j, quantizer, tuned, shared) for j in group]
+
+
+def _place(model: nn.Module, job: _Job, qt, info: dict | None) -> None:
+    """The layer replaced by its QuantLinear, with what the pass found for it (input scale, outlier features,
+    expert coverage) in `info`; an untied lm_head is untied only once it is quantized."""
+    entry, module, stats, inputs, expert_info = job.entry, job.module, job.stats, job.inputs, job.expert_info
+    untied = entry.untie and is_tied(model, entry.name)
+    layer = QuantLinear.from_module(module, qt)
+    act = entry.scheme.act
+    # needed for static schemes (a clear error without calibration), recorded whenever observed
+    observed = stats is not None and stats.abs_max is not None
+    absmax = inputs.absmax() if needs_input_stats(entry.scheme) or observed else None
+    if act is not None and absmax is not None:
+        layer_info = {"input_absmax": float(absmax.max())}
+        if not act.dynamic:
+            layer.input_scale = (absmax.max().clamp(min=1e-8) / act.qmax).float().reshape(())
+            layer_info["input_scale"] = float(layer.input_scale)
+        if act.outlier_threshold is not None:
+            cols = torch.nonzero(absmax >= act.outlier_threshold).reshape(-1)
+            layer_info["outlier_features_calibration"] = int(cols.numel())
+            if act.outliers == "static":
+                layer.outlier_cols = cols.to(layer.qdata.device)
+        if info is not None:
+            info[entry.name] = layer_info | expert_info
+    elif expert_info and info is not None:
+        info[entry.name] = expert_info
+    if untied:  # only once the head is quantized (an error above leaves the model as it was); afterwards the
+        untie_lm_head(model, entry.name)  # model is untied, so a second call finds nothing to untie
+        bias = 0 if layer.bias is None else layer.bias.numel() * layer.bias.element_size()
+        entry.untied_bytes = qt.nbytes + bias
+        entry.note = (f"untied from the input embedding (tied_lm_head: untie): the embedding stays float, so "
+                      f"the checkpoint grows by this head's {entry.untied_bytes} bytes")
+    set_module(model, entry.name, layer)
 
 
 def float_lines(stage: dict) -> list[str]:
