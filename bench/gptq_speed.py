@@ -11,7 +11,9 @@ as ill-conditioned and as rank-deficient below 2048 tokens).
 textbook factor (fast_factor=False): one factor per distinct input (hessian_factor) and the faster column loop;
 its codes are checked equal (torch.equal) to `before`'s on every layer. `fast_factor`: `after` with
 GPTQConfig(fast_factor=True), the cheaper factor (one Cholesky, one triangular inverse; the default since this
-bench was first run, not bit for bit): the fraction of packed code bytes that differ from `before`'s is reported. Each variant runs `--repeats`
+bench was first run, not bit for bit): the fraction of packed code bytes that differ from `before`'s is reported.
+`two_workers`: `fast_factor` the way the quantize stage runs it on a CPU of more than one thread, each input's
+factor and layers on one of two worker threads (threads.run_groups); one figure, the block's wall. Each variant runs `--repeats`
 times; the minimum per step is reported. One process per thread count, with OMP_NUM_THREADS set before torch
 starts.
 
@@ -101,6 +103,30 @@ def _run_fast_factor(hess, layers, weights, sch, cfg):
     return _run_after(hess, layers, weights, sch, dataclasses.replace(cfg, fast_factor=True))
 
 
+def _run_two_workers(hess, layers, weights, sch, cfg):
+    """The quantize stage's way on a CPU of more than one thread (stages/quantize.py, threads.run_groups): each
+    distinct input's factor and layers on one of two worker threads, the largest first, with the cheaper factor.
+    One step: the whole block's wall and CPU time."""
+    import dataclasses
+
+    from compress.quantizers.gptq import hessian_factor, quantize_gptq
+    from compress.threads import run_groups
+    cfg = dataclasses.replace(cfg, fast_factor=True)
+    groups: dict = {}
+    for layer, inp, _ in layers:
+        groups.setdefault(inp, []).append(layer)
+
+    def work(inp):
+        factor = hessian_factor(hess[inp].clone(), cfg, name=inp, overwrite=True)
+        return {layer: quantize_gptq(weights[layer], factor, sch, cfg, name=layer).qdata for layer in groups[inp]}
+
+    t0 = _clock()
+    done = run_groups(list(groups), work, 2, cost=lambda inp: sum(weights[n].numel() for n in groups[inp]) *
+                      hess[inp].shape[0])
+    times = {"block (two workers)": _since(t0)}
+    return times, {k: v for d in done for k, v in d.items()}
+
+
 def _worker(args) -> dict:
     import torch
     from compress.core.scheme import scheme
@@ -113,7 +139,10 @@ def _worker(args) -> dict:
     setup = time.perf_counter() - t0
     out = {"threads": threads, "setup_s": round(setup, 2)}
     ref = None
-    for variant, fn in (("before", _run_before), ("after", _run_after), ("fast_factor", _run_fast_factor)):
+    variants = (("before", _run_before), ("after", _run_after), ("fast_factor", _run_fast_factor),
+                ("two_workers", _run_two_workers))
+    codes_of = {}
+    for variant, fn in variants:
         if variant not in args.variants:
             continue
         best, diff = {}, None
@@ -122,6 +151,7 @@ def _worker(args) -> dict:
             best = {k: tuple(map(min, v, best.get(k, v))) for k, v in times.items()}
             ref = codes if ref is None else ref
             diff = {k: float((ref[k] != codes[k]).float().mean()) for k in codes}
+        codes_of[variant] = codes
         out[variant] = {"per_step_s": {k: round(v[0], 3) for k, v in best.items()},
                         "block_s": round(sum(v[0] for v in best.values()), 2),
                         "per_step_cpu_s": {k: round(v[1], 3) for k, v in best.items()},
@@ -130,6 +160,9 @@ def _worker(args) -> dict:
             out[variant]["packed_code_bytes_differing"] = {k: round(v, 6) for k, v in diff.items()}
             if variant == "after":
                 assert not any(diff.values()), f"after: codes differ from {args.variants[0]}: {diff}"
+        if variant == "two_workers" and "fast_factor" in codes_of:  # the same solves, on other threads
+            out[variant]["packed_code_bytes_differing_from_fast_factor"] = {
+                k: round(float((codes_of["fast_factor"][k] != c).float().mean()), 6) for k, c in codes.items()}
         print(f"threads={threads} {variant}: block {out[variant]['block_s']} s (CPU {out[variant]['block_cpu_s']} s) "
               f"{out[variant]['per_step_s']}", flush=True)
     return out
@@ -151,8 +184,8 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=32, help="blocks of the model, for the projection")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--variants", nargs="+", default=["before", "after", "fast_factor"],
-                    choices=["before", "after", "fast_factor"])
+    ap.add_argument("--variants", nargs="+", default=["before", "after", "fast_factor", "two_workers"],
+                    choices=["before", "after", "fast_factor", "two_workers"])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="bench/results/gptq_speed.json")
     args = ap.parse_args()
@@ -173,11 +206,14 @@ def main() -> None:
             raise SystemExit(f"worker with {threads} threads failed (exit {res.returncode})")
         run = json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("RESULT "))[7:])
         run["load_before"], run["load_after"] = round(load, 2), round(os.getloadavg()[0], 2)
-        for variant in ("before", "after", "fast_factor"):
+        for variant in ("before", "after", "fast_factor", "two_workers"):
             if variant in run:
                 run[variant]["projected_solve_s"] = round(run[variant]["block_s"] * args.blocks, 1)
                 run[variant]["projected_solve_cpu_s"] = round(run[variant]["block_cpu_s"] * args.blocks, 1)
-        for variant in ("after", "fast_factor"):
+        if "fast_factor" in run and "two_workers" in run:
+            run["speedup_two_workers_over_fast_factor"] = round(run["fast_factor"]["block_s"] /
+                                                                run["two_workers"]["block_s"], 2)
+        for variant in ("after", "fast_factor", "two_workers"):
             if "before" in run and variant in run:
                 run[f"speedup_{variant}"] = round(run["before"]["block_s"] / run[variant]["block_s"], 2)
                 run[f"speedup_cpu_{variant}"] = round(run["before"]["block_cpu_s"] / run[variant]["block_cpu_s"], 2)

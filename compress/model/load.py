@@ -17,6 +17,7 @@ from torch import nn
 from ..arch import auto_model_class
 from ..arch.moe import unfuse_experts
 from ..export.native import COMPRESS_META, load_compressed
+from . import gguf_cache
 from .default_model import default_model_path
 from .integrity import check_source
 
@@ -113,6 +114,15 @@ def load_model(source: str = "default", dtype: str = "auto", device: str = "cpu"
             kwargs["revision"] = revision
         if kind == "folder":
             kwargs.update(_compressed_tensors_kwargs(Path(where)))
+    keep = kind == "gguf" and source == "default" and offload is None  # the embedded model: its conversion kept
+    if keep and (folder := gguf_cache.cached(where, torch_dtype)) is not None:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        # as loaded from the GGUF file (the kept folder is an implementation detail): its path, no architectures
+        model.config._name_or_path = model.name_or_path = tokenizer.name_or_path = os.path.dirname(where)
+        model.config.architectures = None
+        model.eval()
+        return LoadedModel(model, tokenizer, where, "default")
     try:
         loading = ("trust_remote_code", "revision", "gguf_file")
         tokenizer = AutoTokenizer.from_pretrained(where_load, **{k: v for k, v in kwargs.items() if k in loading})
@@ -127,6 +137,8 @@ def load_model(source: str = "default", dtype: str = "auto", device: str = "cpu"
         if hasattr(model, "hf_quantizer"):
             model.hf_quantizer = None
         model.config.__dict__.pop("quantization_config", None)
+        if keep:
+            gguf_cache.keep(where, torch_dtype, model, tokenizer)
     model.eval()
     unfuse_experts(model)  # a MoE block's fused 3-D expert tensors as one linear per expert (views, no copy)
     if getattr(model.config, "is_encoder_decoder", False):
