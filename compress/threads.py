@@ -33,17 +33,23 @@ def run_groups(groups: list[list], work: Callable[[list], list], workers: int,
     group beats all threads on one group: each worker runs its group's operations with torch's threads divided
     between the workers (one each on two cores), so a group's result is the one a run on that many threads
     makes, whatever the other workers do. The largest groups (by `cost`) start first, so the last to finish is
-    small. workers <= 1 or a single group: in the caller's thread, in order."""
+    small. The workers run under the caller's grad mode (torch keeps it per thread). workers <= 1 or a single
+    group: in the caller's thread, in order."""
     if workers <= 1 or len(groups) <= 1:
         return [work(g) for g in groups]
     workers = min(workers, len(groups))
     order = sorted(range(len(groups)), key=lambda i: -cost(groups[i]) if cost else i)
     results: list = [None] * len(groups)
+    grad = torch.is_grad_enabled()  # thread-local: a worker starts with gradients on whatever the caller set
+
+    def in_worker(group):
+        with torch.set_grad_enabled(grad):
+            return work(group)
     # torch's thread count is one setting per process that a new thread takes up on its first parallel operation;
     # the pool's threads are new, and the caller's count comes back afterwards
     with cpu_threads(max(1, torch.get_num_threads() // workers)), \
             concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compress-solve") as pool:
-        futures = {pool.submit(work, groups[i]): i for i in order}
+        futures = {pool.submit(in_worker, groups[i]): i for i in order}
         try:
             for f in concurrent.futures.as_completed(futures):
                 results[futures[f]] = f.result()

@@ -687,6 +687,7 @@ def test_eval_scores_an_exported_checkpoint_on_lm_eval_tasks(tmp_path, recipe_fi
     assert lm["recovery"]["model"]["lambada_openai"]["perplexity"] == pytest.approx(1, rel=0.05)  # same weights
 
 
+@pytest.mark.slow  # 22 s: the embedded model through accelerate's disk offload (bench/large_models.py --offload-eval runs it at 7B)
 @requires_data
 def test_eval_offloads_a_model_to_disk_with_the_same_figures(tmp_path, recipe_file, capsys):
     """`compress eval --offload GB`: accelerate's device_map keeps (here all) modules on disk; perplexity, KL and

@@ -267,6 +267,7 @@ def test_two_processes_ddp_over_gloo(tmp_path):
     assert ranks[0]["final_sha"] != ranks[0]["initial_sha"]
 
 
+@pytest.mark.slow  # 25 s of two processes; the default suite keeps DDP over two processes (test_two_processes_ddp_over_gloo)
 def test_fsdp_over_two_processes_shards_the_state_trains_as_one_process_and_resumes(tmp_path):
     """`fsdp: true` on 2 gloo processes: each holds half of the AdamW moments (the state is sharded, not copied),
     both end with the same full student, the teacher is given back unchanged, and the training equals one process

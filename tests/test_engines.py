@@ -157,6 +157,7 @@ def test_vllm_serves_exports_of_a_tiny_model(tmp_path):
         assert any("VLLM_CPU_INT4_W4A8=0" in n for n in r["notes"]) and r["plain"]["env"] == {"VLLM_CPU_INT4_W4A8": "0"}
 
 
+@pytest.mark.slow  # 20 s: an engine in a subprocess; the engine checks' logic runs in the default suite above
 def test_verify_engine_on_the_command_line(tmp_path):
     """`compress verify --engine llama.cpp` prints the engine's figures; --engine vllm without vLLM says how to
     get it and exits 2 (an export the engine refuses exits 1)."""

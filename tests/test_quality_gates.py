@@ -25,7 +25,9 @@ from compress.stages import make_plan
 from compress.recipe import load_recipe
 from tests.conftest import requires_data
 
-pytestmark = requires_data
+# slow (about 2 minutes): the default suite keeps under 15 minutes on 2 cores; each method's algorithm is checked
+# against its plain reference there (test_awq.py, test_gptq.py, test_gptq_fast.py)
+pytestmark = [requires_data, pytest.mark.slow]
 
 BLOCKS = (0, 6, 12, 18, 24)
 TARGETS = "[re:model\\.layers\\.(" + "|".join(map(str, BLOCKS)) + ")\\..*]"
@@ -106,7 +108,6 @@ def test_awq_scaled_every_scalable_pair_of_the_chosen_blocks(scores):
     assert sum(p["ratio"] > 0 for p in scaled) >= 2 * len(BLOCKS)  # the search moved off the identity (r = 0)
 
 
-@pytest.mark.slow
 def test_autoround_beats_rtn_and_gptq():
     """AutoRound through the pipeline on the same 5 blocks and windows (50 steps of 2 windows: the shipped recipe
     takes 200; this keeps the test near a minute). Slow: it adds a minute to the default suite's budget."""

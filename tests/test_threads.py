@@ -1,0 +1,52 @@
+"""threads.run_groups: independent groups of CPU work on worker threads (the quantize stage's GPTQ solves)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from compress.threads import cpu_threads, run_groups
+
+
+def test_results_come_back_in_the_groups_order_largest_first_on_workers():
+    started = []
+
+    def work(group):
+        started.append(group[0])
+        return [(g * 2, threading.current_thread().name.split("_")[0], torch.get_num_threads()) for g in group]
+
+    with cpu_threads(2):
+        out = run_groups([[1], [5, 6], [3]], work, 2, cost=lambda g: sum(g))
+        assert torch.get_num_threads() == 2  # the caller's count comes back
+    assert [[r[0] for r in rs] for rs in out] == [[2], [10, 12], [6]]
+    assert started[0] == 5  # the largest group first
+    assert {r[1] for rs in out for r in rs} == {"compress-solve"} and {r[2] for rs in out for r in rs} == {1}
+
+
+def test_one_worker_runs_in_the_callers_thread_in_order():
+    names = run_groups([[1], [2]], lambda g: threading.current_thread().name, 1)
+    assert names == ["MainThread", "MainThread"]
+
+
+def test_workers_run_under_the_callers_grad_mode():
+    """torch's grad mode is per thread: a solve called under no_grad must not record a graph on a worker (GPTQ's
+    out= operations refuse a tensor that requires grad)."""
+    w = torch.ones(3, requires_grad=True)
+
+    def work(group):
+        return (w * group[0]).requires_grad
+
+    with torch.no_grad():
+        assert run_groups([[1], [2]], work, 2) == [False, False]
+    assert run_groups([[1], [2]], work, 2) == [True, True]
+
+
+def test_an_error_in_a_worker_is_raised_in_the_caller():
+    def work(group):
+        if group[0] == 2:
+            raise ValueError("group 2 failed")
+        return group[0]
+
+    with pytest.raises(ValueError, match="group 2 failed"):
+        run_groups([[1], [2], [3]], work, 2)
