@@ -69,7 +69,8 @@ def test_the_api_writes_the_bits_the_cli_writes(tiny, tmp_path):
     profile = json.loads((tmp_path / "cli" / "report.json").read_text())["profile"]
     phases = {r["phase"] for r in profile["phases"]}
     assert {"startup", "load", "calibration data", "capture", "float forward", "statistics", "solves",
-            "compressed forward", "save", "eval"} <= phases and profile["covered"] > 0.9, profile
+            "compressed forward", "save", "eval", "perplexity"} <= phases and profile["covered"] > 0.9, profile
+    assert "speed" not in phases  # eval.speed: false here
     assert "startup" not in {r["phase"] for r in result.report.data["profile"]["phases"]}  # the API's: no start-up
 
 

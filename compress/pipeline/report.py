@@ -10,6 +10,7 @@ from torch import nn
 
 from ..calibrate.data import eval_windows, fingerprint
 from ..core.nn import QuantLinear
+from ..core.profile import phase_of
 from ..stages import get_stage
 from ..measure.fmt import mb as _mb, num as _f
 from ..measure.memory import peak_cuda_bytes, peak_rss_bytes, serving_bytes, weight_bytes
@@ -24,11 +25,12 @@ OFFLOAD_PREFILL, OFFLOAD_DECODE = 32, 4  # a disk-offloaded model's speed run: e
 
 
 def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str = "cpu", baseline: str | None = None,
-                    progress: bool = True) -> dict:
+                    progress: bool = True, profile=None) -> dict:
     """Perplexity (+ KL / top-1 against `baseline`), greedy samples (`spec.samples` new tokens; where they first
     depart from the baseline's), weight bytes and speed for each model, same windows. Accuracy passes run on
     `spec.threads` CPU threads; speed and samples (batch-1 decoding: small ops, where a second thread's barriers
-    cost more than it adds on a small model) on the threads set by the caller."""
+    cost more than it adds on a small model) on the threads set by the caller. `profile` (core.profile.Profile):
+    each part timed as its own phase (perplexity, samples, speed, lm-eval, speculative)."""
     result: dict = {"models": {n: {} for n in models}}
     accuracy_threads = getattr(spec, "threads", None)
     if spec.perplexity:
@@ -37,7 +39,7 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
         for m in models.values():
             for q in _llm_int8_layers(m):
                 q.outlier_counts.update(forwards=0, total=0, max=0)
-        with cpu_threads(accuracy_threads) as n:
+        with cpu_threads(accuracy_threads) as n, phase_of(profile, "perplexity"):
             result["protocol"]["threads"] = n
             scores = score_windows(models, windows, baseline=baseline, device=device, progress=progress)
         for n, s in scores.items():
@@ -45,7 +47,8 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
             result["models"][n].update(llm_int8_figures(models[n]))
     from ..model.load import offloaded
     if getattr(spec, "samples", 0):  # decoding, as the speed figures: on the caller's threads
-        result["samples"] = samples_section(models, tokenizer, spec.samples, baseline, offloaded)
+        with phase_of(profile, "samples"):
+            result["samples"] = samples_section(models, tokenizer, spec.samples, baseline, offloaded)
     for n, m in models.items():
         on_disk = offloaded(m)
         result["models"][n]["weights"] = weight_bytes(m, meta=bool(on_disk))
@@ -53,8 +56,9 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
             result["models"][n]["offloaded"] = {"modules_on_disk": len(on_disk)}
             if spec.speed:  # a short measurement: each forward reads the offloaded weights again
                 vocab = m.get_input_embeddings().weight.shape[0]
-                speed = measure_speed(m, vocab, min(spec.prefill_tokens, OFFLOAD_PREFILL),
-                                      min(spec.decode_tokens, OFFLOAD_DECODE), 1, device)
+                with phase_of(profile, "speed"):
+                    speed = measure_speed(m, vocab, min(spec.prefill_tokens, OFFLOAD_PREFILL),
+                                          min(spec.decode_tokens, OFFLOAD_DECODE), 1, device)
                 result["models"][n]["speed"] = {**speed, "offloaded_modules": len(on_disk)}
         elif spec.speed:
             vocab = m.get_input_embeddings().weight.shape[0]
@@ -62,7 +66,7 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
             batches = sorted({1, 4, 16, 64, *getattr(spec, "speed_batches", ())})
             dispatch = use_dispatch(m, plan_dispatch(m, batches)) if quantized and getattr(spec, "dispatch", True) else \
                 contextlib.nullcontext()
-            with dispatch as plan:  # accuracy (lm-eval below, later evaluations) stays on the reference path
+            with dispatch as plan, phase_of(profile, "speed"):  # accuracy (lm-eval, later evaluations): reference path
                 if plan is not None:
                     result["models"][n]["dispatch"] = plan.to_dict()
                 result["models"][n]["speed"] = measure_speed(m, vocab, spec.prefill_tokens, spec.decode_tokens,
@@ -73,11 +77,12 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
                                                                      spec.speed_repeats, device)
     if getattr(spec, "tasks", ()):
         from ..measure.harness import evaluate_tasks
-        with cpu_threads(accuracy_threads):
+        with cpu_threads(accuracy_threads), phase_of(profile, "lm-eval"):
             result["lm_eval"] = evaluate_tasks(models, tokenizer, spec.tasks, spec.task_limit, spec.num_fewshot,
                                                spec.task_batch_size, baseline=baseline)
     if getattr(spec, "speculative", ()) and baseline is not None and "compressed" in models:
-        result["speculative"] = speculative_section(models[baseline], models["compressed"], tokenizer, spec)
+        with phase_of(profile, "speculative"):
+            result["speculative"] = speculative_section(models[baseline], models["compressed"], tokenizer, spec)
     for n, m in models.items():
         result["models"][n]["weights"]["serving_bf16"] = serving_bytes(m, meta=bool(offloaded(m)))
         result["models"][n]["roofline"] = model_roofline(m, result["models"][n]["weights"]["serving_bf16"], spec)

@@ -210,7 +210,8 @@ class ResidentSource(ModelSource):
         models["compressed"] = self.model
         on_device(models, device)
         section = evaluate_models(models, self.tokenizer, recipe.eval, device,
-                                  baseline="baseline" if baseline is not None else None, progress=opts.progress)
+                                  baseline="baseline" if baseline is not None else None, progress=opts.progress,
+                                  profile=opts.profile)
         baseline_bytes = _bf16_bytes(baseline or self.model)
         models.pop("baseline", None)
         del baseline  # freed, not moved back
