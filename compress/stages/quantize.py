@@ -636,7 +636,7 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
     `clip` (relative name -> range factors): AWQ's clipping for the quantizer's grid (the awq stage's clip_to: grid).
     """
     quantizer = get_quantizer(stage.method)
-    jobs = []  # (entry, module, w, rel, inputs, method, options, what the pass found of a MoE expert)
+    jobs: list[_Job] = []
     for entry in plan.quantized:
         if prefix is not None and not entry.name.startswith(prefix + "."):
             continue
@@ -669,8 +669,8 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
                                            ("input scale from its sibling experts" if needs_input_stats(entry.scheme)
                                             else ""))
         jobs.append(_Job(entry, module, w, rel, stats, inputs, method, options, expert_info))
-    if _solve_in_threads(jobs, quantizer, tuned):  # a block's GPTQ solves, one input's layers per worker thread
-        groups = _by_input(jobs)
+    groups = _by_input(jobs)
+    if _solve_in_threads(jobs, groups, quantizer, tuned):  # a block's GPTQ solves, one input's layers per worker
         done = run_groups(groups, lambda g: _quantize_group(g, quantizer, tuned), SOLVE_WORKERS,
                           cost=lambda g: sum(j.w.shape[0] * j.w.shape[1] ** 2 for j in g))
         for group, qts in zip(groups, done):
@@ -707,12 +707,12 @@ def _quantize_job(job: _Job, quantizer, tuned: dict | None, shared: dict):
     return job.method.quantize(job.w, job.entry.scheme, job.options, inputs)
 
 
-def _solve_in_threads(jobs: list[_Job], quantizer, tuned: dict | None) -> bool:
-    """Whether the block's layers are quantized on worker threads: GPTQ (whose column loop is many small operations
-    that a second torch thread does not speed up, while a second layer on the second core does) on CPU tensors,
-    more than one thread, and layers reading more than one input."""
+def _solve_in_threads(jobs: list[_Job], groups: list[list[_Job]], quantizer, tuned: dict | None) -> bool:
+    """Whether the block's layers are quantized on worker threads: GPTQ (whose column loop is many small operations:
+    on some CPUs a second torch thread does not speed it up, while a second layer on the second core does) on CPU
+    tensors, more than one thread, and layers reading more than one input (`groups`, _by_input)."""
     return (quantizer.needs_hessian and not tuned and torch.get_num_threads() > 1
-            and all(j.w.device.type == "cpu" for j in jobs) and len(_by_input(jobs)) > 1)
+            and all(j.w.device.type == "cpu" for j in jobs) and len(groups) > 1)
 
 
 def _by_input(jobs: list[_Job]) -> list[list[_Job]]:
