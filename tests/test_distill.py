@@ -59,6 +59,25 @@ def test_kd_loss_matches_reference_and_gradient(temperature):
     assert kd_loss(teacher, teacher.clone(), temperature).abs().item() < 1e-6
 
 
+def test_kd_loss_chunks_rows_and_keeps_the_logits_dtype():
+    """More rows than one chunk (the chunk loop's seams and the ragged last chunk), bfloat16 logits as autocast makes
+    them: the loss and the gradient are the float64 reference's on the same bfloat16 values, and the gradient comes
+    back in bfloat16, as the unfused .float() would have returned it."""
+    from compress.distill import kd
+
+    student = (3 * torch.randn(3, 2 * kd.KD_CHUNK_ROWS + 5, 37)).bfloat16().requires_grad_()
+    teacher = (3 * torch.randn(3, 2 * kd.KD_CHUNK_ROWS + 5, 37)).bfloat16()
+    loss = kd_loss(student, teacher, 2.0)
+    torch.testing.assert_close(loss.double(), kd_reference(student.detach().float(), teacher.float(), 2.0),
+                               rtol=1e-5, atol=1e-7)
+    (3 * loss).backward()
+    rows = student.shape[0] * student.shape[1]
+    expected = 3 * 2.0 * (torch.softmax(student.detach().double() / 2.0, -1)
+                          - torch.softmax(teacher.double() / 2.0, -1)) / rows
+    assert student.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(student.grad.double(), expected, rtol=1e-2, atol=1e-7)
+
+
 def test_kd_loss_rejects_other_vocab():
     with pytest.raises(ValueError, match="same vocabulary"):
         kd_loss(torch.randn(3, 8), torch.randn(3, 9), 1.0)
@@ -112,7 +131,11 @@ def test_distill_reduces_kl_to_teacher(tmp_path):
     assert all(p.grad is None or p.grad.abs().sum() == 0 for p in student.parameters())
 
 
-def test_distill_runs_twice_in_one_process_with_other_settings(tmp_path):
+def test_distill_runs_twice_in_one_process_with_other_settings(tmp_path, monkeypatch):
+    from compress.distill import kd
+
+    seen = []  # the dtype of the student's logits as the loss receives them
+    monkeypatch.setattr(kd, "kd_loss", lambda s, t, temp: seen.append(s.dtype) or kd_loss(s, t, temp))
     teacher = make_tiny_model("qwen2")
     # accelerate's AcceleratorState singleton refuses a second Accelerator with another mixed_precision
     for grad_accum, mixed_precision in ((1, "bf16"), (2, "no")):
@@ -126,6 +149,10 @@ def test_distill_runs_twice_in_one_process_with_other_settings(tmp_path):
         assert "forward" not in student.__dict__
         assert isinstance(student(input_ids=random_ids(1, 16, 0), return_dict=False), tuple)
         assert any(not torch.equal(a, b) for a, b in zip(before, student.parameters()))
+        # under bf16 autocast the logits reach the loss as the autocast matmul made them: accelerate's conversion of
+        # the outputs to float32 (a [tokens, vocab] copy per micro-batch) is dropped (kd._autocast_only)
+        assert set(seen) == {torch.bfloat16 if mixed_precision == "bf16" else torch.float32}
+        seen.clear()
 
 
 def test_gradient_checkpointing_gives_the_same_weights(tmp_path):

