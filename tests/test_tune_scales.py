@@ -153,6 +153,10 @@ QUANTIZE = {"stage": "quantize", "method": "rtn",
                  id="no-calibration"),
     pytest.param([QUANTIZE, {"stage": "tune_scales", "lr": 1e-4, "min_lr": 1e-3}], "wikitext2",
                  r"`stages\.1`: tune_scales min_lr=0\.001, lr=0\.0001", id="bad-lr"),
+    pytest.param([QUANTIZE, {"stage": "tune_scales", "steps": 8, "epochs": 2}], "wikitext2",
+                 r"`stages\.1`: tune_scales sets both epochs=2 and steps=8; set one of them", id="steps-and-epochs"),
+    pytest.param([QUANTIZE, {"stage": "tune_scales", "steps": -3}], "wikitext2",
+                 r"`stages\.1`: tune_scales steps=-3; use a positive integer", id="negative-steps"),
 ])
 def test_recipe_rules(tmp_path, stages, calibration, message):
     data = {"model": "default", "stages": stages}
@@ -162,6 +166,14 @@ def test_recipe_rules(tmp_path, stages, calibration, message):
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     with pytest.raises(RecipeError, match=re.escape(str(path)) + ": " + message):
         load_recipe(path)
+
+
+def test_steps_replace_the_epochs_count():
+    """`steps` sets the optimizer steps (a part of an epoch draws distinct windows: distill's seeded permutation);
+    unset, one epoch over 128 windows of 4 is 32."""
+    assert TuneScalesStage().training(128, 512).steps == 32
+    assert TuneScalesStage(epochs=2).training(128, 512).steps == 64
+    assert TuneScalesStage(steps=16).training(128, 512).steps == 16
 
 
 def test_memory_plan_counts_the_teacher_and_a_streamed_run_refuses_it():

@@ -36,6 +36,7 @@ class TuneScalesRecord(StageRecord):
 class TuneScalesStage(StageBase):
     """Recipe stage `tune_scales`: end-to-end scale tuning of the quantized model by distillation (codes frozen)."""
     epochs: int = 1  # passes over the calibration windows
+    steps: int = 0  # optimizer steps instead (0: epochs' worth); fewer than an epoch's draw distinct windows
     batch_size: int = 4  # windows per optimizer step
     lr: float = 1e-3  # peak learning rate (AdamW) of the log-gains: 1e-3 moves a scale by about 0.1% per step
     min_lr: float = 1e-4  # cosine decays to this
@@ -54,12 +55,16 @@ class TuneScalesStage(StageBase):
     def __post_init__(self):
         if not isinstance(self.epochs, int) or isinstance(self.epochs, bool) or self.epochs < 1:
             raise ValueError(f"tune_scales epochs={self.epochs!r}; use a positive integer")
+        if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 0:
+            raise ValueError(f"tune_scales steps={self.steps!r}; use a positive integer (or 0: epochs' worth)")
+        if self.steps and self.epochs != 1:
+            raise ValueError(f"tune_scales sets both epochs={self.epochs} and steps={self.steps}; set one of them")
         self.training(windows=max(self.batch_size, 1) * (self.warmup_steps + 1), seq_len=1)  # checks the rest
 
     def training(self, windows: int, seq_len: int) -> DistillStage:
         """The distill loop's settings for `windows` calibration windows of `seq_len` tokens, checked by its rules."""
         try:
-            return DistillStage(steps=max(1, self.epochs * windows // max(self.batch_size, 1)),
+            return DistillStage(steps=self.steps or max(1, self.epochs * windows // max(self.batch_size, 1)),
                                 batch_size=self.batch_size, seq_len=seq_len, lr=self.lr, min_lr=self.min_lr,
                                 warmup_steps=self.warmup_steps, temperature=self.temperature,
                                 eval_every=self.eval_every, checkpoint_every=0, mixed_precision=self.mixed_precision,
@@ -122,7 +127,8 @@ class TuneScalesStage(StageBase):
 
     def describe(self, plan: Plan, index: int) -> tuple[list[str], str]:
         line = (f"\nstage {index}: tune_scales: every weight-only quantized layer's scales trained by distillation "
-                f"from the original, codes fixed: {self.epochs} epoch(s) over the calibration windows, "
+                "from the original, codes fixed: "
+                + (f"{self.steps} steps" if self.steps else f"{self.epochs} epoch(s)") + " over the calibration windows, "
                 f"{self.batch_size} windows per step, lr {self.lr}")
         return [line], line.strip()
 
