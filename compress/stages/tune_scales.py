@@ -114,16 +114,16 @@ class TuneScalesStage(StageBase):
         """The training beside both models (`size`: a pipeline.memory_plan.ModelSize): each linear's dequantized
         weight (float32, and its bfloat16 copy under autocast) kept for the backward, in every block or, with gradient
         checkpointing, in one block at a time; one step's activations, about 6 float32 values per token and input
-        feature of a block (with checkpointing: one block's, plus every block's input); both models' float32 logits
-        and their log-softmax and gradient. Measured on the embedded model (4 × 512 tokens a step, bf16 autocast):
-        6.9 GB peak RSS, where this plans 8.3 GB (the activations, about 5 values per token and feature, are most of
-        it)."""
+        feature of a block (with checkpointing: one block's, plus every block's input); both models' logits and the
+        student's logit gradient, which kd_loss forms chunk by chunk (float32 at most; bf16 autocast holds half).
+        Measured on the embedded model (4 × 512 tokens a step, bf16 autocast): 5.5 GB peak RSS, where this plans
+        7.9 GB (the activations, about 5 values per token and feature, are most of it)."""
         tokens = self.batch_size * seq_len
         blocks = 1 if self.gradient_checkpointing else size.layers
         kept = 4 * tokens * size.hidden * size.layers if self.gradient_checkpointing else 0
         return {"dequantized weights": 6 * size.block_linear_parameters * blocks // size.layers,
                 "activations": 4 * 6 * tokens * size.input_features * blocks + kept,
-                "logits": 4 * 4 * tokens * size.vocab}
+                "logits": 3 * 4 * tokens * size.vocab}
 
     def describe(self, plan: Plan, index: int) -> tuple[list[str], str]:
         line = (f"\nstage {index}: tune_scales: every weight-only quantized layer's scales trained by distillation "
