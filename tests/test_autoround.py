@@ -11,8 +11,8 @@ from compress.calibrate.blockwise import BlockPass, run_blockwise
 from compress.calibrate.distributed import check_stages
 from compress.arch.moe import unfuse_experts
 from compress.core.nn import QuantLinear
-from compress.quantizers.autoround import (AutoRoundOptions, BlockSamples, Rounding, fake_quant, finish, qparams,
-                                           tune_block)
+from compress.quantizers.autoround import (AutoRoundOptions, BlockSamples, Rounding, RoundingGrid, fake_quant, finish,
+                                           qparams, rounding_backward, rounding_forward, tune_block)
 from compress.quantizers.rtn import quantize_rtn
 from compress.recipe import from_dict
 from compress.pipeline.calibration import StagePass, start_stages
@@ -49,6 +49,39 @@ def test_the_packed_result_dequantizes_to_the_tuned_weight(scheme):
     assert torch.equal(finish(w, scheme, r).dequantize(), fake_quant(w, scheme, r))
     scale, _ = qparams(w, scheme, r)
     assert (scale <= qparams(w, scheme, Rounding.start(w, scheme))[0].reshape(scale.shape)).all()  # α, β clip
+
+
+@pytest.mark.parametrize("scheme", SCHEMES + [QuantScheme("int4", "tensor", None, symmetric=False)],
+                         ids=lambda s: s.name)
+@pytest.mark.parametrize("with_start", [False, True], ids=["rtn", "start"])
+def test_the_written_out_gradient_is_autograds_through_fake_quant(scheme, with_start):
+    """rounding_forward / rounding_backward (what the tuning runs) against autograd through fake_quant (the
+    definition): the same rounded weight, and the same gradients of V, α, β up to float32 summation order. Clipped
+    ranges, codes at both ends of the grid, zero points pushed out of range and an all-zero group all occur."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(12, 32, generator=g) * 0.05
+    w[3, :16] = 0.0
+    w[5] = w[5].abs()  # a row with no negative values: lo = 0, the zero point at qmin
+    start = w + 0.01 * torch.randn(w.shape, generator=g) if with_start else None
+    r = Rounding.start(w, scheme)
+    r.v = (torch.rand(w.shape, generator=g) - 0.5)
+    r.alpha = 0.3 + 0.7 * torch.rand(r.alpha.shape, generator=g)
+    r.beta = 0.3 + 0.7 * torch.rand(r.beta.shape, generator=g)
+    grad = torch.randn(w.shape, generator=g)
+    for p in r.tensors(True):
+        p.requires_grad_(True)
+    ref = fake_quant(w, scheme, r, start)
+    ref.backward(grad)
+    grid = RoundingGrid.of(w, scheme, start)
+    hat, saved = rounding_forward(grid, r)
+    assert torch.equal(hat, ref.detach())
+    dv, da, db = rounding_backward(grid, saved, grad)
+    assert torch.allclose(dv, r.v.grad, rtol=1e-6, atol=1e-9) and (dv != 0).float().mean() > 0.5
+    assert torch.allclose(da, r.alpha.grad, rtol=1e-4, atol=1e-6) and (da != 0).any()
+    if scheme.symmetric:
+        assert db is None and r.beta.grad is None
+    else:
+        assert torch.allclose(db, r.beta.grad, rtol=1e-4, atol=1e-6) and (db != 0).any()
 
 
 class _OneLinear(nn.Module):
@@ -215,7 +248,7 @@ def test_the_memory_plan_counts_the_block_tuning():
                         "stages": [{**AR, "scheme": "W4A16"}]})
     plan = plan_memory(recipe, config, torch.bfloat16, "cpu", available=10 ** 12)
     expected = tuning_bytes(model_size(config), 512)
-    assert plan.phases["calibration"]["block tuning"] == expected > 36 * 202_000_000  # a 7B block: ~7.3 GB
+    assert plan.phases["calibration"]["block tuning"] == expected > 32 * 202_000_000  # a 7B block: ~6.5 GB
     rtn = from_dict({"model": "unused", "stages": [{**RTN, "scheme": "W4A16"}]})
     assert "block tuning" not in plan_memory(rtn, config, torch.bfloat16, "cpu", available=10 ** 12).phases.get(
         "calibration", {})

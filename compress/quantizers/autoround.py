@@ -161,6 +161,93 @@ def fake_quant(w: Tensor, scheme: QuantScheme, r: Rounding, start: Tensor | None
     return ungroup(deq, tuple(w.shape), scheme)
 
 
+@dataclass(frozen=True)
+class RoundingGrid:
+    """What the rounding of one weight needs that does not change while it is tuned: the weight and the values to
+    round (`start`, default the weight) in groups [rows, groups, G], float32, and each group's range at α = β = 1
+    (asymmetric: min ∧ 0 and max ∨ 0; symmetric: absmax)."""
+
+    scheme: QuantScheme
+    shape: tuple[int, int]
+    values: Tensor
+    lo: Tensor | None
+    hi: Tensor
+
+    @classmethod
+    def of(cls, w: Tensor, scheme: QuantScheme, start: Tensor | None = None) -> "RoundingGrid":
+        wg = group_view(w.float(), scheme)
+        values = wg if start is None else group_view(start.float(), scheme)
+        if scheme.symmetric:
+            return cls(scheme, tuple(w.shape), values, None, wg.abs().amax(dim=-1))
+        return cls(scheme, tuple(w.shape), values, wg.amin(dim=-1).clamp(max=0.0), wg.amax(dim=-1).clamp(min=0.0))
+
+
+@dataclass
+class _Saved:
+    """What rounding_forward keeps for rounding_backward: the scale and its mask, the clipped low end and the zero
+    point's mask (asymmetric), the codes minus the zero point, and where the codes were inside [qmin, qmax]."""
+
+    scale: Tensor
+    positive: Tensor
+    lo: Tensor | None
+    zero_inside: Tensor | None
+    codes: Tensor
+    inside: Tensor
+
+
+@torch.no_grad()
+def rounding_forward(grid: RoundingGrid, r: Rounding) -> tuple[Tensor, _Saved]:
+    """`fake_quant(w, scheme, r, start)` computed directly (the same operations in the same order, so the same
+    values), and what its straight-through gradient needs: one pass over the weight, not autograd's dozen
+    weight-sized temporaries."""
+    sch = grid.scheme
+    if sch.symmetric:
+        lo, raw = None, grid.hi * r.alpha / sch.qmax
+    else:
+        lo = grid.lo * r.beta
+        raw = (grid.hi * r.alpha - lo) / (sch.qmax - sch.qmin)
+    stored = raw.to(getattr(torch, sch.scale_dtype)).float()
+    positive = stored > 0
+    scale = torch.where(positive, stored, torch.ones_like(stored))
+    s = scale[..., None]
+    q = torch.round(grid.values / s + group_view(r.v, sch))
+    zero = zero_inside = None
+    if lo is not None:
+        zr = torch.round(-lo / scale)
+        zero_inside = (zr >= sch.qmin) & (zr <= sch.qmax)
+        zero = torch.clamp(zr, sch.qmin, sch.qmax)
+        q += zero[..., None]
+    inside = (q >= sch.qmin) & (q <= sch.qmax)
+    q.clamp_(sch.qmin, sch.qmax)
+    if zero is not None:
+        q -= zero[..., None]
+    deq = ungroup(q * s, grid.shape, sch)
+    return deq, _Saved(scale, positive, lo, zero_inside, q, inside)
+
+
+@torch.no_grad()
+def rounding_backward(grid: RoundingGrid, saved: _Saved, grad: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The gradients of V, α and β given the gradient `grad` [out, in] of the rounded weight: autograd's through
+    `fake_quant` (straight-through round and stored-precision cast, clamp passing the gradient inside its range
+    inclusive), written out. With Ŵ = (q - z)·s, q = clamp(round(u/s + V) + z), per group:
+    dV = G·s·[q inside]; ds = Σ G·(q - z) - Σ G·[inside]·u / s + dz·[z inside]·lo / s²,
+    dz = -s·Σ G·[q outside]; d lo = -dz·[z inside] / s; s = (hi - lo) / (qmax - qmin) (symmetric: absmax·α / qmax),
+    hi = (max ∨ 0)·α, lo = (min ∧ 0)·β."""
+    sch = grid.scheme
+    g = group_view(grad.float(), sch)
+    s = saved.scale
+    g_in = g * saved.inside
+    dv = ungroup(g_in * s[..., None], grid.shape, sch)
+    ds = (g * saved.codes).sum(-1) - (g_in * grid.values).sum(-1) / s
+    if saved.lo is None:
+        return dv, ds * saved.positive * grid.hi / sch.qmax, None
+    dz = -s * (g.sum(-1) - g_in.sum(-1))
+    dz = dz * saved.zero_inside
+    ds = ds + dz * saved.lo / (s * s)
+    ds = ds * saved.positive / (sch.qmax - sch.qmin)
+    return dv, ds * grid.hi, (-dz / s - ds) * grid.lo
+
+
 @torch.no_grad()
 def finish(w: Tensor, scheme: QuantScheme, r: Rounding, start: Tensor | None = None) -> QuantizedTensor:
     """The codes, scale and zero point that `fake_quant(w, scheme, r, start)` dequantizes from, packed."""
@@ -194,17 +281,35 @@ def sign_step(r: Rounding, lr: float, clip_lr: float, minmax: bool) -> None:
 # ---------------------------------------------------------------- tuning a block
 
 class _Rounded(nn.Module):
-    """A linear layer whose weight is `fake_quant(W, scheme, rounding)` for the duration of the tuning."""
+    """A linear layer whose weight, for the duration of the tuning, is the rounded weight of the current step
+    (`hat`: rounding_forward's result as a leaf tensor, so that the step's windows add their gradients into it and
+    the rounding's backward runs once per step, not once per window)."""
 
-    def __init__(self, original: nn.Module, w: Tensor, scheme: QuantScheme, rounding: Rounding,
-                 start: Tensor | None = None):
+    def __init__(self, original: nn.Module, grid: RoundingGrid, rounding: Rounding):
         super().__init__()
-        self.original, self.w, self.scheme, self.rounding, self.start = original, w, scheme, rounding, start
+        self.original, self.grid, self.rounding = original, grid, rounding
         self.bias = original.bias
+        self.hat: Tensor | None = None
+        self.saved: _Saved | None = None
+
+    def round(self) -> None:
+        """This step's rounded weight from the current V, α, β."""
+        hat, self.saved = rounding_forward(self.grid, self.rounding)
+        self.hat = hat.requires_grad_(True)
+
+    def backward(self, minmax: bool) -> None:
+        """The gradients of V (and α, β) from what the step's windows left in `hat.grad` (none: the layer saw no
+        input this step, an expert no token was routed to)."""
+        if self.hat.grad is None:
+            return
+        dv, da, db = rounding_backward(self.grid, self.saved, self.hat.grad)
+        self.rounding.v.grad = dv
+        if minmax:
+            self.rounding.alpha.grad, self.rounding.beta.grad = da, db
+        self.hat, self.saved = None, None
 
     def forward(self, x: Tensor) -> Tensor:
-        w_hat = fake_quant(self.w, self.scheme, self.rounding, self.start).to(x.dtype)
-        return nn.functional.linear(x, w_hat, self.bias)
+        return nn.functional.linear(x, self.hat.to(x.dtype), self.bias)
 
 
 @dataclass
@@ -245,10 +350,9 @@ def tune_block(block: nn.Module, weights: dict[str, Tensor], scheme: QuantScheme
     t0 = time.perf_counter()
     schemes = {name: (schemes or {}).get(name, scheme) for name in weights}
     rounding = {name: Rounding.start(w, schemes[name]) for name, w in weights.items()}
-    wrapped = {name: _Rounded(get_module(block, name), w.detach().float(), schemes[name], rounding[name],
-                              None if starts.get(name) is None else starts[name].detach().float())
+    wrapped = {name: _Rounded(get_module(block, name), RoundingGrid.of(w.detach(), schemes[name],
+                                                                       starts.get(name)), rounding[name])
                for name, w in weights.items()}
-    params = [p for r in rounding.values() for p in r.tensors(options.minmax_tuning)]
     n = len(samples.hidden)
     gen = torch.Generator().manual_seed(options.seed)
     order: list[int] = []
@@ -258,14 +362,14 @@ def tune_block(block: nn.Module, weights: dict[str, Tensor], scheme: QuantScheme
                 else contextlib.nullcontext())
     frozen = [p for p in block.parameters() if p.requires_grad]
 
-    def batch_loss(idx: list[int], backward: bool) -> float:
+    def batch_loss(idx: list[int]) -> float:
+        """The step's loss; its gradient left in each layer's rounded weight."""
         total = 0.0
         for i in idx:
             with autocast:
                 out = _first(block(samples.hidden[i], **samples.kwargs[i]))
             loss = (out.float() - samples.target[i].float()).pow(2).mean() / len(idx)
-            if backward:
-                loss.backward()
+            loss.backward()
             total += float(loss.detach())
         return total
 
@@ -275,13 +379,15 @@ def tune_block(block: nn.Module, weights: dict[str, Tensor], scheme: QuantScheme
         for p in frozen:
             p.requires_grad_(False)
         with _swapped(block, wrapped), torch.enable_grad():
-            for p in params:
-                p.requires_grad_(True)
             for step in range(options.iters):
                 if len(order) < options.batch_size:
                     order += torch.randperm(n, generator=gen).tolist()
                 idx, order = order[:options.batch_size], order[options.batch_size:]
-                loss = batch_loss(idx, backward=True)
+                for m in wrapped.values():
+                    m.round()
+                loss = batch_loss(idx)
+                for m in wrapped.values():
+                    m.backward(options.minmax_tuning)
                 first_loss = loss if first_loss is None else first_loss
                 if options.best and loss < best_loss:
                     best_loss, best, kept = loss, {k: r.copy() for k, r in rounding.items()}, step
@@ -289,8 +395,6 @@ def tune_block(block: nn.Module, weights: dict[str, Tensor], scheme: QuantScheme
                 decay = 1 - step / options.iters  # linear decay to 0
                 for r in rounding.values():
                     sign_step(r, lr * decay, clip_lr * decay, options.minmax_tuning)
-            for p in params:
-                p.requires_grad_(False)
         if options.best and best is not None:
             rounding = best
         else:

@@ -292,10 +292,12 @@ class QuantizeStage(StageBase):
 
 def tuning_bytes(size, seq_len: int) -> int:
     """AutoRound's tuning of one block (quantizers/autoround.py), for the memory plan (`size`: a
-    pipeline.memory_plan.ModelSize): per weight, float32 V, its gradient and the best step's copy, the float32 weight
-    and about five weight-sized temporaries of the rounding that autograd keeps for the backward (36 bytes in all);
-    and one window's forward saved for its backward, about 16 float32 values per token and input feature."""
-    return 36 * size.block_parameters + 4 * 16 * seq_len * size.input_features
+    pipeline.memory_plan.ModelSize): per weight, float32 V, its gradient and the best step's copy, the step's rounded
+    weight and its gradient, the codes and mask the rounding's backward reads, the rounded weight cast for one
+    window's matmul and the backward's temporaries (28.4 bytes measured on a float32 block, 2026-12-06), and the
+    float32 copy of a 16-bit weight: 32 bytes; and one window's forward saved for its backward, about 16 float32
+    values per token and input feature."""
+    return 32 * size.block_parameters + 4 * 16 * seq_len * size.input_features
 
 
 def gptq_start(w: Tensor, scheme: QuantScheme, inputs: LayerInputs) -> Tensor:
