@@ -1,10 +1,11 @@
 """torch's CPU thread count: set for a run's phase (0 = all cores), or for a while and restored."""
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import os
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -58,3 +59,38 @@ def run_groups(groups: list[list], work: Callable[[list], list], workers: int,
                 f.cancel()  # what has not started does not start; what has, finishes before the error is raised
             raise
     return results
+
+
+def ordered_map(items: list, work: Callable, workers: int) -> Iterator:
+    """work(item) for each item on up to `workers` threads, the results yielded in the items' order, with at most
+    `workers` items in flight (an item starts once the result `workers` places before it has been taken), so a
+    caller that folds the results in order gets what one thread gives however the workers finish, holding at most
+    `workers` results. torch's threads are divided between the workers as in run_groups; each worker runs under
+    the caller's grad mode. workers <= 1 or one item: in the caller's thread."""
+    if workers <= 1 or len(items) <= 1:
+        for item in items:
+            yield work(item)
+        return
+    workers = min(workers, len(items))
+    grad = torch.is_grad_enabled()
+
+    def in_worker(item):
+        with torch.set_grad_enabled(grad):
+            return work(item)
+    with cpu_threads(max(1, torch.get_num_threads() // workers)), \
+            concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compress-window") as pool:
+        pending = collections.deque(pool.submit(in_worker, item) for item in items[:workers])
+        rest = iter(items[workers:])
+        try:
+            while pending:
+                result = pending.popleft().result()
+                following = next(rest, _NONE)
+                if following is not _NONE:
+                    pending.append(pool.submit(in_worker, following))
+                yield result
+        finally:
+            for f in pending:
+                f.cancel()
+
+
+_NONE = object()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from compress.arch import get_arch
+from compress.arch import get_arch, get_module
 from compress.calibrate.blockwise import BlockPass, run_blockwise
 from compress.calibrate.distributed import check_stages
 from compress.arch.moe import unfuse_experts
@@ -198,6 +198,57 @@ def test_every_architecture_tunes_block_by_block_and_beats_rtn(family):
     assert "Block tuning (autoround)" in "\n".join(QuantizeStage.render(section, {}))
 
 
+def _block_samples(model, index: int, ids: torch.Tensor) -> BlockSamples:
+    """Block `index`'s inputs, keyword arguments and float outputs on each window of `ids`."""
+    samples = BlockSamples([], [], [])
+
+    def hook(_m, args, kwargs, out):
+        samples.hidden.append((args[0] if args else kwargs["hidden_states"]).detach())
+        samples.kwargs.append({k: v for k, v in kwargs.items() if k != "hidden_states"})
+        samples.target.append((out[0] if isinstance(out, tuple) else out).detach())
+
+    block = get_module(model, get_arch(model).blocks)[index]
+    handle = block.register_forward_hook(hook, with_kwargs=True)
+    with torch.no_grad():
+        for window in ids:
+            model(window[None], use_cache=False)
+    handle.remove()
+    return samples
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2_moe"])
+def test_windows_on_two_worker_threads_give_the_one_thread_result(family, monkeypatch):
+    """On two CPU threads a step's windows go to two workers of one thread each, and their gradients are added in the
+    windows' order, so the codes and losses are a one-thread run's, bit for bit (a MoE block: experts that a
+    window never reaches have no gradient from it)."""
+    from compress.quantizers import autoround
+    from compress.threads import cpu_threads
+    workers = []
+
+    def spy(items, work, n):
+        workers.append(n)
+        return ordered_map(items, work, n)
+
+    ordered_map = autoround.ordered_map
+    monkeypatch.setattr(autoround, "ordered_map", spy)
+    model = _model(family)
+    samples = _block_samples(model, 1, torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(2)))
+    block = get_module(model, get_arch(model).blocks)[1]
+    weights = {n: m.weight.detach() for n, m in block.named_modules() if isinstance(m, nn.Linear)}
+    scheme = QuantScheme("int3", "group", 16, symmetric=False)
+    results = []
+    for threads in (1, 2):
+        with cpu_threads(threads):
+            out, record = tune_block(block, weights, scheme, AutoRoundOptions(iters=30, batch_size=4), samples)
+        results.append(({n: (q.codes(), q.scale, q.zero_point) for n, q in out.items()},
+                         (record["first_loss"], record["last_loss"], record["kept_step"])))
+    (codes_1, record_1), (codes_2, record_2) = results
+    assert codes_1.keys() == codes_2.keys() and len(codes_1) == len(weights) > 4
+    assert all(torch.equal(a, b) for n in codes_1 for a, b in zip(codes_1[n], codes_2[n]))
+    assert record_1 == record_2 and record_1[2] > 0  # the same losses; and the tuning moved from round to nearest
+    assert workers == [1] * 30 + [2] * 30  # each step: one worker on one thread, two on two
+
+
 def test_after_awq_scales_it_tunes_the_smoothed_block():
     ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
     awq = {"stage": "awq", "n_grid": 5, "search_samples": 2}
@@ -247,8 +298,12 @@ def test_the_memory_plan_counts_the_block_tuning():
     recipe = from_dict({"model": "unused", "calibration": {"kind": "self", "n_samples": 16, "seq_len": 512},
                         "stages": [{**AR, "scheme": "W4A16"}]})
     plan = plan_memory(recipe, config, torch.bfloat16, "cpu", available=10 ** 12)
-    expected = tuning_bytes(model_size(config), 512)
-    assert plan.phases["calibration"]["block tuning"] == expected > 32 * 202_000_000  # a 7B block: ~6.5 GB
+    expected = tuning_bytes(model_size(config), 512, workers=2)  # the default threads: two windows at once
+    assert plan.phases["calibration"]["block tuning"] == expected > 42 * 202_000_000  # a 7B block: ~8.7 GB
+    one = from_dict({"model": "unused", "calibration": {"kind": "self", "n_samples": 16, "seq_len": 512,
+                                                        "threads": 1}, "stages": [{**AR, "scheme": "W4A16"}]})
+    assert plan_memory(one, config, torch.bfloat16, "cpu", available=10 ** 12).phases["calibration"][
+        "block tuning"] == tuning_bytes(model_size(config), 512) < expected
     rtn = from_dict({"model": "unused", "stages": [{**RTN, "scheme": "W4A16"}]})
     assert "block tuning" not in plan_memory(rtn, config, torch.bfloat16, "cpu", available=10 ** 12).phases.get(
         "calibration", {})

@@ -1,4 +1,5 @@
-"""threads.run_groups: independent groups of CPU work on worker threads (the quantize stage's GPTQ solves)."""
+"""threads.run_groups: independent groups of CPU work on worker threads (the quantize stage's GPTQ solves);
+threads.ordered_map: items on worker threads, results in order (AutoRound's windows)."""
 from __future__ import annotations
 
 import threading
@@ -6,7 +7,9 @@ import threading
 import pytest
 import torch
 
-from compress.threads import cpu_threads, run_groups
+import time
+
+from compress.threads import cpu_threads, ordered_map, run_groups
 
 
 def test_results_come_back_in_the_groups_order_largest_first_on_workers():
@@ -50,3 +53,25 @@ def test_an_error_in_a_worker_is_raised_in_the_caller():
 
     with pytest.raises(ValueError, match="group 2 failed"):
         run_groups([[1], [2], [3]], work, 2)
+
+
+def test_ordered_map_yields_in_order_with_at_most_workers_in_flight():
+    """The first item is the slowest, so the others finish first; the results still come in the items' order, no
+    more than two items run at once, each on one of the two threads, under the caller's grad mode."""
+    lock, running, most = threading.Lock(), [0], [0]
+
+    def work(i):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.2 if i == 0 else 0.01)
+        with lock:
+            running[0] -= 1
+        return i, threading.current_thread().name.split("_")[0], torch.get_num_threads(), torch.is_grad_enabled()
+
+    with cpu_threads(2), torch.no_grad():
+        out = list(ordered_map(list(range(6)), work, 2))
+    assert [o[0] for o in out] == list(range(6))
+    assert {o[1] for o in out} == {"compress-window"} and {o[2] for o in out} == {1} and not any(o[3] for o in out)
+    assert most[0] == 2
+    assert [o[1] for o in ordered_map([1, 2], work, 1)] == [threading.current_thread().name.split("_")[0]] * 2

@@ -35,6 +35,7 @@ from ..calibrate.blockwise import _first
 from ..core.primitives import group_view, scale_shape, ungroup
 from ..core.qtensor import QuantizedTensor
 from ..core.scheme import QuantScheme
+from ..threads import ordered_map
 
 V_RANGE = 0.5  # a weight may round to either neighbour on the grid, nothing further
 CLIP_RANGE = (0.0, 1.0)  # α, β only shrink the range (auto-round's bounds)
@@ -184,15 +185,17 @@ class RoundingGrid:
 
 @dataclass
 class _Saved:
-    """What rounding_forward keeps for rounding_backward: the scale and its mask, the clipped low end and the zero
-    point's mask (asymmetric), the codes minus the zero point, and where the codes were inside [qmin, qmax]."""
+    """What rounding_forward keeps for rounding_backward: the scale and where it was positive, the clipped low end
+    and where the zero point was inside its range (asymmetric), where the codes were inside [qmin, qmax] (1.0 or
+    0.0: float masks, because this CPU build multiplies by a bool mask 10× slower than by a float one), and
+    (q - z) - [inside]·u/s, the weight-sized factor of the scale's gradient."""
 
     scale: Tensor
     positive: Tensor
     lo: Tensor | None
     zero_inside: Tensor | None
-    codes: Tensor
     inside: Tensor
+    ds_factor: Tensor
 
 
 @torch.no_grad()
@@ -210,19 +213,20 @@ def rounding_forward(grid: RoundingGrid, r: Rounding) -> tuple[Tensor, _Saved]:
     positive = stored > 0
     scale = torch.where(positive, stored, torch.ones_like(stored))
     s = scale[..., None]
-    q = torch.round(grid.values / s + group_view(r.v, sch))
+    x = grid.values / s
+    q = torch.round(x + group_view(r.v, sch))
     zero = zero_inside = None
     if lo is not None:
         zr = torch.round(-lo / scale)
         zero_inside = (zr >= sch.qmin) & (zr <= sch.qmax)
         zero = torch.clamp(zr, sch.qmin, sch.qmax)
         q += zero[..., None]
-    inside = (q >= sch.qmin) & (q <= sch.qmax)
-    q.clamp_(sch.qmin, sch.qmax)
+    clamped = torch.clamp(q, sch.qmin, sch.qmax)
+    inside = q.sub_(clamped).abs_().neg_().add_(1.0).clamp_(min=0.0)  # the codes are integers: 1 inside, 0 outside
     if zero is not None:
-        q -= zero[..., None]
-    deq = ungroup(q * s, grid.shape, sch)
-    return deq, _Saved(scale, positive, lo, zero_inside, q, inside)
+        clamped -= zero[..., None]
+    deq = ungroup(clamped * s, grid.shape, sch)
+    return deq, _Saved(scale, positive, lo, zero_inside, inside, clamped.sub_(x.mul_(inside)))
 
 
 @torch.no_grad()
@@ -230,19 +234,21 @@ def rounding_backward(grid: RoundingGrid, saved: _Saved, grad: Tensor) -> tuple[
     """The gradients of V, α and β given the gradient `grad` [out, in] of the rounded weight: autograd's through
     `fake_quant` (straight-through round and stored-precision cast, clamp passing the gradient inside its range
     inclusive), written out. With Ŵ = (q - z)·s, q = clamp(round(u/s + V) + z), per group:
-    dV = G·s·[q inside]; ds = Σ G·(q - z) - Σ G·[inside]·u / s + dz·[z inside]·lo / s²,
+    dV = G·s·[q inside]; ds = Σ G·((q - z) - [inside]·u / s) + dz·[z inside]·lo / s²,
     dz = -s·Σ G·[q outside]; d lo = -dz·[z inside] / s; s = (hi - lo) / (qmax - qmin) (symmetric: absmax·α / qmax),
     hi = (max ∨ 0)·α, lo = (min ∧ 0)·β."""
     sch = grid.scheme
     g = group_view(grad.float(), sch)
     s = saved.scale
     g_in = g * saved.inside
-    dv = ungroup(g_in * s[..., None], grid.shape, sch)
-    ds = (g * saved.codes).sum(-1) - (g_in * grid.values).sum(-1) / s
+    ds = torch.linalg.vecdot(g, saved.ds_factor)
     if saved.lo is None:
+        dz = None
+    else:
+        dz = (g_in.sum(-1) - g.sum(-1)) * s * saved.zero_inside
+    dv = ungroup(g_in.mul_(s[..., None]), grid.shape, sch)
+    if dz is None:
         return dv, ds * saved.positive * grid.hi / sch.qmax, None
-    dz = -s * (g.sum(-1) - g_in.sum(-1))
-    dz = dz * saved.zero_inside
     ds = ds + dz * saved.lo / (s * s)
     ds = ds * saved.positive / (sch.qmax - sch.qmin)
     return dv, ds * grid.hi, (-dz / s - ds) * grid.lo
@@ -282,8 +288,8 @@ def sign_step(r: Rounding, lr: float, clip_lr: float, minmax: bool) -> None:
 
 class _Rounded(nn.Module):
     """A linear layer whose weight, for the duration of the tuning, is the rounded weight of the current step
-    (`hat`: rounding_forward's result as a leaf tensor, so that the step's windows add their gradients into it and
-    the rounding's backward runs once per step, not once per window)."""
+    (`hat`: rounding_forward's result as a leaf tensor; the step's windows' gradients for it are added up and the
+    rounding's backward runs once per step, not once per window)."""
 
     def __init__(self, original: nn.Module, grid: RoundingGrid, rounding: Rounding):
         super().__init__()
@@ -292,20 +298,20 @@ class _Rounded(nn.Module):
         self.hat: Tensor | None = None
         self.saved: _Saved | None = None
 
-    def round(self) -> None:
-        """This step's rounded weight from the current V, α, β."""
+    def round(self) -> Tensor:
+        """This step's rounded weight from the current V, α, β (a leaf the windows' gradients are taken for)."""
         hat, self.saved = rounding_forward(self.grid, self.rounding)
         self.hat = hat.requires_grad_(True)
+        return self.hat
 
-    def backward(self, minmax: bool) -> None:
-        """The gradients of V (and α, β) from what the step's windows left in `hat.grad` (none: the layer saw no
+    def backward(self, grad: Tensor | None, minmax: bool) -> None:
+        """The gradients of V (and α, β) from the step's gradient of the rounded weight (None: the layer saw no
         input this step, an expert no token was routed to)."""
-        if self.hat.grad is None:
-            return
-        dv, da, db = rounding_backward(self.grid, self.saved, self.hat.grad)
-        self.rounding.v.grad = dv
-        if minmax:
-            self.rounding.alpha.grad, self.rounding.beta.grad = da, db
+        if grad is not None:
+            dv, da, db = rounding_backward(self.grid, self.saved, grad)
+            self.rounding.v.grad = dv
+            if minmax:
+                self.rounding.alpha.grad, self.rounding.beta.grad = da, db
         self.hat, self.saved = None, None
 
     def forward(self, x: Tensor) -> Tensor:
@@ -335,6 +341,15 @@ def _swapped(block: nn.Module, layers: dict[str, nn.Module]):
             set_module(block, name, m)
 
 
+def tuning_workers(batch_size: int, device: str, threads: int) -> int:
+    """How many of a step's windows are computed at once: two on a CPU of more than one thread (each worker on half
+    the threads), else one. A window's forward and backward are many small operations that a second torch thread
+    barely speeds up (0.205 -> 0.176 s a step of 2 windows on the 2-core EPYC), while two windows at once take
+    little more than one (0.124 s). Two, not one per thread: each worker holds a window's activations and a
+    gradient of the block's weights (the memory plan counts both)."""
+    return min(batch_size, 2) if device == "cpu" and threads > 1 else 1
+
+
 def tune_block(block: nn.Module, weights: dict[str, Tensor], scheme: QuantScheme, options: AutoRoundOptions,
                samples: BlockSamples, compute_dtype: torch.dtype | None = None,
                schemes: dict[str, QuantScheme] | None = None,
@@ -357,21 +372,26 @@ def tune_block(block: nn.Module, weights: dict[str, Tensor], scheme: QuantScheme
     gen = torch.Generator().manual_seed(options.seed)
     order: list[int] = []
     device = samples.hidden[0].device
-    autocast = (torch.autocast(device_type=device.type, dtype=compute_dtype)
-                if compute_dtype is not None and compute_dtype != samples.hidden[0].dtype
-                else contextlib.nullcontext())
+    cast = compute_dtype is not None and compute_dtype != samples.hidden[0].dtype
     frozen = [p for p in block.parameters() if p.requires_grad]
+    workers = tuning_workers(options.batch_size, device.type, torch.get_num_threads())
 
-    def batch_loss(idx: list[int]) -> float:
-        """The step's loss; its gradient left in each layer's rounded weight."""
-        total = 0.0
-        for i in idx:
-            with autocast:
-                out = _first(block(samples.hidden[i], **samples.kwargs[i]))
-            loss = (out.float() - samples.target[i].float()).pow(2).mean() / len(idx)
-            loss.backward()
-            total += float(loss.detach())
-        return total
+    def window_grad(i: int, leaves: list[Tensor], windows: int) -> tuple[float, tuple]:
+        """Window i's loss (over `windows`) and its gradient for each of `leaves` (None where it did not reach)."""
+        with torch.autocast(device_type=device.type, dtype=compute_dtype) if cast else contextlib.nullcontext():
+            out = _first(block(samples.hidden[i], **samples.kwargs[i]))
+        loss = (out.float() - samples.target[i].float()).pow(2).mean() / windows
+        return float(loss.detach()), torch.autograd.grad(loss, leaves, allow_unused=True)
+
+    def step_grads(idx: list[int]) -> tuple[float, list]:
+        """The step's loss and its gradient for each layer's rounded weight, the windows' added in the windows'
+        order (so the same on any number of workers)."""
+        leaves = [m.round() for m in wrapped.values()]
+        total, grads = 0.0, [None] * len(leaves)
+        for loss, found in ordered_map(idx, lambda i: window_grad(i, leaves, len(idx)), workers):
+            total += loss
+            grads = [b if a is None else (a if b is None else a.add_(b)) for a, b in zip(grads, found)]
+        return total, grads
 
     lr, clip_lr = options.step_size, options.clip_step_size
     best_loss, best, first_loss, last_loss, kept = math.inf, None, None, None, 0
@@ -383,11 +403,9 @@ def tune_block(block: nn.Module, weights: dict[str, Tensor], scheme: QuantScheme
                 if len(order) < options.batch_size:
                     order += torch.randperm(n, generator=gen).tolist()
                 idx, order = order[:options.batch_size], order[options.batch_size:]
-                for m in wrapped.values():
-                    m.round()
-                loss = batch_loss(idx)
-                for m in wrapped.values():
-                    m.backward(options.minmax_tuning)
+                loss, grads = step_grads(idx)
+                for m, grad in zip(wrapped.values(), grads):
+                    m.backward(grad, options.minmax_tuning)
                 first_loss = loss if first_loss is None else first_loss
                 if options.best and loss < best_loss:
                     best_loss, best, kept = loss, {k: r.copy() for k, r in rounding.items()}, step

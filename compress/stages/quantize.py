@@ -20,6 +20,7 @@ from ..arch.paths import is_tied, untie_lm_head
 from ..core.nn import QuantLinear, is_linear, kernel_for, linear_shape, linear_weight
 from ..calibrate.observers import BlockObserver
 from ..quantizers import LayerInputs, build_options, get_quantizer
+from ..quantizers.autoround import tuning_workers
 from ..threads import run_groups
 from ..core.scheme import W4A16_G64, QuantScheme
 from ..transforms.smoothing import pooled_stats
@@ -219,8 +220,10 @@ class QuantizeStage(StageBase):
         # on a CPU with more than one thread, two inputs' layers are solved at once (apply_quantize: run_groups)
         two = basis.device == "cpu" and basis.calibration.threads != 1 and not tuning
         solve = size.two_solves if two else size.largest_solve
+        workers = tuning_workers(getattr(self.options, "batch_size", 1), basis.device,
+                                 2 if basis.calibration.threads != 1 else 1) if tuning else 1
         return PassMemory(statistics={"Hessians": 4 * size.hessian_floats} if hessian else {},
-                          during={"block tuning": tuning_bytes(size, seq_len) if tuning else 0},
+                          during={"block tuning": tuning_bytes(size, seq_len, workers) if tuning else 0},
                           between={"GPTQ solve": 4 * solve if hessian else 0})
 
     def observing(self, block: BlockState, index: int):
@@ -290,14 +293,15 @@ class QuantizeStage(StageBase):
             activation_lines(section, models)
 
 
-def tuning_bytes(size, seq_len: int) -> int:
+def tuning_bytes(size, seq_len: int, workers: int = 1) -> int:
     """AutoRound's tuning of one block (quantizers/autoround.py), for the memory plan (`size`: a
-    pipeline.memory_plan.ModelSize): per weight, float32 V, its gradient and the best step's copy, the step's rounded
-    weight and its gradient, the codes and mask the rounding's backward reads, the rounded weight cast for one
-    window's matmul and the backward's temporaries (28.4 bytes measured on a float32 block, 2026-12-06), and the
-    float32 copy of a 16-bit weight: 32 bytes; and one window's forward saved for its backward, about 16 float32
-    values per token and input feature."""
-    return 32 * size.block_parameters + 4 * 16 * seq_len * size.input_features
+    pipeline.memory_plan.ModelSize): per weight, float32 V, its gradient and the best step's copy, the float32 copy of
+    a 16-bit weight, the step's rounded weight and its gradient, the mask and factor the rounding's backward reads,
+    the rounded weight cast for a window's matmul and the rounding's temporaries: 38 bytes (measured 2026-12-06 on a
+    1B-shaped block: 38.4 at bfloat16, 35.6 at float32), and 4 more for each further worker's gradient (`workers`:
+    windows computed at once, autoround.tuning_workers); and each worker's window's forward saved for its backward,
+    about 16 float32 values per token and input feature."""
+    return (38 + 4 * (workers - 1)) * size.block_parameters + workers * 4 * 16 * seq_len * size.input_features
 
 
 def gptq_start(w: Tensor, scheme: QuantScheme, inputs: LayerInputs) -> Tensor:
