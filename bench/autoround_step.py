@@ -52,7 +52,7 @@ def main() -> None:
     h.remove()
     weights = {n: m.weight.detach() for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)}
     scheme = QuantScheme(dtype="int4", granularity="group", group_size=64, symmetric=False)
-    opts = AutoRoundOptions(iters=args.steps, batch_size=args.batch_size)
+    opts = AutoRoundOptions(iters=args.steps, batch_size=args.batch_size, best=False)  # the last step: all count
     tune_block(block, weights, scheme, AutoRoundOptions(iters=1, batch_size=args.batch_size), samples,
                torch.bfloat16)  # warm-up
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.profile else None

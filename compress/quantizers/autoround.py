@@ -298,10 +298,11 @@ class _Rounded(nn.Module):
         self.hat: Tensor | None = None
         self.saved: _Saved | None = None
 
-    def round(self) -> Tensor:
-        """This step's rounded weight from the current V, α, β (a leaf the windows' gradients are taken for)."""
+    def round(self, dtype: torch.dtype) -> Tensor:
+        """This step's rounded weight from the current V, α, β, in `dtype` (the dtype the block's matmuls compute
+        in: cast once a step, not once a window and back): the leaf the windows' gradients are taken for."""
         hat, self.saved = rounding_forward(self.grid, self.rounding)
-        self.hat = hat.requires_grad_(True)
+        self.hat = hat.to(dtype).requires_grad_(True)
         return self.hat
 
     def backward(self, grad: Tensor | None, minmax: bool) -> None:
@@ -315,7 +316,8 @@ class _Rounded(nn.Module):
         self.hat, self.saved = None, None
 
     def forward(self, x: Tensor) -> Tensor:
-        return nn.functional.linear(x, self.hat.to(x.dtype), self.bias)
+        w = self.hat if torch.is_autocast_enabled(x.device.type) else self.hat.to(x.dtype)  # autocast: as cast
+        return nn.functional.linear(x, w, self.bias)
 
 
 @dataclass
@@ -375,6 +377,7 @@ def tune_block(block: nn.Module, weights: dict[str, Tensor], scheme: QuantScheme
     cast = compute_dtype is not None and compute_dtype != samples.hidden[0].dtype
     frozen = [p for p in block.parameters() if p.requires_grad]
     workers = tuning_workers(options.batch_size, device.type, torch.get_num_threads())
+    matmul_dtype = compute_dtype if cast else samples.hidden[0].dtype
 
     def window_grad(i: int, leaves: list[Tensor], windows: int) -> tuple[float, tuple]:
         """Window i's loss (over `windows`) and its gradient for each of `leaves` (None where it did not reach)."""
@@ -386,11 +389,12 @@ def tune_block(block: nn.Module, weights: dict[str, Tensor], scheme: QuantScheme
     def step_grads(idx: list[int]) -> tuple[float, list]:
         """The step's loss and its gradient for each layer's rounded weight, the windows' added in the windows'
         order (so the same on any number of workers)."""
-        leaves = [m.round() for m in wrapped.values()]
+        leaves = [m.round(matmul_dtype) for m in wrapped.values()]
         total, grads = 0.0, [None] * len(leaves)
         for loss, found in ordered_map(idx, lambda i: window_grad(i, leaves, len(idx)), workers):
             total += loss
-            grads = [b if a is None else (a if b is None else a.add_(b)) for a, b in zip(grads, found)]
+            # summed in float32: a 16-bit window gradient is exact in it, as autocast's cast back used to give it
+            grads = [a if b is None else b.float() if a is None else a.add_(b) for a, b in zip(grads, found)]
         return total, grads
 
     lr, clip_lr = options.step_size, options.clip_step_size
