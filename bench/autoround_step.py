@@ -1,7 +1,8 @@
 """Seconds per AutoRound step on one decoder block of the embedded model: the block's inputs and float outputs on a
 few random-token windows (the same work per step as calibration text), captured under the pass's bf16 autocast, then
-`tune_block` for a few steps, timed. Prints seconds per step and a checksum of the codes (two code versions that
-compute the same thing give the same checksum), and with --profile the top operators.
+`tune_block` for a few steps, timed. Prints seconds per step and a checksum of the last step's codes (not the best
+step's, which on random tokens is often the first: every step counts; two code versions that compute the same thing
+give the same checksum), and with --profile the top operators.
 
     python bench/autoround_step.py --steps 6 --threads 2
 """
