@@ -281,6 +281,9 @@ def test_options_are_validated_and_several_processes_refused():
     with pytest.raises(ValueError, match="unknown option `steps`"):
         _recipe([{**AR, "options": {"steps": 10}}])
     assert AutoRoundOptions().step_size == pytest.approx(5e-3)  # the paper's 1 / 200
+    assert AutoRoundOptions(iters=1000).step_size == pytest.approx(1e-3)  # 1 / iters above 200 steps
+    assert AutoRoundOptions(iters=50).step_size == pytest.approx(5e-3)  # not 1 / 50: worse on validation
+    assert AutoRoundOptions(iters=50, lr=0.02).step_size == 0.02 == AutoRoundOptions(iters=50, lr=0.02).clip_step_size
     model = make_tiny_model("llama")
     plan = make_plan(model, get_arch(model), _recipe([AR]).stages)
     with pytest.raises(ValueError, match="one process"):

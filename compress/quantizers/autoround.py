@@ -39,6 +39,7 @@ from ..threads import ordered_map
 
 V_RANGE = 0.5  # a weight may round to either neighbour on the grid, nothing further
 CLIP_RANGE = (0.0, 1.0)  # α, β only shrink the range (auto-round's bounds)
+DEFAULT_LR = 5e-3  # the paper's 1 / 200, the largest default step size
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,9 @@ class AutoRoundOptions:
     """AutoRound's settings (`options:` of a `method: autoround` quantize stage). The defaults are the paper's."""
 
     iters: int = 200  # SignSGD steps per block
-    lr: float = 0.0  # step size of V; 0 = 1 / iters (5e-3 at 200 steps, the paper's)
+    # step size of V; 0 = min(5e-3, 1 / iters): the paper's 1 / iters at 200 steps and above, and 5e-3 below, where
+    # 1 / iters was worse on validation (docs/results.md, "AutoRound faster")
+    lr: float = 0.0
     minmax_lr: float = 0.0  # step size of the clipping α, β; 0 = lr
     batch_size: int = 8  # calibration windows per step (drawn without replacement, epoch by epoch)
     minmax_tuning: bool = True  # learn the per-group clipping α, β (false: only the rounding V)
@@ -61,7 +64,7 @@ class AutoRoundOptions:
             raise ValueError(f"autoround iters must be >= 0 (the paper uses 200; 0 = round to nearest), got "
                              f"{self.iters}")
         if self.lr < 0 or self.minmax_lr < 0:
-            raise ValueError(f"autoround lr and minmax_lr must be >= 0 (0 = 1 / iters), got {self.lr}, "
+            raise ValueError(f"autoround lr and minmax_lr must be >= 0 (0 = min(5e-3, 1 / iters)), got {self.lr}, "
                              f"{self.minmax_lr}")
         if self.batch_size < 1:
             raise ValueError(f"autoround batch_size must be >= 1 (the paper uses 8), got {self.batch_size}")
@@ -70,7 +73,7 @@ class AutoRoundOptions:
 
     @property
     def step_size(self) -> float:
-        return self.lr or (1.0 / self.iters if self.iters else 0.0)
+        return self.lr or (min(DEFAULT_LR, 1.0 / self.iters) if self.iters else 0.0)
 
     @property
     def clip_step_size(self) -> float:
