@@ -52,8 +52,9 @@ def _runs() -> dict[str, tuple[str, list[str]]]:
             runs[f"awq+gptq {bits} clip_to={clip_to}"] = ("recipes/awq_gptq_int4.yaml", [
                 f"stages.0.clip_to={clip_to}", f"stages.1.scheme.dtype={bits}"])
     # AutoRound after AWQ (recipes/autoround_int4.yaml): steps per block, windows per step and step size (issue 49:
-    # fewer steps at the same quality); one calibration thread each, so that two run at once
-    for iters, batch, lr in ((200, 2, 0), (100, 2, 0), (50, 2, 0), (50, 2, 5e-3), (50, 4, 0), (25, 4, 0), (32, 2, 0)):
+    # fewer steps at the same quality; lr 0 = the default at the time of the runs, 1 / iters); one calibration
+    # thread each, so that two run at once
+    for iters, batch, lr in ((200, 2, 0), (100, 2, 0), (50, 2, 0), (50, 2, 5e-3), (100, 2, 5e-3), (64, 2, 5e-3)):
         name = f"awq+autoround int4 iters={iters} bs={batch}" + (f" lr={lr:g}" if lr else "")
         runs[name] = ("recipes/autoround_int4.yaml", [f"stages.1.options.iters={iters}",
                                                       f"stages.1.options.batch_size={batch}",
