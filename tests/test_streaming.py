@@ -65,6 +65,33 @@ def test_shard_writer_writes_files_safetensors_and_transformers_read(tmp_path):
         w.add("a", torch.zeros(1))
 
 
+def test_writing_behind_gives_the_same_files_and_raises_its_error_at_the_next_call(tmp_path):
+    """add_behind (a block's tensors written on a helper thread while the next block computes) writes the files add
+    writes, byte for byte; state() and finish() wait for it; an error on the helper is raised by the next call."""
+    from compress.core.profile import Profile
+    g = torch.Generator().manual_seed(0)
+    blocks = [[(f"b{i}.{k}", torch.randn(30, 40, generator=g)) for k in range(3)] for i in range(4)]
+    for folder in ("plain", "behind"):
+        (tmp_path / folder).mkdir()
+    plain, behind = ShardWriter(tmp_path / "plain", max_shard_bytes=10_000), \
+        ShardWriter(tmp_path / "behind", max_shard_bytes=10_000)
+    profile = Profile()
+    for items in blocks:
+        for name, t in items:
+            plain.add(name, t)
+        behind.add_behind(items, profile)
+    assert behind.state()["total"] == plain.state()["total"] == 4 * 3 * 30 * 40 * 4  # state() waited
+    assert plain.finish() == behind.finish()
+    for f in sorted(p.name for p in (tmp_path / "plain").iterdir()):
+        assert (tmp_path / "plain" / f).read_bytes() == (tmp_path / "behind" / f).read_bytes(), f
+    assert profile.overlapped["writing"] > 0  # the helper's time, apart from the main thread's phases
+    (tmp_path / "twice").mkdir()
+    writer = ShardWriter(tmp_path / "twice")
+    writer.add_behind([("a", torch.zeros(2)), ("a", torch.zeros(2))])
+    with pytest.raises(ValueError, match="written twice"):
+        writer.add("b", torch.zeros(1))
+
+
 def test_a_large_shard_is_closed_in_place_and_read_by_safetensors_and_transformers(tmp_path, monkeypatch):
     """A shard of at least IN_PLACE_MIN bytes gets its header in the room left in front of its data (padded with
     spaces, as safetensors allows) instead of being copied behind it; the files read the same everywhere. A writer
@@ -326,6 +353,7 @@ def test_only_one_block_is_in_memory_at_a_time_and_the_output_reloads(tmp_path):
     assert {"read", "convert", "float forward", "statistics", "solves", "compressed forward", "evaluation",
             "writing", "load", "eval", "save"} <= set(phases)
     assert profile["covered"] > 0.9 and profile["overlapped"]["read"] > 0, profile["phases"]
+    assert profile["overlapped"]["writing"] > 0  # the blocks' tensors written behind the pass
     assert phases["float forward"]["unit"] == "GFLOP/s" and phases["float forward"]["peak"] > 0
     assert "Profile: " in (tmp_path / "out" / "report.md").read_text()
 

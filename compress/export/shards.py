@@ -11,12 +11,15 @@ import json
 import os
 import shutil
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
+
+from ..core.profile import phase_of
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -167,8 +170,36 @@ class ShardWriter:
         # as closed no longer needs it); else it is deleted at once
         self.keep_closed = keep_closed
         self.stale: list[Path] = []
+        self._pool: ThreadPoolExecutor | None = None  # add_behind's one helper thread
+        self._behind: Future | None = None
+
+    def add_behind(self, items: list[tuple[str, Tensor]], profile=None) -> None:
+        """Write `items` (name, tensor) on a helper thread while the caller goes on, after waiting for the batch
+        before (one batch in flight: the tensors it holds are the memory plan's "previous block (being written)").
+        Every other call waits for it first; an error in it is raised by the next call. `profile`: the helper's
+        time is recorded as overlapped `writing`, the caller's waits as `writing`."""
+        self.wait(profile)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="shard-writer")
+        self._behind = self._pool.submit(self._add_all, items, profile)
+
+    def _add_all(self, items: list[tuple[str, Tensor]], profile) -> None:
+        with phase_of(profile, "writing"):
+            for name, t in items:
+                self._add(name, t)
+
+    def wait(self, profile=None) -> None:
+        """Until the batch add_behind is writing has been written (its error, if any, raised here)."""
+        if self._behind is not None:
+            behind, self._behind = self._behind, None
+            with phase_of(profile, "writing"):
+                behind.result()
 
     def add(self, name: str, tensor: Tensor) -> None:
+        self.wait()
+        self._add(name, tensor)
+
+    def _add(self, name: str, tensor: Tensor) -> None:
         if name in self.header or any(name in names for _, names in self.parts):
             raise ValueError(f"tensor {name!r} written twice")
         t = tensor.detach().to("cpu").contiguous()
@@ -211,7 +242,8 @@ class ShardWriter:
 
     def state(self) -> dict:
         """Where the writer stands, for a checkpoint (resume with `restore`): the closed shards, and the open one's
-        tensors and size. The open data file is flushed first."""
+        tensors and size. The open data file is flushed first (and a batch being written behind finished)."""
+        self.wait()
         if self.data is not None:
             self.data.flush()
         return {"parts": [[p.name, names] for p, names in self.parts], "header": self.header, "size": self.size,
@@ -250,6 +282,10 @@ class ShardWriter:
 
     def finish(self) -> list[str]:
         """Close the last shard and give the shards their final names. Returns the file names written."""
+        self.wait()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         if self.data is not None or not self.parts:
             if self.data is None:
                 self.data = open(self.folder / f".part-{len(self.parts) + 1:05d}.data", "wb")

@@ -266,6 +266,11 @@ def _streamed_plan(recipe, basis, dtype, device: str, available, device_availabl
                # the next block, read on a helper thread while this one computes (StreamedBlocks), as stored:
                # counted at 16 bits, the dtype checkpoints are published in
                "next block (read ahead)": size.block_parameters * min(width, 2)}
+    if recipe.output.save_model:
+        # the block before, its tensors as stored, written to the shards on a helper thread while this one computes
+        # (ShardWriter.add_behind): a block's share of the compressed model
+        passing["previous block (being written)"] = int(size.block_parameters * width * basis.compressed /
+                                                        max(basis.weights, 1))
     between = {}
     if recipe.calibration is not None:
         cal = recipe.calibration

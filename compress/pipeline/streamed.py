@@ -12,6 +12,7 @@ exports are written afterwards from the saved checkpoint, again one block at a t
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -161,13 +162,14 @@ class StreamedBlocks:
         prefix = f"{self.streamed.arch.blocks}.{i}"
         self.kv.update({f"{prefix}.{n}": v for n, v in kv_layers(block).items()})
         if self.writer is not None:
-            written = 0
+            # the block's tensors as stored, written on the writer's helper thread while the next block computes
+            # (one block behind: the memory plan's "previous block (being written)"); held here, they outlive the
+            # block's release to the meta device
             with phase_of(self.profile, "writing"):
-                for name, t in storage_tensors(block, self.save_dtype, prefix):
-                    self.writer.add(name, t)
-                    written += t.numel() * t.element_size()
+                items = list(storage_tensors(block, self.save_dtype, prefix))
+            self.writer.add_behind(items, self.profile)
             if self.profile is not None:
-                self.profile.add_work("writing", nbytes=written)
+                self.profile.add_work("writing", nbytes=sum(t.numel() * t.element_size() for _, t in items))
         self.streamed.release(block)
         trim_heap()
 
@@ -459,6 +461,9 @@ class StreamedSource(ModelSource):
         return PassExtras(model_reports, opts.out.parent, self.blocks, visitors, checkpoint)
 
     def stopped(self, opts: RunOptions) -> None:
+        if self.writer is not None:  # a block being written behind finishes before a resume may truncate its shard
+            with contextlib.suppress(Exception):  # its own error is not the one that stopped the pass
+                self.writer.wait()
         opts.log(f"the streamed pass stopped; its progress is in {self.work}: the same command with --resume "
                  "continues it")
 
@@ -470,12 +475,13 @@ class StreamedSource(ModelSource):
         """The tensors outside the blocks (the blocks' went to the shards in the pass), then the model files."""
         model, arch, save_dtype = self.model, self.arch, opts.recipe.output.save_dtype
         opts.log("writing the rest of the model (embeddings, final norm, head) and closing the shards ...")
+        self.writer.wait(opts.profile)  # the last block's tensors, still being written behind the pass
         for name, t in storage_tensors(model, save_dtype):
             self.writer.add(name, t)
         if any(p.is_meta for p in get_module(model, arch.embed).parameters()):
             for name, t in self.streamed.outside_tensors(arch.embed, getattr(torch, save_dtype)):
                 self.writer.add(name, t)
-        with phase_of(opts.profile, "writing"):  # the last shard closed
+        with phase_of(opts.profile, "writing"):  # the last block's tensors written, the last shard closed
             self.writer.finish()
         write_model_files(model, self.tokenizer, tmp, record, save_dtype, self.blocks.kv)
 
