@@ -246,12 +246,10 @@ def rounding_backward(grid: RoundingGrid, saved: _Saved, grad: Tensor) -> tuple[
     g_in = g * saved.inside
     ds = torch.linalg.vecdot(g, saved.ds_factor)
     if saved.lo is None:
-        dz = None
-    else:
-        dz = (g_in.sum(-1) - g.sum(-1)) * s * saved.zero_inside
-    dv = ungroup(g_in.mul_(s[..., None]), grid.shape, sch)
-    if dz is None:
+        dv = ungroup(g_in.mul_(s[..., None]), grid.shape, sch)
         return dv, ds * saved.positive * grid.hi / sch.qmax, None
+    dz = (g_in.sum(-1) - g.sum(-1)) * s * saved.zero_inside  # before g_in becomes dV in place
+    dv = ungroup(g_in.mul_(s[..., None]), grid.shape, sch)
     ds = ds + dz * saved.lo / (s * s)
     ds = ds * saved.positive / (sch.qmax - sch.qmin)
     return dv, ds * grid.hi, (-dz / s - ds) * grid.lo
