@@ -59,6 +59,10 @@ def _runs() -> dict[str, tuple[str, list[str]]]:
         runs[name] = ("recipes/autoround_int4.yaml", [f"stages.1.options.iters={iters}",
                                                       f"stages.1.options.batch_size={batch}",
                                                       f"stages.1.options.lr={lr}", "calibration.threads=1"])
+    for samples in (64, 96):  # fewer calibration windows: the two forwards over them shrink with them
+        runs[f"awq+autoround int4 iters=100 bs=2 lr=0.005 n{samples}"] = ("recipes/autoround_int4.yaml", [
+            "stages.1.options.iters=100", "stages.1.options.batch_size=2", "stages.1.options.lr=0.005",
+            f"calibration.n_samples={samples}", "calibration.threads=1"])
     runs["rtn int4"] = ("recipes/int4_rtn.yaml", ["calibration=null"])
     runs["rtn int3"] = ("recipes/int4_rtn.yaml", ["calibration=null", "stages.0.scheme.dtype=int3"])
     return runs

@@ -28,6 +28,7 @@ from .distributed import active, reduce_sums
 from ..arch import ArchSpec, cross_attention_blocks, get_module, set_module
 from ..core.nn import QuantLinear, cached_dequantize, is_linear, linear_shape
 from ..core.profile import Profile, phase_of
+from .deferred import map_windows
 
 
 class _StopForward(Exception):
@@ -419,18 +420,30 @@ def block_forward(block: nn.Module, inputs: BlockInputs, compute_dtype: torch.dt
     """The block on every sample. `compute_dtype` (bfloat16) runs the matmuls of a float32 block in that dtype under
     autocast (a 16-bit model already computes in its own dtype); outputs return in the inputs' dtype, so the
     residual stream between blocks stays float32. `store` ([n, 1, seq_len, hidden], e.g. a Spill): write the outputs
-    there and return views of it."""
+    there and return views of it.
+
+    On a CPU of more than one thread two windows run at once, one thread each (threads.window_workers), where every
+    hook on the block is deferrable (calibrate/deferred.py): the hooks' calls are kept on the workers and run here in
+    the windows' order, so what they accumulate is what one window at a time gives. The outputs are a one-thread
+    run's bit for bit (a matmul's rounding can depend on its thread count)."""
     if inputs.kwargs is None:
         raise ValueError(f"no block {inputs.block} to run: these are the last block's outputs")
     if inputs.skipped:  # the model passes the hidden states by this block (a cross-attention layer on text)
         return [_keep(h, store, i) for i, h in enumerate(inputs.hidden)]
     dtype = matmul_dtype(inputs, compute_dtype)
-    if dtype == inputs.hidden[0].dtype:
-        return [_keep(_first(block(h, **kw)), store, i) for i, (h, kw) in enumerate(zip(inputs.hidden, inputs.kwargs))]
+    cast = dtype != inputs.hidden[0].dtype
     device = inputs.hidden[0].device.type
-    with torch.autocast(device_type=device, dtype=dtype), linear_weights_in(block, dtype):
-        return [_keep(_first(block(h, **kw)).to(h.dtype), store, i)
-                for i, (h, kw) in enumerate(zip(inputs.hidden, inputs.kwargs))]
+
+    def window(i: int) -> Tensor:  # autocast is per thread: entered by whichever thread runs the window
+        h, kw = inputs.hidden[i], inputs.kwargs[i]
+        if not cast:
+            return _first(block(h, **kw))
+        with torch.autocast(device_type=device, dtype=dtype):
+            return _first(block(h, **kw)).to(h.dtype)
+
+    with linear_weights_in(block, dtype) if cast else contextlib.nullcontext():
+        return [_keep(out, store, i) for i, out in enumerate(map_windows(block, range(len(inputs.hidden)), window,
+                                                                         device))]
 
 
 def spill(folder: Path, name: str, like: Tensor, n: int) -> Tensor:

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ..core.profile import phase_of
+from .deferred import deferrable
 
 
 @dataclass
@@ -78,15 +79,19 @@ class BlockObserver:
                           hessian=torch.zeros(k, k, dtype=torch.float32, device=device) if self.want_hessian else None)
 
     def __enter__(self) -> "BlockObserver":
-        self._handles.append(self.block.register_forward_pre_hook(self._new_sample))
+        # deferrable: on the worker threads of a parallel block forward, kept and run in the windows' order
+        # (calibrate/deferred.py), so the sums and the kept samples are a serial forward's; not where a Hessian is
+        # accumulated, the float32 work that would then be left to one thread
+        wrap = deferrable if not self.want_hessian and not self.kv_absmax else (lambda hook: hook)
+        self._handles.append(self.block.register_forward_pre_hook(wrap(self._new_sample)))
         for name, record in self.kv_absmax.items():
             self.block.get_submodule(name).kv_record = record
         for name in self.linears:
             mod = self.block.get_submodule(name)
-            self._handles.append(mod.register_forward_hook(self._linear_hook(name)))
+            self._handles.append(mod.register_forward_hook(wrap(self._linear_hook(name))))
         for name in self.inspect:
             mod = self.block.get_submodule(name)
-            self._handles.append(mod.register_forward_pre_hook(self._inspect_hook(name), with_kwargs=True))
+            self._handles.append(mod.register_forward_pre_hook(wrap(self._inspect_hook(name)), with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> None:

@@ -212,6 +212,9 @@ def _rotate_input_hook(module: nn.Module, args: tuple):
     return (module.input_rotation(args[0]), *args[1:])
 
 
+_rotate_input_hook.thread_safe = True  # a function of its input alone: a block's windows may run on worker threads
+
+
 def attach_input_rotation(linear: nn.Module, rotation: nn.Module) -> None:
     """Make `linear` rotate its input at run time (a forward pre-hook, run before any other, so that observers and
     quantizers see the rotated input). arch.set_module carries it over to a module that replaces this one."""

@@ -35,7 +35,7 @@ from ..calibrate.blockwise import _first
 from ..core.primitives import group_view, scale_shape, ungroup
 from ..core.qtensor import QuantizedTensor
 from ..core.scheme import QuantScheme
-from ..threads import ordered_map
+from ..threads import ordered_map, window_workers
 
 V_RANGE = 0.5  # a weight may round to either neighbour on the grid, nothing further
 CLIP_RANGE = (0.0, 1.0)  # α, β only shrink the range (auto-round's bounds)
@@ -345,12 +345,12 @@ def _swapped(block: nn.Module, layers: dict[str, nn.Module]):
 
 
 def tuning_workers(batch_size: int, device: str, threads: int) -> int:
-    """How many of a step's windows are computed at once: two on a CPU of more than one thread (each worker on half
-    the threads), else one. A window's forward and backward are many small operations that a second torch thread
-    barely speeds up (0.205 -> 0.176 s a step of 2 windows on the 2-core EPYC), while two windows at once take
-    little more than one (0.124 s). Two, not one per thread: each worker holds a window's activations and a
-    gradient of the block's weights (the memory plan counts both)."""
-    return min(batch_size, 2) if device == "cpu" and threads > 1 else 1
+    """How many of a step's windows are computed at once (threads.window_workers): two on a CPU of more than one
+    thread. A window's forward and backward are many small operations that a second torch thread barely speeds up
+    (0.205 -> 0.176 s a step of 2 windows on the 2-core EPYC), while two windows at once take little more than one
+    (0.124 s). Each worker holds a window's activations and a gradient of the block's weights (the memory plan
+    counts both)."""
+    return window_workers(device, threads, batch_size)
 
 
 def tune_block(block: nn.Module, weights: dict[str, Tensor], scheme: QuantScheme, options: AutoRoundOptions,

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
+from ..calibrate.deferred import map_windows
 from ..calibrate.distributed import all_windows, mean_over_ranks, total_over_ranks
 from ..core.primitives import group_range, group_view
 from ..core.scheme import QuantScheme
@@ -136,13 +137,12 @@ def _replay_loss(inspect: nn.Module, calls, reference: list[Tensor], balance: li
             trial = fake_quantize(w * s[None, :], sch).div_(s[None, :])
             # held in the replay's matmul dtype: the same values autocast would produce, cast once, not per call
             m.weight.data = (trial.t() if isinstance(m, Conv1D) else trial).to(replay_dtype(originals[0])).contiguous()
-        losses = []
-        with replay_autocast(originals[0]):
-            for call, ref in zip(calls, reference):  # replay's outputs, each compared as it comes
-                out = inspect(*call.args, **call.kwargs)
+        def loss(k: int) -> float:  # a replay's output compared as it comes (on a worker thread: map_windows)
+            with replay_autocast(originals[0]):
+                out = inspect(*calls[k].args, **calls[k].kwargs)
                 # a bfloat16 output minus the float32 reference is computed in float32: (out.float() - ref) exactly
-                losses.append(float(((out[0] if isinstance(out, (tuple, list)) else out) - ref).pow_(2).mean()))
-        return mean_over_ranks(losses)
+                return float(((out[0] if isinstance(out, (tuple, list)) else out) - reference[k]).pow_(2).mean())
+        return mean_over_ranks(list(map_windows(inspect, range(len(calls)), loss, originals[0].device.type)))
     finally:
         for m, w0 in zip(balance, originals):
             m.weight.data = w0

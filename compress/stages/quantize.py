@@ -18,6 +18,7 @@ from ..arch.mixers import float_linear_reason, float_reason
 from ..arch.moe import EXPERT, ROUTER_REASON, any_expert, router_names
 from ..arch.paths import is_tied, untie_lm_head
 from ..core.nn import QuantLinear, is_linear, kernel_for, linear_shape, linear_weight
+from ..calibrate.deferred import deferrable
 from ..calibrate.observers import BlockObserver
 from ..quantizers import LayerInputs, build_options, get_quantizer
 from ..quantizers.autoround import tuning_workers
@@ -332,7 +333,8 @@ def _keep_block_samples(block: BlockState, index: int):
             dev = hidden.device.type
             dtype.append(torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None)
 
-    handle = block.module.register_forward_hook(hook, with_kwargs=True)
+    # deferrable: in a parallel block forward the windows are kept in their order (calibrate/deferred.py)
+    handle = block.module.register_forward_hook(deferrable(hook), with_kwargs=True)
     try:
         yield
     finally:

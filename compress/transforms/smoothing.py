@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from ..arch.paths import block_pairs
 from ..arch.moe import any_expert
+from ..calibrate.deferred import map_windows
 from ..calibrate.observers import InputStats
 # re-exported: AWQ, SmoothQuant and planted outliers fold through smoothing
 from ..core.fold import apply_smoothing, in_weight, out_channels, scale_inputs, scale_outputs  # noqa: F401
@@ -129,8 +130,11 @@ def replay_autocast(t: Tensor):
 @torch.no_grad()
 def replay(inspect: nn.Module, calls) -> list[Tensor]:
     """The inspect module's float32 outputs on the calls the observer kept (observers.Call)."""
-    outs = []
-    for call in calls:
-        out = inspect(*call.args, **call.kwargs)
-        outs.append((out[0] if isinstance(out, (tuple, list)) else out).float())
-    return outs
+    device = next(iter(inspect.parameters()), torch.empty(0)).device.type
+    autocast, dtype = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+
+    def output(call) -> Tensor:  # on a worker thread where map_windows says so: the caller's autocast entered there
+        with torch.autocast(device_type=device, dtype=dtype, enabled=autocast):
+            out = inspect(*call.args, **call.kwargs)
+        return (out[0] if isinstance(out, (tuple, list)) else out).float()
+    return list(map_windows(inspect, calls, output, device))
