@@ -195,3 +195,61 @@ def test_compress_generate_on_the_embedded_model(capsys):
                  "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("prompt (chat template): What is the capital of France?") and "Paris" in printed
+
+
+def _quantized(family: str):
+    """A tiny model whose every linear but the head is an int4 QuantLinear (round to nearest)."""
+    from compress.arch import set_module
+    from compress.core.nn import QuantLinear
+    from compress.core.scheme import scheme
+    from compress.quantizers.rtn import quantize_rtn
+    model = make_tiny_model(family)
+    w4 = scheme("int4", "group", 16, symmetric=False)
+    for name, m in list(model.named_modules()):
+        if isinstance(m, torch.nn.Linear) and name != "lm_head":
+            set_module(model, name, QuantLinear.from_module(m, quantize_rtn(m.weight.detach(), w4)))
+    return model
+
+
+def test_samples_through_weights_dequantized_once_are_the_per_call_samples():
+    """The evaluation dequantizes a quantized model's weights once where the copy fits (dequantized_if_room):
+    the samples and logits are what each call's own dequantization gives, bit for bit; without room, nothing is
+    cached."""
+    from compress.core.nn import QuantLinear, dequantized_if_room
+    model, tok = _quantized("qwen2"), make_tiny_tokenizer()
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    ids = torch.randint(0, 256, (1, 40))
+    per_call, logits = generate_samples({"m": model}, tok, 12), model(ids).logits
+    need = sum(m.in_features * m.out_features for m in layers) * 4
+    with dequantized_if_room(model, torch.float32, free=2 * need - 2):
+        assert all(m._weight_cache is None for m in layers)
+    with dequantized_if_room(model, torch.float32, free=2 * need):
+        assert all(m._weight_cache is not None for m in layers)
+        assert generate_samples({"m": model}, tok, 12) == per_call
+        assert torch.equal(model(ids).logits, logits)
+    assert all(m._weight_cache is None for m in layers)
+
+
+def test_the_evaluation_caches_for_the_samples_and_not_for_the_speed_run(monkeypatch):
+    """A cached layer bypasses its dispatch plan's kernels: the speed run must see the per-call layers."""
+    import compress.measure.samples as samples
+    import compress.pipeline.report as report
+    from compress.core.nn import QuantLinear
+    from compress.recipe import EvalSpec
+    model, tok = _quantized("qwen2"), make_tiny_tokenizer()
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    cached = {}
+    real_samples, real_speed = samples.generate_samples, report.measure_speed
+
+    def spy_samples(*args, **kwargs):
+        cached["samples"] = all(m._weight_cache is not None for m in layers)
+        return real_samples(*args, **kwargs)
+
+    def spy_speed(*args, **kwargs):
+        cached["speed"] = any(m._weight_cache is not None for m in layers)
+        return real_speed(*args, **kwargs)
+    monkeypatch.setattr(samples, "generate_samples", spy_samples)
+    monkeypatch.setattr(report, "measure_speed", spy_speed)
+    spec = EvalSpec(perplexity=False, samples=4, speed=True, prefill_tokens=8, decode_tokens=2, speed_repeats=1)
+    result = report.evaluate_models({"compressed": model}, tok, spec)
+    assert cached == {"samples": True, "speed": False} and result["samples"]["prompts"]

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..calibrate.data import eval_windows, fingerprint
-from ..core.nn import QuantLinear
+from ..core.nn import QuantLinear, dequantized_if_room
 from ..core.profile import phase_of
 from ..stages import get_stage
 from ..measure.fmt import mb as _mb, num as _f
@@ -31,24 +31,11 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
     `spec.threads` CPU threads; speed and samples (batch-1 decoding: small ops, where a second thread's barriers
     cost more than it adds on a small model) on the threads set by the caller. `profile` (core.profile.Profile):
     each part timed as its own phase (perplexity, samples, speed, lm-eval, speculative)."""
+    from ..model.load import offloaded
     result: dict = {"models": {n: {} for n in models}}
     accuracy_threads = getattr(spec, "threads", None)
-    if spec.perplexity:
-        windows = eval_windows(tokenizer, spec.split, spec.seq_len, spec.max_windows)
-        result["protocol"] = eval_protocol(spec, windows, next(iter(models.values())).dtype)
-        for m in models.values():
-            for q in _llm_int8_layers(m):
-                q.outlier_counts.update(forwards=0, total=0, max=0)
-        with cpu_threads(accuracy_threads) as n, phase_of(profile, "perplexity"):
-            result["protocol"]["threads"] = n
-            scores = score_windows(models, windows, baseline=baseline, device=device, progress=progress)
-        for n, s in scores.items():
-            result["models"][n].update(ppl=s.ppl, nll=s.nll, tokens=s.tokens, kl=s.kl, top1_agreement=s.top1_agreement)
-            result["models"][n].update(llm_int8_figures(models[n]))
-    from ..model.load import offloaded
-    if getattr(spec, "samples", 0):  # decoding, as the speed figures: on the caller's threads
-        with phase_of(profile, "samples"):
-            result["samples"] = samples_section(models, tokenizer, spec.samples, baseline, offloaded)
+    with _dequantized(models, offloaded):
+        _accuracy_and_samples(models, tokenizer, spec, device, baseline, progress, profile, result)
     for n, m in models.items():
         on_disk = offloaded(m)
         result["models"][n]["weights"] = weight_bytes(m, meta=bool(on_disk))
@@ -77,7 +64,7 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
                                                                      spec.speed_repeats, device)
     if getattr(spec, "tasks", ()):
         from ..measure.harness import evaluate_tasks
-        with cpu_threads(accuracy_threads), phase_of(profile, "lm-eval"):
+        with cpu_threads(accuracy_threads), phase_of(profile, "lm-eval"), _dequantized(models, offloaded):
             result["lm_eval"] = evaluate_tasks(models, tokenizer, spec.tasks, spec.task_limit, spec.num_fewshot,
                                                spec.task_batch_size, baseline=baseline)
     if getattr(spec, "speculative", ()) and baseline is not None and "compressed" in models:
@@ -89,6 +76,38 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
     result["peak_rss_bytes"] = peak_rss_bytes()
     result["peak_cuda_bytes"] = peak_cuda_bytes()
     return result
+
+
+def _dequantized(models: dict[str, nn.Module], offloaded) -> contextlib.ExitStack:
+    """Each resident model's quantized weights dequantized once for the accuracy forwards and the samples, where the
+    copy fits (core/nn.py: dequantized_if_room; bit for bit the per-call forward's)."""
+    stack = contextlib.ExitStack()
+    for m in models.values():
+        if not offloaded(m):
+            stack.enter_context(dequantized_if_room(m, m.dtype))
+    return stack
+
+
+def _accuracy_and_samples(models: dict[str, nn.Module], tokenizer, spec, device: str, baseline: str | None,
+                          progress: bool, profile, result: dict) -> None:
+    """evaluate_models' perplexity (KL, top-1) and greedy samples, into `result`."""
+    from ..model.load import offloaded
+    accuracy_threads = getattr(spec, "threads", None)
+    if spec.perplexity:
+        windows = eval_windows(tokenizer, spec.split, spec.seq_len, spec.max_windows)
+        result["protocol"] = eval_protocol(spec, windows, next(iter(models.values())).dtype)
+        for m in models.values():
+            for q in _llm_int8_layers(m):
+                q.outlier_counts.update(forwards=0, total=0, max=0)
+        with cpu_threads(accuracy_threads) as n, phase_of(profile, "perplexity"):
+            result["protocol"]["threads"] = n
+            scores = score_windows(models, windows, baseline=baseline, device=device, progress=progress)
+        for n, s in scores.items():
+            result["models"][n].update(ppl=s.ppl, nll=s.nll, tokens=s.tokens, kl=s.kl, top1_agreement=s.top1_agreement)
+            result["models"][n].update(llm_int8_figures(models[n]))
+    if getattr(spec, "samples", 0):  # decoding, as the speed figures: on the caller's threads
+        with phase_of(profile, "samples"):
+            result["samples"] = samples_section(models, tokenizer, spec.samples, baseline, offloaded)
 
 
 def samples_section(models: dict[str, nn.Module], tokenizer, new_tokens: int, baseline: str | None,
