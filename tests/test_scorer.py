@@ -234,3 +234,34 @@ def test_score_hidden_over_several_chunks_reads_each_windows_own_hidden_states()
     assert scores["q"].kl == pytest.approx(kl, rel=1e-4)
     _assert_nll_matches(scores["base"], base, windows)
     _assert_nll_matches(scores["q"], quantized, windows)
+
+
+@pytest.mark.parametrize("family", ["llama", "opt", "gemma2"])
+def test_windows_side_by_side_score_what_one_thread_scores(family):
+    """On a CPU of more than one thread, score_windows runs two windows at once (one thread each) where the head
+    alone gives the model's logits; the scores are a one-thread run's bit for bit. Gemma 2 soft-caps its logits
+    after the head: its windows stay on the caller's thread (final_logits swaps a stand-in forward in per call)."""
+    import threading
+    from compress.threads import cpu_threads
+    base = make_tiny_model(family)
+    quantized = _int2(base)
+    windows = torch.randint(0, 256, (4, 40), generator=torch.Generator().manual_seed(4))
+    plain = ppl._plain_head(base, get_arch(base)) is not None
+    assert plain == (family != "gemma2")
+    seen = []
+
+    def where(*_):
+        seen.append(threading.get_ident())
+    where.thread_safe = True
+    handle = base.register_forward_pre_hook(where) if not plain else \
+        ppl._trunks(base)[0].register_forward_pre_hook(where)
+    try:
+        runs = []
+        for threads in (1, 2):
+            with cpu_threads(threads):
+                runs.append(score_windows({"base": base, "q": quantized}, windows, baseline="base", progress=False))
+    finally:
+        handle.remove()
+    assert runs[0] == runs[1]
+    off_caller = sum(t != threading.get_ident() for t in seen[len(windows):])
+    assert off_caller == (len(windows) if plain else 0)

@@ -67,14 +67,16 @@ def replay(record: list) -> None:
 
 def parallel_safe(block: nn.Module) -> bool:
     """Whether the windows of `block` may run on worker threads: every hook on it and its submodules is deferrable
-    or marked `thread_safe` (a function of its arguments alone, as core/nn.py's input rotation), no global module hook is registered, and no module carries per-call state (_STATEFUL)."""
+    or marked `thread_safe` (a function of its arguments alone, as core/nn.py's input rotation), no global module hook
+    is registered, and no module carries per-call state (_STATEFUL) or says its forward changes it (a true
+    `parallel_unsafe`: an LLM.int8 layer counting its outliers, a layer running a dispatch plan's kernels)."""
     if _module._global_forward_hooks or _module._global_forward_pre_hooks:
         return False
     for m in block.modules():
         for hooks in (m._forward_hooks, m._forward_pre_hooks):
             if any(not (getattr(h, "deferrable", False) or getattr(h, "thread_safe", False)) for h in hooks.values()):
                 return False
-        if any(getattr(m, a, None) is not None for a in _STATEFUL):
+        if any(getattr(m, a, None) is not None for a in _STATEFUL) or getattr(m, "parallel_unsafe", False):
             return False
     return True
 

@@ -142,6 +142,14 @@ class QuantLinear(nn.Module):
                                (self.out_features, self.in_features), self.global_scale)
 
     @property
+    def parallel_unsafe(self) -> bool:
+        """Whether two threads must not run this layer's forward at once (calibrate/deferred.py): it counts its
+        LLM.int8 outliers in place, or runs a dispatch plan's kernels (which may keep work buffers in their states)."""
+        act = self.scheme.act
+        return self.dispatch is not None or (act is not None and act.outlier_threshold is not None and
+                                             self.outlier_cols is None)
+
+    @property
     def kernel(self) -> str:
         """The matmul path this layer's forward takes (per batch size once a dispatch plan is installed)."""
         if self.dispatch is not None:

@@ -17,6 +17,8 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from ..calibrate.deferred import map_windows
+
 CHUNK = 512  # positions per logits chunk
 
 
@@ -113,17 +115,37 @@ def score_windows(models: dict[str, nn.Module], windows: Tensor, baseline: str |
     """Score each model on windows [n, seq_len]; with `baseline`, add KL and top-1 against it."""
     archs = {n: _arch(m) for n, m in models.items()}  # found once, not per window
     final = {n: (lambda k, ids, m=m, a=archs[n]: _final_hidden(m, ids, a)[0, :-1]) for n, m in models.items()}
-    logits = {n: (lambda h, m=m, a=archs[n]: _logits(m, h, a)) for n, m in models.items()}
-    return score_hidden(final, logits, windows, baseline, device, progress)
+    heads = {n: _plain_head(m, a) for n, (m, a) in zip(models, zip(models.values(), archs.values()))}
+    if all(h is not None for h in heads.values()):  # no stand-in forward to swap in: windows may run side by side
+        logits = {n: (lambda h, head=head: head(h).float()) for n, head in heads.items()}
+        parallel = nn.ModuleList(models.values())
+    else:
+        logits = {n: (lambda h, m=m, a=archs[n]: _logits(m, h, a)) for n, m in models.items()}
+        parallel = None
+    return score_hidden(final, logits, windows, baseline, device, progress, parallel)
+
+
+def _plain_head(model: nn.Module, arch) -> nn.Module | None:
+    """The model's output head where its causal-LM forward computes nothing after it (the logits of random final
+    hidden states through final_logits equal the head's own, bit for bit), else None. final_logits swaps a stand-in
+    forward into the model for each call, which two threads must not do at once; the head alone is safe to share."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        return None
+    param = next(model.parameters())
+    width = getattr(head, "in_features", None) or model.config.get_text_config().hidden_size
+    probe = torch.randn(3, width, generator=torch.Generator().manual_seed(0)).to(param.device, param.dtype)
+    return head if torch.equal(final_logits(model, probe, arch=arch), head(probe).float()) else None
 
 
 @torch.no_grad()
 def score_hidden(final: dict[str, Callable[[int, Tensor], Tensor]], logits: dict[str, Callable[[Tensor], Tensor]],
                  windows: Tensor, baseline: str | None = None, device: str = "cpu",
-                 progress: bool = True) -> dict[str, TextScores]:
+                 progress: bool = True, parallel_over: nn.Module | None = None) -> dict[str, TextScores]:
     """The scoring of score_windows from each model's final hidden states: `final[name](k, ids)` gives window k's
     [seq_len - 1, hidden] (computed now, or carried block by block by a streamed pass), `logits[name](h)` its
-    float32 logits."""
+    float32 logits. `parallel_over`: the modules the callables run, where windows may go two at a time on worker
+    threads (calibrate/deferred.map_windows; the scores are then a one-thread run's bit for bit); None: one at a time."""
     names = list(final)
     if baseline is not None:
         names.remove(baseline)
@@ -132,22 +154,37 @@ def score_hidden(final: dict[str, Callable[[int, Tensor], Tensor]], logits: dict
     kl = {n: 0.0 for n in names}
     agree = {n: 0 for n in names}
     count = 0
-    for k, row in enumerate(tqdm(windows, desc="perplexity windows", unit="win", disable=not progress)):
-        ids = row[None].to(device)  # [1, S]
+
+    def window(k: int) -> list[tuple[str, float, float, int]]:
+        """Window k's terms, chunk by chunk and model by model: (model, -log p of the targets, KL, top-1 matches)."""
+        ids = windows[k][None].to(device)  # [1, S]
         targets = ids[0, 1:]
         hidden = {n: final[n](k, ids) for n in names}  # [S-1, H]
+        terms = []
         for start in range(0, targets.numel(), CHUNK):
             sl = slice(start, start + CHUNK)
             base_logp = None
             for n in names:
                 logp = torch.log_softmax(logits[n](hidden[n][sl]), dim=-1)  # [C, V]
-                nll[n] -= float(logp.gather(1, targets[sl, None]).sum())
+                term = [n, float(logp.gather(1, targets[sl, None]).sum()), 0.0, 0]
                 if n == baseline:
                     base_logp = logp
                 elif base_logp is not None:
-                    kl[n] += float((base_logp.exp() * (base_logp - logp)).sum())
-                    agree[n] += int((base_logp.argmax(-1) == logp.argmax(-1)).sum())
-        count += targets.numel()
+                    term[2] = float((base_logp.exp() * (base_logp - logp)).sum())
+                    term[3] = int((base_logp.argmax(-1) == logp.argmax(-1)).sum())
+                terms.append(term)
+        return terms
+
+    # two windows at once on a CPU of more than one thread where the models allow it (calibrate/deferred.py); the
+    # terms are added here in the windows' order, as one window at a time adds them
+    runs = map_windows(parallel_over, range(len(windows)), window, str(device).split(":")[0]) \
+        if parallel_over is not None else map(window, range(len(windows)))
+    for terms in tqdm(runs, desc="perplexity windows", unit="win", disable=not progress, total=len(windows)):
+        for n, logp_sum, kl_sum, matches in terms:
+            nll[n] -= logp_sum
+            kl[n] += kl_sum
+            agree[n] += matches
+        count += windows.shape[1] - 1
     out = {}
     for n in names:
         mean = nll[n] / count
