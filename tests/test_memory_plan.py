@@ -177,6 +177,11 @@ def test_mixed_precision_on_a_70b_model_is_planned_block_by_block():
     assert any("sensitivity: kl" in why for why in stream_blockers(kl))
 
 
+def _block_linears(config) -> int:
+    from compress.pipeline.memory_plan import model_size
+    return model_size(config).block_linear_parameters
+
+
 def test_a_cuda_run_plans_its_evaluation_on_the_device():
     """A CUDA run evaluates on the GPU (pipeline.on_device): the baseline and the compressed model are both there, so
     the device plan counts them, and a GPU too small for them is refused with the evaluation's own fix. The
@@ -186,8 +191,11 @@ def test_a_cuda_run_plans_its_evaluation_on_the_device():
     plan = plan_memory(recipe, config, torch.bfloat16, "cuda", available=int(200 * GB),
                        device_available=int(80 * GB))
     host_eval = plan.phases["evaluation"]
-    assert plan.device_phases["evaluation"] == {k: host_eval[k] for k in ("compressed model", "baseline copy",
-                                                                           "logits")}
+    # the quantized layers' dequantized copy (it fits in half the 80 GB) is on the device, not on the host
+    assert plan.device_phases["evaluation"] == {**{k: host_eval[k] for k in ("compressed model", "baseline copy",
+                                                                              "logits")},
+                                                "dequantized weights": _block_linears(config) * 2}
+    assert "dequantized weights" not in host_eval
     assert "one block" in plan.device_phases["calibration"] and plan.problem(recipe) is None
     small = plan_memory(recipe, config, torch.bfloat16, "cuda", available=int(200 * GB),
                         device_available=int(16 * GB))

@@ -199,19 +199,26 @@ def plan_memory(recipe, config, dtype: torch.dtype, device: str, available: int 
             phases["calibration"] = {"weights": weights, **work}
     phases |= after
     logits = 4 * 4 * recipe.eval.seq_len * size.vocab  # both models' float32 logits and their log-softmax
-    evaluation = _grown({"compressed model": compressed, "baseline copy": weights if recipe.eval.baseline else 0,
-                         "dtype conversion": conversion if recipe.eval.baseline else 0,
-                         "expert stacking": stacking if recipe.eval.baseline else 0, "logits": logits},
-                        into.get("evaluation"))
-    phases["evaluation"] = {k: v for k, v in evaluation.items() if v}
-    if on_device:  # the evaluation runs there (pipeline.on_device): every evaluated model, and the logits
-        device_phases["evaluation"] = {k: v for k, v in evaluation.items()
-                                       if v and k not in ("dtype conversion", "expert stacking")}
-    phases = {name: {"runtime": RUNTIME, **{k: v for k, v in parts.items() if v}} for name, parts in phases.items()}
     if available is None:
         available = psutil.virtual_memory().available
     if on_device and device_available is None and torch.cuda.is_available():
         device_available = torch.cuda.mem_get_info(torch.device(device))[0]
+    evaluation = _grown({"compressed model": compressed, "baseline copy": weights if recipe.eval.baseline else 0,
+                         "dtype conversion": conversion if recipe.eval.baseline else 0,
+                         "expert stacking": stacking if recipe.eval.baseline else 0, "logits": logits},
+                        into.get("evaluation"))
+    # the quantized layers dequantized once for the perplexity windows and samples where the copy fits in half of
+    # what the evaluation leaves free (core/nn.py: dequantized_if_room, the same rule)
+    dequantized = size.block_linear_parameters * width if any(s.name == "quantize" for s in recipe.stages) else 0
+    free = device_available if on_device else available
+    if free is not None and dequantized > (free - RUNTIME - sum(evaluation.values())) // 2:
+        dequantized = 0
+    evaluation["dequantized weights"] = dequantized
+    phases["evaluation"] = {k: v for k, v in evaluation.items() if v and not (on_device and k == "dequantized weights")}
+    if on_device:  # the evaluation runs there (pipeline.on_device): every evaluated model, and the logits
+        device_phases["evaluation"] = {k: v for k, v in evaluation.items()
+                                       if v and k not in ("dtype conversion", "expert stacking")}
+    phases = {name: {"runtime": RUNTIME, **{k: v for k, v in parts.items() if v}} for name, parts in phases.items()}
     return MemoryPlan(device, str(dtype).replace("torch.", ""), phases, device_phases, available, device_available)
 
 
