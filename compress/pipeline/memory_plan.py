@@ -209,7 +209,7 @@ def plan_memory(recipe, config, dtype: torch.dtype, device: str, available: int 
                         into.get("evaluation"))
     # the quantized layers dequantized once for the perplexity windows and samples where the copy fits in half of
     # what the evaluation leaves free (core/nn.py: dequantized_if_room, the same rule)
-    dequantized = size.block_linear_parameters * width if any(s.name == "quantize" for s in recipe.stages) else 0
+    dequantized = size.block_linear_parameters * width if any(s.stores_weights for s in recipe.stages) else 0
     free = device_available if on_device else available
     if free is not None and dequantized > (free - RUNTIME - sum(evaluation.values())) // 2:
         dequantized = 0
