@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from compress.calibrate.blockwise import BlockInputs, block_forward, linear_weights_in
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from compress.calibrate.blockwise import BlockInputs, block_forward, linear_weights_in  # noqa: E402
 
 
 def _block(windows: int, seq: int):
