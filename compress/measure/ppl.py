@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..calibrate.deferred import map_windows
+from ..calibrate.deferred import map_windows, parallel_safe
 
 CHUNK = 512  # positions per logits chunk
 
@@ -130,9 +130,11 @@ def _plain_head(model: nn.Module, arch) -> nn.Module | None:
     hidden states through final_logits equal the head's own, bit for bit), else None. final_logits swaps a stand-in
     forward into the model for each call, which two threads must not do at once; the head alone is safe to share."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None:
+    param = next(model.parameters(), None)
+    # a model whose windows stay serial anyway (accelerate's offload hooks: its weights may sit on the meta device)
+    # is not probed
+    if head is None or param is None or param.is_meta or not parallel_safe(model):
         return None
-    param = next(model.parameters())
     width = getattr(head, "in_features", None) or model.config.get_text_config().hidden_size
     probe = torch.randn(3, width, generator=torch.Generator().manual_seed(0)).to(param.device, param.dtype)
     return head if torch.equal(final_logits(model, probe, arch=arch), head(probe).float()) else None
