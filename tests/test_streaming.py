@@ -401,7 +401,9 @@ def _embedded_runs(tmp_path, source: str) -> tuple[dict, dict]:
     stages = [{"stage": "quantize", "method": "rtn", "scheme": {**INT4, "group_size": 64}, "ignore": ["lm_head"]}]
     reports, tensors = {}, {}
     for mode in ("never", "always"):
-        recipe = from_dict({"model": {"source": source, "stream": mode}, "stages": stages,
+        # float32 both ways: `model.dtype: auto` keeps a streamed bf16 checkpoint in bf16 where the CPU multiplies it
+        # natively, and converts an in-memory one to float32 (guide: compute dtypes)
+        recipe = from_dict({"model": {"source": source, "stream": mode, "dtype": "float32"}, "stages": stages,
                             "calibration": {"kind": "wikitext2", "n_samples": 2, "seq_len": 64, "threads": 1},
                             "eval": {"seq_len": 128, "max_windows": 2, "speed": False, "threads": 1, "samples": 0},
                             "output": {"dir": str(tmp_path / mode)}})
