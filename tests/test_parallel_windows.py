@@ -150,3 +150,10 @@ def test_the_scale_searchs_replays_on_two_workers_are_a_one_thread_runs(family):
         (ref1, loss1), (ref2, loss2) = runs
         assert all(torch.equal(a, b) for a, b in zip(ref1, ref2, strict=True)) and loss1 == loss2
     assert sum(t != caller for t in workers) == 2 * len(inspect_names) * 4  # the two-thread runs' replays: on workers
+
+
+def test_windows_go_to_workers_only_on_a_cpu_of_more_than_one_thread():
+    """CUDA keeps one stream of windows; one thread, or one window, runs on the caller's thread."""
+    from compress.threads import window_workers
+    assert window_workers("cpu", 2, 64) == window_workers("cpu", 16, 64) == 2
+    assert window_workers("cpu", 1, 64) == window_workers("cuda", 16, 64) == window_workers("cpu", 2, 1) == 1

@@ -82,7 +82,8 @@ class BlockObserver:
         # deferrable: on the worker threads of a parallel block forward, kept and run in the windows' order
         # (calibrate/deferred.py), so the sums and the kept samples are a serial forward's; not where a Hessian is
         # accumulated, the float32 work that would then be left to one thread
-        wrap = deferrable if not self.want_hessian and not self.kv_absmax else (lambda hook: hook)
+        # (the key/value maxima ride on the attention modules instead, which keeps windows serial: deferred.py)
+        wrap = deferrable if not self.want_hessian else (lambda hook: hook)
         self._handles.append(self.block.register_forward_pre_hook(wrap(self._new_sample)))
         for name, record in self.kv_absmax.items():
             self.block.get_submodule(name).kv_record = record

@@ -115,7 +115,7 @@ def score_windows(models: dict[str, nn.Module], windows: Tensor, baseline: str |
     """Score each model on windows [n, seq_len]; with `baseline`, add KL and top-1 against it."""
     archs = {n: _arch(m) for n, m in models.items()}  # found once, not per window
     final = {n: (lambda k, ids, m=m, a=archs[n]: _final_hidden(m, ids, a)[0, :-1]) for n, m in models.items()}
-    heads = {n: _plain_head(m, a) for n, (m, a) in zip(models, zip(models.values(), archs.values()))}
+    heads = {n: _plain_head(m, archs[n]) for n, m in models.items()}
     if all(h is not None for h in heads.values()):  # no stand-in forward to swap in: windows may run side by side
         logits = {n: (lambda h, head=head: head(h).float()) for n, head in heads.items()}
         parallel = nn.ModuleList(models.values())
