@@ -35,7 +35,7 @@ def evaluate_models(models: dict[str, nn.Module], tokenizer, spec, device: str =
     result: dict = {"models": {n: {} for n in models}}
     accuracy_threads = getattr(spec, "threads", None)
     with _dequantized(models, offloaded):
-        _accuracy_and_samples(models, tokenizer, spec, device, baseline, progress, profile, result, offloaded)
+        _accuracy_and_samples(models, tokenizer, spec, device, baseline, progress, profile, result)
     for n, m in models.items():
         on_disk = offloaded(m)
         result["models"][n]["weights"] = weight_bytes(m, meta=bool(on_disk))
@@ -89,8 +89,9 @@ def _dequantized(models: dict[str, nn.Module], offloaded) -> contextlib.ExitStac
 
 
 def _accuracy_and_samples(models: dict[str, nn.Module], tokenizer, spec, device: str, baseline: str | None,
-                          progress: bool, profile, result: dict, offloaded) -> None:
+                          progress: bool, profile, result: dict) -> None:
     """evaluate_models' perplexity (KL, top-1) and greedy samples, into `result`."""
+    from ..model.load import offloaded
     accuracy_threads = getattr(spec, "threads", None)
     if spec.perplexity:
         windows = eval_windows(tokenizer, spec.split, spec.seq_len, spec.max_windows)
