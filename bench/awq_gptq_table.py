@@ -53,6 +53,10 @@ ROT_AWQ_GPTQ = ("stages=[{stage: rotate, kind: hadamard, online_hadamard: true},
                 "group_size: 64, symmetric: false}, ignore: [lm_head]}]")
 INT4_G32 = "{dtype: int4, granularity: group, group_size: 32, symmetric: true}"
 FP4_G32_E4M3 = "{dtype: fp4_e2m1, granularity: group, group_size: 32, symmetric: true, scale_dtype: float8_e4m3}"
+# EoRA (issue 50): AWQ (grid clip) + GPTQ int3, then a rank-r low-rank repair of every quantized layer
+EORA = ("stages=[{stage: awq, n_grid: 20, search_samples: 4, clip_to: grid}, {stage: quantize, method: gptq, "
+        "scheme: {dtype: int3, granularity: group, group_size: 64, symmetric: false}, ignore: [lm_head]}, "
+        "{stage: eora, rank: %d}]")
 RUNS = {  # name: (recipe, extra --set overrides)
     "rtn int4": ("recipes/gptq_int4.yaml", ["stages.0.method=rtn", "calibration=null"]),
     "awq int4": ("recipes/awq_int4.yaml", []),
@@ -97,6 +101,7 @@ RUNS = {  # name: (recipe, extra --set overrides)
                                                                                 "stages.1.clip_to=grid"]),
     "awq(grid clip)+gptq int4": ("recipes/awq_gptq_int4.yaml", ["stages.0.clip_to=grid"]),
     "awq(grid clip)+gptq int3": ("recipes/awq_gptq_int4.yaml", ["stages.0.clip_to=grid", "stages.1.scheme.dtype=int3"]),
+    **{f"awq(grid clip)+gptq+eora r{r} int3": ("recipes/awq_gptq_int4.yaml", [EORA % r]) for r in (8, 16, 32, 64)},
     "awq(grid clip)+gptq+tune int4": ("recipes/awq_gptq_tune_int4.yaml", []),
     "awq(grid clip)+gptq+tune int3": ("recipes/awq_gptq_tune_int4.yaml", ["stages.1.scheme.dtype=int3"]),
     "rotate+online+rtn w8a8 static": ("recipes/rotate_gptq_int3.yaml", [ONLINE, "stages.1.method=rtn",
@@ -255,13 +260,18 @@ def score_all(info: dict, max_windows: int) -> dict:
 
 
 def linear_bits(model) -> dict:
-    """Stored bytes of the quantized linears (codes, scales, zero points) and bits per weight over them."""
+    """Stored bytes of the quantized linears (codes, scales, zero points) and bits per weight over them; the eora
+    stage's low-rank terms at bf16 (`lowrank_bytes`); the whole model as a server holds it, float tensors at bf16
+    (`serving_bytes`, the low-rank terms and the embedding included)."""
     from compress.core.nn import QuantLinear
+    from compress.measure.memory import serving_bytes
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if not layers:
-        return {}
+        return {"serving_bytes": serving_bytes(model)}
     nbytes = sum(m.qtensor().nbytes for m in layers)
-    return {"linear_bytes": nbytes, "bits_per_weight": 8 * nbytes / sum(m.in_features * m.out_features for m in layers)}
+    lowrank = sum(2 * (m.lora_a.numel() + m.lora_b.numel()) for m in layers if m.rank)
+    return {"linear_bytes": nbytes, "bits_per_weight": 8 * nbytes / sum(m.in_features * m.out_features for m in layers),
+            "lowrank_bytes": lowrank, "serving_bytes": serving_bytes(model)}
 
 
 def main() -> None:

@@ -115,6 +115,10 @@ class QuantLinear(nn.Module):
         self.outlier_counts = {"forwards": 0, "total": 0, "max": 0}
         self._weight_cache: Tensor | None = None  # set only inside cached_dequantize()
         self.dispatch = None  # a kernels.dispatch.LayerDispatch once plan_dispatch has run; None: reference path
+        # a low-rank repair of the quantization error (the eora stage): y += (x A^T) B^T, A [rank, in], B [out, rank],
+        # float tensors like the bias (saved at the run's save dtype; a LoRA adapter beside the other exports)
+        self.lora_a: nn.Parameter | None = None
+        self.lora_b: nn.Parameter | None = None
 
     @classmethod
     def from_module(cls, module: nn.Module, qt: QuantizedTensor) -> "QuantLinear":
@@ -137,6 +141,22 @@ class QuantLinear(nn.Module):
             layer.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=False)
         return layer
 
+    def set_lowrank(self, a: Tensor | None, b: Tensor | None) -> None:
+        """Add the low-rank term (x A^T) B^T to this layer's output (None, None: remove it)."""
+        if (a is None) != (b is None):
+            raise ValueError("a low-rank term needs both A and B")
+        if a is not None and (a.shape[1] != self.in_features or b.shape[0] != self.out_features
+                              or a.shape[0] != b.shape[1]):
+            raise ValueError(f"low-rank term A {tuple(a.shape)}, B {tuple(b.shape)} does not fit a "
+                             f"{self.out_features} x {self.in_features} layer")
+        self.lora_a = None if a is None else nn.Parameter(a, requires_grad=False)
+        self.lora_b = None if b is None else nn.Parameter(b, requires_grad=False)
+
+    @property
+    def rank(self) -> int:
+        """The rank of the low-rank repair term (0: none)."""
+        return 0 if self.lora_a is None else self.lora_a.shape[0]
+
     def qtensor(self) -> QuantizedTensor:
         return QuantizedTensor(self.qdata, self.scale, self.zero_point, self.scheme,
                                (self.out_features, self.in_features), self.global_scale)
@@ -157,6 +177,14 @@ class QuantLinear(nn.Module):
         return kernel_for(self.scheme)
 
     def forward(self, x: Tensor) -> Tensor:
+        y = self._quantized_forward(x)
+        if self.lora_a is None:
+            return y
+        a, b = (self.lora_a, self.lora_b) if torch.is_autocast_enabled(x.device.type) else \
+            (self.lora_a.to(x.dtype), self.lora_b.to(x.dtype))
+        return y + nn.functional.linear(nn.functional.linear(x, a), b)  # float inputs, as a LoRA adapter runs
+
+    def _quantized_forward(self, x: Tensor) -> Tensor:
         act, bias = self.scheme.act, self.bias
         w = self._weight_cache
         d = self.dispatch
@@ -189,7 +217,8 @@ class QuantLinear(nn.Module):
         return nn.functional.linear(x, w, bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}"
+        rank = f", rank={self.rank}" if self.rank else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}{rank}"
 
 
 

@@ -8,6 +8,7 @@ version, what happened to every tensor), then rename into place.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 from dataclasses import dataclass
@@ -124,6 +125,13 @@ def export_problems(model: nn.Module, name: str) -> list[str]:
                     f"loader ({exporter.loaders}) reads from a checkpoint: a serving engine chooses its KV cache at "
                     "run time; export a run without that stage (or with the fp8 kv_cache, whose scales they load)"] \
             + problems
+    from .adapter import lowrank_layers
+    if name != "native" and lowrank_layers(model):
+        from ..arch.moe import hub_names
+        if hub_names(model).fused:
+            problems = [f"the eora stage's low-rank terms go beside a {name} export as a LoRA adapter named by "
+                        f"layer, and {type(model).__name__} checkpoints fuse each MoE block's experts into one "
+                        "tensor, which no adapter names; export `native`, or run without the eora stage"] + problems
     if name != "dense":
         from ..arch.moe import hub_names
         if hub_names(model).fused:
@@ -158,11 +166,21 @@ def export_model(model: nn.Module, tokenizer, name: str, out: str | Path, meta: 
     if out.exists() and not overwrite:
         raise FileExistsError(f"export folder {out} exists; pass --overwrite to replace it, or choose another "
                               "--output")
+    from .adapter import ADAPTER_DIR, adapter_note, detached_lowrank, lowrank_layers, write_adapter
+    adapter = name != "native" and bool(lowrank_layers(model))  # our own checkpoint keeps the terms in its layers
+    if adapter and parts is not None:
+        raise ExportError("a streamed run's low-rank terms (the eora stage) are exported as an adapter only from a "
+                          "model in memory: run `compress export` on the run folder where it fits, or run without "
+                          "the eora stage")
     with staged(out) as tmp:
         sharding = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
-        report = exporter.write(model, tokenizer, tmp, source_gguf=source_gguf, parts=parts, **sharding)
+        with detached_lowrank(model) if adapter else contextlib.nullcontext({}) as terms:
+            report = exporter.write(model, tokenizer, tmp, source_gguf=source_gguf, parts=parts, **sharding)
         from .notes import CHECKED_WITH, serving_notes
         report["notes"] = list(report.get("notes") or []) + serving_notes(model, name)
+        if terms:
+            report["adapter"] = write_adapter(terms, tmp / ADAPTER_DIR)
+            report["notes"].append(adapter_note(name))
         record = {"format": name, "loaders": exporter.loaders, "compress_version": __version__,
                   "written_with": library_versions(), "engines_checked": CHECKED_WITH, **(meta or {}), **report}
         (tmp / EXPORT_META).write_text(json.dumps(record, indent=2, default=str))

@@ -62,6 +62,7 @@ def write_model_files(model: nn.Module, tokenizer, out_dir: Path, meta: dict, sa
     compress.json (per-layer schemes, `kv` scales, recipe, provenance). `model` may be a meta skeleton."""
     from ..transforms.rotation import online_rotations
     layers = {n: m.scheme.to_dict() for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    lowrank = {n: m.rank for n, m in model.named_modules() if isinstance(m, QuantLinear) and m.rank}  # eora's terms
     rotations = {n: r.n for n, r in online_rotations(model).items()}  # linear -> order of its online Hadamard
     config = copy.deepcopy(model.config)
     config.dtype = save_dtype  # what the float tensors on disk are
@@ -73,7 +74,8 @@ def write_model_files(model: nn.Module, tokenizer, out_dir: Path, meta: dict, sa
         tokenizer.save_pretrained(out_dir)
     (out_dir / COMPRESS_META).write_text(json.dumps({**meta, "format": "compress-native-v1", "save_dtype": save_dtype,
                                                      "layers": layers, "kv_cache": kv,
-                                                     **({"online_rotations": rotations} if rotations else {})},
+                                                     **({"online_rotations": rotations} if rotations else {}),
+                                                     **({"lowrank": lowrank} if lowrank else {})},
                                                     indent=2))
 
 
@@ -124,7 +126,12 @@ def compressed_skeleton(folder: str | Path, dtype: torch.dtype, shapes: dict[str
     from ..transforms.rotation import OnlineHadamard, attach_input_rotation
     for name, n in meta.get("online_rotations", {}).items():  # its signs come from the file
         attach_input_rotation(model.get_submodule(name), OnlineHadamard(n))
-    keep = {k for k in shapes if any(k.startswith(n + ".") and k[len(n) + 1:] != "bias" for n in meta["layers"])}
+    for name, rank in meta.get("lowrank", {}).items():  # eora's low-rank terms: float tensors, read at `dtype`
+        layer = model.get_submodule(name)
+        layer.set_lowrank(torch.empty(rank, layer.in_features, dtype=dtype, device="meta"),
+                          torch.empty(layer.out_features, rank, dtype=dtype, device="meta"))
+    floats = ("bias", "lora_a", "lora_b")
+    keep = {k for k in shapes if any(k.startswith(n + ".") and k[len(n) + 1:] not in floats for n in meta["layers"])}
     keep |= {f"{n}.{b}" for n, f in meta.get("kv_cache", {}).items() if "k_scale" in f for b in ("k_scale", "v_scale")}
     for name in meta["layers"]:  # LLM.int8 static outlier features: their count is only known from the file
         key = f"{name}.outlier_cols"

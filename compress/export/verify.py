@@ -77,7 +77,21 @@ def load_export(folder: str | Path):
     loader, model = _load(folder, record)
     if not isinstance(model, Path) and apply_kv_scales(model, folder, record):
         loader += " + the file's fp8 KV-cache scales"
+    if record.get("adapter") and _takes_adapter(model):
+        from .adapter import ADAPTER_DIR, apply_adapter
+        model = apply_adapter(model, folder / ADAPTER_DIR)
+        loader += ADAPTER_LOADED
     return loader, model
+
+
+ADAPTER_LOADED = " + its LoRA adapter (peft)"
+
+
+def _takes_adapter(model) -> bool:
+    """Whether the reloaded export is a transformers model, which peft wraps with the export's adapter (llama.cpp and
+    mlx read other adapter layouts)."""
+    from transformers import PreTrainedModel
+    return isinstance(model, PreTrainedModel)
 
 
 def _load(folder: Path, record: dict):
@@ -140,8 +154,22 @@ def verify_export(folder: str | Path, source: nn.Module, windows: Tensor) -> dic
     source as it runs. Both run where `source` is (a CUDA run verifies on the GPU): the reloaded export is moved
     there (llama.cpp stays on the CPU), and the windows go to each model's device."""
     loader, model = load_export(folder)
-    gguf = loader == "llama-cpp-python"
     where = _device_of(source)
+    record = read_record(folder)
+    if record.get("adapter") and not loader.endswith(ADAPTER_LOADED):  # the export alone: against the source without it
+        from .adapter import detached_lowrank
+        with detached_lowrank(source):
+            result = verify_export_logits(folder, loader, model, source, windows, where)
+        result["adapter"] = ("not applied: this loader does not read PEFT adapters; compared with the source model "
+                             "without its low-rank terms")
+        return result
+    return verify_export_logits(folder, loader, model, source, windows, where)
+
+
+def verify_export_logits(folder, loader: str, model, source: nn.Module, windows: Tensor, where) -> dict:
+    """verify_export's comparison, once the export at `folder` is loaded by `loader` (`model`: a module, or the
+    .gguf path for llama.cpp)."""
+    gguf = loader == "llama-cpp-python"
     if gguf:
         from .gguf_llama_cpp import iter_llama_cpp_logits
         theirs = iter_llama_cpp_logits(str(model), windows.cpu())

@@ -191,6 +191,8 @@ def rows_reason(module: nn.Module) -> str | None:
     s = module.scheme
     if module.qdata.device.type != "cpu":
         return "not on the CPU"
+    if module.rank:
+        return f"a rank-{module.rank} low-rank repair term (the kernel has no place for it)"
     if s.act is not None:
         return f"quantized activations ({s.name})"
     if s.is_float or module.global_scale is not None:

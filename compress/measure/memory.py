@@ -23,7 +23,7 @@ def _tensors(model: nn.Module, meta: bool = False):
         key = id(t) if t.is_meta else t.data_ptr()
         if key in seen:
             continue
-        if not name.endswith(("weight", "bias", "qdata", "scale", "zero_point")):
+        if not name.endswith(("weight", "bias", "qdata", "scale", "zero_point", "lora_a", "lora_b")):
             continue  # rotary tables and masks are not weights
         seen.add(key)
         yield name, t
@@ -42,7 +42,8 @@ def weight_bytes(model: nn.Module, meta: bool = False) -> dict:
         out_f, in_f = linear_shape(m)
         bf16 = out_f * in_f * 2
         if isinstance(m, QuantLinear):
-            now = m.qtensor().nbytes
+            now = m.qtensor().nbytes + sum(t.numel() * t.element_size() for t in (m.lora_a, m.lora_b)
+                                           if t is not None)  # the low-rank repair: part of the layer's bytes
             quant_now += now
             quant_bf16 += bf16
         else:
@@ -68,7 +69,7 @@ def serving_bytes(model: nn.Module, float_bytes: int = 2, meta: bool = False) ->
     quant = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     total = 0
     for name, t in _tensors(model, meta):
-        stored = name.rpartition(".")[0] in quant and not name.endswith("bias")
+        stored = name.rpartition(".")[0] in quant and not name.endswith(("bias", "lora_a", "lora_b"))
         total += t.numel() * (t.element_size() if stored or not t.is_floating_point() else float_bytes)
     return total
 

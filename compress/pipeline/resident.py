@@ -123,6 +123,8 @@ def write_exports(model, tokenizer, tmp: Path, opts: RunOptions, record: dict, w
                                max_shard_bytes=recipe.output.max_shard_bytes)
         entry = {"format": fmt, "folder": f"exports/{fmt}", "loaders": written["loaders"],
                  "bytes": folder_bytes(folder), "notes": written.get("notes", [])}
+        if written.get("adapter"):  # the eora stage's terms, a LoRA adapter in the folder (counted in its bytes)
+            entry["adapter"] = written["adapter"]
         if windows is not None and (missing := verifier_missing(fmt)):
             log(f"WARNING: {fmt} written, not verified: {missing}")
             entry["notes"].append(f"not verified: {missing}")

@@ -57,7 +57,7 @@ def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
         return fused
     first = layers[0]
     act = first.scheme.act
-    if not all(type(m) is QuantLinear and m.scheme == first.scheme for m in layers) or \
+    if not all(type(m) is QuantLinear and m.scheme == first.scheme and not m.rank for m in layers) or \
             (act is not None and (not act.dynamic or act.outlier_threshold is not None)) \
             or first.global_scale is not None or first.scheme.granularity == "tensor":
         return None

@@ -11,6 +11,7 @@ from .auto_precision import AutoPrecisionStage
 from .awq import AWQStage
 from .base import Needs, Plan, RunContext, StageBase, make_plan, next_target
 from .distill import DistillStage
+from .eora import EoRAStage
 from .kv_cache import KVCacheStage
 from .prune import PruneStage
 from .prune_experts import PruneExpertsStage
@@ -28,6 +29,7 @@ STAGES: dict[str, type] = {
     "awq": AWQStage,  # activation-aware scales and clipping for the next quantize stage
     "smoothquant": SmoothQuantStage,  # activation outliers migrated into the weights
     "quantize": QuantizeStage,  # weights (and activations) quantized by a method in quantizers.QUANTIZERS
+    "eora": EoRAStage,  # a low-rank repair of the quantized layers' error (EoRA), a LoRA adapter in the exports
     "kv_cache": KVCacheStage,  # fp8 key/value scales
     "tune_scales": TuneScalesStage,  # after the pass: the quantized scales trained by distillation, codes fixed
 }
@@ -40,5 +42,5 @@ def get_stage(name: str) -> type:
 
 
 __all__ = ["STAGES", "get_stage", "make_plan", "next_target", "Needs", "Plan", "RunContext", "StageBase",
-           "AutoPrecisionStage", "AWQStage", "DistillStage", "KVCacheStage", "PruneExpertsStage", "PruneStage", "QuantizeStage", "RotateStage", "SmoothQuantStage",
+           "AutoPrecisionStage", "AWQStage", "DistillStage", "EoRAStage", "KVCacheStage", "PruneExpertsStage", "PruneStage", "QuantizeStage", "RotateStage", "SmoothQuantStage",
            "TuneScalesStage"]

@@ -1,0 +1,174 @@
+"""The `eora` stage: a low-rank repair of each quantized layer's error (quantizers/eora.py), block by block in the
+calibration pass, right after the quantize stage before it has stored the block's weights.
+
+    - stage: quantize
+      method: gptq
+      scheme: {dtype: int3, granularity: group, group_size: 64, symmetric: false}
+    - stage: eora
+      rank: 16
+
+Each repaired QuantLinear computes y = x dequantize(W)ᵀ + (x Aᵀ) Bᵀ. The next block is calibrated on the repaired
+outputs. A and B are float tensors (saved at the run's save dtype, counted in the bytes); the exports write them
+as a LoRA adapter beside the quantized checkpoint (`adapter/`, PEFT's layout), which peft, transformers and vLLM
+(`--enable-lora`) load on top of it.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from ..arch import ArchSpec, get_module
+from ..core.nn import QuantLinear, is_linear, linear_weight
+from ..quantizers.eora import eora_terms
+from .base import BlockState, MemoryBasis, Needs, PassMemory, Plan, RunContext, StageBase, StageRecord
+
+
+@dataclass
+class EoRAPlan:
+    """The layers the repair will fit (those an earlier quantize stage quantizes inside the decoder blocks), and
+    those it will not, with the reason."""
+
+    layers: list[str]
+    outside: dict[str, str]
+
+
+@dataclass
+class EoRARecord(StageRecord):
+    """The eora stage's report section."""
+
+    rank: int
+    damp: float
+    repaired: int
+    extra_parameters: int  # A and B, over all repaired layers
+    mean_error_removed: float | None  # the mean share of each layer's input-weighted error the term removes
+    skipped: list  # [{"name", "reason"}]
+    layers: dict  # name -> {"rank", "error_removed", "seconds"}
+
+
+@dataclass(frozen=True)
+class EoRAStage(StageBase):
+    """Recipe entry `- stage: eora`, after the `quantize` stage whose layers it repairs."""
+
+    rank: int = 16  # per layer; capped at min(out, in)
+    damp: float = 0.01  # added to the Hessian's diagonal, as a share of its mean (GPTQ's dampening)
+
+    def __post_init__(self):
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"eora: rank must be a positive integer, got {self.rank!r}")
+        if not 0.0 <= self.damp < 1.0:
+            raise ValueError(f"eora: damp must be in [0, 1), got {self.damp}")
+
+    # ---------------------------------------------------------------- lifecycle (stages/base.py)
+    name: ClassVar[str] = "eora"
+
+    @property
+    def needs_calibration(self) -> bool:
+        return True
+
+    def stream_problem(self) -> str | None:
+        return ("eora's low-rank terms are not yet written block by block (run it where the model fits in memory, "
+                "model.stream: never)")
+
+    def check(self, index: int, stages: tuple, calibrated: bool) -> "EoRAStage":
+        super().check(index, stages, calibrated)
+        if not any(getattr(s, "stores_weights", False) for s in stages[:index]):
+            raise ValueError(f"`stages.{index}` (eora) repairs the error of quantized layers; put it after the "
+                             "`stage: quantize` whose layers it repairs")
+        return self
+
+    def plan(self, model: nn.Module, arch: ArchSpec, claimed: dict[str, int], index: int) -> EoRAPlan:
+        inside = arch.blocks + "."
+        layers = sorted(n for n in claimed if n.startswith(inside))
+        outside = {n: "outside the decoder blocks: the calibration pass sees no inputs of it, so no repair is fitted"
+                   for n in sorted(claimed) if not n.startswith(inside)}
+        return EoRAPlan(layers, outside)
+
+    def describe(self, plan: Plan, index: int) -> tuple[list[str], dict]:
+        step = plan.steps[index]
+        lines = [f"\nstage {index}: eora, rank {self.rank}: a low-rank repair of {len(step.layers)} quantized layers"]
+        lines += [f"  {n}: not repaired ({why})" for n, why in step.outside.items()]
+        return lines, {"rank": self.rank, "layers": len(step.layers), "outside": step.outside}
+
+    def observed_layers(self, step: EoRAPlan) -> set[str]:
+        return set(step.layers)
+
+    def needs(self, plan: Plan, index: int) -> Needs:
+        return Needs(hessian=True)
+
+    def pass_memory(self, basis: MemoryBasis) -> PassMemory:
+        """One block's Hessians (shared with GPTQ's, where it runs), and the fit of the widest layer: the damped
+        Hessian and its factor (K² each), the weighted error and its SVD (out·K each)."""
+        size = basis.size
+        return PassMemory(statistics={"Hessians": 4 * size.hessian_floats},
+                          between={"EoRA fit": 4 * (size.largest_hessian_floats + size.largest_solve)})
+
+    def begin(self, ctx: RunContext, index: int) -> None:
+        ctx.records[index] = {}
+
+    def observing(self, block: BlockState, index: int):
+        """The block's float weights, as references, before the quantize stage replaces the layers (a smoothing
+        stage scales them in place, so the quantize stage and the repair see the same tensors)."""
+        return _keep_float_weights(block, index)
+
+    def on_block(self, ctx: RunContext, block: BlockState, index: int) -> None:
+        weights = block.observed.pop(index, {})
+        for rel in sorted(block.under(ctx.plan.steps[index].layers)):
+            name = f"{block.prefix}.{rel}"
+            layer = get_module(block.module, rel)
+            if not isinstance(layer, QuantLinear):
+                ctx.records[index][name] = {"skipped": "not quantized (left in float by the quantize stage)"}
+                continue
+            if rel not in weights:
+                ctx.records[index][name] = {"skipped": "its float weight was not seen in the block's float forward"}
+                continue
+            t0 = time.perf_counter()
+            w = weights[rel]
+            error = w.float() - layer.qtensor().dequantize(torch.float32)
+            a, b, share = eora_terms(error, block.inputs(rel).hessian("EoRA"), self.rank, self.damp)
+            layer.set_lowrank(a.to(w.dtype), b.to(w.dtype))
+            ctx.records[index][name] = {"rank": a.shape[0], "error_removed": round(share, 4),
+                                        "seconds": round(time.perf_counter() - t0, 3)}
+
+    def finalize(self, ctx: RunContext, index: int) -> None:
+        for name, why in ctx.plan.steps[index].outside.items():
+            ctx.records.setdefault(index, {})[name] = {"skipped": why}
+
+    def report(self, ctx: RunContext, index: int) -> dict:
+        records = ctx.records.get(index, {})
+        done = {n: r for n, r in records.items() if "rank" in r}
+        extra = 0
+        for n in done:
+            layer = get_module(ctx.model, n)
+            if isinstance(layer, QuantLinear) and layer.rank:
+                extra += layer.lora_a.numel() + layer.lora_b.numel()
+        shares = [r["error_removed"] for r in done.values()]
+        return EoRARecord(index, "eora", self.rank, self.damp, len(done), extra,
+                          sum(shares) / len(shares) if shares else None,
+                          [{"name": n, "reason": r["skipped"]} for n, r in records.items() if "skipped" in r],
+                          done).to_json()
+
+    @staticmethod
+    def render(section: dict, models: dict) -> list[str]:
+        lines = ["", f"## Stage {section['index']}: eora (rank {section['rank']})", "",
+                 f"{section['repaired']} layers repaired with {section['extra_parameters']:,} float parameters "
+                 "(a LoRA adapter beside the exports)."]
+        if section.get("mean_error_removed") is not None:
+            lines.append(f"Each term removes on average {section['mean_error_removed']:.1%} of its layer's "
+                         "input-weighted quantization error.")
+        if section["skipped"]:
+            lines += ["", "| layer | not repaired |", "|---|---|"]
+            lines += [f"| `{s['name']}` | {s['reason']} |" for s in section["skipped"]]
+        return lines
+
+
+@contextlib.contextmanager
+def _keep_float_weights(block: BlockState, index: int):
+    """block.observed[index]: block-relative name -> the weight tensor of each float linear of the block."""
+    block.observed[index] = {n: linear_weight(m).detach() for n, m in block.module.named_modules()
+                             if n and is_linear(m) and not isinstance(m, QuantLinear)}
+    yield
