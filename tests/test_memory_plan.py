@@ -204,3 +204,17 @@ def test_a_cuda_run_plans_its_evaluation_on_the_device():
     without = plan_memory(_recipe(baseline=False), config, torch.bfloat16, "cuda", available=int(200 * GB),
                           device_available=int(16 * GB))
     assert "baseline copy" not in without.device_phases["evaluation"] and without.problem(recipe) is None
+
+
+def test_eora_terms_are_counted_in_the_compressed_model():
+    """The eora stage's A [r, in] and B [out, r] per block linear add r · Σ(out + in) values to what is stored."""
+    base = _recipe()
+    stages = [{"stage": "quantize", "method": "gptq", "scheme": "W4A16"}, {"stage": "eora", "rank": 16}]
+    repaired = from_dict({"model": "unused", "calibration": {"kind": "self", "n_samples": 16, "seq_len": 512},
+                          "stages": stages, "eval": {"seq_len": 2048}})
+    config = LlamaConfig(**LLAMA2_7B)
+    sides = 32 * (4 * (4096 + 4096) + 2 * (4096 + 11008) + (11008 + 4096))
+    assert model_size(config).block_linear_sides == sides
+    before, after = (plan_memory(r, config, torch.bfloat16, "cpu", available=int(64 * GB)).phases["evaluation"]
+                     for r in (base, repaired))
+    assert after["compressed model"] - before["compressed model"] == 16 * sides * 2

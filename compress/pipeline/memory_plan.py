@@ -41,6 +41,7 @@ class ModelSize:
     # two GPTQ solves at once (stages/quantize.py: two inputs' layers on two worker threads on a CPU): the largest
     # sum, over blocks, of two distinct inputs' K² + 2·out·K (the widest layer reading each)
     two_solves: int = 0
+    block_linear_sides: int = 0  # Σ (out + in) over the block linears: a rank-1 term of each (eora) holds this many
 
 
 def model_size(config) -> ModelSize:
@@ -88,6 +89,7 @@ def model_size(config) -> ModelSize:
         layer_hessian_floats=max(sum(i * i for _, i in lin.values()) for lin, _, _ in per_block),
         largest_hessian_floats=max((i * i for lin, _, _ in per_block for _, i in lin.values()), default=0),
         two_solves=max(two_solves, default=0),
+        block_linear_sides=sum(o + i for lin, _, _ in per_block for o, i in lin.values()),
     )
 
 
@@ -174,7 +176,8 @@ def plan_memory(recipe, config, dtype: torch.dtype, device: str, available: int 
     width = torch.empty((), dtype=dtype).element_size()
     basis = MemoryBasis(size, width, recipe.calibration, streamed, device=device)
     weights = basis.weights
-    compressed = next((b for s in recipe.stages if (b := s.stored_bytes(basis)) is not None), weights)
+    compressed = next((b for s in recipe.stages if (b := s.stored_bytes(basis)) is not None), weights) + \
+        sum(s.added_bytes(basis) for s in recipe.stages)
     basis = dataclasses.replace(basis, compressed=compressed)
     if streamed:
         return _streamed_plan(recipe, basis, dtype, device, available, device_available)

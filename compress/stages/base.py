@@ -22,7 +22,7 @@ writes only what it does:
 - What the runner must know of a stage before it runs, the stage answers itself: `stream_problem()` (why it cannot
   run on a model streamed block by block), `export_problem(formats, index, check)` (why the run cannot be exported
   to those formats), and its memory for the memory plan (pipeline/memory_plan.py), from the model's sizes alone:
-  `stored_bytes` (the model as it stores it), `pass_memory` (its share of the calibration pass: the statistics it
+  `stored_bytes` (the model as it stores it), `added_bytes` (what it stores beside that: eora's terms), `pass_memory` (its share of the calibration pass: the statistics it
   asks for, its own work), `memory_phases` (phases of its own: distillation, a sensitivity pass) and `memory_fix`
   (what shrinks its share when the run does not fit).
 
@@ -304,6 +304,11 @@ class StageBase:
         """The whole model's bytes once this stage has stored its weights; None when it stores none (the memory
         plan takes the first stage that answers, else the model at the run's dtype)."""
         return None
+
+    def added_bytes(self, basis: MemoryBasis) -> int:
+        """Bytes this stage adds to the model as stored, beside the weights of the stage that stores them (eora's
+        low-rank terms); 0 for most stages."""
+        return 0
 
     def pass_memory(self, basis: MemoryBasis) -> PassMemory:
         """What this block stage adds to the calibration pass's memory. Asked without a plan (the memory plan comes

@@ -100,6 +100,11 @@ class EoRAStage(StageBase):
     def needs(self, plan: Plan, index: int) -> Needs:
         return Needs(hessian=True)
 
+    def added_bytes(self, basis: MemoryBasis) -> int:
+        """A [rank, in] and B [out, rank] per block linear, at the run's dtype (an upper bound where a layer's rank is
+        capped at its smaller side)."""
+        return self.rank * basis.size.block_linear_sides * basis.width
+
     def pass_memory(self, basis: MemoryBasis) -> PassMemory:
         """One block's Hessians (shared with GPTQ's, where it runs), and the fit of the widest layer: the damped
         Hessian and its factor (K² each), the weighted error and its SVD (out·K each)."""
