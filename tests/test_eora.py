@@ -234,3 +234,8 @@ def test_compress_run_with_eora_exports_and_verifies_an_adapter(tmp_path):
     assert entry["adapter"]["layers"] == 14 and entry["verify"]["loader"].endswith("LoRA adapter (peft)")
     assert entry["verify"]["kl"] < 1e-3, entry["verify"]
     assert sum(m.rank > 0 for m in load_compressed(out).modules() if isinstance(m, QuantLinear)) == 14
+    # `compress export` of the run folder loads it whole (a checkpoint without terms streams block by block)
+    from compress.cli.commands import main
+    assert main(["export", str(out), "--format", "dense", "--output", str(tmp_path / "dense")]) == 0
+    assert json.loads((tmp_path / "dense" / "export.json").read_text())["adapter"]["layers"] == 14
+    assert (tmp_path / "dense" / "adapter" / "adapter_model.safetensors").is_file()

@@ -312,8 +312,10 @@ def cmd_export(args) -> int:
     if args.output and len(args.formats) > 1:
         raise ValueError("--output names one folder; give one --format with it (or omit --output)")
     # a compress checkpoint is read one decoder block at a time, so a model of any size exports in the memory of
-    # one block; anything else transformers loads is loaded whole
-    native = (run_dir / "compress.json").is_file()
+    # one block; anything else transformers loads is loaded whole, and so is a run with eora's low-rank terms (its
+    # adapter is written from the model in memory; the run that made them held the whole model)
+    native = (run_dir / "compress.json").is_file() and \
+        "lowrank" not in json.loads((run_dir / "compress.json").read_text())
     whole = None if native else load_model(str(run_dir))
     skeleton = open_compressed(run_dir).model if native else whole.model
     for fmt in args.formats:  # every format checked before anything is written
