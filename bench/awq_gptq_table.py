@@ -56,7 +56,7 @@ FP4_G32_E4M3 = "{dtype: fp4_e2m1, granularity: group, group_size: 32, symmetric:
 # EoRA (issue 50): AWQ (grid clip) + GPTQ int3, then a rank-r low-rank repair of every quantized layer
 EORA = ("stages=[{stage: awq, n_grid: 20, search_samples: 4, clip_to: grid}, {stage: quantize, method: gptq, "
         "scheme: {dtype: %s, granularity: group, group_size: 64, symmetric: false}, ignore: [lm_head]}, "
-        "{stage: eora, rank: %d}]")
+        "{stage: eora, rank: %d, iterations: %d}]")
 RUNS = {  # name: (recipe, extra --set overrides)
     "rtn int4": ("recipes/gptq_int4.yaml", ["stages.0.method=rtn", "calibration=null"]),
     "awq int4": ("recipes/awq_int4.yaml", []),
@@ -101,8 +101,11 @@ RUNS = {  # name: (recipe, extra --set overrides)
                                                                                 "stages.1.clip_to=grid"]),
     "awq(grid clip)+gptq int4": ("recipes/awq_gptq_int4.yaml", ["stages.0.clip_to=grid"]),
     "awq(grid clip)+gptq int3": ("recipes/awq_gptq_int4.yaml", ["stages.0.clip_to=grid", "stages.1.scheme.dtype=int3"]),
-    **{f"awq(grid clip)+gptq+eora r{r} {bits}": ("recipes/awq_gptq_int4.yaml", [EORA % (bits, r)])
+    **{f"awq(grid clip)+gptq+eora r{r} {bits}": ("recipes/awq_gptq_int4.yaml", [EORA % (bits, r, 1)])
        for bits, ranks in (("int3", (8, 16, 32, 64)), ("int4", (8, 16))) for r in ranks},
+    # GPTQ re-run on W - B A and the term refitted, 3 more times (the eora stage's iterations)
+    **{f"awq(grid clip)+gptq+eora r{r} x4 int3": ("recipes/awq_gptq_int4.yaml", [EORA % ("int3", r, 4)])
+       for r in (8, 16)},
     "awq(grid clip)+gptq+tune int4": ("recipes/awq_gptq_tune_int4.yaml", []),
     "awq(grid clip)+gptq+tune int3": ("recipes/awq_gptq_tune_int4.yaml", ["stages.1.scheme.dtype=int3"]),
     "rotate+online+rtn w8a8 static": ("recipes/rotate_gptq_int3.yaml", [ONLINE, "stages.1.method=rtn",

@@ -239,3 +239,32 @@ def test_compress_run_with_eora_exports_and_verifies_an_adapter(tmp_path):
     assert main(["export", str(out), "--format", "dense", "--output", str(tmp_path / "dense")]) == 0
     assert json.loads((tmp_path / "dense" / "export.json").read_text())["adapter"]["layers"] == 14
     assert (tmp_path / "dense" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_alternation_never_leaves_more_error_than_the_first_fit(method):
+    """iterations > 1: the layer re-quantized as W - B A by its own method and the term refitted, the best round
+    kept by the input-weighted error. Per layer its share removed is at least the one-shot share, and larger on most
+    layers. (What that does to the whole model's KL is measured on the embedded model, not asserted on these: on the
+    tiny llama the KL drops with round-to-nearest and rises 14% with GPTQ.)"""
+    calib = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(1))
+    scheme = dict(INT3, method=method)
+    one, alt = make_tiny_model("llama"), make_tiny_model("llama")
+    ctx1, plan1 = _run(one, [scheme, {"stage": "eora", "rank": 4}], calib)
+    ctx2, plan2 = _run(alt, [scheme, {"stage": "eora", "rank": 4, "iterations": 4}], calib)
+    first, more = plan1.stages[1].report(ctx1, 1)["layers"], plan2.stages[1].report(ctx2, 1)["layers"]
+    assert all(more[n]["iterations"] == 4 and more[n]["error_removed"] >= first[n]["error_removed"] for n in first)
+    assert sum(more[n]["error_removed"] > first[n]["error_removed"] for n in first) > len(first) // 2
+    # the codes moved: the layers hold the re-quantized weights, not the quantize stage's first ones
+    assert any(not torch.equal(a.qdata, b.qdata) for a, b in zip(
+        (m for m in one.modules() if isinstance(m, QuantLinear)), (m for m in alt.modules() if isinstance(m, QuantLinear))))
+
+
+def test_alternation_is_refused_for_a_block_tuning_method():
+    calib = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(1))
+    model = make_tiny_model("llama")
+    stages = [dict(INT3, method="autoround", options={"iters": 2, "batch_size": 2}),
+              {"stage": "eora", "rank": 4, "iterations": 3}]
+    ctx, plan = _run(model, stages, calib)
+    layers = plan.stages[1].report(ctx, 1)["layers"]
+    assert layers and all(r["iterations"] == 1 and "tunes whole blocks" in r["not_alternated"] for r in layers.values())

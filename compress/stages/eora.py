@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -35,6 +35,7 @@ class EoRAPlan:
 
     layers: list[str]
     outside: dict[str, str]
+    quantized_by: dict[str, int] = field(default_factory=dict)  # layer -> index of the quantize stage that stores it
 
 
 @dataclass
@@ -56,10 +57,16 @@ class EoRAStage(StageBase):
 
     rank: int = 16  # per layer; capped at min(out, in)
     damp: float = 0.01  # added to the Hessian's diagonal, as a share of its mean (GPTQ's dampening)
+    # 1: the term fitted once to the quantize stage's error. n > 1: then n - 1 rounds of re-quantizing W - B A with
+    # that stage's method and refitting the term to the new error (LoftQ / QERA's alternation), the best kept by
+    # the input-weighted error. A per-layer method only (rtn, gptq, hqq; AutoRound tunes whole blocks)
+    iterations: int = 1
 
     def __post_init__(self):
         if not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"eora: rank must be a positive integer, got {self.rank!r}")
+        if not isinstance(self.iterations, int) or self.iterations < 1:
+            raise ValueError(f"eora: iterations must be a positive integer, got {self.iterations!r}")
         if not 0.0 <= self.damp < 1.0:
             raise ValueError(f"eora: damp must be in [0, 1), got {self.damp}")
 
@@ -86,7 +93,7 @@ class EoRAStage(StageBase):
         layers = sorted(n for n in claimed if n.startswith(inside))
         outside = {n: "outside the decoder blocks: the calibration pass sees no inputs of it, so no repair is fitted"
                    for n in sorted(claimed) if not n.startswith(inside)}
-        return EoRAPlan(layers, outside)
+        return EoRAPlan(layers, outside, {n: claimed[n] for n in layers})
 
     def describe(self, plan: Plan, index: int) -> tuple[list[str], dict]:
         step = plan.steps[index]
@@ -133,11 +140,52 @@ class EoRAStage(StageBase):
                 continue
             t0 = time.perf_counter()
             w = weights[rel]
+            inputs = block.inputs(rel)
             error = w.float() - layer.qtensor().dequantize(torch.float32)
-            a, b, share = eora_terms(error, block.inputs(rel).hessian("EoRA"), self.rank, self.damp)
+            a, b, share = eora_terms(error, inputs.hessian("EoRA"), self.rank, self.damp)
+            record = {"rank": a.shape[0], "error_removed": round(share, 4)}
+            if self.iterations > 1:
+                a, b, more = self._alternate(ctx, index, layer, name, w.float(), inputs, (a, b, error))
+                record.update(more)
             layer.set_lowrank(a.to(w.dtype), b.to(w.dtype))
-            ctx.records[index][name] = {"rank": a.shape[0], "error_removed": round(share, 4),
-                                        "seconds": round(time.perf_counter() - t0, 3)}
+            ctx.records[index][name] = record | {"seconds": round(time.perf_counter() - t0, 3)}
+
+    def _alternate(self, ctx: RunContext, index: int, layer: QuantLinear, name: str, w: torch.Tensor, inputs,
+                   first) -> tuple:
+        """Rounds of: the layer's weight re-quantized as W - B A by its quantize stage's method (the layer's codes
+        replaced), the term refitted to the new error. The round with the least input-weighted error ‖(W - Q - B A)
+        Xᵀ‖ is kept (the first fit included). Returns (A, B, what to add to the layer's record)."""
+        from ..quantizers import get_quantizer
+
+        j = ctx.plan.steps[index].quantized_by[name]
+        stage, step = ctx.plan.stages[j], ctx.plan.steps[j]
+        quantizer = get_quantizer(stage.method)
+        fallback = (ctx.records.get(j) or {}).get(name, {}).get("fallback")
+        if quantizer.tune_block is not None or fallback:
+            why = fallback or f"{stage.method} tunes whole blocks; the term was fitted once"
+            return first[0], first[1], {"iterations": 1, "not_alternated": why}
+        scheme = next(e.scheme for e in step.quantized if e.name == name)
+        h = inputs.hessian("EoRA")
+        h.diagonal().add_(self.damp * float(h.diagonal().mean().clamp(min=1e-12)))  # as eora_terms weighs it
+
+        def weighted(r: torch.Tensor) -> float:
+            return float(((r @ h) * r).sum())
+
+        a, b, error = first
+        base = weighted(error)
+        best = (weighted(error - b @ a), a, b, layer.qtensor())
+        for _ in range(self.iterations - 1):
+            qt = quantizer.quantize((w - b @ a).to(layer.qdata.device), scheme, stage.options, inputs)
+            error = w - qt.dequantize(torch.float32)
+            a, b, _ = eora_terms(error, h, self.rank, self.damp)
+            value = weighted(error - b @ a)
+            if value < best[0]:
+                best = (value, a, b, qt)
+        value, a, b, qt = best
+        layer.qdata, layer.scale, layer.zero_point = qt.qdata, qt.scale, qt.zero_point
+        if qt.global_scale is not None:
+            layer.global_scale = qt.global_scale
+        return a, b, {"iterations": self.iterations, "error_removed": round(1 - value / base, 4) if base else 0.0}
 
     def finalize(self, ctx: RunContext, index: int) -> None:
         for name, why in ctx.plan.steps[index].outside.items():
