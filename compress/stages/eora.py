@@ -97,9 +97,12 @@ class EoRAStage(StageBase):
 
     def describe(self, plan: Plan, index: int) -> tuple[list[str], dict]:
         step = plan.steps[index]
-        lines = [f"\nstage {index}: eora, rank {self.rank}: a low-rank repair of {len(step.layers)} quantized layers"]
+        rounds = f", {self.iterations} rounds of re-quantizing and refitting" if self.iterations > 1 else ""
+        lines = [f"\nstage {index}: eora, rank {self.rank}{rounds}: a low-rank repair of {len(step.layers)} quantized "
+                 "layers"]
         lines += [f"  {n}: not repaired ({why})" for n, why in step.outside.items()]
-        return lines, {"rank": self.rank, "layers": len(step.layers), "outside": step.outside}
+        return lines, {"rank": self.rank, "iterations": self.iterations, "layers": len(step.layers),
+                       "outside": step.outside}
 
     def observed_layers(self, step: EoRAPlan) -> set[str]:
         return set(step.layers)
