@@ -268,3 +268,15 @@ def test_alternation_is_refused_for_a_block_tuning_method():
     ctx, plan = _run(model, stages, calib)
     layers = plan.stages[1].report(ctx, 1)["layers"]
     assert layers and all(r["iterations"] == 1 and "tunes whole blocks" in r["not_alternated"] for r in layers.values())
+
+
+def test_alternation_after_awq_grid_clipping():
+    """AWQ's clipping handed to GPTQ as its grid (clip_to: grid) travels with the layer's inputs into each
+    re-quantization (a run once failed here: the factors carried autograd state outside no_grad)."""
+    calib = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(1))
+    model = make_tiny_model("llama")
+    stages = [{"stage": "awq", "n_grid": 5, "search_samples": 2, "clip_to": "grid"}, dict(INT3, method="gptq"),
+              {"stage": "eora", "rank": 4, "iterations": 2}]
+    ctx, plan = _run(model, stages, calib)
+    layers = plan.stages[2].report(ctx, 2)["layers"]
+    assert len(layers) == 14 and all(r["iterations"] == 2 for r in layers.values())

@@ -130,6 +130,7 @@ class EoRAStage(StageBase):
         stage scales them in place, so the quantize stage and the repair see the same tensors)."""
         return _keep_float_weights(block, index)
 
+    @torch.no_grad()  # as apply_quantize: a smoothing stage's clipping factors may carry autograd state
     def on_block(self, ctx: RunContext, block: BlockState, index: int) -> None:
         weights = block.observed.pop(index, {})
         for rel in sorted(block.under(ctx.plan.steps[index].layers)):
