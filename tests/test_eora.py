@@ -176,7 +176,6 @@ def test_native_checkpoint_round_trip(repaired, tmp_path):
 def test_adapter_beside_an_export_reloads_through_peft(repaired, tmp_path):
     """The dense export holds the quantized model without the terms and adapter/ holds them; transformers + peft
     reload both and compute our model (up to the export's bf16 rounding), far closer than the base alone."""
-    pytest.importorskip("peft")
     from compress.export import export_model
     from compress.export.adapter import detached_lowrank
     from compress.export.verify import verify_export
@@ -216,7 +215,6 @@ def test_compress_run_with_eora_exports_and_verifies_an_adapter(tmp_path):
     """`compress run` end to end: AWQ, GPTQ int3, eora; the report's stage section; the compressed-tensors export
     (what vLLM serves) with its adapter, verified through transformers + peft; the run folder reloads with its
     terms."""
-    pytest.importorskip("peft")
     from compress.export.native import load_compressed
     from tests.conftest import run_tiny_recipe
 

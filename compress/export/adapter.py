@@ -67,11 +67,8 @@ def write_adapter(terms: dict[str, tuple[Tensor, Tensor]], folder: Path, dtype: 
 def apply_adapter(model: nn.Module, folder: Path) -> nn.Module:
     """A transformers model with the adapter at `folder` applied through peft (merged into no weight: its layers
     compute B A x beside the base layer, as at serving time)."""
-    try:
-        from peft import PeftModel
-    except ImportError as e:
-        raise ImportError("this export carries a LoRA adapter (the eora stage's repair) and reading it back needs "
-                          "peft: pip install peft") from e
+    from peft import PeftModel  # a dependency of compress
+
     return PeftModel.from_pretrained(model, str(folder)).eval()
 
 
