@@ -170,10 +170,11 @@ class EoRAStage(StageBase):
             return first[0], first[1], {"iterations": 1, "not_alternated": why}
         scheme = next(e.scheme for e in step.quantized if e.name == name)
         h = inputs.hessian("EoRA")
-        h.diagonal().add_(self.damp * float(h.diagonal().mean().clamp(min=1e-12)))  # as eora_terms weighs it
+        damped = h.clone()  # the error is weighed as eora_terms weighs it; each refit damps `h` itself
+        damped.diagonal().add_(self.damp * float(h.diagonal().mean().clamp(min=1e-12)))
 
         def weighted(r: torch.Tensor) -> float:
-            return float(((r @ h) * r).sum())
+            return float(((r @ damped) * r).sum())
 
         a, b, error = first
         base = weighted(error)
