@@ -36,12 +36,25 @@ class GPTQConfig:
     # float64 (the most exact of the three): the spread is the factor's rounding, not a loss (false: the textbook
     # factor, bit for bit the solves before issue 49)
     fast_factor: bool = True
+    # a folder of each layer's output-side Hessian of the whole model's KL (the kl_hessians stage writes it; one
+    # `<layer>.safetensors` per layer): GPTQ then also carries each block of rows' rounding error to the rows not yet
+    # quantized (quantizers/gptq_kron.py). Empty: each row alone, the layer's own output error (plain GPTQ)
+    output_hessians: str = ""
+    row_block: int = 32  # rows quantized together between two output-side error feedbacks (output_hessians only)
+    # the output side's dampening, as a share of its mean diagonal (output_hessians only): more than the input side's,
+    # because at 2 bits the full feedback pushes more error onto later rows than their grid can absorb (on random
+    # correlated problems, int2: 0.01 -> 1.1-1.7x GPTQ's Kronecker cost, 0.1 -> 0.7-0.8x, 0.3 -> 0.64-0.66x)
+    output_dampening: float = 0.1
 
     def __post_init__(self):
         if not 0 <= self.dampening < 1:
             raise ValueError(f"dampening must be in [0, 1), got {self.dampening} (typical: 0.01)")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size} (typical: 128)")
+        if not 0 <= self.output_dampening < 10:
+            raise ValueError(f"output_dampening must be in [0, 10), got {self.output_dampening} (typical: 0.1)")
+        if self.row_block < 1:
+            raise ValueError(f"row_block must be >= 1, got {self.row_block} (typical: 32)")
 
 
 class SingularHessianError(ValueError):
@@ -69,6 +82,10 @@ def quantize_gptq_layer(w: Tensor, scheme: QuantScheme, options: GPTQConfig, inp
         factor = hessian_factor(inputs.hessian("GPTQ"), options, dtype, name=inputs.name, overwrite=True)
     else:
         factor = _shared_factor(slot, options, dtype, inputs)
+    if options.output_hessians:
+        from .gptq_kron import load_output_hessian, quantize_gptq_kron
+        h_out = load_output_hessian(options.output_hessians, inputs.name, w.shape[0])
+        return quantize_gptq_kron(w, factor, h_out, scheme, options, name=inputs.name, clip=inputs.clip)
     return quantize_gptq(w, factor, scheme, options, name=inputs.name, clip=inputs.clip)
 
 
@@ -237,7 +254,8 @@ def _column_qparams(w_cols: Tensor, scheme: QuantScheme, gscale: Tensor | None =
 
 
 def quantize_gptq(w: Tensor, hessian: Tensor | HessianFactor, scheme: QuantScheme, cfg: GPTQConfig = GPTQConfig(),
-                  name: str = "layer", overwrite_hessian: bool = False, clip: Tensor | None = None) -> QuantizedTensor:
+                  name: str = "layer", overwrite_hessian: bool = False, clip: Tensor | None = None,
+                  gscale: Tensor | None = None) -> QuantizedTensor:
     """GPTQ-quantize a [out, in] weight given the Hessian [in, in] of its inputs, or its factor (hessian_factor,
     made with the same dampening and act_order: layers that read one input share it).
 
@@ -249,6 +267,7 @@ def quantize_gptq(w: Tensor, hessian: Tensor | HessianFactor, scheme: QuantSchem
     Computes in float64 when `w` is float64 (tests), float32 otherwise. Memory beyond the inputs: one [K, K] matrix
     (none with `overwrite_hessian`, which lets the solve work in the caller's Hessian, nor with a factor) and one
     [N, K] matrix, which holds the weights being updated and, column by column, the codes that replace them.
+    `gscale`: NVFP4's global scale when `w` is a slice of rows of the tensor it belongs to (default: `w`'s own).
     """
     dtype = torch.float64 if w.dtype == torch.float64 else torch.float32
     n_rows, k = w.shape
@@ -265,7 +284,8 @@ def quantize_gptq(w: Tensor, hessian: Tensor | HessianFactor, scheme: QuantSchem
 
     g = scheme.group_size if scheme.granularity == "group" else None
     static = scheme.granularity != "group" or cfg.act_order
-    gscale = global_scale(W, scheme)  # NVFP4: one per tensor, from the original weights
+    if gscale is None:
+        gscale = global_scale(W, scheme)  # NVFP4: one per tensor, from the original weights
     if static:  # parameters from the original weights, in the original column order
         scale_full, zero_full = compute_qparams(W if clip is None else shrink_range(W, clip, scheme), scheme, gscale)
         scale_tab = _table(scale_full, scheme, n_rows).to(dtype)  # [N or 1, groups]: one column per group
