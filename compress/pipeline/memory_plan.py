@@ -42,6 +42,7 @@ class ModelSize:
     # sum, over blocks, of two distinct inputs' K² + 2·out·K (the widest layer reading each)
     two_solves: int = 0
     block_linear_sides: int = 0  # Σ (out + in) over the block linears: a rank-1 term of each (eora) holds this many
+    output_hessian_floats: int = 0  # one block's output-side Hessians, out² per linear (the kl_hessians pass)
 
 
 def model_size(config) -> ModelSize:
@@ -90,6 +91,7 @@ def model_size(config) -> ModelSize:
         largest_hessian_floats=max((i * i for lin, _, _ in per_block for _, i in lin.values()), default=0),
         two_solves=max(two_solves, default=0),
         block_linear_sides=sum(o + i for lin, _, _ in per_block for o, i in lin.values()),
+        output_hessian_floats=max(sum(o * o for o, _ in lin.values()) for lin, _, _ in per_block),
     )
 
 

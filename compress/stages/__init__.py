@@ -12,6 +12,7 @@ from .awq import AWQStage
 from .base import Needs, Plan, RunContext, StageBase, make_plan, next_target
 from .distill import DistillStage
 from .eora import EoRAStage
+from .kl_hessians import KLHessiansStage
 from .kv_cache import KVCacheStage
 from .prune import PruneStage
 from .prune_experts import PruneExpertsStage
@@ -26,6 +27,7 @@ STAGES: dict[str, type] = {
     "prune_experts": PruneExpertsStage,  # a mixture of experts' least salient experts dropped (REAP)
     "distill": DistillStage,  # knowledge-distillation repair from the original
     "auto_precision": AutoPrecisionStage,  # one scheme per layer within a byte budget, for the next quantize stage
+    "kl_hessians": KLHessiansStage,  # the output side of each layer's KL Hessian, for the next quantize stage's GPTQ
     "awq": AWQStage,  # activation-aware scales and clipping for the next quantize stage
     "smoothquant": SmoothQuantStage,  # activation outliers migrated into the weights
     "quantize": QuantizeStage,  # weights (and activations) quantized by a method in quantizers.QUANTIZERS
@@ -42,5 +44,5 @@ def get_stage(name: str) -> type:
 
 
 __all__ = ["STAGES", "get_stage", "make_plan", "next_target", "Needs", "Plan", "RunContext", "StageBase",
-           "AutoPrecisionStage", "AWQStage", "DistillStage", "EoRAStage", "KVCacheStage", "PruneExpertsStage", "PruneStage", "QuantizeStage", "RotateStage", "SmoothQuantStage",
+           "AutoPrecisionStage", "AWQStage", "DistillStage", "EoRAStage", "KLHessiansStage", "KVCacheStage", "PruneExpertsStage", "PruneStage", "QuantizeStage", "RotateStage", "SmoothQuantStage",
            "TuneScalesStage"]

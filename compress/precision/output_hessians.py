@@ -1,0 +1,161 @@
+"""The output side of every planned layer's KL Hessian, one decoder block at a time (the kl_hessians stage; GPTQ's
+`output_hessians`, quantizers/gptq_kron.py).
+
+For a linear y = W x inside the model, the Hessian of the KL to the original model at the original weights is the
+Fisher of its output distribution. With labels sampled from the model's own prediction, its Kronecker-factored form
+(K-FAC) is Σ x xᵀ ⊗ Σ g gᵀ, where g is the gradient of the sampled log-likelihood at the layer's output, per token.
+The input side is what the calibration pass collects for GPTQ; this pass collects the output side, H_out = Σ g gᵀ
+over every token of the windows.
+
+It is fisher_blocks' pass: block 0's inputs captured, every block run forward once with its output kept, labels
+sampled at the top (the same generator as the sensitivity passes), then the blocks again from last to first, each
+recomputed from its kept input with autograd on and the gradient at its output pushed through it, its planned
+layers' output gradients summed as they pass. Each layer's H_out is written, as soon as its block is done, to
+`<folder>/<layer>.safetensors` (float32), so memory holds one block's sums at a time: the kept states
+((blocks + 1) × windows × seq_len × hidden values) and the block's [out, out] sums.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from ..arch import get_arch, get_module
+from ..calibrate.blockwise import BlockInputs, ResidentBlocks, _first, block_forward, capture_block_inputs
+from ..core.nn import linear_shape
+from ..measure.ppl import final_logits
+from ..quantizers.gptq_kron import KEY, output_hessian_path
+from .mixed import sample_labels
+
+INDEX = "index.json"  # written last: the folder is complete
+
+
+def outside_blocks(model: nn.Module, names: list[str]) -> list[str]:
+    """The layers of `names` that are not inside a decoder block (this pass hooks block layers only)."""
+    prefix = get_arch(model).blocks + "."
+    return [n for n in names if not n.startswith(prefix)]
+
+
+def complete(folder: Path, names: list[str], seed: int, tokens: int) -> bool:
+    """Whether `folder` already holds these layers' Hessians from the same windows and seed (a resumed run)."""
+    try:
+        index = json.loads((folder / INDEX).read_text())
+    except (OSError, ValueError):
+        return False
+    return index.get("seed") == seed and index.get("tokens") == tokens and set(index.get("layers", [])) == set(names)
+
+
+def output_hessians(model: nn.Module, windows: Tensor, names: list[str], folder: Path, seed: int = 0,
+                    progress=None, blocks=None, device=None) -> dict:
+    """Write H_out = Σ g gᵀ of every layer in `names` (inside the decoder blocks) to `folder` (see the module
+    docstring); returns the folder's index. `blocks`: the block source (default: the model's own,
+    ResidentBlocks); `device`: where the blocks compute (default: where the input embedding is). Every parameter's
+    requires_grad is restored on return."""
+    arch = get_arch(model)
+    if bad := outside_blocks(model, names):
+        raise ValueError(f"the output-side Hessians are computed for layers inside the decoder blocks; {bad[0]} "
+                         f"is not{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}: leave it out of the "
+                         "quantize stage (`ignore:`) or quantize it in a stage of its own")
+    folder.mkdir(parents=True, exist_ok=True)
+    n_blocks = len(arch.block_list(model))
+    owner: dict[int, list[str]] = {}
+    for n in names:
+        owner.setdefault(int(n[len(arch.blocks) + 1:].split(".")[0]), []).append(n)
+    if device is None:
+        device = model.get_input_embeddings().weight.device
+    blocks = blocks or ResidentBlocks(model, arch, offload=device)
+    norm = get_module(model, arch.final_norm)
+    gen = torch.Generator().manual_seed(seed)
+    done, steps = [0], 2 * n_blocks + 1
+
+    def step(what: str) -> None:
+        done[0] += 1
+        if progress is not None:
+            progress(what, done[0], steps)
+
+    def park(t: Tensor) -> Tensor:
+        return t.detach().to("cpu")
+
+    params = {id(p): (p, p.requires_grad) for p in model.parameters()}
+    model.requires_grad_(False)
+    handles: list = []
+    try:
+        inputs, _ = capture_block_inputs(model, arch, windows, device)
+        kwargs = inputs.arguments.of
+        states = [[park(h) for h in inputs.hidden]]
+        for b in range(n_blocks):  # forward, every block's input kept
+            block = blocks.load(b, device).requires_grad_(False)
+            with torch.no_grad():
+                states.append([park(h) for h in block_forward(
+                    block, BlockInputs([h.to(device) for h in states[-1]], kwargs(b)))])
+            blocks.done(b, block)
+            step("kl hessians: forward")
+        grads = []
+        for h in states[-1]:  # the top: labels sampled from the model, the gradient at the last block's output
+            h = h.to(device).requires_grad_()
+            logits = final_logits(model, norm(h), arch=arch)[0]
+            nn.functional.cross_entropy(logits, sample_labels(logits, gen), reduction="sum").backward()
+            grads.append(park(h.grad))
+        step("kl hessians: head")
+        for b in reversed(range(n_blocks)):  # backward, the block's layers' output gradients summed
+            block = blocks.load(b, device).requires_grad_(False)
+            prefix = f"{arch.blocks}.{b}."
+            sums = {n: torch.zeros(linear_shape(block.get_submodule(n[len(prefix):]))[0],
+                                   linear_shape(block.get_submodule(n[len(prefix):]))[0], device=device)
+                    for n in owner.get(b, [])}
+            handles = [block.get_submodule(n[len(prefix):]).register_forward_hook(_summing(sums[n]))
+                       for n in sums]
+            new_grads = []
+            for h, kw, g in zip(states[b], kwargs(b), grads):
+                x = h.to(device).detach().requires_grad_()  # block 0 too: its layers' outputs need the graph
+                out = _first(block(x, **kw))
+                out.backward(g.to(device, out.dtype))
+                new_grads.append(park(x.grad) if b > 0 else None)
+            grads = new_grads
+            _remove(handles)
+            for n, s in sums.items():
+                _write(folder, n, s)
+            blocks.done(b, block)
+            step("kl hessians: backward")
+    finally:
+        _remove(handles)
+        for p, flag in params.values():
+            if not p.is_meta:
+                p.requires_grad_(flag)
+    index = {"seed": seed, "tokens": int(windows.numel()), "windows": int(windows.shape[0]),
+             "seq_len": int(windows.shape[1]), "layers": sorted(names)}
+    (folder / INDEX).write_text(json.dumps(index, indent=1))
+    return index
+
+
+def _summing(acc: Tensor):
+    """A forward hook that adds Σ g gᵀ of the layer's output gradient to `acc` once the backward reaches it."""
+    def add(g: Tensor) -> None:
+        g2 = g.reshape(-1, g.shape[-1]).float()
+        acc.addmm_(g2.T, g2)
+
+    def hook(_module, _args, out):
+        if isinstance(out, Tensor) and out.requires_grad:
+            out.register_hook(add)
+    return hook
+
+
+def _write(folder: Path, name: str, h: Tensor) -> None:
+    """One layer's file, written beside its place and renamed into it."""
+    path = output_hessian_path(folder, name)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({KEY: h.detach().to("cpu", torch.float32).contiguous()}, str(tmp))
+    os.replace(tmp, path)
+
+
+def _remove(handles: list) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
+__all__ = ["INDEX", "complete", "outside_blocks", "output_hessians"]

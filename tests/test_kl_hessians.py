@@ -1,0 +1,104 @@
+"""The kl_hessians stage: the output-side Hessians block by block against a whole-model backward, and a run whose GPTQ
+rounds against them (recipe checks, the report, the resolved recipe)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from compress.precision.mixed import sample_labels
+from compress.precision.output_hessians import INDEX, output_hessians
+from compress.quantizers.gptq_kron import output_hessian_path
+from tests.conftest import make_tiny_model, run_tiny_recipe, tiny_recipe
+
+GPTQ_INT3 = {"stage": "quantize", "method": "gptq", "ignore": ["lm_head"],
+             "scheme": {"dtype": "int3", "granularity": "group", "group_size": 16, "symmetric": False}}
+
+
+def _whole_model(model: nn.Module, windows: torch.Tensor, names: list[str], seed: int) -> dict[str, torch.Tensor]:
+    """The plain reference: the whole model forward and backward per window (labels sampled from its logits by the
+    same generator, in the same order), every layer's Σ g gᵀ summed by a tensor hook on its output."""
+    sums = {n: None for n in names}
+
+    def hook(name):
+        def f(_m, _a, out):
+            def g_hook(g):
+                g2 = g.reshape(-1, g.shape[-1]).double()
+                sums[name] = g2.T @ g2 if sums[name] is None else sums[name] + g2.T @ g2
+            out.register_hook(g_hook)
+        return f
+
+    handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in names]
+    gen = torch.Generator().manual_seed(seed)
+    for w in windows:
+        logits = model(w[None]).logits[0]
+        nn.functional.cross_entropy(logits, sample_labels(logits, gen), reduction="sum").backward()
+    for h in handles:
+        h.remove()
+    model.zero_grad()
+    return sums
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "mixtral"])
+def test_block_by_block_equals_the_whole_model(tmp_path, family):
+    from compress.arch.moe import unfuse_experts
+    model = make_tiny_model(family).float().eval()
+    unfuse_experts(model)  # as the loader leaves a mixture of experts: one linear per expert
+    windows = torch.randint(0, model.config.vocab_size, (3, 24), generator=torch.Generator().manual_seed(0))
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith("model.layers.")
+             and "router" not in n and not n.endswith(".gate")]
+    before = [p.requires_grad for p in model.parameters()]
+    index = output_hessians(model, windows, names, tmp_path, seed=7)
+    assert index["tokens"] == 72 and sorted(index["layers"]) == sorted(names)
+    assert json.loads((tmp_path / INDEX).read_text()) == index
+    assert [p.requires_grad for p in model.parameters()] == before  # restored
+    model.requires_grad_(True)  # the reference backpropagates through every layer
+    ref = _whole_model(model, windows, names, seed=7)
+    for n in names:
+        got = load_file(str(output_hessian_path(tmp_path, n)))["hessian"].double()
+        assert got.shape == ref[n].shape
+        assert torch.allclose(got, ref[n], rtol=1e-4, atol=1e-6 * ref[n].abs().max()), n
+
+
+def test_layers_outside_the_blocks_are_refused(tmp_path):
+    model = make_tiny_model("llama").float().eval()
+    with pytest.raises(ValueError, match="lm_head.*ignore"):
+        output_hessians(model, torch.zeros(1, 8, dtype=torch.long), ["lm_head"], tmp_path)
+
+
+def test_a_run_rounds_against_them(tmp_path):
+    """The stage writes every quantized layer's Hessian and points the GPTQ at them (the resolved recipe says so);
+    the result differs from plain GPTQ's and its report has the stage's section."""
+    from compress import load_recipe
+
+    out = run_tiny_recipe(tmp_path, [{"stage": "kl_hessians", "n_samples": 2}, GPTQ_INT3], {"perplexity": False})
+    report = json.loads((out / "report.json").read_text())
+    section = next(s for s in report["stages"] if s["stage"] == "kl_hessians")
+    assert section["layers"] == 7 * 2 and section["windows"] == 2 and not section["reused"]
+    resolved = (out / "recipe.resolved.yaml").read_text()
+    assert "output_hessians:" in resolved and "kl_hessians" in resolved
+    assert "kl_hessians" in (out / "report.md").read_text()
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    run_tiny_recipe(plain, [GPTQ_INT3], {"perplexity": False})
+    from safetensors import safe_open
+    name = "model.layers.1.mlp.down_proj.qdata"
+    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as a, \
+            safe_open(str(next((plain / "out").glob("*.safetensors"))), "pt") as b:
+        assert not torch.equal(a.get_tensor(name), b.get_tensor(name))
+    assert load_recipe(tiny_recipe(tmp_path, [{"stage": "kl_hessians"}, GPTQ_INT3], {"perplexity": False}))
+
+
+@pytest.mark.parametrize("stages, match", [
+    ([{"stage": "kl_hessians"}, {**GPTQ_INT3, "method": "rtn"}], "method: gptq"),
+    ([{"stage": "kl_hessians"}, {"stage": "awq"}, GPTQ_INT3], "awq between it and the quantize stage"),
+    ([{"stage": "kl_hessians"}, {**GPTQ_INT3, "scheme": {"dtype": "int8", "granularity": "tensor"}}],
+     "channel or group"),
+])
+def test_recipe_checks(tmp_path, stages, match):
+    from compress import load_recipe
+    with pytest.raises(ValueError, match=match):
+        load_recipe(tiny_recipe(tmp_path, stages, {"perplexity": False}))
