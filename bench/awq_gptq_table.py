@@ -57,12 +57,19 @@ FP4_G32_E4M3 = "{dtype: fp4_e2m1, granularity: group, group_size: 32, symmetric:
 EORA = ("stages=[{stage: awq, n_grid: 20, search_samples: 4, clip_to: grid}, {stage: quantize, method: gptq, "
         "scheme: {dtype: %s, granularity: group, group_size: 64, symmetric: false}, ignore: [lm_head]}, "
         "{stage: eora, rank: %d, iterations: %d}]")
+# loss-aware rounding (issue 50): the output side of each layer's KL Hessian (kl_hessians), then GPTQ against both sides
+KL_GPTQ = ("stages=[{stage: kl_hessians}, {stage: quantize, method: gptq, scheme: {dtype: %s, granularity: group, "
+           "group_size: %d, symmetric: false}, ignore: [lm_head]}]")
 RUNS = {  # name: (recipe, extra --set overrides)
     "rtn int4": ("recipes/gptq_int4.yaml", ["stages.0.method=rtn", "calibration=null"]),
     "awq int4": ("recipes/awq_int4.yaml", []),
     "gptq int4": ("recipes/gptq_int4.yaml", []),
     "awq+gptq int4": ("recipes/awq_gptq_int4.yaml", [W_CLIP]),
     "rtn int3": ("recipes/gptq_int4.yaml", ["stages.0.method=rtn", "calibration=null", "stages.0.scheme.dtype=int3"]),
+    "kl+gptq int3": ("recipes/gptq_int4.yaml", [KL_GPTQ % ("int3", 64)]),
+    "kl+gptq int4": ("recipes/gptq_int4.yaml", [KL_GPTQ % ("int4", 64)]),
+    "gptq int2 g32": ("recipes/gptq_int4.yaml", ["stages.0.scheme.dtype=int2", "stages.0.scheme.group_size=32"]),
+    "kl+gptq int2 g32": ("recipes/gptq_int4.yaml", [KL_GPTQ % ("int2", 32)]),
     "awq int3": ("recipes/awq_int3.yaml", []),
     "gptq int3": ("recipes/gptq_int4.yaml", ["stages.0.scheme.dtype=int3"]),
     "awq+gptq int3": ("recipes/awq_gptq_int4.yaml", [W_CLIP, "stages.1.scheme.dtype=int3"]),

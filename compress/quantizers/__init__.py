@@ -19,6 +19,7 @@ from ..core.qtensor import QuantizedTensor
 from ..core.scheme import QuantScheme
 from .autoround import AutoRoundOptions, autoround_problem, quantize_autoround_layer, tune_block
 from .gptq import GPTQConfig, gptq_problem, quantize_gptq_layer
+from .gptq_kron import quantize_gptq_kron_layer
 from .hqq import HQQOptions, hqq_problem, quantize_hqq
 from .rtn import RTNOptions, quantize_rtn
 
@@ -59,6 +60,13 @@ def _any_scheme(scheme: QuantScheme) -> str | None:
     return None
 
 
+def _gptq(w: Tensor, scheme: QuantScheme, options: GPTQConfig, inputs: "LayerInputs") -> QuantizedTensor:
+    """GPTQ against the layer's output error, or, where options.output_hessians names the output side of the
+    model's KL Hessian (the kl_hessians stage), against both sides (gptq_kron.py)."""
+    layer = quantize_gptq_kron_layer if options.output_hessians else quantize_gptq_layer
+    return layer(w, scheme, options, inputs)
+
+
 @dataclass(frozen=True)
 class Quantizer:
     """A registered weight quantization method."""
@@ -75,7 +83,7 @@ class Quantizer:
 
 QUANTIZERS: dict[str, Quantizer] = {
     "rtn": Quantizer(quantize_rtn, RTNOptions),  # round to nearest: scales from min/max or absmax
-    "gptq": Quantizer(quantize_gptq_layer, GPTQConfig, needs_hessian=True, problem=gptq_problem),
+    "gptq": Quantizer(_gptq, GPTQConfig, needs_hessian=True, problem=gptq_problem),
     "hqq": Quantizer(quantize_hqq, HQQOptions, problem=hqq_problem),  # no calibration data
     "autoround": Quantizer(quantize_autoround_layer, AutoRoundOptions, problem=autoround_problem,
                            tune_block=tune_block),  # SignRound: learned rounding and clipping, block by block

@@ -72,21 +72,19 @@ def gptq_problem(scheme: QuantScheme) -> str | None:
 
 
 def quantize_gptq_layer(w: Tensor, scheme: QuantScheme, options: GPTQConfig, inputs) -> QuantizedTensor:
-    """The registry's signature: the Hessian comes from the layer's calibration inputs (a fresh tensor each call,
-    so the solve may overwrite it). Where the caller gives a `shared` slot (the quantize stage, across one block's
-    layers), layers that read one input (q/k/v, gate/up: one InputStats, the same divisor) and have the same
-    dampening and act_order reuse one factor (hessian_factor) instead of each factoring its own copy of H."""
+    """The registry's signature: the Hessian comes from the layer's calibration inputs (layer_factor)."""
+    return quantize_gptq(w, layer_factor(w, options, inputs), scheme, options, name=inputs.name, clip=inputs.clip)
+
+
+def layer_factor(w: Tensor, options: GPTQConfig, inputs) -> "HessianFactor":
+    """The factor of the layer's input Hessian from its calibration inputs (a fresh tensor each call, so the solve
+    may overwrite it). Where the caller gives a `shared` slot (the quantize stage, across one block's layers), layers
+    that read one input (q/k/v, gate/up: one InputStats, the same divisor) and have the same dampening and act_order
+    reuse one factor instead of each factoring its own copy of H."""
     dtype = torch.float64 if w.dtype == torch.float64 else torch.float32
-    slot = inputs.shared
-    if slot is None:
-        factor = hessian_factor(inputs.hessian("GPTQ"), options, dtype, name=inputs.name, overwrite=True)
-    else:
-        factor = _shared_factor(slot, options, dtype, inputs)
-    if options.output_hessians:
-        from .gptq_kron import load_output_hessian, quantize_gptq_kron
-        h_out = load_output_hessian(options.output_hessians, inputs.name, w.shape[0])
-        return quantize_gptq_kron(w, factor, h_out, scheme, options, name=inputs.name, clip=inputs.clip)
-    return quantize_gptq(w, factor, scheme, options, name=inputs.name, clip=inputs.clip)
+    if inputs.shared is None:
+        return hessian_factor(inputs.hessian("GPTQ"), options, dtype, name=inputs.name, overwrite=True)
+    return _shared_factor(inputs.shared, options, dtype, inputs)
 
 
 def _shared_factor(slot: dict, options: GPTQConfig, dtype: torch.dtype, inputs) -> "HessianFactor":

@@ -34,7 +34,7 @@ from ..core.primitives import global_scale
 from ..core.qtensor import QuantizedTensor
 from ..core.scheme import QuantScheme
 from .gptq import (GPTQConfig, HessianFactor, _inverse_hessian_factor, _permute_columns_, _permute_rows_,
-        hessian_factor, quantize_gptq)
+        hessian_factor, layer_factor, quantize_gptq)
 
 KEY = "hessian"  # the tensor's name in each layer's file
 
@@ -79,6 +79,14 @@ def kron_problem(scheme: QuantScheme) -> str | None:
     return None
 
 
+def quantize_gptq_kron_layer(w: Tensor, scheme: QuantScheme, options: GPTQConfig, inputs) -> QuantizedTensor:
+    """The registry's signature (method gptq with options.output_hessians): H_in from the layer's calibration
+    inputs, H_out from its file in the folder."""
+    h_out = load_output_hessian(options.output_hessians, inputs.name, w.shape[0])
+    return quantize_gptq_kron(w, layer_factor(w, options, inputs), h_out, scheme, options, name=inputs.name,
+                              clip=inputs.clip)
+
+
 def quantize_gptq_kron(w: Tensor, hessian: Tensor | HessianFactor, h_out: Tensor, scheme: QuantScheme,
                        cfg: GPTQConfig = GPTQConfig(), name: str = "layer",
                        clip: Tensor | None = None) -> QuantizedTensor:
@@ -117,4 +125,4 @@ def quantize_gptq_kron(w: Tensor, hessian: Tensor | HessianFactor, h_out: Tensor
 
 
 __all__ = ["KEY", "kron_problem", "load_output_hessian", "output_factor", "output_hessian_path",
-           "quantize_gptq_kron"]
+           "quantize_gptq_kron", "quantize_gptq_kron_layer"]
