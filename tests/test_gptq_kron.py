@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from compress.core.scheme import scheme
 from compress.quantizers import LayerInputs, get_quantizer
 from compress.quantizers.gptq import GPTQConfig, quantize_gptq
-from compress.quantizers.gptq_kron import load_output_hessian, output_hessian_path, quantize_gptq_kron
+from compress.quantizers.gptq_kron import load_kl_hessians, output_hessian_path, quantize_gptq_kron
 from tests.reference.naive_gptq import naive_gptq
 
 
@@ -36,7 +36,8 @@ def test_row_by_row_is_gptq_on_the_flattened_weight(bits, symmetric):
     w = torch.randn(m, n, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 0.1
     h_in, h_out = _spd(n, 1), _spd(m, 2)
     sch = scheme(f"int{bits}", "group", n, symmetric)
-    cfg = GPTQConfig(dampening=0.0, output_dampening=0.0, act_order=False, row_block=1, fast_factor=False)
+    cfg = GPTQConfig(dampening=0.0, output_dampening=0.0, output_shrink=0.0, act_order=False, row_block=1,
+                     fast_factor=False)
     codes = quantize_gptq_kron(w, h_in, h_out, sch, cfg).codes().to(torch.int64)
     ref = naive_gptq(w.reshape(1, -1), torch.kron(h_out, h_in), bits, n, symmetric, damp=0.0)
     assert torch.equal(codes.reshape(1, -1), ref)
@@ -67,7 +68,7 @@ def test_it_lowers_the_kronecker_objective(sch):
     for seed in range(3):
         w = torch.randn(64, 64, generator=torch.Generator().manual_seed(seed)) * 0.1
         h_in, h_out = _spd(64, 10 + seed).float(), _spd(64, 20 + seed, corr=3.0).float()
-        cfg = GPTQConfig(row_block=8)
+        cfg = GPTQConfig(row_block=8, output_shrink=0.0)  # an exact H_out: nothing to shrink
         kron = _cost(w, quantize_gptq_kron(w, h_in, h_out, sch, cfg).dequantize(), h_in, h_out)
         plain = _cost(w, quantize_gptq(w, h_in, sch, cfg).dequantize(), h_in, h_out)
         ratios.append(kron / plain)
@@ -81,10 +82,10 @@ def test_tensor_scales_are_refused():
 
 
 def test_the_registry_reads_the_folder(tmp_path):
-    """method gptq with options.output_hessians: each layer's H_out from its file; a missing or wrong one is named."""
-    from compress.calibrate.observers import InputStats  # noqa: F401 (LayerInputs' type)
+    """method gptq with options.output_hessians: each layer's sides from its file, as kl_sides says (the layer's own
+    input Hessian where the input side is not used); a missing or mismatched file is named."""
 
-    class _Stats:  # the one thing quantize_gptq_layer reads of the calibration statistics
+    class _Stats:  # the one thing the registry's GPTQ reads of the calibration statistics
         def __init__(self, h):
             self.h = h
 
@@ -92,15 +93,24 @@ def test_the_registry_reads_the_folder(tmp_path):
             return self.h.clone()
 
     w = torch.randn(24, 32) * 0.1
-    h_in, h_out = _spd(32, 1).float(), _spd(24, 2, corr=3.0).float()
+    h_own, h_in, h_out = _spd(32, 1).float(), _spd(32, 3, corr=3.0).float(), _spd(24, 2, corr=3.0).float()
     name = "model.layers.0.mlp.up_proj"
-    save_file({"hessian": h_out}, str(output_hessian_path(tmp_path, name)))
+    save_file({"output": h_out, "input": h_in}, str(output_hessian_path(tmp_path, name)))
     sch = scheme("int3", "group", 16, False)
-    opts = GPTQConfig(output_hessians=str(tmp_path), row_block=4)
-    qt = get_quantizer("gptq").quantize(w, sch, opts, LayerInputs(name, _Stats(h_in)))
-    assert torch.equal(qt.codes(), quantize_gptq_kron(w, h_in, h_out, sch, opts).codes())
-    assert torch.equal(load_output_hessian(tmp_path, name, 24), h_out)
+    gptq = get_quantizer("gptq").quantize
+    expected = {"both": quantize_gptq_kron(w, h_in, h_out, sch, GPTQConfig(row_block=4)),
+                "output": quantize_gptq_kron(w, h_own, h_out, sch, GPTQConfig(row_block=4)),
+                "input": quantize_gptq(w, h_in, sch, GPTQConfig())}
+    for sides, want in expected.items():
+        opts = GPTQConfig(output_hessians=str(tmp_path), row_block=4, kl_sides=sides)
+        assert torch.equal(gptq(w, sch, opts, LayerInputs(name, _Stats(h_own))).codes(), want.codes()), sides
+    assert not torch.equal(expected["both"].codes(), expected["input"].codes())
+    got_out, got_in = load_kl_hessians(tmp_path, name, (24, 32))
+    assert torch.equal(got_out, h_out) and torch.equal(got_in, h_in)
+    opts = GPTQConfig(output_hessians=str(tmp_path))
     with pytest.raises(FileNotFoundError, match="kl_hessians"):
-        get_quantizer("gptq").quantize(w, sch, opts, LayerInputs("model.layers.1.mlp.up_proj", _Stats(h_in)))
+        gptq(w, sch, opts, LayerInputs("model.layers.1.mlp.up_proj", _Stats(h_own)))
     with pytest.raises(ValueError, match="another model"):
-        load_output_hessian(tmp_path, name, 12)
+        load_kl_hessians(tmp_path, name, (12, 32))
+    with pytest.raises(ValueError, match="kl_sides"):
+        GPTQConfig(kl_sides="left")

@@ -20,14 +20,17 @@ GPTQ_INT3 = {"stage": "quantize", "method": "gptq", "ignore": ["lm_head"],
 
 def _whole_model(model: nn.Module, windows: torch.Tensor, names: list[str], seed: int) -> dict[str, torch.Tensor]:
     """The plain reference: the whole model forward and backward per window (labels sampled from its logits by the
-    same generator, in the same order), every layer's Σ g gᵀ summed by a tensor hook on its output."""
-    sums = {n: None for n in names}
+    same generator, in the same order), every layer's Σ g gᵀ and Σ |g|² x xᵀ summed by a hook on its output."""
+    sums = {n: [0, 0] for n in names}  # [Σ g gᵀ, Σ |g|² x xᵀ]
 
     def hook(name):
-        def f(_m, _a, out):
+        def f(_m, args, out):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+
             def g_hook(g):
                 g2 = g.reshape(-1, g.shape[-1]).double()
-                sums[name] = g2.T @ g2 if sums[name] is None else sums[name] + g2.T @ g2
+                sums[name][0] = sums[name][0] + g2.T @ g2
+                sums[name][1] = sums[name][1] + (x * (g2 * g2).sum(1, keepdim=True)).T @ x
             out.register_hook(g_hook)
         return f
 
@@ -58,9 +61,11 @@ def test_block_by_block_equals_the_whole_model(tmp_path, family):
     model.requires_grad_(True)  # the reference backpropagates through every layer
     ref = _whole_model(model, windows, names, seed=7)
     for n in names:
-        got = load_file(str(output_hessian_path(tmp_path, n)))["hessian"].double()
-        assert got.shape == ref[n].shape
-        assert torch.allclose(got, ref[n], rtol=1e-4, atol=1e-6 * ref[n].abs().max()), n
+        got = load_file(str(output_hessian_path(tmp_path, n)))
+        for key, want in zip(("output", "input"), ref[n]):
+            have = got[key].double()
+            assert have.shape == want.shape
+            assert torch.allclose(have, want, rtol=1e-4, atol=1e-6 * want.abs().max()), (n, key)
 
 
 def test_layers_outside_the_blocks_are_refused(tmp_path):

@@ -28,7 +28,7 @@ from ..arch import get_arch, get_module
 from ..calibrate.blockwise import BlockInputs, ResidentBlocks, _first, block_forward, capture_block_inputs
 from ..core.nn import linear_shape
 from ..measure.ppl import final_logits
-from ..quantizers.gptq_kron import KEY, output_hessian_path
+from ..quantizers.gptq_kron import KEY_IN, KEY_OUT, output_hessian_path
 from .mixed import sample_labels
 
 INDEX = "index.json"  # written last: the folder is complete
@@ -104,11 +104,8 @@ def output_hessians(model: nn.Module, windows: Tensor, names: list[str], folder:
         for b in reversed(range(n_blocks)):  # backward, the block's layers' output gradients summed
             block = blocks.load(b, device).requires_grad_(False)
             prefix = f"{arch.blocks}.{b}."
-            sums = {n: torch.zeros(linear_shape(block.get_submodule(n[len(prefix):]))[0],
-                                   linear_shape(block.get_submodule(n[len(prefix):]))[0], device=device)
-                    for n in owner.get(b, [])}
-            handles = [block.get_submodule(n[len(prefix):]).register_forward_hook(_summing(sums[n]))
-                       for n in sums]
+            sums = {n: _Sums(block.get_submodule(n[len(prefix):]), device) for n in owner.get(b, [])}
+            handles = [h for n, acc in sums.items() for h in acc.attach(block.get_submodule(n[len(prefix):]))]
             new_grads = []
             for h, kw, g in zip(states[b], kwargs(b), grads):
                 x = h.to(device).detach().requires_grad_()  # block 0 too: its layers' outputs need the graph
@@ -117,8 +114,8 @@ def output_hessians(model: nn.Module, windows: Tensor, names: list[str], folder:
                 new_grads.append(park(x.grad) if b > 0 else None)
             grads = new_grads
             _remove(handles)
-            for n, s in sums.items():
-                _write(folder, n, s)
+            for n, acc in sums.items():
+                _write(folder, n, acc)
             blocks.done(b, block)
             step("kl hessians: backward")
     finally:
@@ -132,23 +129,36 @@ def output_hessians(model: nn.Module, windows: Tensor, names: list[str], folder:
     return index
 
 
-def _summing(acc: Tensor):
-    """A forward hook that adds Σ g gᵀ of the layer's output gradient to `acc` once the backward reaches it."""
-    def add(g: Tensor) -> None:
+class _Sums:
+    """One layer's two sums: H_out = Σ g gᵀ over its output gradients, and the input Hessian with each token weighted
+    by how much the loss reads the layer's output there, Σ |g|² x xᵀ (the first step of the best Kronecker fit of
+    Σ (x xᵀ) ⊗ (g gᵀ), from H_out = I). Hooks: the forward keeps the window's inputs, the gradient adds both."""
+
+    def __init__(self, module: nn.Module, device):
+        out_f, in_f = linear_shape(module)
+        self.out = torch.zeros(out_f, out_f, device=device)
+        self.inp = torch.zeros(in_f, in_f, device=device)
+        self.x: Tensor | None = None
+
+    def attach(self, module: nn.Module) -> list:
+        def forward(_module, args, out):
+            if isinstance(out, Tensor) and out.requires_grad:
+                self.x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+                out.register_hook(self.add)
+        return [module.register_forward_hook(forward)]
+
+    def add(self, g: Tensor) -> None:
         g2 = g.reshape(-1, g.shape[-1]).float()
-        acc.addmm_(g2.T, g2)
-
-    def hook(_module, _args, out):
-        if isinstance(out, Tensor) and out.requires_grad:
-            out.register_hook(add)
-    return hook
+        self.out.addmm_(g2.T, g2)
+        x, self.x = self.x, None
+        self.inp.addmm_((x * g2.square().sum(1, keepdim=True)).T, x)
 
 
-def _write(folder: Path, name: str, h: Tensor) -> None:
+def _write(folder: Path, name: str, acc: _Sums) -> None:
     """One layer's file, written beside its place and renamed into it."""
     path = output_hessian_path(folder, name)
     tmp = path.with_name(path.name + ".tmp")
-    save_file({KEY: h.detach().to("cpu", torch.float32).contiguous()}, str(tmp))
+    save_file({KEY_OUT: acc.out.to("cpu").contiguous(), KEY_IN: acc.inp.to("cpu").contiguous()}, str(tmp))
     os.replace(tmp, path)
 
 

@@ -36,7 +36,7 @@ from ..core.scheme import QuantScheme
 from .gptq import (GPTQConfig, HessianFactor, _inverse_hessian_factor, _permute_columns_, _permute_rows_,
         hessian_factor, layer_factor, quantize_gptq)
 
-KEY = "hessian"  # the tensor's name in each layer's file
+KEY_OUT, KEY_IN = "output", "input"  # the two sides' names in each layer's file
 
 
 def output_hessian_path(folder: str | Path, name: str) -> Path:
@@ -44,24 +44,28 @@ def output_hessian_path(folder: str | Path, name: str) -> Path:
     return Path(folder) / f"{name}.safetensors"
 
 
-def load_output_hessian(folder: str | Path, name: str, rows: int) -> Tensor:
-    """Layer `name`'s output-side Hessian [rows, rows] from `folder` (GPTQConfig.output_hessians), checked."""
+def load_kl_hessians(folder: str | Path, name: str, shape: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """Layer `name`'s two sides (H_out [out, out], the gradient-weighted H_in [in, in]) from `folder`
+    (GPTQConfig.output_hessians), checked against the layer's [out, in] `shape`."""
     path = output_hessian_path(folder, name)
     if not path.is_file():
-        raise FileNotFoundError(f"{name}: no output-side Hessian at {path}. GPTQ's `output_hessians` folder is "
-                                "written by a `- stage: kl_hessians` right before the quantize stage; add that "
-                                "stage, or remove `output_hessians` for plain GPTQ.")
-    h = load_file(str(path))[KEY]
-    if tuple(h.shape) != (rows, rows):
-        raise ValueError(f"{name}: the output-side Hessian at {path} is {tuple(h.shape)}, the layer has {rows} "
-                         "outputs; it was computed for another model (rerun the kl_hessians stage)")
-    return h
+        raise FileNotFoundError(f"{name}: no KL Hessians at {path}. GPTQ's `output_hessians` folder is written by a "
+                                "`- stage: kl_hessians` right before the quantize stage; add that stage, or remove "
+                                "`output_hessians` for plain GPTQ.")
+    t = load_file(str(path))
+    h_out, h_in = t[KEY_OUT], t[KEY_IN]
+    if tuple(h_out.shape) != (shape[0],) * 2 or tuple(h_in.shape) != (shape[1],) * 2:
+        raise ValueError(f"{name}: the KL Hessians at {path} are {tuple(h_out.shape)} and {tuple(h_in.shape)}, the "
+                         f"layer is {tuple(shape)}; they were computed for another model (rerun the kl_hessians stage)")
+    return h_out, h_in
 
 
 def output_factor(h_out: Tensor, cfg: GPTQConfig, dtype: torch.dtype, name: str) -> tuple[Tensor, Tensor | None]:
-    """(U, perm): the upper Cholesky factor of H_out⁻¹ (dampened by cfg.output_dampening) over the rows in the order `perm` (decreasing
+    """(U, perm): the upper Cholesky factor of H_out⁻¹ (its diagonal scaled by 1 + cfg.output_shrink, then dampened by
+    cfg.output_dampening) over the rows in the order `perm` (decreasing
     diagonal with act_order, else None: as they are). Outputs whose gradient is always zero get a unit diagonal."""
     H = h_out.detach().to(dtype, copy=True).contiguous()
+    H.diagonal().mul_(1 + cfg.output_shrink)  # toward the diagonal (GPTQConfig.output_shrink)
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     perm = torch.argsort(torch.diag(H), descending=True) if cfg.act_order else None
@@ -80,11 +84,15 @@ def kron_problem(scheme: QuantScheme) -> str | None:
 
 
 def quantize_gptq_kron_layer(w: Tensor, scheme: QuantScheme, options: GPTQConfig, inputs) -> QuantizedTensor:
-    """The registry's signature (method gptq with options.output_hessians): H_in from the layer's calibration
-    inputs, H_out from its file in the folder."""
-    h_out = load_output_hessian(options.output_hessians, inputs.name, w.shape[0])
-    return quantize_gptq_kron(w, layer_factor(w, options, inputs), h_out, scheme, options, name=inputs.name,
-                              clip=inputs.clip)
+    """The registry's signature (method gptq with options.output_hessians): the sides options.kl_sides names from the
+    layer's file, the layer's own input Hessian (its calibration inputs) where the input side is not one of them."""
+    h_out, h_in = load_kl_hessians(options.output_hessians, inputs.name, tuple(w.shape))
+    dtype = torch.float64 if w.dtype == torch.float64 else torch.float32
+    factor = hessian_factor(h_in, options, dtype, inputs.name, overwrite=True) if options.kl_sides != "output" else \
+        layer_factor(w, options, inputs)
+    if options.kl_sides == "input":
+        return quantize_gptq(w, factor, scheme, options, name=inputs.name, clip=inputs.clip)
+    return quantize_gptq_kron(w, factor, h_out, scheme, options, name=inputs.name, clip=inputs.clip)
 
 
 def quantize_gptq_kron(w: Tensor, hessian: Tensor | HessianFactor, h_out: Tensor, scheme: QuantScheme,
@@ -124,5 +132,5 @@ def quantize_gptq_kron(w: Tensor, hessian: Tensor | HessianFactor, h_out: Tensor
                            out.shape, out.global_scale)
 
 
-__all__ = ["KEY", "kron_problem", "load_output_hessian", "output_factor", "output_hessian_path",
+__all__ = ["KEY_IN", "KEY_OUT", "kron_problem", "load_kl_hessians", "output_factor", "output_hessian_path",
            "quantize_gptq_kron", "quantize_gptq_kron_layer"]
