@@ -15,6 +15,7 @@ distillation before this stage): the original model's KL.
 """
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import dataclass, replace
 from typing import ClassVar
@@ -24,6 +25,7 @@ from tqdm.auto import tqdm
 
 from ..arch import ArchSpec
 from ..calibrate.data import calibration_windows
+from ..core.nn import linear_shape
 from ..precision.output_hessians import complete, output_hessians, outside_blocks
 from ..quantizers.gptq_kron import kron_problem
 from ..threads import cpu_threads
@@ -46,6 +48,7 @@ class KLHessiansRecord(StageRecord):
     seconds: float
     reused: bool  # a resumed run found the folder complete
     folder: str
+    disk_bytes: int  # the files, Σ (out² + in²) float32 values over the layers
 
 
 @dataclass(frozen=True)
@@ -92,8 +95,9 @@ class KLHessiansStage(StageBase):
         return self
 
     def plan(self, model: nn.Module, arch: ArchSpec, claimed: dict[str, int], index: int) -> str:
-        return (f"\nstage {index}: kl_hessians, the output side of each layer's KL Hessian (Fisher, sampled labels) "
-                f"on {self.n_samples} calibration windows, block by block, for the GPTQ of stage {index + 1}")
+        return (f"\nstage {index}: kl_hessians, each layer's KL Hessian in two Kronecker sides (Fisher, sampled labels) "
+                f"on {self.n_samples} calibration windows, block by block, for the GPTQ of the next quantize stage "
+                "(float32 files in the run's work folder: out² + in² values per layer)")
 
     def describe(self, plan: Plan, index: int) -> tuple[list[str], str]:
         return [plan.steps[index]], plan.steps[index].strip()
@@ -106,7 +110,7 @@ class KLHessiansStage(StageBase):
         size, width = basis.size, basis.width
         seq_len = self.seq_len or basis.calibration.seq_len
         parts = {"kept states": (size.layers + 2) * self.n_samples * seq_len * size.hidden * width,
-                 "one block's output Hessians": 4 * size.output_hessian_floats,
+                 "one block's KL Hessians": 4 * (size.output_hessian_floats + size.layer_hessian_floats),
                  "one block's backward": 4 * 16 * seq_len * size.input_features,
                  "logits": 3 * 4 * seq_len * size.vocab}
         held = ({"one block": 2 * size.block_parameters * width,
@@ -115,7 +119,7 @@ class KLHessiansStage(StageBase):
         return [MemoryPhase("kl hessians", held | parts)]
 
     def memory_fix(self, parts: dict[str, int]) -> str | None:
-        if "one block's output Hessians" in parts:
+        if "one block's KL Hessians" in parts:  # this stage's phase (its kept states are what shrink)
             return "fewer kl_hessians windows (`n_samples`) or a shorter `seq_len`"
         return None
 
@@ -130,6 +134,12 @@ class KLHessiansStage(StageBase):
                              "output-side Hessians are not computed; add it to the quantize stage's `ignore:`")
         seq_len = self.seq_len or ctx.calibration.seq_len
         folder = work_dir(ctx.out) / FOLDER
+        need = sum(4 * (o * o + i * i) for o, i in (linear_shape(ctx.model.get_submodule(n)) for n in names))
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        if (free := shutil.disk_usage(folder.parent).free) < need:
+            raise ValueError(f"stage {index} (kl_hessians): the layers' KL Hessians take {need / 1e9:.1f} GB on disk "
+                             f"beside the output ({folder}), and {free / 1e9:.1f} GB are free; write the run where "
+                             "there is room (--output) or quantize fewer layers")
         windows = calibration_windows(ctx.calibration.source(), ctx.tokenizer, ctx.model, self.n_samples, seq_len,
                                       ctx.calibration.seed)
         t0 = time.perf_counter()
@@ -153,7 +163,7 @@ class KLHessiansStage(StageBase):
             finally:
                 bar.close()
         return KLHessiansRecord(index, self.name, len(names), int(windows.shape[0]), seq_len, int(windows.numel()),
-                                self.seed, time.perf_counter() - t0, reused, str(folder)).to_json()
+                                self.seed, time.perf_counter() - t0, reused, str(folder), need).to_json()
 
     def resolve_stages(self, stages: tuple, index: int, section: dict) -> tuple:
         j = next_target(stages, index)
