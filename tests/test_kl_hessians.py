@@ -12,7 +12,7 @@ from torch import nn
 from compress.precision.mixed import sample_labels
 from compress.precision.output_hessians import INDEX, output_hessians
 from compress.quantizers.gptq_kron import output_hessian_path
-from tests.conftest import make_tiny_model, run_tiny_recipe, tiny_recipe
+from tests.conftest import make_tiny_model, requires_data, run_tiny_recipe, tiny_recipe
 
 GPTQ_INT3 = {"stage": "quantize", "method": "gptq", "ignore": ["lm_head"],
              "scheme": {"dtype": "int3", "granularity": "group", "group_size": 16, "symmetric": False}}
@@ -107,3 +107,23 @@ def test_recipe_checks(tmp_path, stages, match):
     from compress import load_recipe
     with pytest.raises(ValueError, match=match):
         load_recipe(tiny_recipe(tmp_path, stages, {"perplexity": False}))
+
+
+@requires_data
+def test_streamed_equals_in_memory(tmp_path):
+    """A streamed run's pass reads the blocks from disk one at a time (as the fisher sensitivity pass does): the same
+    Hessians, so the same GPTQ tensors as in memory."""
+    from compress.export.shards import read_safetensors
+    from compress.pipeline.resident import run
+    from tests.test_streaming import _folder, _recipe
+
+    folder, _ = _folder(tmp_path, "llama")
+    stages = [{"stage": "kl_hessians", "n_samples": 2}, {**GPTQ_INT3, "ignore": []}]
+    tensors, reports = {}, {}
+    for mode in ("never", "always"):
+        out = tmp_path / f"out-{mode}"
+        reports[mode] = run(_recipe(folder, out, stages, mode), progress=False, log=lambda *a: None)
+        tensors[mode] = read_safetensors(out)
+    assert "streamed" in reports["always"] and "streamed" not in reports["never"]
+    assert tensors["never"].keys() == tensors["always"].keys()
+    assert all(torch.equal(tensors["never"][k], tensors["always"][k]) for k in tensors["never"])
