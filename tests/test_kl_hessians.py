@@ -127,3 +127,19 @@ def test_streamed_equals_in_memory(tmp_path):
     assert "streamed" in reports["always"] and "streamed" not in reports["never"]
     assert tensors["never"].keys() == tensors["always"].keys()
     assert all(torch.equal(tensors["never"][k], tensors["always"][k]) for k in tensors["never"])
+
+
+def test_bfloat16_matmuls_stay_close(tmp_path):
+    """Under bfloat16 autocast (the calibration's matmul dtype where the CPU has it) both sides stay within a few
+    percent of float32's (relative Frobenius distance; measured 0.2-0.7% on the tiny llama)."""
+    model = make_tiny_model("llama").float().eval()
+    windows = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    names = ["model.layers.0.self_attn.v_proj", "model.layers.1.mlp.down_proj"]
+    output_hessians(model, windows, names, tmp_path / "f32", seed=3)
+    output_hessians(model, windows, names, tmp_path / "bf16", seed=3, compute_dtype=torch.bfloat16)
+    for n in names:
+        a = load_file(str(output_hessian_path(tmp_path / "f32", n)))
+        b = load_file(str(output_hessian_path(tmp_path / "bf16", n)))
+        for key in ("output", "input"):
+            dist = float((a[key] - b[key]).norm() / a[key].norm())
+            assert 0 < dist < 0.05, (n, key, dist)

@@ -50,11 +50,12 @@ def complete(folder: Path, names: list[str], seed: int, tokens: int) -> bool:
 
 
 def output_hessians(model: nn.Module, windows: Tensor, names: list[str], folder: Path, seed: int = 0,
-                    progress=None, blocks=None, device=None) -> dict:
-    """Write H_out = Σ g gᵀ of every layer in `names` (inside the decoder blocks) to `folder` (see the module
-    docstring); returns the folder's index. `blocks`: the block source (default: the model's own,
-    ResidentBlocks); `device`: where the blocks compute (default: where the input embedding is). Every parameter's
-    requires_grad is restored on return."""
+                    progress=None, blocks=None, device=None, compute_dtype: torch.dtype | None = None) -> dict:
+    """Write both sides of every layer in `names` (inside the decoder blocks) to `folder` (see the module docstring);
+    returns the folder's index. `blocks`: the block source (default: the model's own, ResidentBlocks); `device`:
+    where the blocks compute (default: where the input embedding is); `compute_dtype` (bfloat16): the blocks'
+    matmuls, forward and backward, under autocast, as the calibration pass computes (the sums stay float32).
+    Every parameter's requires_grad is restored on return."""
     arch = get_arch(model)
     if bad := outside_blocks(model, names):
         raise ValueError(f"the output-side Hessians are computed for layers inside the decoder blocks; {bad[0]} "
@@ -91,7 +92,7 @@ def output_hessians(model: nn.Module, windows: Tensor, names: list[str], folder:
             block = blocks.load(b, device).requires_grad_(False)
             with torch.no_grad():
                 states.append([park(h) for h in block_forward(
-                    block, BlockInputs([h.to(device) for h in states[-1]], kwargs(b)))])
+                    block, BlockInputs([h.to(device) for h in states[-1]], kwargs(b)), compute_dtype)])
             blocks.done(b, block)
             step("kl hessians: forward")
         grads = []
@@ -109,7 +110,8 @@ def output_hessians(model: nn.Module, windows: Tensor, names: list[str], folder:
             new_grads = []
             for h, kw, g in zip(states[b], kwargs(b), grads):
                 x = h.to(device).detach().requires_grad_()  # block 0 too: its layers' outputs need the graph
-                out = _first(block(x, **kw))
+                with _autocast(device, compute_dtype):
+                    out = _first(block(x, **kw))
                 out.backward(g.to(device, out.dtype))
                 new_grads.append(park(x.grad) if b > 0 else None)
             grads = new_grads
@@ -160,6 +162,13 @@ def _write(folder: Path, name: str, acc: _Sums) -> None:
     tmp = path.with_name(path.name + ".tmp")
     save_file({KEY_OUT: acc.out.to("cpu").contiguous(), KEY_IN: acc.inp.to("cpu").contiguous()}, str(tmp))
     os.replace(tmp, path)
+
+
+def _autocast(device, dtype: torch.dtype | None):
+    """Autocast to `dtype` on `device`'s type (off for None or float32)."""
+    kind = torch.device(device).type
+    return torch.autocast(device_type=kind, dtype=dtype or torch.float32,
+                          enabled=dtype is not None and dtype != torch.float32)
 
 
 def _remove(handles: list) -> None:

@@ -20,12 +20,13 @@ import time
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
+import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from ..arch import ArchSpec
 from ..calibrate.data import calibration_windows
-from ..core.nn import linear_shape
+from ..core.nn import linear_shape, native_bf16
 from ..precision.output_hessians import complete, output_hessians, outside_blocks
 from ..quantizers.gptq_kron import kron_problem
 from ..threads import cpu_threads
@@ -147,7 +148,7 @@ class KLHessiansStage(StageBase):
         if reused:
             ctx.log(f"stage {index}: kl_hessians — reusing the output-side Hessians in {folder}")
         else:
-            ctx.log(f"stage {index}: kl_hessians — output-side Hessians of {len(names)} layers on {self.n_samples} × "
+            ctx.log(f"stage {index}: kl_hessians — the KL Hessians (two sides) of {len(names)} layers on {self.n_samples} × "
                     f"{seq_len} calibration tokens ...")
             bar = tqdm(desc="kl hessians", unit="step", disable=not ctx.progress, leave=False)
 
@@ -157,9 +158,12 @@ class KLHessiansStage(StageBase):
                 bar.update(done - bar.n)
 
             try:
-                with cpu_threads(ctx.calibration.threads):
+                device = ctx.device or ctx.model.get_input_embeddings().weight.device
+                dtype = ctx.calibration.dtype if ctx.calibration.dtype != "auto" else \
+                    "bfloat16" if native_bf16(torch.device(device).type) else "float32"
+                with cpu_threads(ctx.calibration.threads):  # the calibration's threads and matmul dtype
                     output_hessians(ctx.model, windows, names, folder, self.seed, progress, blocks=ctx.blocks,
-                                    device=ctx.device)
+                                    device=ctx.device, compute_dtype=getattr(torch, dtype))
             finally:
                 bar.close()
         return KLHessiansRecord(index, self.name, len(names), int(windows.shape[0]), seq_len, int(windows.numel()),
