@@ -114,3 +114,19 @@ def test_the_registry_reads_the_folder(tmp_path):
         load_kl_hessians(tmp_path, name, (12, 32))
     with pytest.raises(ValueError, match="kl_sides"):
         GPTQConfig(kl_sides="left")
+
+
+def test_rescaled_sides_keep_every_cost():
+    """as_scaled: a layer whose inputs a smoothing stage divided by d (weights times d) and whose outputs it divided by
+    s (rows divided by s) has, in its new coordinates, the same Kronecker cost for the same error."""
+    from compress.quantizers.gptq_kron import as_scaled
+
+    g = torch.Generator().manual_seed(0)
+    h_in, h_out = _spd(16, 1), _spd(8, 2)
+    d = torch.rand(16, generator=g, dtype=torch.float64) + 0.5
+    s = torch.rand(8, generator=g, dtype=torch.float64) + 0.5
+    err = torch.randn(8, 16, generator=g, dtype=torch.float64)
+    new_out, new_in = as_scaled(h_out, h_in, s, d)
+    assert _cost(err / s[:, None] * d[None, :], torch.zeros(8, 16, dtype=torch.float64), new_in, new_out) == \
+        pytest.approx(_cost(err, torch.zeros(8, 16, dtype=torch.float64), h_in, h_out), rel=1e-12)
+    assert as_scaled(h_out, h_in, None, None) == (h_out, h_in)

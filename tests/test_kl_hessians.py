@@ -99,7 +99,7 @@ def test_a_run_rounds_against_them(tmp_path):
 
 @pytest.mark.parametrize("stages, match", [
     ([{"stage": "kl_hessians"}, {**GPTQ_INT3, "method": "rtn"}], "method: gptq"),
-    ([{"stage": "kl_hessians"}, {"stage": "awq"}, GPTQ_INT3], "awq between it and the quantize stage"),
+    ([{"stage": "kl_hessians"}, {"stage": "prune", "mlp": 0.5}, GPTQ_INT3], "prune after it"),
     ([{"stage": "kl_hessians"}, {**GPTQ_INT3, "scheme": {"dtype": "int8", "granularity": "tensor"}}],
      "channel or group"),
 ])
@@ -143,3 +143,22 @@ def test_bfloat16_matmuls_stay_close(tmp_path):
         for key in ("output", "input"):
             dist = float((a[key] - b[key]).norm() / a[key].norm())
             assert 0 < dist < 0.05, (n, key, dist)
+
+
+def test_awq_between_rescales_both_sides(tmp_path):
+    """With awq between the stage and the quantize stage, every scaled pair's previous linear (up_proj) gets the
+    divisor its balance linear's inputs got (down_proj), and the run completes with GPTQ on the rescaled sides."""
+    from compress.stages.quantize import output_divisors
+
+    block = make_tiny_model("llama").model.layers[0]
+    from compress.arch import get_arch
+    pairs = get_arch(make_tiny_model("llama")).awq
+    s = torch.rand(block.mlp.down_proj.in_features) + 0.5
+    assert set(output_divisors(block, pairs, {"mlp.down_proj": s})) == {"mlp.up_proj"}
+    assert output_divisors(block, pairs, {"mlp.down_proj": s})["mlp.up_proj"] is s
+    assert output_divisors(block, pairs, {}) == {}
+    out = run_tiny_recipe(tmp_path, [{"stage": "kl_hessians", "n_samples": 2},
+                                     {"stage": "awq", "n_grid": 4, "search_samples": 2, "clip_to": "grid"}, GPTQ_INT3],
+                          {"perplexity": False})
+    report = json.loads((out / "report.json").read_text())
+    assert [s["stage"] for s in report["stages"]][:2] == ["kl_hessians", "awq"]

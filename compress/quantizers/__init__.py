@@ -32,13 +32,16 @@ class LayerInputs:
     clipping as factors [rows, groups] of each group's range, for a method that takes its grid from them (GPTQ,
     with the awq stage's clip_to: grid). `shared`: a scratch dict the caller keeps across the layers of one block,
     where a method may keep what layers reading the same input can reuse (GPTQ: the factor of their Hessian); None:
-    nothing is shared."""
+    nothing is shared. `out_divisor`: what the layer's outputs are divided by since the model was loaded (a smoothing
+    stage folded 1/s into it, the previous op of a pair: v_proj before o_proj, up_proj before down_proj), for a method
+    that weighs the outputs with what it measured on the original model (GPTQ against the KL's output side)."""
 
     name: str
     stats: InputStats | None = None
     divisor: Tensor | None = None
     clip: Tensor | None = None
     shared: dict | None = dataclasses.field(default=None, compare=False)
+    out_divisor: Tensor | None = None
 
     def _need(self, why: str) -> InputStats:
         if self.stats is None:

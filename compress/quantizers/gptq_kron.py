@@ -83,10 +83,25 @@ def kron_problem(scheme: QuantScheme) -> str | None:
     return None
 
 
+def as_scaled(h_out: Tensor, h_in: Tensor, out_divisor: Tensor | None,
+              in_divisor: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Both sides as the layer is now, where a smoothing stage has scaled it since they were measured: inputs divided
+    by d (weights times d) make H_in / (d dᵀ); outputs divided by s (rows of W divided by s) make the loss's gradient
+    there s·g, so H_out ∘ (s sᵀ). The Kronecker cost of a weight error is the same in either coordinates."""
+    if out_divisor is not None:
+        s = out_divisor.to(h_out)
+        h_out = h_out * s[:, None] * s[None, :]
+    if in_divisor is not None:
+        d = in_divisor.to(h_in)
+        h_in = h_in / (d[:, None] * d[None, :])
+    return h_out, h_in
+
+
 def quantize_gptq_kron_layer(w: Tensor, scheme: QuantScheme, options: GPTQConfig, inputs) -> QuantizedTensor:
     """The registry's signature (method gptq with options.output_hessians): the sides options.kl_sides names from the
     layer's file, the layer's own input Hessian (its calibration inputs) where the input side is not one of them."""
     h_out, h_in = load_kl_hessians(options.output_hessians, inputs.name, tuple(w.shape))
+    h_out, h_in = as_scaled(h_out, h_in, inputs.out_divisor, inputs.divisor)
     dtype = torch.float64 if w.dtype == torch.float64 else torch.float32
     factor = hessian_factor(h_in, options, dtype, inputs.name, overwrite=True) if options.kl_sides != "output" else \
         layer_factor(w, options, inputs)
@@ -132,5 +147,5 @@ def quantize_gptq_kron(w: Tensor, hessian: Tensor | HessianFactor, h_out: Tensor
                            out.shape, out.global_scale)
 
 
-__all__ = ["KEY_IN", "KEY_OUT", "kron_problem", "load_kl_hessians", "output_factor", "output_hessian_path",
+__all__ = ["KEY_IN", "KEY_OUT", "as_scaled", "kron_problem", "load_kl_hessians", "output_factor", "output_hessian_path",
            "quantize_gptq_kron", "quantize_gptq_kron_layer"]

@@ -11,7 +11,9 @@ precision/output_hessians.py), writes them to the run's work folder, and points 
       scheme: {dtype: int3, granularity: group, group_size: 64, symmetric: false}
 
 The Hessians are those of the model as it is before the calibration pass (after any rotation, pruning or
-distillation before this stage): the original model's KL.
+distillation before this stage): the original model's KL. A smoothing stage between this stage and the quantize stage
+(awq, smoothquant) rescales the layers afterwards; GPTQ takes both sides into the layers' new coordinates
+(gptq_kron.as_scaled), so AWQ's scales and its clipping as GPTQ's grid combine with it.
 """
 from __future__ import annotations
 
@@ -85,11 +87,9 @@ class KLHessiansStage(StageBase):
         if q is None or getattr(q, "method", None) != "gptq":
             raise ValueError(f"`stages.{index}` (kl_hessians) feeds the GPTQ of the quantize stage after it; put a "
                              "`- stage: quantize` with `method: gptq` right after it")
-        if between := [s.name for s in stages[index + 1:j]]:
-            raise ValueError(f"`stages.{index}` (kl_hessians): {', '.join(between)} between it and the quantize stage "
-                             "it feeds would change the layers after their output-side Hessians are taken (a "
-                             "smoothing stage rescales v_proj's and up_proj's outputs); it is not combined with "
-                             "kl_hessians yet. Remove one of them")
+        if later := [s.name for s in stages[index + 1:] if s.whole_model and not s.after_calibration]:
+            raise ValueError(f"`stages.{index}` (kl_hessians): {', '.join(later)} after it would change the model "
+                             "after its Hessians are taken; put kl_hessians after them, right before the quantize stage")
         for s in q.schemes:
             if (why := kron_problem(s)) is not None:
                 raise ValueError(f"`stages.{j}` scheme {s.name}: {why}")

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ..measure.fmt import num
-from ..arch import ArchSpec, cross_attention_blocks, get_module, multimodal_part, set_module
+from ..arch import ArchSpec, block_pairs, cross_attention_blocks, get_module, multimodal_part, set_module
 from ..arch.mixers import float_linear_reason, float_reason
 from ..arch.moe import EXPERT, ROUTER_REASON, any_expert, router_names
 from ..arch.paths import is_tied, untie_lm_head
@@ -240,7 +240,8 @@ class QuantizeStage(StageBase):
     def on_block(self, ctx: RunContext, block: BlockState, index: int) -> None:
         tuned = self._tune(ctx, block, index) if get_quantizer(self.method).tune_block is not None else None
         apply_quantize(ctx.model, ctx.plan.steps[index], self, block.prefix, block.observer, block.divisor,
-                       ctx.records[index], tuned=tuned, clip=block.clip)
+                       ctx.records[index], tuned=tuned, clip=block.clip,
+                       output_divisor=output_divisors(block.module, ctx.arch.awq, block.divisor))
 
     def _tune(self, ctx: RunContext, block: BlockState, index: int) -> dict:
         """The block's planned linears tuned jointly by the block-level method; recorded per block."""
@@ -632,7 +633,7 @@ def float_parameters(model: nn.Module, plan: QuantPlan, routers: set[str],
 def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, prefix: str | None = None,
                    observer: BlockObserver | None = None, input_divisor: dict | None = None,
                    info: dict | None = None, outside: str | None = None, tuned: dict | None = None,
-                   clip: dict | None = None) -> int:
+                   clip: dict | None = None, output_divisor: dict | None = None) -> int:
     """Replace the planned layers (only those under `prefix`, when given; only those not under `outside`, when given:
     the decoder blocks the calibration pass has quantized already) by QuantLinear. Returns the count.
 
@@ -642,6 +643,7 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
     corrected input maxima; what was found per layer goes into `info[name]`. `tuned` (block-relative name ->
     QuantizedTensor): what a block-level method (AutoRound) made of the block's layers; used instead of `quantize`.
     `clip` (relative name -> range factors): AWQ's clipping for the quantizer's grid (the awq stage's clip_to: grid).
+    `output_divisor` (relative name -> s): what a smoothing stage divided the layer's outputs by (output_divisors).
     """
     quantizer = get_quantizer(stage.method)
     jobs: list[_Job] = []
@@ -657,7 +659,8 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
         rel = entry.name[len(prefix) + 1:] if prefix else entry.name
         stats = None if observer is None else observer.stats.get(rel)
         divisor = (input_divisor or {}).get(rel)
-        inputs = LayerInputs(entry.name, stats, divisor, (clip or {}).get(rel))
+        inputs = LayerInputs(entry.name, stats, divisor, (clip or {}).get(rel),
+                             out_divisor=(output_divisor or {}).get(rel))
         method, options, expert_info = quantizer, stage.options, {}
         if observer is not None and EXPERT.search(rel):  # a MoE expert: calibrated on the tokens routed to it
             tokens = 0 if stats is None else stats.tokens
@@ -689,6 +692,17 @@ def apply_quantize(model: nn.Module, plan: QuantPlan, stage: QuantizeStage, pref
     for job in jobs:  # each layer replaced as soon as it is quantized: one quantized copy at a time beside the model
         _place(model, job, _quantize_job(job, quantizer, tuned, shared), info)
     return len(jobs)
+
+
+def output_divisors(block: nn.Module, pairs, input_divisor: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Block-relative linear name -> what its outputs are divided by: a smoothing stage that scales a pair whose
+    previous op is a linear (v_proj -> o_proj, up_proj -> down_proj) divides that linear's output rows by the s it
+    multiplies the balance linears' input columns by, so the two divisors are one (input_divisor, per balance)."""
+    out = {}
+    for prev, balance, _inspect, _followers in block_pairs(block, pairs):
+        if is_linear(block.get_submodule(prev)) and balance[0] in input_divisor:
+            out[prev] = input_divisor[balance[0]]
+    return out
 
 
 @dataclass
