@@ -60,6 +60,9 @@ EORA = ("stages=[{stage: awq, n_grid: 20, search_samples: 4, clip_to: grid}, {st
 # loss-aware rounding (issue 50): the output side of each layer's KL Hessian (kl_hessians), then GPTQ against both sides
 KL_GPTQ = ("stages=[{stage: kl_hessians}, {stage: quantize, method: gptq, scheme: {dtype: %s, granularity: group, "
            "group_size: %d, symmetric: false}, ignore: [lm_head]}]")
+KL_AWQ_GPTQ = ("stages=[{stage: kl_hessians}, {stage: awq, n_grid: 20, search_samples: 4, clip_to: grid}, "
+               "{stage: quantize, method: gptq, scheme: {dtype: %s, granularity: group, group_size: %d, "
+               "symmetric: false}, ignore: [lm_head]}]")
 RUNS = {  # name: (recipe, extra --set overrides)
     "rtn int4": ("recipes/gptq_int4.yaml", ["stages.0.method=rtn", "calibration=null"]),
     "awq int4": ("recipes/awq_int4.yaml", []),
@@ -70,6 +73,9 @@ RUNS = {  # name: (recipe, extra --set overrides)
     "kl+gptq int4": ("recipes/gptq_int4.yaml", [KL_GPTQ % ("int4", 64)]),
     "gptq int2 g32": ("recipes/gptq_int4.yaml", ["stages.0.scheme.dtype=int2", "stages.0.scheme.group_size=32"]),
     "kl+gptq int2 g32": ("recipes/gptq_int4.yaml", [KL_GPTQ % ("int2", 32)]),
+    "kl+awq(grid clip)+gptq int3": ("recipes/gptq_int4.yaml", [KL_AWQ_GPTQ % ("int3", 64)]),
+    **{f"kl({sides})+gptq int3": ("recipes/gptq_int4.yaml", [KL_GPTQ % ("int3", 64), f"stages.1.options.kl_sides={sides}"])
+       for sides in ("input", "output")},
     "awq int3": ("recipes/awq_int3.yaml", []),
     "gptq int3": ("recipes/gptq_int4.yaml", ["stages.0.scheme.dtype=int3"]),
     "awq+gptq int3": ("recipes/awq_gptq_int4.yaml", [W_CLIP, "stages.1.scheme.dtype=int3"]),
