@@ -79,6 +79,7 @@ RUNS = {  # name: (recipe, extra --set overrides)
     "kl(input)+gptq int2 g32": ("recipes/gptq_int4.yaml", [KL_GPTQ % ("int2", 32), "stages.1.options.kl_sides=input"]),
     "kl(output damp 1)+gptq int2 g32": ("recipes/gptq_int4.yaml", [KL_GPTQ % ("int2", 32),
                                                                     "stages.1.options.output_dampening=1.0"]),
+    "kl(damp 0.1)+gptq int2 g32": ("recipes/gptq_int4.yaml", [KL_GPTQ % ("int2", 32), "stages.1.options.dampening=0.1"]),
     "awq int3": ("recipes/awq_int3.yaml", []),
     "gptq int3": ("recipes/gptq_int4.yaml", ["stages.0.scheme.dtype=int3"]),
     "awq+gptq int3": ("recipes/awq_gptq_int4.yaml", [W_CLIP, "stages.1.scheme.dtype=int3"]),
