@@ -105,6 +105,12 @@ def test_the_registry_reads_the_folder(tmp_path):
         opts = GPTQConfig(output_hessians=str(tmp_path), row_block=4, kl_sides=sides)
         assert torch.equal(gptq(w, sch, opts, LayerInputs(name, _Stats(h_own))).codes(), want.codes()), sides
     assert not torch.equal(expected["both"].codes(), expected["input"].codes())
+    # an input the kl pass never saw fire but the calibration did (a MoE expert): the layer's own input side
+    silent = h_in.clone()
+    silent[3, :] = silent[:, 3] = 0
+    save_file({"output": h_out, "input": silent}, str(output_hessian_path(tmp_path, "expert")))
+    opts = GPTQConfig(output_hessians=str(tmp_path), row_block=4)
+    assert torch.equal(gptq(w, sch, opts, LayerInputs("expert", _Stats(h_own))).codes(), expected["output"].codes())
     got_out, got_in = load_kl_hessians(tmp_path, name, (24, 32))
     assert torch.equal(got_out, h_out) and torch.equal(got_in, h_in)
     opts = GPTQConfig(output_hessians=str(tmp_path))

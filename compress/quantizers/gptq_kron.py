@@ -97,13 +97,23 @@ def as_scaled(h_out: Tensor, h_in: Tensor, out_divisor: Tensor | None,
     return h_out, h_in
 
 
+def _missed_inputs(h_in: Tensor, inputs) -> bool:
+    """Whether the kl_hessians pass's windows left an input channel silent that the calibration pass saw (a MoE
+    expert few of its tokens reached): its weights would be zeroed as dead, so the layer's own input Hessian is used."""
+    if inputs.stats is None:
+        return False
+    silent = torch.diag(h_in) == 0
+    return bool(silent.any()) and bool((torch.diag(inputs.hessian("GPTQ"))[silent.to(h_in.device)] > 0).any())
+
+
 def quantize_gptq_kron_layer(w: Tensor, scheme: QuantScheme, options: GPTQConfig, inputs) -> QuantizedTensor:
     """The registry's signature (method gptq with options.output_hessians): the sides options.kl_sides names from the
     layer's file, the layer's own input Hessian (its calibration inputs) where the input side is not one of them."""
     h_out, h_in = load_kl_hessians(options.output_hessians, inputs.name, tuple(w.shape))
     h_out, h_in = as_scaled(h_out, h_in, inputs.out_divisor, inputs.divisor)
     dtype = torch.float64 if w.dtype == torch.float64 else torch.float32
-    factor = hessian_factor(h_in, options, dtype, inputs.name, overwrite=True) if options.kl_sides != "output" else \
+    weighted = options.kl_sides != "output" and not _missed_inputs(h_in, inputs)
+    factor = hessian_factor(h_in, options, dtype, inputs.name, overwrite=True) if weighted else \
         layer_factor(w, options, inputs)
     if options.kl_sides == "input":
         return quantize_gptq(w, factor, scheme, options, name=inputs.name, clip=inputs.clip)
