@@ -7,6 +7,7 @@ kl_hessians stage computes, from other windows: the plain input Hessian, the los
 output side Σ g gᵀ (unshrunk, and shrunk toward its diagonal as GPTQConfig.output_shrink does).
 
     python bench/kl_layer_costs.py 20 int3        # block 20, int3 g64 (int2: g32)
+    python bench/kl_layer_costs.py 20 int3 --row-blocks   # both sides at row_block 8 ... the whole layer
 """
 from __future__ import annotations
 
@@ -65,8 +66,10 @@ def collect(model, names, windows, seed: int, keep: bool) -> dict:
 
 
 def main() -> None:
-    block = int(sys.argv[1]) if len(sys.argv) > 1 else 20
-    bits = sys.argv[2] if len(sys.argv) > 2 else "int3"
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    block = int(args[0]) if args else 20
+    bits = args[1] if len(args) > 1 else "int3"
+    row_blocks = "--row-blocks" in sys.argv
     torch.set_num_threads(2)
     lm = load_model("default")
     model = lm.model.float().eval()
@@ -89,6 +92,13 @@ def main() -> None:
         base = cost(w, quantize_gptq(w, hin, sch, GPTQConfig()).dequantize(), n)
         row = [n.split(".", 3)[-1], f"GPTQ cost {base:.3g}",
                f"weighted input side {cost(w, quantize_gptq(w, hw, sch, GPTQConfig()).dequantize(), n) / base:.3f}"]
+        if row_blocks:
+            for rb in (8, 32, 128, 512, w.shape[0]):
+                t = time.perf_counter()
+                q = quantize_gptq_kron(w, hw, ho, sch, GPTQConfig(row_block=rb)).dequantize()
+                row.append(f"row_block {rb}: {cost(w, q, n) / base:.3f} ({time.perf_counter() - t:.1f} s)")
+            print(" | ".join(row), flush=True)
+            continue
         for shrink in (0.0, 1.0):
             for label, h in (("own input", hin), ("weighted input", hw)):
                 q = quantize_gptq_kron(w, h, ho, sch, GPTQConfig(output_shrink=shrink)).dequantize()
