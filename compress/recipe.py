@@ -70,7 +70,7 @@ class CalibrationSpec:
     # the block forwards of the calibration pass (statistics, the propagated outputs) run their matmuls in this
     # dtype (autocast) while weights, statistics and solves stay float32: bfloat16 is what a GPU run computes in,
     # and 2x faster on a CPU with bf16 instructions (AVX512-BF16, AMX), but 7x slower on one without (an AVX2 CPU
-    # emulates it). auto: bfloat16 on CUDA and on CPUs with bf16 instructions, else float32 (runner.calibration_dtype).
+    # emulates it). auto: bfloat16 on CUDA and on CPUs with bf16 instructions, else float32 (core.nn.calibration_dtype).
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     # where the pass keeps its activations (block inputs, float and compressed outputs: 3 × n_samples × seq_len ×
     # hidden): in memory, or on a CPU run in memory-mapped files beside the output (same results, bounded memory)

@@ -41,6 +41,14 @@ def native_bf16(device_type: str) -> bool:
     return device_type == "cuda" or (device_type == "cpu" and cpu_has_bf16())
 
 
+def calibration_dtype(setting: str, device) -> str:
+    """The dtype of the calibration's matmuls: `calibration.dtype`, with auto resolved for this machine (bfloat16
+    where native_bf16, else float32). The calibration pass and the kl_hessians pass both compute in it."""
+    if setting != "auto":
+        return setting
+    return "bfloat16" if native_bf16(str(device).split(":")[0]) else "float32"
+
+
 def is_linear(module: nn.Module) -> bool:
     return isinstance(module, LINEAR_TYPES) or isinstance(module, QuantLinear)
 

@@ -19,7 +19,7 @@ from ..calibrate.data import calibration_windows, fingerprint
 from ..calibrate.images import ImageSamples, image_samples, load_processor
 from ..measure.plots import plot_recovery
 from .report import write_report
-from ..core.nn import QuantLinear, is_linear, native_bf16
+from ..core.nn import QuantLinear, calibration_dtype, is_linear  # noqa: F401 (calibration_dtype: the pass's, here too)
 from ..core.profile import Profile, device_sync, phase_of
 from ..calibrate.observers import BlockObserver
 from ..recipe import Recipe, to_plain
@@ -31,13 +31,6 @@ def check_output(out: Path, overwrite: bool) -> None:
     if out.exists() and not overwrite:
         raise FileExistsError(f"output folder {out} exists; pass --overwrite (or output.overwrite: true) to replace it, "
                               "or choose another output.dir")
-
-
-def calibration_dtype(setting: str, device: str) -> str:
-    """The dtype of the calibration pass's matmuls: `calibration.dtype`, with auto resolved for this machine."""
-    if setting != "auto":
-        return setting
-    return "bfloat16" if native_bf16(str(device).split(":")[0]) else "float32"
 
 
 def calibration_samples(recipe: Recipe, model, tokenizer) -> tuple[torch.Tensor | ImageSamples, dict]:

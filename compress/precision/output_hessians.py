@@ -1,18 +1,18 @@
-"""The output side of every planned layer's KL Hessian, one decoder block at a time (the kl_hessians stage; GPTQ's
-`output_hessians`, quantizers/gptq_kron.py).
+"""Two Kronecker sides of every planned layer's KL Hessian, one decoder block at a time (the kl_hessians stage;
+GPTQ's `output_hessians`, quantizers/gptq_kron.py).
 
 For a linear y = W x inside the model, the Hessian of the KL to the original model at the original weights is the
-Fisher of its output distribution. With labels sampled from the model's own prediction, its Kronecker-factored form
-(K-FAC) is Σ x xᵀ ⊗ Σ g gᵀ, where g is the gradient of the sampled log-likelihood at the layer's output, per token.
-The input side is what the calibration pass collects for GPTQ; this pass collects the output side, H_out = Σ g gᵀ
-over every token of the windows.
+Fisher of its output distribution. With labels sampled from the model's own prediction it is Σ_t (x xᵀ) ⊗ (g gᵀ),
+g the gradient of the sampled log-likelihood at the layer's output. Per layer this pass sums the output side,
+H_out = Σ g gᵀ, and the input side with each token weighted by |g|², Σ |g|² x xᵀ (the first step of the best
+Kronecker fit, from H_out = I), over every token of the windows.
 
 It is fisher_blocks' pass: block 0's inputs captured, every block run forward once with its output kept, labels
 sampled at the top (the same generator as the sensitivity passes), then the blocks again from last to first, each
 recomputed from its kept input with autograd on and the gradient at its output pushed through it, its planned
-layers' output gradients summed as they pass. Each layer's H_out is written, as soon as its block is done, to
-`<folder>/<layer>.safetensors` (float32), so memory holds one block's sums at a time: the kept states
-((blocks + 1) × windows × seq_len × hidden values) and the block's [out, out] sums.
+layers' sums taken as it passes. Each layer's pair is written, as soon as its block is done, to
+`<folder>/<layer>.safetensors` (float32), so memory holds the kept states ((blocks + 1) × windows × seq_len × hidden
+values, and one set of gradients) and one block's sums ([out, out] and [in, in] per layer).
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from ..calibrate.blockwise import BlockInputs, ResidentBlocks, _first, block_for
 from ..core.nn import linear_shape
 from ..measure.ppl import final_logits
 from ..quantizers.gptq_kron import KEY_IN, KEY_OUT, output_hessian_path
+from .fisher_blocks import _remove
 from .mixed import sample_labels
 
 INDEX = "index.json"  # written last: the folder is complete
@@ -169,12 +170,6 @@ def _autocast(device, dtype: torch.dtype | None):
     kind = torch.device(device).type
     return torch.autocast(device_type=kind, dtype=dtype or torch.float32,
                           enabled=dtype is not None and dtype != torch.float32)
-
-
-def _remove(handles: list) -> None:
-    for h in handles:
-        h.remove()
-    handles.clear()
 
 
 __all__ = ["INDEX", "complete", "outside_blocks", "output_hessians"]

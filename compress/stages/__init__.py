@@ -27,7 +27,7 @@ STAGES: dict[str, type] = {
     "prune_experts": PruneExpertsStage,  # a mixture of experts' least salient experts dropped (REAP)
     "distill": DistillStage,  # knowledge-distillation repair from the original
     "auto_precision": AutoPrecisionStage,  # one scheme per layer within a byte budget, for the next quantize stage
-    "kl_hessians": KLHessiansStage,  # the output side of each layer's KL Hessian, for the next quantize stage's GPTQ
+    "kl_hessians": KLHessiansStage,  # two Kronecker sides of each layer's KL Hessian, for the next GPTQ
     "awq": AWQStage,  # activation-aware scales and clipping for the next quantize stage
     "smoothquant": SmoothQuantStage,  # activation outliers migrated into the weights
     "quantize": QuantizeStage,  # weights (and activations) quantized by a method in quantizers.QUANTIZERS

@@ -1,7 +1,7 @@
 """The `kl_hessians` stage: GPTQ against the whole model's loss (issue 50, item 2). Before the calibration pass it
-computes, for every layer the next quantize stage will quantize, the output side of the layer's KL Hessian (the
-Fisher with labels sampled from the model: Σ g gᵀ of the gradients at the layer's outputs, block by block,
-precision/output_hessians.py), writes them to the run's work folder, and points that stage's GPTQ at them
+computes, for every layer the next quantize stage will quantize, two Kronecker sides of the layer's KL Hessian (the
+Fisher with labels sampled from the model, block by block, precision/output_hessians.py: Σ g gᵀ of the gradients at
+the layer's outputs, and the input Hessian with each token weighted by |g|²), writes them to the run's work folder, and points that stage's GPTQ at them
 (`options.output_hessians`), which then rounds against tr(ΔW H_in ΔWᵀ H_out) (quantizers/gptq_kron.py):
 
     - stage: kl_hessians
@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from ..arch import ArchSpec
 from ..calibrate.data import calibration_windows
-from ..core.nn import linear_shape, native_bf16
+from ..core.nn import calibration_dtype, linear_shape
 from ..precision.output_hessians import complete, output_hessians, outside_blocks
 from ..quantizers.gptq_kron import kron_problem
 from ..threads import cpu_threads
@@ -159,8 +159,7 @@ class KLHessiansStage(StageBase):
 
             try:
                 device = ctx.device or ctx.model.get_input_embeddings().weight.device
-                dtype = ctx.calibration.dtype if ctx.calibration.dtype != "auto" else \
-                    "bfloat16" if native_bf16(torch.device(device).type) else "float32"
+                dtype = calibration_dtype(ctx.calibration.dtype, device)
                 with cpu_threads(ctx.calibration.threads):  # the calibration's threads and matmul dtype
                     output_hessians(ctx.model, windows, names, folder, self.seed, progress, blocks=ctx.blocks,
                                     device=ctx.device, compute_dtype=getattr(torch, dtype))
