@@ -63,6 +63,9 @@ KL_GPTQ = ("stages=[{stage: kl_hessians}, {stage: quantize, method: gptq, scheme
 KL_AWQ_GPTQ = ("stages=[{stage: kl_hessians}, {stage: awq, n_grid: 20, search_samples: 4, clip_to: grid}, "
                "{stage: quantize, method: gptq, scheme: {dtype: %s, granularity: group, group_size: %d, "
                "symmetric: false}, ignore: [lm_head]}]")
+# EoRA against the KL (issue 50): the kl_hessians stage's two sides fit the repair too; `allocate` spends the budget of
+# rank r on every layer where the KL Hessians say a parameter removes the most
+EORA_KL = "{stage: eora, rank: %d, weighting: %s, allocate: %s}"
 RUNS = {  # name: (recipe, extra --set overrides)
     "rtn int4": ("recipes/gptq_int4.yaml", ["stages.0.method=rtn", "calibration=null"]),
     "awq int4": ("recipes/awq_int4.yaml", []),
@@ -74,6 +77,11 @@ RUNS = {  # name: (recipe, extra --set overrides)
     "gptq int2 g32": ("recipes/gptq_int4.yaml", ["stages.0.scheme.dtype=int2", "stages.0.scheme.group_size=32"]),
     "kl+gptq int2 g32": ("recipes/gptq_int4.yaml", [KL_GPTQ % ("int2", 32)]),
     "kl+awq(grid clip)+gptq int3": ("recipes/gptq_int4.yaml", [KL_AWQ_GPTQ % ("int3", 64)]),
+    **{f"kl+gptq+eora({how}) r{r} int3": ("recipes/gptq_int4.yaml", [
+        (KL_GPTQ % ("int3", 64))[:-1] + ", " + EORA_KL % (r, how.split()[0], "alloc" in how) + "]"])
+       for how, r in (("input", 8), ("kl", 8), ("kl alloc", 8), ("kl alloc", 16))},
+    "kl+awq(grid clip)+gptq+eora(kl alloc) r8 int3": ("recipes/gptq_int4.yaml", [
+        (KL_AWQ_GPTQ % ("int3", 64))[:-1] + ", " + EORA_KL % (8, "kl", True) + "]"]),
     **{f"kl({sides})+gptq int3": ("recipes/gptq_int4.yaml", [KL_GPTQ % ("int3", 64), f"stages.1.options.kl_sides={sides}"])
        for sides in ("input", "output")},
     "kl(input)+gptq int2 g32": ("recipes/gptq_int4.yaml", [KL_GPTQ % ("int2", 32), "stages.1.options.kl_sides=input"]),

@@ -11,6 +11,21 @@ Each repaired QuantLinear computes y = x dequantize(W)ᵀ + (x Aᵀ) Bᵀ. The n
 outputs. A and B are float tensors (saved at the run's save dtype, counted in the bytes); the exports write them
 as a LoRA adapter beside the quantized checkpoint (`adapter/`, PEFT's layout), which peft, transformers and vLLM
 (`--enable-lora`) load on top of it.
+
+Against the model's KL (`weighting: kl`, with a `kl_hessians` stage before the quantize stage): each term is fitted
+in the two-sided norm of the layer's KL Hessian (quantizers/eora.eora_kl_terms) instead of its own output error. With
+`allocate: true` the ranks are not uniform: the stage fits up to `max_rank` per layer during the pass, and after it
+spends the budget of `rank` on every layer (the same parameters) where the KL Hessians say a parameter removes the
+most (allocate_ranks); the terms are then set, so the blocks after each are calibrated on their unrepaired outputs.
+
+    - stage: kl_hessians
+    - stage: quantize
+      method: gptq
+      scheme: {dtype: int3, granularity: group, group_size: 64, symmetric: false}
+    - stage: eora
+      rank: 8
+      weighting: kl
+      allocate: true
 """
 from __future__ import annotations
 
@@ -24,7 +39,8 @@ from torch import nn
 
 from ..arch import ArchSpec, get_module
 from ..core.nn import QuantLinear, is_linear, linear_weight
-from ..quantizers.eora import eora_terms
+from ..quantizers.eora import allocate_ranks, eora_kl_terms, eora_terms, kl_cost
+from ..quantizers.gptq_kron import as_scaled, load_kl_hessians
 from .base import BlockState, MemoryBasis, Needs, PassMemory, Plan, RunContext, StageBase, StageRecord
 
 
@@ -44,9 +60,12 @@ class EoRARecord(StageRecord):
 
     rank: int
     damp: float
+    weighting: str
+    allocate: bool
     repaired: int
     extra_parameters: int  # A and B, over all repaired layers
     mean_error_removed: float | None  # the mean share of each layer's input-weighted error the term removes
+    kl_cost_removed: float | None  # weighting kl: the share of the model's Kronecker KL cost, over all its layers
     skipped: list  # [{"name", "reason"}]
     layers: dict  # name -> {"rank", "error_removed", "seconds"}
 
@@ -61,6 +80,14 @@ class EoRAStage(StageBase):
     # that stage's method and refitting the term to the new error (LoftQ / QERA's alternation), the best kept by
     # the input-weighted error. A per-layer method only (rtn, gptq, hqq; AutoRound tunes whole blocks)
     iterations: int = 1
+    # input: each layer's own output error (its calibration inputs' Hessian); kl: the two sides of the layer's KL
+    # Hessian from a kl_hessians stage before the quantize stage (one unit across the model's layers)
+    weighting: str = "input"
+    # true (weighting kl): the ranks are chosen after the pass, the budget of `rank` on every layer spent where it
+    # removes the most KL; false: every layer gets `rank`
+    allocate: bool = False
+    max_rank: int = 0  # with allocate: the most one layer gets (0: 8 × rank)
+    output_shrink: float = 1.0  # weighting kl: the output side toward its diagonal (GPTQConfig.output_shrink)
 
     def __post_init__(self):
         if not isinstance(self.rank, int) or self.rank < 1:
@@ -69,6 +96,23 @@ class EoRAStage(StageBase):
             raise ValueError(f"eora: iterations must be a positive integer, got {self.iterations!r}")
         if not 0.0 <= self.damp < 1.0:
             raise ValueError(f"eora: damp must be in [0, 1), got {self.damp}")
+        if self.weighting not in ("input", "kl"):
+            raise ValueError(f"eora: weighting must be input or kl, got {self.weighting!r}")
+        if self.allocate and self.weighting != "kl":
+            raise ValueError("eora: allocate: true compares layers by the KL each rank removes; set weighting: kl (and "
+                             "a kl_hessians stage before the quantize stage)")
+        if self.allocate and self.iterations > 1:
+            raise ValueError("eora: allocate chooses the ranks after the pass, and iterations re-quantize each layer "
+                             "during it with its rank known; use one of them")
+        if not isinstance(self.max_rank, int) or self.max_rank < 0:
+            raise ValueError(f"eora: max_rank must be a non-negative integer, got {self.max_rank!r}")
+        if self.output_shrink < 0:
+            raise ValueError(f"eora: output_shrink must be >= 0, got {self.output_shrink}")
+
+    @property
+    def fit_rank(self) -> int:
+        """The rank each layer is fitted to during the pass: `rank`, or the allocation's cap."""
+        return (self.max_rank or 8 * self.rank) if self.allocate else self.rank
 
     # ---------------------------------------------------------------- lifecycle (stages/base.py)
     name: ClassVar[str] = "eora"
@@ -86,6 +130,9 @@ class EoRAStage(StageBase):
         if not any(getattr(s, "stores_weights", False) for s in stages[:index]):
             raise ValueError(f"`stages.{index}` (eora) repairs the error of quantized layers; put it after the "
                              "`stage: quantize` whose layers it repairs")
+        if self.weighting == "kl" and not any(getattr(s, "name", "") == "kl_hessians" for s in stages[:index]):
+            raise ValueError(f"`stages.{index}` (eora, weighting: kl) fits against the layers' KL Hessians; put a "
+                             "`- stage: kl_hessians` right before the quantize stage, or use weighting: input")
         return self
 
     def plan(self, model: nn.Module, arch: ArchSpec, claimed: dict[str, int], index: int) -> EoRAPlan:
@@ -98,11 +145,12 @@ class EoRAStage(StageBase):
     def describe(self, plan: Plan, index: int) -> tuple[list[str], dict]:
         step = plan.steps[index]
         rounds = f", {self.iterations} rounds of re-quantizing and refitting" if self.iterations > 1 else ""
-        lines = [f"\nstage {index}: eora, rank {self.rank}{rounds}: a low-rank repair of {len(step.layers)} quantized "
-                 "layers"]
+        rank = (f"ranks allocated against the KL (on average {self.rank}, at most {self.fit_rank})" if self.allocate
+                else f"rank {self.rank}" + (", fitted against the KL" if self.weighting == "kl" else ""))
+        lines = [f"\nstage {index}: eora, {rank}{rounds}: a low-rank repair of {len(step.layers)} quantized layers"]
         lines += [f"  {n}: not repaired ({why})" for n, why in step.outside.items()]
-        return lines, {"rank": self.rank, "iterations": self.iterations, "layers": len(step.layers),
-                       "outside": step.outside}
+        return lines, {"rank": self.rank, "iterations": self.iterations, "weighting": self.weighting,
+                       "allocate": self.allocate, "layers": len(step.layers), "outside": step.outside}
 
     def observed_layers(self, step: EoRAPlan) -> set[str]:
         return set(step.layers)
@@ -117,10 +165,16 @@ class EoRAStage(StageBase):
 
     def pass_memory(self, basis: MemoryBasis) -> PassMemory:
         """One block's Hessians (shared with GPTQ's, where it runs), and the fit of the widest layer: the damped
-        Hessian and its factor (K² each), the weighted error and its SVD (out·K each)."""
+        Hessian and its factor (K² each), the weighted error and its SVD (out·K each); with weighting kl the output
+        side and its factor (out² each) too. With allocate the fits of every layer are held until the pass ends:
+        max_rank × (out + in) float32 values per layer, counted with the fit."""
         size = basis.size
+        fit = size.largest_hessian_floats + size.largest_solve
+        if self.weighting == "kl":
+            fit += 2 * size.output_hessian_floats
+        held = self.fit_rank * size.block_linear_sides * size.layers * basis.width if self.allocate else 0
         return PassMemory(statistics={"Hessians": 4 * size.hessian_floats},
-                          between={"EoRA fit": 4 * (size.largest_hessian_floats + size.largest_solve)})
+                          between={"EoRA fit": 4 * fit + held})
 
     def begin(self, ctx: RunContext, index: int) -> None:
         ctx.records[index] = {}
@@ -146,16 +200,37 @@ class EoRAStage(StageBase):
             w = weights[rel]
             inputs = block.inputs(rel)
             error = w.float() - layer.qtensor().dequantize(torch.float32)
-            a, b, share = eora_terms(error, inputs.hessian("EoRA"), self.rank, self.damp)
-            record = {"rank": a.shape[0], "error_removed": round(share, 4)}
+            sides = self._kl_sides(ctx, index, name, inputs, tuple(w.shape)) if self.weighting == "kl" else None
+            if sides is None:
+                a, b, share = eora_terms(error, inputs.hessian("EoRA"), self.rank, self.damp)
+                record = {"rank": a.shape[0], "error_removed": round(share, 4)}
+            else:
+                a, b, gains, total = eora_kl_terms(error, *sides, self.fit_rank, self.damp, self.output_shrink)
+                share = float(gains.sum()) / total if total > 0 else 0.0
+                record = {"rank": a.shape[0], "error_removed": round(share, 4), "kl_cost": total}
+                if self.allocate:  # kept until finalize chooses the ranks; popped there
+                    record["fit"] = (a.to(w.dtype).cpu(), b.to(w.dtype).cpu(), gains.cpu())
             if self.iterations > 1:
-                a, b, more = self._alternate(ctx, index, layer, name, w.float(), inputs, (a, b, error))
+                a, b, more = self._alternate(ctx, index, layer, name, w.float(), inputs, (a, b, error), sides)
                 record.update(more)
-            layer.set_lowrank(a.to(w.dtype), b.to(w.dtype))
+            if not self.allocate:
+                layer.set_lowrank(a.to(w.dtype), b.to(w.dtype))
             ctx.records[index][name] = record | {"seconds": round(time.perf_counter() - t0, 3)}
 
+    def _kl_sides(self, ctx: RunContext, index: int, name: str, inputs, shape: tuple) -> tuple:
+        """(H_in, H_out) of layer `name` from the kl_hessians folder its quantize stage was given, in the layer's
+        coordinates now (a smoothing stage between rescales them: gptq_kron.as_scaled)."""
+        j = ctx.plan.steps[index].quantized_by[name]
+        folder = getattr(ctx.plan.stages[j].options, "output_hessians", "")
+        if not folder:
+            raise ValueError(f"eora (weighting: kl): stage {j}, which quantizes {name}, was given no KL Hessians; "
+                             f"put a `- stage: kl_hessians` right before it (its method must be gptq)")
+        h_out, h_in = load_kl_hessians(folder, name, shape)
+        h_out, h_in = as_scaled(h_out, h_in, inputs.out_divisor, inputs.divisor)
+        return h_in, h_out
+
     def _alternate(self, ctx: RunContext, index: int, layer: QuantLinear, name: str, w: torch.Tensor, inputs,
-                   first) -> tuple:
+                   first, sides: tuple | None = None) -> tuple:
         """Rounds of: the layer's weight re-quantized as W - B A by its quantize stage's method (the layer's codes
         replaced), the term refitted to the new error. The round with the least input-weighted error ‖(W - Q - B A)
         Xᵀ‖ is kept (the first fit included). Returns (A, B, what to add to the layer's record)."""
@@ -169,12 +244,22 @@ class EoRAStage(StageBase):
             why = fallback or f"{stage.method} tunes whole blocks; the term was fitted once"
             return first[0], first[1], {"iterations": 1, "not_alternated": why}
         scheme = next(e.scheme for e in step.quantized if e.name == name)
-        h = inputs.hessian("EoRA")
-        damped = h.clone()  # the error is weighed as eora_terms weighs it; each refit damps `h` itself
-        damped.diagonal().add_(self.damp * float(h.diagonal().mean().clamp(min=1e-12)))
+        if sides is None:
+            h = inputs.hessian("EoRA")
+            damped = h.clone()  # the error is weighed as eora_terms weighs it; each refit damps `h` itself
+            damped.diagonal().add_(self.damp * float(h.diagonal().mean().clamp(min=1e-12)))
 
-        def weighted(r: torch.Tensor) -> float:
-            return float(((r @ damped) * r).sum())
+            def weighted(r: torch.Tensor) -> float:
+                return float(((r @ damped) * r).sum())
+
+            def refit(e: torch.Tensor) -> tuple:
+                return eora_terms(e, h, self.rank, self.damp)[:2]
+        else:
+            def weighted(r: torch.Tensor) -> float:
+                return kl_cost(r, *sides, self.damp, self.output_shrink)
+
+            def refit(e: torch.Tensor) -> tuple:
+                return eora_kl_terms(e, *sides, self.rank, self.damp, self.output_shrink)[:2]
 
         a, b, error = first
         base = weighted(error)
@@ -182,7 +267,7 @@ class EoRAStage(StageBase):
         for _ in range(self.iterations - 1):
             qt = quantizer.quantize((w - b @ a).to(layer.qdata.device), scheme, stage.options, inputs)
             error = w - qt.dequantize(torch.float32)
-            a, b, _ = eora_terms(error, h, self.rank, self.damp)
+            a, b = refit(error)
             value = weighted(error - b @ a)
             if value < best[0]:
                 best = (value, a, b, qt)
@@ -193,8 +278,25 @@ class EoRAStage(StageBase):
         return a, b, {"iterations": self.iterations, "error_removed": round(1 - value / base, 4) if base else 0.0}
 
     def finalize(self, ctx: RunContext, index: int) -> None:
+        records = ctx.records.setdefault(index, {})
+        if self.allocate:
+            self._allocate(ctx, records)
         for name, why in ctx.plan.steps[index].outside.items():
-            ctx.records.setdefault(index, {})[name] = {"skipped": why}
+            records[name] = {"skipped": why}
+
+    def _allocate(self, ctx: RunContext, records: dict) -> None:
+        """Choose every fitted layer's rank (allocate_ranks: the budget of `rank` on each, spent where the KL Hessians
+        say a parameter removes the most) and set the terms, truncated to it. A layer given rank 0 gets no term."""
+        fits = {n: r.pop("fit") for n, r in records.items() if "fit" in r}
+        costs = {n: a.shape[1] + b.shape[0] for n, (a, b, _) in fits.items()}
+        budget = sum(min(self.rank, a.shape[1], b.shape[0]) * costs[n] for n, (a, b, _) in fits.items())
+        ranks = allocate_ranks({n: g for n, (_, _, g) in fits.items()}, costs, budget)
+        for name, (a, b, gains) in fits.items():
+            r, record = ranks[name], records[name]
+            total = record["kl_cost"]
+            record.update(rank=r, error_removed=round(float(gains[:r].sum()) / total, 4) if total > 0 else 0.0)
+            if r:
+                get_module(ctx.model, name).set_lowrank(a[:r].contiguous(), b[:, :r].contiguous())
 
     def report(self, ctx: RunContext, index: int) -> dict:
         records = ctx.records.get(index, {})
@@ -205,23 +307,45 @@ class EoRAStage(StageBase):
             if isinstance(layer, QuantLinear) and layer.rank:
                 extra += layer.lora_a.numel() + layer.lora_b.numel()
         shares = [r["error_removed"] for r in done.values()]
-        return EoRARecord(index, "eora", self.rank, self.damp, len(done), extra,
+        costs = [(r["kl_cost"], r["kl_cost"] * r["error_removed"]) for r in done.values() if "kl_cost" in r]
+        total = sum(c for c, _ in costs)
+        repaired = sum(r["rank"] > 0 for r in done.values())
+        return EoRARecord(index, "eora", self.rank, self.damp, self.weighting, self.allocate, repaired, extra,
                           sum(shares) / len(shares) if shares else None,
+                          sum(x for _, x in costs) / total if total > 0 else None,
                           [{"name": n, "reason": r["skipped"]} for n, r in records.items() if "skipped" in r],
                           done).to_json()
 
     @staticmethod
     def render(section: dict, models: dict) -> list[str]:
-        lines = ["", f"## Stage {section['index']}: eora (rank {section['rank']})", "",
+        kl = section.get("weighting") == "kl"
+        rank = f"ranks allocated, {section['rank']} on average" if section.get("allocate") else \
+            f"rank {section['rank']}"
+        lines = ["", f"## Stage {section['index']}: eora ({rank}{', against the KL' if kl else ''})", "",
                  f"{section['repaired']} layers repaired with {section['extra_parameters']:,} float parameters "
                  "(a LoRA adapter beside the exports)."]
+        if section.get("allocate"):
+            ranks = [r["rank"] for r in section["layers"].values()]
+            lines.append(f"Ranks per layer: {min(ranks)} to {max(ranks)} (" +
+                         ", ".join(f"{k}: {v:.1f}" for k, v in _mean_rank_by_kind(section["layers"]).items()) + ").")
         if section.get("mean_error_removed") is not None:
             lines.append(f"Each term removes on average {section['mean_error_removed']:.1%} of its layer's "
-                         "input-weighted quantization error.")
+                         f"{'KL-weighted' if kl else 'input-weighted'} quantization error.")
+        if section.get("kl_cost_removed") is not None:
+            lines.append(f"Over the model, the terms remove {section['kl_cost_removed']:.1%} of the quantization "
+                         "error's KL cost as the KL Hessians' Kronecker factors estimate it.")
         if section["skipped"]:
             lines += ["", "| layer | not repaired |", "|---|---|"]
             lines += [f"| `{s['name']}` | {s['reason']} |" for s in section["skipped"]]
         return lines
+
+
+def _mean_rank_by_kind(layers: dict) -> dict[str, float]:
+    """The mean rank per layer kind (the name's last part: q_proj, down_proj, ...), in first-seen order."""
+    kinds: dict[str, list[int]] = {}
+    for name, r in layers.items():
+        kinds.setdefault(name.rsplit(".", 1)[-1], []).append(r["rank"])
+    return {k: sum(v) / len(v) for k, v in kinds.items()}
 
 
 @contextlib.contextmanager
