@@ -156,6 +156,7 @@ def test_a_run_allocates_ranks_against_the_kl_and_the_adapter_reloads(tmp_path):
     assert "Ranks per layer" in (out / "report.md").read_text()
     [entry] = report["exports"]
     assert entry["adapter"]["layers"] == sum(r > 0 for r in ranks.values())
+    assert entry["adapter"]["max_rank"] == max(ranks.values())
     assert entry["verify"]["loader"].endswith("LoRA adapter (peft)") and entry["verify"]["kl"] < 1e-3, entry["verify"]
     [config] = out.parent.glob("**/adapter/adapter_config.json")
     assert json.loads(config.read_text())["rank_pattern"]  # the ranks that differ from the most common one

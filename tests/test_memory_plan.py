@@ -218,3 +218,23 @@ def test_eora_terms_are_counted_in_the_compressed_model():
     before, after = (plan_memory(r, config, torch.bfloat16, "cpu", available=int(64 * GB)).phases["evaluation"]
                      for r in (base, repaired))
     assert after["compressed model"] - before["compressed model"] == 16 * sides * 2
+
+
+def test_allocated_eora_fits_are_counted_while_the_pass_runs():
+    """With allocate the fits up to max_rank of every layer are held until the pass ends: max_rank · Σ(out + in)
+    values at the run's width, on top of one layer's fit (a Llama-2-7B: rank 8, max_rank 64, bf16: 0.31 GB)."""
+    config = LlamaConfig(**LLAMA2_7B)
+    sides = model_size(config).block_linear_sides
+    kl = {"stage": "kl_hessians"}
+    quant = {"stage": "quantize", "method": "gptq", "scheme": {"dtype": "int3", "granularity": "group",
+                                                                "group_size": 64, "symmetric": False}}
+
+    def fit(**eora) -> int:
+        recipe = from_dict({"model": "unused", "calibration": {"kind": "self", "n_samples": 16, "seq_len": 512},
+                            "stages": [kl, quant, {"stage": "eora", "rank": 8, "weighting": "kl", **eora}],
+                            "eval": {"seq_len": 2048}})
+        return plan_memory(recipe, config, torch.bfloat16, "cpu", available=int(64 * GB)).phases["calibration"][
+            "EoRA fit"]
+
+    assert fit(allocate=True) - fit() == 64 * sides * 2
+    assert fit(allocate=True, max_rank=16) - fit() == 16 * sides * 2

@@ -60,7 +60,8 @@ def write_adapter(terms: dict[str, tuple[Tensor, Tensor]], folder: Path, dtype: 
         tensors[f"base_model.model.{n}.lora_B.weight"] = b.detach().to("cpu", dtype).contiguous()
     save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    return {"folder": folder.name, "format": "peft LoRA", "rank": r, "layers": len(terms),
+    return {"folder": folder.name, "format": "peft LoRA", "rank": r, "max_rank": max(ranks.values()),
+            "layers": len(terms),
             "parameters": sum(a.numel() + b.numel() for a, b in terms.values()), "dtype": str(dtype).split(".")[-1]}
 
 
@@ -87,5 +88,5 @@ def adapter_note(fmt: str) -> str:
             return note
     return (f"the low-rank repair is the LoRA adapter in {ADAPTER_DIR}/: peft `PeftModel.from_pretrained(model, "
             f"'{ADAPTER_DIR}')`, transformers `model.load_adapter('{ADAPTER_DIR}')`, vLLM `--enable-lora "
-            f"--lora-modules repair={ADAPTER_DIR}` (max_lora_rank at least its rank); without it the checkpoint "
-            "computes the model without the repair")
+            f"--lora-modules repair={ADAPTER_DIR}` (max_lora_rank at least its largest rank, the record's max_rank); "
+            "without it the checkpoint computes the model without the repair")

@@ -172,7 +172,7 @@ class EoRAStage(StageBase):
         fit = size.largest_hessian_floats + size.largest_solve
         if self.weighting == "kl":
             fit += 2 * size.output_hessian_floats
-        held = self.fit_rank * size.block_linear_sides * size.layers * basis.width if self.allocate else 0
+        held = self.fit_rank * size.block_linear_sides * basis.width if self.allocate else 0
         return PassMemory(statistics={"Hessians": 4 * size.hessian_floats},
                           between={"EoRA fit": 4 * fit + held})
 
