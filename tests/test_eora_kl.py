@@ -195,3 +195,29 @@ def test_recipe_checks(tmp_path, stages, match):
     from compress import load_recipe
     with pytest.raises(ValueError, match=match):
         load_recipe(tiny_recipe(tmp_path, stages, {"perplexity": False}))
+
+
+def test_a_silent_input_takes_the_layers_own_hessian_in_the_kls_units(tmp_path):
+    """An input channel the kl pass never saw fire but the calibration did (a MoE expert few windows reached): the
+    layer's own input Hessian stands in, scaled to the file's trace; otherwise the file's sides, as stored."""
+    from safetensors.torch import save_file
+
+    from compress.quantizers import LayerInputs
+    from compress.quantizers.gptq_kron import layer_kl_sides, output_hessian_path
+
+    class _Stats:  # the one thing the sides read of the calibration statistics (a stand-in: no pass runs here)
+        def __init__(self, h):
+            self.h = h
+
+        def hessian_mean(self, divisor=None):
+            return self.h.clone()
+
+    h_in, h_out, h_own = _spd(12, 50, 1).float(), _spd(8, 50, 2).float(), 7.0 * _spd(12, 50, 3).float()
+    save_file({"output": h_out, "input": h_in}, str(output_hessian_path(tmp_path, "dense")))
+    got_out, got_in, own = layer_kl_sides(tmp_path, LayerInputs("dense", _Stats(h_own)), (8, 12))
+    assert not own and torch.equal(got_out, h_out) and torch.equal(got_in, h_in)
+    silent = h_in.clone()
+    silent[3, :] = silent[:, 3] = 0
+    save_file({"output": h_out, "input": silent}, str(output_hessian_path(tmp_path, "expert")))
+    _, got_in, own = layer_kl_sides(tmp_path, LayerInputs("expert", _Stats(h_own)), (8, 12))
+    assert own and torch.allclose(got_in, h_own * (silent.trace() / h_own.trace()), rtol=1e-6)

@@ -97,7 +97,7 @@ def as_scaled(h_out: Tensor, h_in: Tensor, out_divisor: Tensor | None,
     return h_out, h_in
 
 
-def _missed_inputs(h_in: Tensor, inputs) -> bool:
+def missed_inputs(h_in: Tensor, inputs) -> bool:
     """Whether the kl_hessians pass's windows left an input channel silent that the calibration pass saw (a MoE
     expert few of its tokens reached): its weights would be zeroed as dead, so the layer's own input Hessian is used."""
     if inputs.stats is None:
@@ -106,13 +106,26 @@ def _missed_inputs(h_in: Tensor, inputs) -> bool:
     return bool(silent.any()) and bool((torch.diag(inputs.hessian("GPTQ"))[silent.to(h_in.device)] > 0).any())
 
 
+def layer_kl_sides(folder: str | Path, inputs, shape: tuple[int, int]) -> tuple[Tensor, Tensor, bool]:
+    """(H_out, H_in, own) of layer `inputs.name` [out, in] = `shape` from a kl_hessians folder, in the layer's
+    coordinates now (as_scaled). own: the file's input side was replaced by the layer's own calibration Hessian scaled
+    to the file's trace (missed_inputs: a MoE expert the kl pass's windows barely reached), so its cost stays in the
+    KL's units."""
+    h_out, h_in = load_kl_hessians(folder, inputs.name, shape)
+    h_out, h_in = as_scaled(h_out, h_in, inputs.out_divisor, inputs.divisor)
+    if not missed_inputs(h_in, inputs):
+        return h_out, h_in, False
+    own = inputs.hessian("EoRA").to(h_in)
+    return h_out, own * (float(h_in.diagonal().sum()) / max(float(own.diagonal().sum()), 1e-30)), True
+
+
 def quantize_gptq_kron_layer(w: Tensor, scheme: QuantScheme, options: GPTQConfig, inputs) -> QuantizedTensor:
     """The registry's signature (method gptq with options.output_hessians): the sides options.kl_sides names from the
     layer's file, the layer's own input Hessian (its calibration inputs) where the input side is not one of them."""
     h_out, h_in = load_kl_hessians(options.output_hessians, inputs.name, tuple(w.shape))
     h_out, h_in = as_scaled(h_out, h_in, inputs.out_divisor, inputs.divisor)
     dtype = torch.float64 if w.dtype == torch.float64 else torch.float32
-    weighted = options.kl_sides != "output" and not _missed_inputs(h_in, inputs)
+    weighted = options.kl_sides != "output" and not missed_inputs(h_in, inputs)
     factor = hessian_factor(h_in, options, dtype, inputs.name, overwrite=True) if weighted else \
         layer_factor(w, options, inputs)
     if options.kl_sides == "input":
@@ -157,5 +170,5 @@ def quantize_gptq_kron(w: Tensor, hessian: Tensor | HessianFactor, h_out: Tensor
                            out.shape, out.global_scale)
 
 
-__all__ = ["KEY_IN", "KEY_OUT", "as_scaled", "kron_problem", "load_kl_hessians", "output_factor", "output_hessian_path",
-           "quantize_gptq_kron", "quantize_gptq_kron_layer"]
+__all__ = ["KEY_IN", "KEY_OUT", "as_scaled", "kron_problem", "layer_kl_sides", "load_kl_hessians", "missed_inputs",
+           "output_factor", "output_hessian_path", "quantize_gptq_kron", "quantize_gptq_kron_layer"]

@@ -40,7 +40,7 @@ from torch import nn
 from ..arch import ArchSpec, get_module
 from ..core.nn import QuantLinear, is_linear, linear_weight
 from ..quantizers.eora import allocate_ranks, eora_kl_terms, eora_terms, kl_cost
-from ..quantizers.gptq_kron import as_scaled, load_kl_hessians
+from ..quantizers.gptq_kron import layer_kl_sides
 from .base import BlockState, MemoryBasis, Needs, PassMemory, Plan, RunContext, StageBase, StageRecord
 
 
@@ -219,14 +219,14 @@ class EoRAStage(StageBase):
 
     def _kl_sides(self, ctx: RunContext, index: int, name: str, inputs, shape: tuple) -> tuple:
         """(H_in, H_out) of layer `name` from the kl_hessians folder its quantize stage was given, in the layer's
-        coordinates now (a smoothing stage between rescales them: gptq_kron.as_scaled)."""
+        coordinates now (gptq_kron.layer_kl_sides: a smoothing stage between rescales them; a MoE expert the pass
+        barely reached takes its own input Hessian)."""
         j = ctx.plan.steps[index].quantized_by[name]
         folder = getattr(ctx.plan.stages[j].options, "output_hessians", "")
         if not folder:
             raise ValueError(f"eora (weighting: kl): stage {j}, which quantizes {name}, was given no KL Hessians; "
                              f"put a `- stage: kl_hessians` right before it (its method must be gptq)")
-        h_out, h_in = load_kl_hessians(folder, name, shape)
-        h_out, h_in = as_scaled(h_out, h_in, inputs.out_divisor, inputs.divisor)
+        h_out, h_in, _ = layer_kl_sides(folder, inputs, shape)
         return h_in, h_out
 
     def _alternate(self, ctx: RunContext, index: int, layer: QuantLinear, name: str, w: torch.Tensor, inputs,
