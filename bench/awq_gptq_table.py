@@ -100,6 +100,10 @@ RUNS = {  # name: (recipe, extra --set overrides)
     # AutoRound (issue 19): 200 steps of 2 windows on this CPU (the recipe's setting; the paper's 8 is 4x the time)
     "autoround int4": ("recipes/gptq_int4.yaml", ["stages.0.method=autoround",
                                                   "stages.0.options={iters: 200, batch_size: 2}"]),
+    **{f"autoround {bits}": ("recipes/gptq_int4.yaml", ["stages.0.method=autoround", f"stages.0.scheme.dtype={bits[:4]}",
+                                                       "stages.0.options={iters: 200, batch_size: 2}",
+                                                       f"stages.0.scheme.group_size={32 if 'g32' in bits else 64}"])
+       for bits in ("int3", "int2 g32")},  # like for like with "gptq int3", "kl+gptq int3", ... (issue 50)
     "awq+autoround int4": ("recipes/autoround_int4.yaml", AR[1:]),  # the table's 200 steps (the recipe now takes 100)
     "awq+autoround int3": ("recipes/awq_gptq_int4.yaml", [W_CLIP, *AR, "stages.1.scheme.dtype=int3"]),
     # AutoRound started from GPTQ's solution (options.init: gptq) instead of round-to-nearest
