@@ -233,7 +233,8 @@ class EoRAStage(StageBase):
                    first, sides: tuple | None = None) -> tuple:
         """Rounds of: the layer's weight re-quantized as W - B A by its quantize stage's method (the layer's codes
         replaced), the term refitted to the new error. The round with the least input-weighted error ‖(W - Q - B A)
-        Xᵀ‖ is kept (the first fit included). Returns (A, B, what to add to the layer's record)."""
+        Xᵀ‖ is kept (the first fit included); with the KL's `sides` (H_in, H_out), the least KL cost, and each refit
+        against both sides. Returns (A, B, what to add to the layer's record)."""
         from ..quantizers import get_quantizer
 
         j = ctx.plan.steps[index].quantized_by[name]
@@ -295,8 +296,10 @@ class EoRAStage(StageBase):
             r, record = ranks[name], records[name]
             total = record["kl_cost"]
             record.update(rank=r, error_removed=round(float(gains[:r].sum()) / total, 4) if total > 0 else 0.0)
-            if r:
-                get_module(ctx.model, name).set_lowrank(a[:r].contiguous(), b[:, :r].contiguous())
+            if r:  # held on the CPU during the pass; the layer may live on an accelerator
+                layer = get_module(ctx.model, name)
+                device = layer.qdata.device
+                layer.set_lowrank(a[:r].contiguous().to(device), b[:, :r].contiguous().to(device))
 
     def report(self, ctx: RunContext, index: int) -> dict:
         records = ctx.records.get(index, {})
