@@ -103,10 +103,10 @@ def kl_cost(residual: Tensor, h_in: Tensor, h_out: Tensor, damp: float = 0.01, o
 def allocate_ranks(gains: dict[str, Tensor], costs: dict[str, int], budget: int) -> dict[str, int]:
     """Each layer's rank under a parameter `budget`: ranks are bought in decreasing gain per parameter (gains[name][j]
     the cost rank j of that layer removes, decreasing in j; costs[name] its parameters per rank, out + in) while the
-    budget allows; a rank that removes nothing is left unbought. A layer's ranks are always a prefix (its gains decrease), and with equal costs this is the best
-    choice of `budget // cost` ranks."""
+    budget allows; a rank that removes nothing is left unbought. A layer's ranks are always a prefix (its gains
+    decrease), and with equal costs this is the best choice of `budget // cost` ranks."""
     offers = sorted(((float(g) / costs[name], name, j) for name, gs in gains.items() for j, g in enumerate(gs)
-                     if g > 0), key=lambda o: (-o[0], o[1], o[2]))  # a rank that removes nothing is not bought
+                     if g > 0), key=lambda o: (-o[0], o[1], o[2]))
     ranks = dict.fromkeys(gains, 0)
     left = budget
     for _, name, j in offers:
