@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import protocol  # noqa: E402
 
 from compress.core.nn import QuantLinear  # noqa: E402
-from compress.quantizers.eora import allocate_ranks, eora_kl_terms, kl_cost  # noqa: E402
+from compress.quantizers.eora import allocate_ranks, eora_kl_terms, kl_cost, kl_weights  # noqa: E402
 
 
 def kl_hessians(folder: Path, model, tokenizer) -> None:
@@ -61,10 +61,11 @@ def fits(run: Path, hessians: Path, floats: dict, cap: int, shrink: float, flat_
         w = floats[name]
         h_out, h_in = load_kl_hessians(hessians, name, tuple(w.shape))
         error = w - layer.qtensor().dequantize(torch.float32)
-        a, b, gains, total = eora_kl_terms(error, h_in, torch.eye(len(h_out)) if flat_output else h_out, cap,
-                                           output_shrink=shrink)
-        out[name] = {"w": w, "h_in": h_in, "h_out": h_out, "a": a, "b": b, "gains": gains, "total": total,
-                     "cost": sum(w.shape), "scheme": layer.scheme}
+        weights = kl_weights(h_in, torch.eye(len(h_out)) if flat_output else h_out,
+                             output_shrink=0.0 if flat_output else shrink)
+        a, b, gains, total = eora_kl_terms(error, weights, cap)
+        out[name] = {"w": w, "h_in": h_in, "h_out": h_out, "weights": weights, "a": a, "b": b, "gains": gains,
+                     "total": total, "cost": sum(w.shape), "scheme": layer.scheme}
     return out
 
 
@@ -94,12 +95,12 @@ def alternate(model, f: dict, ranks: dict, rounds: int) -> None:
         x, layer = f[name], layers[name]
         a, b = x["a"][:r], x["b"][:, :r]
         error = x["w"] - layer.qtensor().dequantize(torch.float32)
-        best = (kl_cost(error - b @ a, x["h_in"], x["h_out"]), a, b, layer.qtensor())
+        best = (kl_cost(error - b @ a, x["weights"]), a, b, layer.qtensor())
         for _ in range(rounds - 1):
             qt = quantize_gptq_kron(x["w"] - b @ a, x["h_in"], x["h_out"], x["scheme"], GPTQConfig(), name)
             error = x["w"] - qt.dequantize(torch.float32)
-            a, b, _, _ = eora_kl_terms(error, x["h_in"], x["h_out"], r)
-            if (value := kl_cost(error - b @ a, x["h_in"], x["h_out"])) < best[0]:
+            a, b, _, _ = eora_kl_terms(error, x["weights"], r)
+            if (value := kl_cost(error - b @ a, x["weights"])) < best[0]:
                 best = (value, a, b, qt)
         _, a, b, qt = best
         layer.qdata, layer.scale, layer.zero_point = qt.qdata, qt.scale, qt.zero_point

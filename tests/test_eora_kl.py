@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from compress.quantizers.eora import allocate_ranks, eora_kl_terms, eora_terms, kl_cost
+from compress.quantizers.eora import allocate_ranks, eora_kl_terms, eora_terms, kl_cost, kl_weights
 from tests.conftest import run_tiny_recipe, tiny_recipe
 
 F64 = torch.float64
@@ -60,14 +60,15 @@ def plain_cost(r, h_in, h_out, damp, shrink):
 def test_kl_terms_are_the_reference_minimiser(out, k, rank, shrink):
     e = torch.randn(out, k, generator=torch.Generator().manual_seed(3), dtype=F64)
     h_in, h_out = _spd(k, 300, 1), _spd(out, 300, 2)
-    a, b, gains, total = eora_kl_terms(e, h_in, h_out, rank, damp=0.01, output_shrink=shrink)
+    a, b, gains, total = eora_kl_terms(e, kl_weights(h_in, h_out, damp=0.01, output_shrink=shrink), rank)
     ref = reference_kl_fit(e, h_in, h_out, rank, 0.01, shrink)
     assert torch.allclose(b @ a, ref, atol=1e-7 * float(ref.abs().max()), rtol=0)
     # the units: the whole error's cost, and what is left is the total less the ranks' gains
     assert total == pytest.approx(plain_cost(e, h_in, h_out, 0.01, shrink), rel=1e-9)
     left = plain_cost(e - b @ a, h_in, h_out, 0.01, shrink)
     assert left == pytest.approx(total - float(gains.sum()), rel=1e-6, abs=1e-9 * total)
-    assert kl_cost(e - b @ a, h_in, h_out, 0.01, shrink) == pytest.approx(left, rel=1e-9, abs=1e-12 * total)
+    assert kl_cost(e - b @ a, kl_weights(h_in, h_out, 0.01, shrink)) == pytest.approx(left, rel=1e-9,
+                                                                              abs=1e-12 * total)
     assert bool((gains[:-1] >= gains[1:]).all())
 
 
@@ -75,7 +76,7 @@ def test_a_flat_output_side_is_the_input_only_fit():
     """H_out = I (every output alike) leaves the layer's own output error: the same term as eora_terms."""
     e = torch.randn(20, 16, generator=torch.Generator().manual_seed(4), dtype=F64)
     h_in = _spd(16, 200, 5)
-    a, b, _, _ = eora_kl_terms(e, h_in, torch.eye(20, dtype=F64), 4, damp=0.01, output_shrink=0.0)
+    a, b, _, _ = eora_kl_terms(e, kl_weights(h_in, torch.eye(20, dtype=F64), 0.01, 0.0), 4)
     a0, b0, _ = eora_terms(e, h_in, 4, damp=0.01)
     assert torch.allclose(b @ a, b0 @ a0, atol=1e-10, rtol=0)
 
@@ -86,10 +87,10 @@ def test_the_output_side_changes_which_error_is_removed():
     e = torch.randn(32, 24, generator=torch.Generator().manual_seed(6), dtype=F64)
     h_in = _spd(24, 400, 7)
     h_out = torch.diag(torch.logspace(2, -2, 32, dtype=F64))
-    a, b, _, _ = eora_kl_terms(e, h_in, h_out, 4, damp=0.01, output_shrink=0.0)
+    weights = kl_weights(h_in, h_out, 0.01, 0.0)
+    a, b, _, _ = eora_kl_terms(e, weights, 4)
     a0, b0, _ = eora_terms(e, h_in, 4, damp=0.01)
-    ours = kl_cost(e - b @ a, h_in, h_out, 0.01, 0.0)
-    assert ours < 0.8 * kl_cost(e - b0 @ a0, h_in, h_out, 0.01, 0.0)
+    assert kl_cost(e - b @ a, weights) < 0.8 * kl_cost(e - b0 @ a0, weights)
 
 
 def _brute_force(gains: dict, costs: dict, budget: int) -> float:

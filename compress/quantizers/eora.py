@@ -22,6 +22,8 @@ where it removes the most.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -64,40 +66,50 @@ def damped_factor(hessian: Tensor, damp: float, dtype: torch.dtype, shrink: floa
     return torch.linalg.cholesky(h)
 
 
-def eora_kl_terms(error: Tensor, h_in: Tensor, h_out: Tensor, rank: int, damp: float = 0.01,
-                  output_shrink: float = 1.0, seed: int = 0) -> tuple[Tensor, Tensor, Tensor, float]:
+@dataclass(frozen=True)
+class KLWeights:
+    """A layer's two KL sides as the fit weighs them, factored once: S Sᵀ = H_in and T Tᵀ = H_out (shrunk, both
+    damped), and `unit` = tr(H_out) as shrunk, which puts every layer's cost in one unit."""
+
+    s: Tensor  # [in, in] lower triangular
+    t: Tensor  # [out, out] lower triangular
+    unit: float
+
+
+def kl_weights(h_in: Tensor, h_out: Tensor, damp: float = 0.01, output_shrink: float = 1.0) -> KLWeights:
+    """The factors of the gradient-weighted input side `h_in` [in, in] and the output side `h_out` [out, out] of a
+    layer's KL Hessian (the kl_hessians stage's files). `h_out` is shrunk toward its diagonal by `output_shrink`
+    (GPTQConfig.output_shrink: its 16K-token estimate overfits otherwise), both sides damped by `damp`. float32
+    (float64 when `h_in` is)."""
+    dtype = torch.float64 if h_in.dtype == torch.float64 else torch.float32
+    unit = float(torch.diagonal(h_out).sum()) * (1 + output_shrink) or 1.0
+    return KLWeights(damped_factor(h_in, damp, dtype), damped_factor(h_out, damp, dtype, output_shrink), unit)
+
+
+def eora_kl_terms(error: Tensor, weights: KLWeights, rank: int,
+                  seed: int = 0) -> tuple[Tensor, Tensor, Tensor, float]:
     """(A [rank, in], B [out, rank], gains [rank], total) minimising tr((E - B A) H_in (E - B A)ᵀ H_out) for the
-    quantization error `error` [out, in], the gradient-weighted input side `h_in` [in, in] and the output side `h_out`
-    [out, out] of the layer's KL Hessian (the kl_hessians stage's files). `h_out` is shrunk toward its diagonal by
-    `output_shrink` (GPTQConfig.output_shrink: its 16K-token estimate overfits otherwise) and both sides are damped by
-    `damp`. gains[j]: the cost rank j removes, total: the whole error's cost, both over tr(H_out) as shrunk (the units
-    allocate_ranks compares across layers). float32 (float64 when `error` is)."""
-    dtype = torch.float64 if error.dtype == torch.float64 else torch.float32
-    e = error.to(dtype)
+    quantization error `error` [out, in] under the layer's `weights` (kl_weights). gains[j]: the cost rank j removes,
+    total: the whole error's cost, both over weights.unit (the units allocate_ranks compares across layers)."""
+    s, t = weights.s, weights.t
+    e = error.to(s.dtype)
     n_out, k = e.shape
-    if h_in.shape != (k, k) or h_out.shape != (n_out, n_out):
-        raise ValueError(f"EoRA: the KL Hessians are {tuple(h_out.shape)} and {tuple(h_in.shape)}, the layer is "
+    if s.shape != (k, k) or t.shape != (n_out, n_out):
+        raise ValueError(f"EoRA: the KL Hessians are {tuple(t.shape)} and {tuple(s.shape)}, the layer is "
                          f"{n_out} x {k}")
     rank = min(rank, n_out, k)
-    s = damped_factor(h_in, damp, dtype)
-    t = damped_factor(h_out, damp, dtype, output_shrink)
-    unit = float(torch.diagonal(h_out).sum()) * (1 + output_shrink) or 1.0
     m = t.T @ e @ s  # ||Tᵀ (E - L) S||_F² is the Kronecker cost of E - L
     u, sigma, vt = _top_singular(m, rank, seed)
-    total = float(m.square().sum()) / unit
+    total = float(m.square().sum()) / weights.unit
     root = sigma.sqrt()
     b = torch.linalg.solve_triangular(t.T, u * root, upper=True)  # Tᵀ B = U √Σ
     a = torch.linalg.solve_triangular(s.T, (root[:, None] * vt).T, upper=True).T  # A S = √Σ Vᵀ
-    return a.contiguous(), b.contiguous(), sigma.square() / unit, total
+    return a.contiguous(), b.contiguous(), sigma.square() / weights.unit, total
 
 
-def kl_cost(residual: Tensor, h_in: Tensor, h_out: Tensor, damp: float = 0.01, output_shrink: float = 1.0) -> float:
-    """tr(R H_in Rᵀ H_out) / tr(H_out), both sides as eora_kl_terms weighs them: what is left of a layer's error."""
-    dtype = torch.float64 if residual.dtype == torch.float64 else torch.float32
-    s = damped_factor(h_in, damp, dtype)
-    t = damped_factor(h_out, damp, dtype, output_shrink)
-    unit = float(torch.diagonal(h_out).sum()) * (1 + output_shrink) or 1.0
-    return float((t.T @ residual.to(dtype) @ s).square().sum()) / unit
+def kl_cost(residual: Tensor, weights: KLWeights) -> float:
+    """tr(R H_in Rᵀ H_out) / unit, both sides as eora_kl_terms weighs them: what is left of a layer's error."""
+    return float((weights.t.T @ residual.to(weights.s.dtype) @ weights.s).square().sum()) / weights.unit
 
 
 def allocate_ranks(gains: dict[str, Tensor], costs: dict[str, int], budget: int) -> dict[str, int]:

@@ -39,7 +39,7 @@ from torch import nn
 
 from ..arch import ArchSpec, get_module
 from ..core.nn import QuantLinear, is_linear, linear_weight
-from ..quantizers.eora import allocate_ranks, eora_kl_terms, eora_terms, kl_cost
+from ..quantizers.eora import allocate_ranks, eora_kl_terms, eora_terms, kl_cost, kl_weights
 from ..quantizers.gptq_kron import layer_kl_sides
 from .base import BlockState, MemoryBasis, Needs, PassMemory, Plan, RunContext, StageBase, StageRecord
 
@@ -200,12 +200,12 @@ class EoRAStage(StageBase):
             w = weights[rel]
             inputs = block.inputs(rel)
             error = w.float() - layer.qtensor().dequantize(torch.float32)
-            sides = self._kl_sides(ctx, index, name, inputs, tuple(w.shape)) if self.weighting == "kl" else None
+            sides = self._kl_weights(ctx, index, name, inputs, tuple(w.shape)) if self.weighting == "kl" else None
             if sides is None:
                 a, b, share = eora_terms(error, inputs.hessian("EoRA"), self.rank, self.damp)
                 record = {"rank": a.shape[0], "error_removed": round(share, 4)}
             else:
-                a, b, gains, total = eora_kl_terms(error, *sides, self.fit_rank, self.damp, self.output_shrink)
+                a, b, gains, total = eora_kl_terms(error, sides, self.fit_rank)
                 share = float(gains.sum()) / total if total > 0 else 0.0
                 record = {"rank": a.shape[0], "error_removed": round(share, 4), "kl_cost": total}
                 if self.allocate:  # kept until finalize chooses the ranks; popped there
@@ -217,23 +217,23 @@ class EoRAStage(StageBase):
                 layer.set_lowrank(a.to(w.dtype), b.to(w.dtype))
             ctx.records[index][name] = record | {"seconds": round(time.perf_counter() - t0, 3)}
 
-    def _kl_sides(self, ctx: RunContext, index: int, name: str, inputs, shape: tuple) -> tuple:
-        """(H_in, H_out) of layer `name` from the kl_hessians folder its quantize stage was given, in the layer's
-        coordinates now (gptq_kron.layer_kl_sides: a smoothing stage between rescales them; a MoE expert the pass
-        barely reached takes its own input Hessian)."""
+    def _kl_weights(self, ctx: RunContext, index: int, name: str, inputs, shape: tuple):
+        """Layer `name`'s KL sides, factored once for every fit (quantizers/eora.kl_weights), from the kl_hessians
+        folder its quantize stage was given, in the layer's coordinates now (gptq_kron.layer_kl_sides: a smoothing
+        stage between rescales them; a MoE expert the pass barely reached takes its own input Hessian)."""
         j = ctx.plan.steps[index].quantized_by[name]
         folder = getattr(ctx.plan.stages[j].options, "output_hessians", "")
         if not folder:
             raise ValueError(f"eora (weighting: kl): stage {j}, which quantizes {name}, was given no KL Hessians; "
                              f"put a `- stage: kl_hessians` right before it (its method must be gptq)")
         h_out, h_in, _ = layer_kl_sides(folder, inputs, shape)
-        return h_in, h_out
+        return kl_weights(h_in, h_out, self.damp, self.output_shrink)
 
     def _alternate(self, ctx: RunContext, index: int, layer: QuantLinear, name: str, w: torch.Tensor, inputs,
-                   first, sides: tuple | None = None) -> tuple:
+                   first, sides=None) -> tuple:
         """Rounds of: the layer's weight re-quantized as W - B A by its quantize stage's method (the layer's codes
         replaced), the term refitted to the new error. The round with the least input-weighted error ‖(W - Q - B A)
-        Xᵀ‖ is kept (the first fit included); with the KL's `sides` (H_in, H_out), the least KL cost, and each refit
+        Xᵀ‖ is kept (the first fit included); with the KL's `sides` (kl_weights), the least KL cost, and each refit
         against both sides. Returns (A, B, what to add to the layer's record)."""
         from ..quantizers import get_quantizer
 
@@ -257,10 +257,10 @@ class EoRAStage(StageBase):
                 return eora_terms(e, h, self.rank, self.damp)[:2]
         else:
             def weighted(r: torch.Tensor) -> float:
-                return kl_cost(r, *sides, self.damp, self.output_shrink)
+                return kl_cost(r, sides)
 
             def refit(e: torch.Tensor) -> tuple:
-                return eora_kl_terms(e, *sides, self.rank, self.damp, self.output_shrink)[:2]
+                return eora_kl_terms(e, sides, self.rank)[:2]
 
         a, b, error = first
         base = weighted(error)
