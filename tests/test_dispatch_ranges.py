@@ -107,12 +107,13 @@ def test_unmeasured_plan_never_takes_the_float_copy():
 
 
 def test_default_cpu_registry_plans_as_before():
-    """The CPU kernels declare no range: without measuring, one bucket of the first usable kernel at the largest batch
-    size, exactly the plan of before the ranges existed."""
+    """The CPU kernels of grid codes declare no range: without measuring, one bucket of the first usable kernel at the
+    largest batch size, exactly the plan of before the ranges existed (the trellis kernel, meant for 1..16 rows, only
+    takes trellis layers)."""
     report = plan_dispatch(_model(layers=2), measure=False)
     assert report.choices and all(b == ((max(dispatch.BATCH_SIZES), "torch int4pack (CPU)"),)
                                   for b, _ in report.choices.values())
-    assert all(k.rows is None for k in dispatch.KERNELS.values())
+    assert all(k.rows is None for k in dispatch.KERNELS.values() if not k.trellis)
 
 
 def test_measured_plan_hands_sizes_above_the_largest_bucket_to_the_large_path():

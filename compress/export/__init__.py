@@ -120,6 +120,10 @@ def export_problems(model: nn.Module, name: str) -> list[str]:
     problems = exporter.problems(model)
     if (why := online_rotation_problem(model, exporter.loaders)) is not None:
         problems = [why] + problems
+    if name not in ("native", "dense") and any(hasattr(m, "trellis") for m in model.modules()):
+        problems = [f"the model's weights are trellis codes (method: trellis), which no {name} loader "
+                    f"({exporter.loaders}) reads; export `native` (compress's own checkpoint, decoded by compress) "
+                    "or `dense` (the decoded weights in float)"] + problems
     if int_kv := sorted({m.kv_quant.name for m in model.modules() if getattr(m, "kv_quant", None) is not None}):
         problems = [f"the model attends over a {', '.join(int_kv)} KV cache (the kv_cache stage), which no {name} "
                     f"loader ({exporter.loaders}) reads from a checkpoint: a serving engine chooses its KV cache at "

@@ -63,6 +63,7 @@ def write_model_files(model: nn.Module, tokenizer, out_dir: Path, meta: dict, sa
     from ..transforms.rotation import online_rotations
     layers = {n: m.scheme.to_dict() for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     lowrank = {n: m.rank for n, m in model.named_modules() if isinstance(m, QuantLinear) and m.rank}  # eora's terms
+    trellis = {n: m.trellis.to_dict() for n, m in model.named_modules() if getattr(m, "trellis", None) is not None}
     rotations = {n: r.n for n, r in online_rotations(model).items()}  # linear -> order of its online Hadamard
     config = copy.deepcopy(model.config)
     config.dtype = save_dtype  # what the float tensors on disk are
@@ -75,29 +76,38 @@ def write_model_files(model: nn.Module, tokenizer, out_dir: Path, meta: dict, sa
     (out_dir / COMPRESS_META).write_text(json.dumps({**meta, "format": "compress-native-v1", "save_dtype": save_dtype,
                                                      "layers": layers, "kv_cache": kv,
                                                      **({"online_rotations": rotations} if rotations else {}),
-                                                     **({"lowrank": lowrank} if lowrank else {})},
+                                                     **({"lowrank": lowrank} if lowrank else {}),
+                                                     **({"trellis": trellis} if trellis else {})},
                                                     indent=2))
 
 
-def quantized_skeleton(config, layers: dict[str, QuantScheme], dtype: torch.dtype = torch.float32) -> nn.Module:
+def quantized_skeleton(config, layers: dict[str, QuantScheme], dtype: torch.dtype = torch.float32,
+                       codes: dict | None = None) -> nn.Module:
     """A meta-device model of `config` (no weights) whose modules named in `layers` are QuantLinear layers of those
-    schemes: what a saved compressed model is rebuilt into, and what the export checks of a plan look at."""
+    schemes (TrellisLinear where `codes` gives the layer a trellis format): what a saved compressed model is rebuilt
+    into, and what the export checks of a plan look at."""
     from accelerate import init_empty_weights
 
     with init_empty_weights():
         model = auto_model_class(config).from_config(config, dtype=dtype)
     unfuse_experts(model)  # a compress checkpoint names each expert's layers (experts.{e}.gate_proj, ...)
-    return meta_quant_layers(model, layers, dtype)
+    return meta_quant_layers(model, layers, dtype, codes)
 
 
-def meta_quant_layers(model: nn.Module, layers: dict[str, QuantScheme], dtype: torch.dtype) -> nn.Module:
+def meta_quant_layers(model: nn.Module, layers: dict[str, QuantScheme], dtype: torch.dtype,
+                      codes: dict | None = None) -> nn.Module:
     """Replace the linears named in `layers` by QuantLinear layers of those schemes on the meta device (shapes and
-    dtypes, no data)."""
+    dtypes, no data); a layer `codes` gives a TrellisFormat becomes a TrellisLinear of it."""
+    from ..core.trellis import TrellisLinear
+
     for name, scheme in layers.items():
         old = model.get_submodule(name)
         out_features, in_features = linear_shape(old)
-        set_module(model, name, QuantLinear(in_features, out_features, scheme, bias=old.bias is not None, dtype=dtype,
-                                            device="meta"))
+        fmt = (codes or {}).get(name)
+        layer = QuantLinear(in_features, out_features, scheme, bias=old.bias is not None, dtype=dtype, device="meta") \
+            if fmt is None else TrellisLinear(in_features, out_features, fmt, bias=old.bias is not None, dtype=dtype,
+                                              device="meta")
+        set_module(model, name, layer)
     return model
 
 
@@ -110,8 +120,11 @@ def compressed_skeleton(folder: str | Path, dtype: torch.dtype, shapes: dict[str
 
     folder = Path(folder)
     meta = json.loads((folder / COMPRESS_META).read_text())
+    from ..core.trellis import TrellisFormat
+
     model = quantized_skeleton(AutoConfig.from_pretrained(folder),
-                               {name: QuantScheme.from_dict(fields) for name, fields in meta["layers"].items()}, dtype)
+                               {name: QuantScheme.from_dict(fields) for name, fields in meta["layers"].items()}, dtype,
+                               {name: TrellisFormat(**fields) for name, fields in meta.get("trellis", {}).items()})
     for name, fields in meta.get("kv_cache", {}).items():
         if fields["dtype"].startswith("int"):  # an int KIVI cache: a format, no tensors
             from ..kv.kivi import KVQuant

@@ -58,11 +58,11 @@ def _compiler() -> str | None:
     return None
 
 
-def library_path() -> Path:
+def library_path(source: Path = SOURCE) -> Path:
     from ..resources import cache_dir
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    return cache_dir() / "kernels" / f"cpu_rows-{key}.so"
+    key = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"{source.stem}-{key}.so"
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -79,27 +79,35 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def load() -> ctypes.CDLL:
-    """The compiled kernels (built into the cache on first use); RowsUnavailable with the reason otherwise."""
+def build(source: Path, what: str) -> Path:
+    """`source` (a C file beside this one) compiled into the cache on first use; the library's path, or
+    RowsUnavailable with the reason (`what` names the kernels in it)."""
     if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
-        raise RowsUnavailable(f"the few-row kernels are built for x86-64 and arm64 CPUs, not {platform.machine()}")
-    path = library_path()
+        raise RowsUnavailable(f"the {what} are built for x86-64 and arm64 CPUs, not {platform.machine()}")
+    path = library_path(source)
     if not path.exists():
         cc = _compiler()
         if cc is None:
-            raise RowsUnavailable("no C compiler (cc, gcc or clang on PATH, or $CC) to build the few-row kernels; "
-                                  "install one (Debian: apt install gcc) or decode with torch's matmuls")
+            raise RowsUnavailable(f"no C compiler (cc, gcc or clang on PATH, or $CC) to build the {what}; "
+                                  "install one (Debian: apt install gcc)")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, renamed into place
                 out = Path(tmp) / path.name
-                run = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), *LIBS], capture_output=True, text=True)
+                run = subprocess.run([cc, *FLAGS, str(source), "-o", str(out), *LIBS], capture_output=True, text=True)
                 if run.returncode:
-                    raise RowsUnavailable(f"building {SOURCE.name} with {cc} failed: {run.stderr.strip()[-800:]}")
+                    raise RowsUnavailable(f"building {source.name} with {cc} failed: {run.stderr.strip()[-800:]}")
                 os.replace(out, path)
         except OSError as e:
-            raise RowsUnavailable(f"cannot write the few-row kernels into {path.parent} ({e}); point COMPRESS_CACHE "
+            raise RowsUnavailable(f"cannot write the {what} into {path.parent} ({e}); point COMPRESS_CACHE "
                                   "at a writable folder") from e
+    return path
+
+
+def load() -> ctypes.CDLL:
+    """The compiled kernels (built into the cache on first use); RowsUnavailable with the reason otherwise (no
+    compiler: decode with torch's matmuls)."""
+    path = build(SOURCE, "few-row kernels")
     try:
         return _declare(ctypes.CDLL(str(path)))
     except OSError as e:
@@ -188,6 +196,8 @@ def rows_reason(module: nn.Module) -> str | None:
         return None if module.weight.device.type == "cpu" else "not on the CPU"
     if not isinstance(module, QuantLinear):
         return f"{type(module).__name__} is not a linear layer the kernels know"
+    if getattr(module, "trellis", None) is not None:
+        return "trellis codes (kernels/trellis.py decodes them)"
     s = module.scheme
     if module.qdata.device.type != "cpu":
         return "not on the CPU"

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from . import cpu
+from . import cpu, trellis
 from .kernel import Kernel
 
 REFERENCE = "reference"
@@ -55,6 +55,7 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
            cpu.linear_int8pack),
     Kernel("torch int4pack (CPU, bf16 activations)", _on_qtensor(cpu.int4pack_bf16_reason),
            _on_qtensor(cpu.prepare_int4pack_bf16), cpu.linear_int4pack_bf16),
+    trellis.KERNEL,
 )}
 
 
@@ -161,7 +162,18 @@ def _time_graph(fn: Callable[[], Tensor], repeats: int, flush: Tensor | None) ->
 
 
 def _key(layer) -> tuple:
-    return (layer.out_features, layer.in_features, layer.scheme, layer.bias is not None)
+    return (layer.out_features, layer.in_features, layer.scheme, layer.bias is not None,
+            getattr(layer, "trellis", None))
+
+
+def _reason(kernel: Kernel, layer, dtype: torch.dtype, device) -> str | None:
+    """Why `kernel` cannot run `layer` (None: it can): first whether it reads the codes the layer holds (a trellis
+    layer's tiles are no grid's codes, whatever its scheme says; the float copy reads either through qtensor())."""
+    holds = getattr(layer, "trellis", None) is not None
+    if kernel is not FLOAT_COPY and kernel.trellis != holds:
+        return "reads trellis codes; the layer holds a grid's codes" if kernel.trellis else \
+            "reads a grid's codes; the layer holds trellis codes"
+    return kernel.reason(layer, dtype, device)
 
 
 @dataclass
@@ -293,7 +305,7 @@ def plan_dispatch(model: nn.Module, batch_sizes=BATCH_SIZES, measure: bool = Tru
         label = f"{first.out_features}x{first.in_features} {first.scheme.name}"
         usable, why = [], {}
         for name, k in kernels.items():
-            reason = k.reason(first, dtype, device) if k is not FLOAT_COPY or first.scheme.act is None else \
+            reason = _reason(k, first, dtype, device) if k is not FLOAT_COPY or first.scheme.act is None else \
                 "weight-only layers only (quantized activations keep their path)"
             (why.__setitem__(name, reason) if reason else usable.append(name))
         ref_name = f"{REFERENCE}: {kernel_for(first.scheme)}"
@@ -371,7 +383,7 @@ def install_kernel(model: nn.Module, name: str, dtype: torch.dtype,
     for layer_name, m in model.named_modules():
         if not isinstance(m, QuantLinear):
             continue
-        reason = kernel.reason(m, dtype, m.qdata.device)
+        reason = _reason(kernel, m, dtype, m.qdata.device)
         if reason:
             left[layer_name] = reason
             continue

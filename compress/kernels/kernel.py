@@ -24,6 +24,7 @@ class Kernel:
     prepare: Callable[[Any, torch.dtype], Any]
     run: Callable[[Any, Tensor, Tensor | None], Tensor]
     rows: tuple[int, int | None] | None = None
+    trellis: bool = False  # reads trellis codes (a TrellisLinear's tiles), not a grid's codes
 
     def __post_init__(self):
         if self.rows is not None:

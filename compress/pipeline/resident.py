@@ -50,7 +50,7 @@ def planned_model(model, plan: Plan, offered: tuple[QuantScheme, ...] = (), targ
     for j, e in entries:
         held = [o for o in offered if fits(e.shape, o)] if j == target else []
         schemes[e.name] = held[turn[e.name] % len(held)] if held else e.scheme
-    return quantized_skeleton(config, schemes)
+    return quantized_skeleton(config, schemes, codes={e.name: e.code for _, e in entries if e.code is not None})
 
 
 def _turns(names: list[str], together: bool) -> dict[str, int]:

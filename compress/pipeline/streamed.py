@@ -326,7 +326,9 @@ def done_blocks(model: nn.Module, plan, streamed: Streamed, upto: int, kv: dict)
     blocks = {f"{streamed.arch.blocks}.{i}." for i in range(upto)}
     layers = {e.name: e.scheme for stage, step in zip(plan.stages, plan.steps) if stage.stores_weights
               for e in step.quantized if any(e.name.startswith(b) for b in blocks)}
-    meta_quant_layers(model, layers, streamed.dtype)
+    codes = {e.name: e.code for stage, step in zip(plan.stages, plan.steps) if stage.stores_weights
+             for e in step.quantized if e.code is not None}
+    meta_quant_layers(model, layers, streamed.dtype, codes)
     for name, fields in kv.items():
         set_kv_scales(model.get_submodule(name), fields["k_scale"] * FP8_MAX[fields["dtype"]],
                       fields["v_scale"] * FP8_MAX[fields["dtype"]], fields["dtype"])

@@ -6,7 +6,8 @@ Counted: reading the checkpoint; the calibration pass's float and compressed for
 at the pass's matmul dtype); the evaluation's forwards (both models, at the model's dtype); the statistics a stage
 asks for (GPTQ's Hessians, X^T X per distinct input, float32); GPTQ's solves (per layer: the factor of its Hessian,
 ~4/3 K^3, and the updates, ~N K^2, float32). Not counted: attention's own products, element-wise work, AWQ's and
-AutoRound's searches (their cost depends on their grids and steps: the report shows it).
+AutoRound's searches, the trellis encoder's Viterbi search (their cost depends on their grids, steps and trellis
+states: the report shows it).
 """
 from __future__ import annotations
 

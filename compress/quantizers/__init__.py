@@ -22,6 +22,7 @@ from .gptq import GPTQConfig, gptq_problem, quantize_gptq_layer
 from .gptq_kron import quantize_gptq_kron_layer
 from .hqq import HQQOptions, hqq_problem, quantize_hqq
 from .rtn import RTNOptions, quantize_rtn
+from .trellis import TrellisOptions, quantize_trellis, trellis_format, trellis_problem
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,10 @@ class Quantizer:
     # -> ({name: QuantizedTensor}, record) quantizes a decoder block's planned linears jointly against the block's
     # float output, inside the calibration pass; `quantize` is then only called for layers outside the blocks
     tune_block: Callable | None = None
+    # code(scheme, options): the stored format beyond the scheme's grid (trellis codes: a core.trellis.TrellisFormat,
+    # whose layers are TrellisLinear), known at plan time so that a skeleton and a resumed run build the right layers;
+    # None: the scheme's integer or float grid (QuantLinear)
+    code: Callable[[QuantScheme, Any], Any] | None = None
 
 
 QUANTIZERS: dict[str, Quantizer] = {
@@ -90,6 +95,9 @@ QUANTIZERS: dict[str, Quantizer] = {
     "hqq": Quantizer(quantize_hqq, HQQOptions, problem=hqq_problem),  # no calibration data
     "autoround": Quantizer(quantize_autoround_layer, AutoRoundOptions, problem=autoround_problem,
                            tune_block=tune_block),  # SignRound: learned rounding and clipping, block by block
+    # QTIP-style trellis codes (core/trellis.py): incoherence, then BlockLDLQ with a Viterbi tile quantizer
+    "trellis": Quantizer(quantize_trellis, TrellisOptions, needs_hessian=True, problem=trellis_problem,
+                         code=trellis_format),
 }
 
 

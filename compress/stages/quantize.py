@@ -24,6 +24,7 @@ from ..quantizers import LayerInputs, build_options, get_quantizer
 from ..quantizers.autoround import tuning_workers
 from ..threads import run_groups
 from ..core.scheme import W4A16_G64, QuantScheme
+from ..core.trellis import TrellisLinear, TrellisTensor
 from ..transforms.smoothing import pooled_stats
 from .base import BlockState, MemoryBasis, Needs, PassMemory, Plan, RunContext, StageBase, StageRecord
 
@@ -120,6 +121,12 @@ class QuantizeStage(StageBase):
         return self.scheme, None
 
     @property
+    def scheme_label(self) -> str:
+        """The stage's own scheme as the plan and the report name it (a trellis code's name for method trellis)."""
+        code = get_quantizer(self.method).code
+        return self.scheme.name if code is None else code(self.scheme, self.options).name
+
+    @property
     def needs_calibration(self) -> bool:
         q = get_quantizer(self.method)
         return q.needs_hessian or q.tune_block is not None or any(needs_input_stats(s) for s in self.schemes)
@@ -168,7 +175,7 @@ class QuantizeStage(StageBase):
     def describe(self, plan: Plan, index: int) -> tuple[list[str], list[dict]]:
         step = plan.steps[index]
         mixed = {e.scheme for e in step.quantized}
-        what = self.scheme.name if mixed <= {self.scheme} else \
+        what = self.scheme_label if mixed <= {self.scheme} else \
             f"{len(mixed)} schemes ({', '.join(sorted(s.name for s in mixed))}; per layer below)"
         lines = [f"\nstage {index}: quantize, method {self.method}, scheme {what}: "
                  f"{len(step.quantized)} layers quantized, {len(step.skipped)} left in float"]
@@ -176,7 +183,7 @@ class QuantizeStage(StageBase):
         rows = expert_rows(step.layers)
         width = max((len(name) for name, _, _ in rows), default=0)
         for name, e, count in rows:
-            what = e.scheme.name if e.scheme else f"float  ({e.reason})"
+            what = e.label if e.scheme else f"float  ({e.reason})"
             if e.scheme and e.scheme.act is not None:
                 what += f"  [{kernel_for(e.scheme)}]"
             lines.append(f"  {name:<{width}}  {e.shape[0]:>6}×{e.shape[1]:<6} {what}" +
@@ -187,7 +194,7 @@ class QuantizeStage(StageBase):
             lines.append("  other parameters kept in float:")
             for why, r in sorted(summary.items(), key=lambda kv: -kv[1]["elements"]):
                 lines.append(f"    {r['params']:>5} tensors, {r['elements'] / total:7.2%} of the parameters: {why}")
-        return lines, [{"name": e.name, "shape": e.shape, "scheme": e.scheme.name if e.scheme else None,
+        return lines, [{"name": e.name, "shape": e.shape, "scheme": e.label if e.scheme else None,
                         "reason": e.reason} for e in step.layers]
 
     def observed_layers(self, step: "QuantPlan") -> set[str]:
@@ -201,6 +208,15 @@ class QuantizeStage(StageBase):
     def _needs_hessian(self) -> bool:
         gptq_init = getattr(self.options, "init", None) == "gptq"  # AutoRound started from GPTQ's solution
         return get_quantizer(self.method).needs_hessian or gptq_init
+
+    def export_problem(self, formats: tuple[str, ...], index: int, check) -> str | None:
+        """Trellis codes load only in compress itself: refused before any work for every format but native and
+        dense (the planned model's layers look like any int scheme to the formats' own checks)."""
+        other = [f for f in formats if f not in ("native", "dense")]
+        if self.method == "trellis" and other:
+            return (f"stage {index}: method trellis stores trellis codes, which no {', '.join(other)} loader reads; "
+                    "export `native` (compress's own checkpoint) or `dense` (the decoded weights in float)")
+        return None
 
     def stored_bytes(self, basis: MemoryBasis) -> int:
         """The block linears at the stage's scheme (its bits, and a 16-bit scale per group), the rest as it was."""
@@ -274,9 +290,9 @@ class QuantizeStage(StageBase):
         plan = ctx.plan.steps[index]
         records = ctx.records.get(index, {})
         return QuantizeRecord(
-            index, "quantize", self.method, self.scheme.name, asdict(self.scheme), len(plan.quantized),
+            index, "quantize", self.method, self.scheme_label, asdict(self.scheme), len(plan.quantized),
             skipped=[{"name": e.name, "reason": e.reason} for e in plan.skipped],
-            float_parameters=plan.float_summary(), layers={e.name: e.scheme.name for e in plan.quantized},
+            float_parameters=plan.float_summary(), layers={e.name: e.label for e in plan.quantized},
             untied={e.name: {"extra_bytes": e.untied_bytes, "note": e.note} for e in plan.quantized
                     if e.untied_bytes is not None},
             layer_info={n: v for n, v in records.items() if "tuning" not in v}, experts=expert_tokens(records),
@@ -408,6 +424,12 @@ class LayerPlan:
     untie: bool = False  # lm_head tied to the input embedding: give it its own copy before quantizing it
     untied_bytes: int | None = None  # set when apply_quantize untied it: what the separate quantized head adds
     note: str = ""  # what was done beyond quantizing (untying)
+    code: Any = None  # the stored format beyond the scheme's grid (Quantizer.code: trellis codes), None: the grid
+
+    @property
+    def label(self) -> str:
+        """What the layer stores, as the plan and the report name it (the code's name where it has one)."""
+        return self.code.name if self.code is not None else self.scheme.name
 
 
 @dataclass
@@ -457,6 +479,7 @@ def plan_quantize(model: nn.Module, arch: ArchSpec, stage: QuantizeStage) -> Qua
     routers = router_names(model)
     tied = is_tied(model, arch.lm_head)
     cross = cross_attention_prefixes(model, arch) if plan.cross_attention == "float" else ()
+    code = get_quantizer(stage.method).code
     for name, module in model.named_modules():
         if not is_linear(module):
             continue
@@ -489,6 +512,13 @@ def plan_quantize(model: nn.Module, arch: ArchSpec, stage: QuantizeStage) -> Qua
                 raise ValueError(msg + f". Use a block size that divides both, add {name!r} to `ignore:`, or set "
                                        "`strict: false` to leave such layers in float (reported).")
             entry.reason = f"shape {entry.shape} % block {sch.group_size} != 0 (strict: false)"
+        elif code is not None and (tile := getattr(code(sch, stage.options), "tile", 1)) and \
+                (in_features % tile or entry.shape[0] % tile):
+            msg = f"{name}: shape {entry.shape} is not a whole number of {tile}×{tile} trellis tiles"
+            if stage.strict:
+                raise ValueError(msg + f". Set options.tile to a size that divides both, add {name!r} to `ignore:`, "
+                                       "or set `strict: false` to leave such layers in float (reported).")
+            entry.reason = f"shape {entry.shape} % trellis tile {tile} != 0 (strict: false)"
         elif sch.granularity == "group" and in_features % sch.group_size:
             fits = [g for g in COMMON_GROUP_SIZES if in_features % g == 0]
             msg = (f"{name}: in_features={in_features} is not divisible by group_size={sch.group_size}; "
@@ -500,6 +530,7 @@ def plan_quantize(model: nn.Module, arch: ArchSpec, stage: QuantizeStage) -> Qua
         else:
             entry.scheme = sch
             entry.untie = name == arch.lm_head and tied
+            entry.code = None if code is None else code(sch, stage.options)
     plan.float_params = float_parameters(model, plan, routers, arch)
     return plan
 
@@ -756,7 +787,7 @@ def _place(model: nn.Module, job: _Job, qt, info: dict | None) -> None:
     expert coverage) in `info`; an untied lm_head is untied only once it is quantized."""
     entry, module, stats, inputs, expert_info = job.entry, job.module, job.stats, job.inputs, job.expert_info
     untied = entry.untie and is_tied(model, entry.name)
-    layer = QuantLinear.from_module(module, qt)
+    layer = (TrellisLinear if isinstance(qt, TrellisTensor) else QuantLinear).from_module(module, qt)
     act = entry.scheme.act
     # needed for static schemes (a clear error without calibration), recorded whenever observed
     observed = stats is not None and stats.abs_max is not None

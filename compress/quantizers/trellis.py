@@ -1,0 +1,118 @@
+"""Trellis codes chosen against the layer's output error: incoherence, then BlockLDLQ with a Viterbi tile quantizer
+(QTIP, Tseng et al. 2024, arXiv:2406.11235; the format is core/trellis.py).
+
+For a layer W [m, n] with input Hessian H:
+1. Incoherence: W̃ = Q_outᵀ W Q_in and H̃ = Q_inᵀ H Q_in, with Q randomised Hadamard transforms (signs drawn from
+   the options' seed and the layer's name), so that W̃'s entries look Gaussian and no column of H̃ dominates.
+2. One float16 scale per row: the row's RMS, so a row's entries are near unit variance, the codebook's.
+3. BlockLDLQ: GPTQ's loop over blocks of `tile` columns. Each block's tiles are the walks Viterbi finds nearest
+   (kernels/trellis.c), and the block's error E is pushed onto the columns not yet coded: W̃[:, rest] -= E U_bb⁻¹
+   U_b,rest, with U the upper Cholesky factor of H̃⁻¹ (for one-column blocks this is GPTQ's update, tested).
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..core.scheme import QuantScheme
+from ..core.hadamard import rotation_matrix
+from ..core.trellis import TrellisFormat, TrellisTensor, codebook, pack_tiles, trellis_scheme, walk_states
+
+
+@dataclass(frozen=True)
+class TrellisOptions:
+    """state_bits: L, the trellis's memory (12: ~1 ms per 256 weights on one CPU core; each +2 is 4x the encoding
+    time for a few percent less error; at most 16). tile: the side of a tile (T = tile² weights per walk; the layer's
+    dimensions must be multiples of it). damp: added to H's diagonal, as a fraction of its mean (GPTQ's). seed:
+    the Hadamard signs' seed (each layer's also depends on its name)."""
+
+    state_bits: int = 12
+    tile: int = 16
+    damp: float = 0.01
+    seed: int = 0
+
+
+def trellis_problem(scheme: QuantScheme) -> str | None:
+    if scheme.act is not None:
+        return "trellis codes are weight-only; remove the scheme's act"
+    if scheme.dtype not in ("int2", "int3", "int4"):
+        return f"trellis codes spend 2, 3 or 4 bits per weight; set the scheme's dtype to int2, int3 or int4 " \
+               f"(got {scheme.dtype})"
+    if scheme.granularity != "channel" or not scheme.symmetric:
+        return "trellis codes keep one scale per row: set granularity: channel (no group_size) and symmetric: true"
+    return None
+
+
+def trellis_format(scheme: QuantScheme, options: TrellisOptions) -> TrellisFormat:
+    """The stored format of a layer of `scheme` coded with `options`."""
+    return TrellisFormat(bits=scheme.bits, state_bits=options.state_bits, tile=options.tile)
+
+
+def layer_signs(name: str, seed: int, m: int, n: int) -> tuple[Tensor, Tensor]:
+    """(signs_in [n], signs_out [m]) int8 ±1 for layer `name`."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    draw = lambda k: (torch.randint(0, 2, (k,), generator=g) * 2 - 1).to(torch.int8)  # noqa: E731
+    return draw(n), draw(m)
+
+
+def damped_inverse_factor(h: Tensor, damp: float) -> Tensor:
+    """U, upper triangular, with Uᵀ U = (H + damp·mean(diag H)·I)⁻¹; dead inputs (zero diagonal) count as 1."""
+    h = h.double().clone()
+    dead = torch.diagonal(h) <= 0
+    h[dead, dead] = 1.0
+    h += damp * torch.diagonal(h).mean() * torch.eye(h.shape[0], dtype=h.dtype)
+    hinv = torch.cholesky_inverse(torch.linalg.cholesky(h))
+    return torch.linalg.cholesky(hinv, upper=True)
+
+
+def block_ldlq(w: Tensor, u: Tensor, block: int, quantize_block) -> Tensor:
+    """BlockLDLQ: the columns of w [m, n] coded `block` at a time by quantize_block(x [m, block], j) -> q, each block's
+    error pushed onto the later columns through u (damped_inverse_factor). Returns the coded weight [m, n]."""
+    w = w.double().clone()
+    u = u.double()
+    m, n = w.shape
+    q = torch.empty_like(w)
+    for j in range(0, n, block):
+        b = slice(j, j + block)
+        q[:, b] = quantize_block(w[:, b].float(), j // block).double()
+        if j + block < n:
+            e = w[:, b] - q[:, b]
+            k = torch.linalg.solve_triangular(u[b, b], u[b, j + block:], upper=True)
+            w[:, j + block:] -= e @ k
+    return q.float()
+
+
+def quantize_trellis(w: Tensor, scheme: QuantScheme, options: TrellisOptions, inputs) -> TrellisTensor:
+    """The trellis code of w [out, in] against the layer's input Hessian (inputs: a quantizers.LayerInputs)."""
+    from ..kernels.trellis import viterbi
+
+    fmt = trellis_format(scheme, options)
+    m, n = w.shape
+    t = fmt.tile
+    if m % t or n % t:
+        raise ValueError(f"{inputs.name}: a {m} x {n} weight is not whole {t} x {t} trellis tiles; add the layer to "
+                         f"`ignore:` or pick a tile that divides both ({t} does not)")
+    h = inputs.hessian("trellis codes").to(w.device)
+    signs_in, signs_out = layer_signs(inputs.name, options.seed, m, n)
+    q_in, q_out = rotation_matrix(signs_in).double(), rotation_matrix(signs_out).double()
+    wr = q_out.T @ w.double().cpu() @ q_in
+    hr = q_in.T @ h.double().cpu() @ q_in
+    scale = wr.pow(2).mean(dim=1, keepdim=True).sqrt().clamp_min(1e-8).to(torch.float16)
+    s = scale.double()
+    cb = codebook(fmt)
+    tiles_per_col = m // t
+    start = torch.empty(tiles_per_col, n // t, dtype=torch.int32)
+    steps = torch.empty(tiles_per_col, n // t, fmt.steps - 1, dtype=torch.uint8)
+
+    def code_block(x: Tensor, j: int) -> Tensor:  # x [m, t]: tiles (i, j) for every i, each row by row
+        st, sp, _ = viterbi(x.reshape(tiles_per_col, t * t), fmt, cb)
+        start[:, j], steps[:, j] = st, sp
+        return cb[walk_states(st, sp.to(torch.int64), fmt)].reshape(m, t)
+
+    block_ldlq(wr / s, damped_inverse_factor(hr, options.damp), t, code_block)
+    qdata = pack_tiles(start.reshape(-1), steps.reshape(-1, fmt.steps - 1), fmt).to(w.device)
+    return TrellisTensor(qdata, scale.to(w.device), None, trellis_scheme(fmt), (m, n), None, fmt,
+                         signs_in.to(w.device), signs_out.to(w.device))

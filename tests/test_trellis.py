@@ -1,0 +1,262 @@
+"""Trellis codes (issue 50, item 1): the codebook, Viterbi against brute force, the stored layout, the few-row decode
+kernel against the dense decode, BlockLDLQ against plain GPTQ, the quantizer against GPTQ on one layer, and a run:
+saved in compress's own checkpoint, read back as TrellisLinear layers, refused by every other format but dense."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from compress.calibrate.observers import InputStats
+from compress.core.scheme import QuantScheme
+from compress.core.trellis import TrellisFormat, TrellisLinear, codebook, from_tiles, pack_tiles, to_tiles, \
+    unpack_tiles, walk_states
+from compress.quantizers import LayerInputs, build_options, get_quantizer
+from compress.quantizers.trellis import TrellisOptions, block_ldlq, damped_inverse_factor, quantize_trellis
+from tests.conftest import run_tiny_recipe, tiny_recipe
+
+kernels = pytest.importorskip("compress.kernels.trellis")
+
+
+def _walk_values(start: int, steps: list[int], fmt: TrellisFormat) -> list[float]:
+    """A walk decoded one state at a time, in plain Python."""
+    cb, mask, s = codebook(fmt), (1 << fmt.state_bits) - 1, start
+    out = [float(cb[s])]
+    for b in steps:
+        s = ((s << fmt.bits) | b) & mask
+        out.append(float(cb[s]))
+    return out
+
+
+def test_codebook_is_the_byte_sum_of_an_lcg_and_near_gaussian():
+    fmt = TrellisFormat(bits=2, state_bits=12)
+    cb = codebook(fmt)
+    for s in (0, 1, 4095):
+        x = (s * 34038481 + 76625530) % 2 ** 32
+        total = sum((x >> (8 * i)) & 0xFF for i in range(4))
+        assert float(cb[s]) == pytest.approx((total - 510) / (4 * (256 ** 2 - 1) / 12) ** 0.5, rel=1e-6)
+    assert abs(float(cb.mean())) < 0.05 and float(cb.std()) == pytest.approx(1.0, abs=0.05)
+
+
+@pytest.mark.parametrize("bits,state_bits", [(2, 4), (3, 5), (2, 5)])
+def test_viterbi_finds_the_nearest_walk(bits, state_bits):
+    """Against every walk of a short trellis: the error is the smallest there is, and the walk returned has it."""
+    fmt = TrellisFormat(bits=bits, state_bits=state_bits, tile=2)  # T = 4 steps
+    gen = torch.Generator().manual_seed(bits * 10 + state_bits)
+    target = torch.randn(6, fmt.steps, generator=gen)
+    start, steps, err = kernels.viterbi(target, fmt, codebook(fmt))
+    for q in range(target.shape[0]):
+        best = min(sum((a - b) ** 2 for a, b in zip(_walk_values(s0, list(bs), fmt), target[q].tolist()))
+                   for s0 in range(1 << state_bits) for bs in itertools.product(range(1 << bits), repeat=3))
+        mine = _walk_values(int(start[q]), steps[q].tolist(), fmt)
+        assert float(err[q]) == pytest.approx(best, rel=1e-5, abs=1e-6)
+        assert sum((a - b) ** 2 for a, b in zip(mine, target[q].tolist())) == pytest.approx(best, rel=1e-5, abs=1e-6)
+
+
+def test_gaussian_error_beats_the_best_scalar_quantizer():
+    """On unit Gaussian data, 2 bits per weight: below Lloyd-Max's 0.1175 (the best 4-level scalar quantizer), near
+    the rate-distortion bound 2^-4 = 0.0625 (QTIP's 1MAD code at L = 16: ~0.069)."""
+    x = torch.randn(48, 256, generator=torch.Generator().manual_seed(1))
+    _, _, err = kernels.viterbi(x, TrellisFormat(bits=2, state_bits=12), codebook(TrellisFormat(bits=2, state_bits=12)))
+    mse = float(err.sum()) / x.numel()
+    assert 0.0625 < mse < 0.085
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_stored_tiles_round_trip_and_decode_as_walks(bits):
+    fmt = TrellisFormat(bits=bits, state_bits=10, tile=4)
+    gen = torch.Generator().manual_seed(bits)
+    start = torch.randint(0, 1 << 10, (5,), generator=gen)
+    steps = torch.randint(0, 1 << bits, (5, fmt.steps - 1), generator=gen)
+    packed = pack_tiles(start, steps, fmt)
+    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (5, fmt.tile_bytes)
+    s2, b2 = unpack_tiles(packed, fmt)
+    assert torch.equal(s2, start) and torch.equal(b2, steps)
+    values = codebook(fmt)[walk_states(s2, b2, fmt)]
+    for q in range(5):
+        assert values[q].tolist() == pytest.approx(_walk_values(int(start[q]), steps[q].tolist(), fmt))
+    w = torch.arange(8 * 12.0).reshape(8, 12)
+    assert torch.equal(from_tiles(to_tiles(w, 4), 8, 12, 4), w)
+    assert to_tiles(w, 4)[1].tolist() == w[:4, 4:8].reshape(-1).tolist()  # tile (0, 1), row by row
+
+
+def _random_trellis(m: int, n: int, fmt: TrellisFormat, seed: int = 0):
+    from compress.core.trellis import TrellisTensor, trellis_scheme
+
+    gen = torch.Generator().manual_seed(seed)
+    tiles = (m // fmt.tile) * (n // fmt.tile)
+    start = torch.randint(0, 1 << fmt.state_bits, (tiles,), generator=gen)
+    steps = torch.randint(0, 1 << fmt.bits, (tiles, fmt.steps - 1), generator=gen)
+    signs = lambda k: (torch.randint(0, 2, (k,), generator=gen) * 2 - 1).to(torch.int8)  # noqa: E731
+    scale = (torch.rand(m, 1, generator=gen) + 0.5).half()
+    return TrellisTensor(pack_tiles(start, steps, fmt), scale, None, trellis_scheme(fmt), (m, n), None, fmt,
+                         signs(n), signs(m))
+
+
+@pytest.mark.parametrize("bits,rows", [(2, 1), (3, 5), (4, 16)])
+def test_rows_kernel_is_the_dense_decode(bits, rows):
+    fmt = TrellisFormat(bits=bits, state_bits=12, tile=16)
+    qt = _random_trellis(48, 64, fmt, seed=bits)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(7))
+    y = kernels.trellis_rows(x, qt.qdata, qt.scale, fmt, codebook(fmt), 48)
+    assert torch.allclose(y, x @ qt.decoded().T, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="1..16 rows"):
+        kernels.trellis_rows(torch.randn(17, 64), qt.qdata, qt.scale, fmt, codebook(fmt), 48)
+
+
+def test_dequantize_undoes_the_rotations():
+    """W = Q_out diag(scale) C Q_inᵀ, with Q the randomised Hadamard transforms of the stored signs."""
+    from compress.core.hadamard import rotation_matrix as hadamard_rotation
+
+    qt = _random_trellis(32, 48, TrellisFormat(bits=2, state_bits=8, tile=16))
+    q_out, q_in = hadamard_rotation(qt.signs_out), hadamard_rotation(qt.signs_in)
+    assert torch.allclose(q_in @ q_in.T, torch.eye(48), atol=1e-5)
+    assert torch.allclose(qt.dequantize(), q_out @ qt.decoded() @ q_in.T, atol=1e-5)
+    assert torch.allclose(q_out.T @ qt.dequantize() @ q_in, qt.decoded(), atol=1e-4)
+
+
+def _spd(n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(4 * n, n, generator=gen) * torch.logspace(0.5, -0.5, n)
+    return (x.T @ x).double()
+
+
+def test_one_column_blocks_are_gptq():
+    """block_ldlq with blocks of one column and rounding to integers is GPTQ's loop, written out plainly here."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(6, 10, generator=gen, dtype=torch.float64) * 3
+    u = damped_inverse_factor(_spd(10, 3), 0.01)
+    mine = block_ldlq(w, u, 1, lambda x, j: torch.round(x))
+    ref, work = torch.zeros_like(w), w.clone()
+    for j in range(10):
+        ref[:, j] = torch.round(work[:, j])
+        work[:, j + 1:] -= ((work[:, j] - ref[:, j]) / u[j, j])[:, None] * u[j, j + 1:][None, :]
+    assert torch.allclose(mine.double(), ref, atol=1e-5)
+
+
+def test_block_feedback_lowers_the_output_error():
+    """Blocks of 4 columns rounded jointly: pushing each block's error onto the later columns leaves less output
+    error tr(E H Eᵀ) than rounding every block alone."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(16, 24, generator=gen, dtype=torch.float64) * 2
+    h = _spd(24, 5) + 50 * torch.ones(24, 24, dtype=torch.float64)  # strongly correlated inputs
+    cost = lambda q: float(torch.trace((w - q) @ h @ (w - q).T))  # noqa: E731
+    with_feedback = block_ldlq(w, damped_inverse_factor(h, 0.01), 4, lambda x, j: torch.round(x)).double()
+    assert cost(with_feedback) < 0.7 * cost(torch.round(w))
+
+
+def _layer_inputs(n: int, seed: int) -> tuple[torch.Tensor, LayerInputs]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2048, n, generator=gen) @ (torch.eye(n) + 0.1 * torch.randn(n, n, generator=gen))
+    x[:, :3] *= 10  # outlier input channels
+    return x, LayerInputs("model.layers.0.mlp.up_proj", InputStats(hessian=x.T @ x, tokens=x.shape[0]))
+
+
+@pytest.mark.parametrize("bits,margin", [(2, 0.3), (3, 0.5)])
+def test_trellis_beats_gptq_on_one_layer(bits, margin):
+    """The layer's output error at k bits per weight (plus a row scale): well below GPTQ's with a scale and zero
+    point per 64 weights (more bytes), on a weight with an outlier column and inputs with outlier channels."""
+    x, inputs = _layer_inputs(128, 9)
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(10)) * 0.02
+    w[:, 5] *= 8
+    rel = lambda q: float(((q - w) @ x.T).pow(2).sum() / (w @ x.T).pow(2).sum())  # noqa: E731
+    qt = quantize_trellis(w, QuantScheme(dtype=f"int{bits}", granularity="channel", group_size=None),
+                          TrellisOptions(state_bits=10), inputs)
+    grid = QuantScheme(dtype=f"int{bits}", granularity="group", group_size=64, symmetric=False)
+    gq = get_quantizer("gptq").quantize(w, grid, build_options("gptq", None), inputs)
+    assert rel(qt.dequantize()) < margin * rel(gq.dequantize())
+    assert qt.nbytes <= gq.nbytes  # equal here: 64 x 128 is small enough for the signs (int8) to count
+
+
+def test_format_and_scheme_checks_name_the_fix():
+    with pytest.raises(ValueError, match="2, 3 or 4 bits"):
+        TrellisFormat(bits=5)
+    with pytest.raises(ValueError, match="at most 16"):
+        TrellisFormat(bits=2, state_bits=17)
+    with pytest.raises(ValueError, match="between 2 and 64"):
+        TrellisFormat(tile=1)
+    problem = get_quantizer("trellis").problem
+    assert "granularity: channel" in problem(QuantScheme(dtype="int3", granularity="group", group_size=64))
+    assert "int2, int3 or int4" in problem(QuantScheme(dtype="int8", granularity="channel", group_size=None))
+    assert problem(QuantScheme(dtype="int3", granularity="channel", group_size=None)) is None
+
+
+TRELLIS = {"stage": "quantize", "method": "trellis", "scheme": {"dtype": "int2", "granularity": "channel"},
+           "options": {"state_bits": 8}}
+NO_EVAL = {"perplexity": False, "speed": False, "baseline": False, "samples": 0}
+
+
+def test_a_run_saves_trellis_layers_that_load_back(tmp_path):
+    from compress.export.native import load_compressed
+    from compress.kernels.cpu_rows import rows_reason
+
+    out = run_tiny_recipe(tmp_path, [TRELLIS], NO_EVAL, formats=("native", "dense"))
+    meta = json.loads((out / "compress.json").read_text())
+    assert len(meta["trellis"]) == 14 and meta["trellis"]["model.layers.0.mlp.down_proj"] == \
+        {"bits": 2, "state_bits": 8, "tile": 16}
+    model = load_compressed(out)
+    layer = model.model.layers[1].mlp.down_proj
+    assert isinstance(layer, TrellisLinear) and "trellis" in rows_reason(layer)
+    import transformers
+    dense = transformers.AutoModelForCausalLM.from_pretrained(out / "exports" / "dense", dtype=torch.float32)
+    assert torch.allclose(dense.model.layers[1].mlp.down_proj.weight, layer.qtensor().dequantize(), atol=1e-2)
+    ids = torch.arange(1, 20)[None]
+    with torch.no_grad():
+        a, b = model(ids).logits, dense(ids).logits
+    assert (a - b).abs().max() < 0.05 * a.abs().max()
+
+
+def test_other_formats_are_refused_before_any_work(tmp_path):
+    from compress import load_recipe, run
+
+    with pytest.raises(Exception, match="trellis codes.*no gptq loader"):
+        run(load_recipe(tiny_recipe(tmp_path, [TRELLIS], NO_EVAL, formats=("gptq",))), progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_layer_that_is_not_whole_tiles_is_named(tmp_path):
+    from compress import load_recipe, run
+
+    stage = TRELLIS | {"options": {"state_bits": 8, "tile": 48}}
+    with pytest.raises(Exception, match="48×48 trellis tiles"):
+        run(load_recipe(tiny_recipe(tmp_path, [stage], NO_EVAL)), progress=False)
+
+
+def test_fast_rotation_is_the_dense_one():
+    from compress.core.hadamard import rotate_by
+    from compress.transforms.rotation import OnlineHadamard
+
+    for n in (48, 64, 96):  # Paley ⊗ Sylvester, Sylvester, and 96 = 12 · 8
+        signs = (torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(n)) * 2 - 1).to(torch.int8)
+        q, x = OnlineHadamard(n, signs.float())(torch.eye(n)), torch.randn(3, 2, n)  # Q, as the rotate stage has it
+        assert torch.allclose(q @ q.T, torch.eye(n), atol=1e-5)
+        assert torch.allclose(rotate_by(x, signs), x @ q, atol=1e-5)
+        assert torch.allclose(rotate_by(x, signs, transpose=True), x @ q.T, atol=1e-5)
+
+
+def test_the_dispatcher_decodes_few_rows_with_the_trellis_kernel():
+    """install_kernel puts the trellis rows kernel on a TrellisLinear (its forward is then the dequantize+matmul
+    forward, for 3 rows and for 40, 16 at a time) and refuses it for a grid layer; grid kernels refuse the trellis
+    layer even where its scheme (int4 per channel) is one they read."""
+    from compress.core.nn import QuantLinear
+    from compress.kernels.dispatch import install_kernel, registry
+    from compress.quantizers.rtn import quantize_rtn, RTNOptions
+
+    fmt = TrellisFormat(bits=4, state_bits=10, tile=16)
+    qt = _random_trellis(48, 64, fmt, seed=5)
+    layer = TrellisLinear.from_module(torch.nn.Linear(64, 48), qt)
+    w = qt.dequantize()
+    left = install_kernel(layer, "compress trellis rows (CPU)", torch.float32)
+    assert left == {} and layer.dispatch is not None
+    for rows in (3, 40):
+        x = torch.randn(rows, 64)
+        assert torch.allclose(layer(x), x @ w.T + layer.bias, atol=1e-4)
+    grid = QuantLinear.from_module(torch.nn.Linear(64, 48), quantize_rtn(
+        torch.randn(48, 64), QuantScheme(dtype="int4", granularity="channel", group_size=None), RTNOptions(), None))
+    assert "holds a grid" in install_kernel(grid, "compress trellis rows (CPU)", torch.float32)[""]
+    for name, kernel in registry().items():
+        if not kernel.trellis:
+            plain = TrellisLinear.from_module(torch.nn.Linear(64, 48), qt)
+            assert "holds trellis codes" in install_kernel(plain, name, torch.float32)[""]
