@@ -25,6 +25,8 @@ RECIPES = {
     "gptq": [{"stage": "quantize", "method": "gptq", "scheme": INT4}],
     "awq": [{"stage": "awq"}, {"stage": "quantize", "method": "rtn", "scheme": INT4}],
     "w8a8+kv": [{"stage": "quantize", "method": "rtn", "scheme": "W8A8"}, {"stage": "kv_cache"}],
+    "trellis": [{"stage": "quantize", "method": "trellis", "scheme": {"dtype": "int3", "granularity": "channel"},
+                 "options": {"state_bits": 8}}],  # TrellisLinear layers: rebuilt from the plan on resume
 }
 
 
@@ -216,7 +218,7 @@ def _figures(report):
 @pytest.mark.parametrize("family,recipe,calibrate", [
     ("llama", "rtn", True), ("llama", "rtn", False), ("llama", "gptq", True), ("llama", "awq", True),
     ("llama", "w8a8+kv", True), ("qwen2", "gptq", True), ("gpt2", "awq", True), ("gemma2", "rtn", True),
-    ("mixtral", "gptq", True), ("qwen2_moe", "awq", True), ("gpt_oss", "rtn", True),
+    ("mixtral", "gptq", True), ("qwen2_moe", "awq", True), ("gpt_oss", "rtn", True), ("llama", "trellis", True),
 ])
 def test_the_streamed_run_equals_the_in_memory_run_bit_for_bit(tmp_path, family, recipe, calibrate):
     _streamed_equals_in_memory(tmp_path, family, RECIPES[recipe], calibrate)
@@ -497,7 +499,7 @@ def _four_blocks(tmp_path, family="llama"):
 @pytest.mark.parametrize("recipe,crash_at,family", [
     ("gptq", 2, "llama"), pytest.param("awq", 1, "llama", marks=pytest.mark.slow),
     pytest.param("w8a8+kv", 3, "llama", marks=pytest.mark.slow),
-    ("gptq", 1, "gemma3_text")])  # resumed at a global layer: its own rotary embeddings, not block 0's
+    ("gptq", 1, "gemma3_text"), ("trellis", 2, "llama")])  # resumed at a global layer: its own rotary embeddings, not block 0's
 def test_a_killed_streamed_run_resumes_at_its_block_and_ends_bit_for_bit(tmp_path, monkeypatch, recipe, crash_at,
                                                                          family):
     from compress.arch.tables import FAMILIES
@@ -532,6 +534,9 @@ def test_a_killed_streamed_run_resumes_at_its_block_and_ends_bit_for_bit(tmp_pat
     assert _figures(whole) == _figures(resumed) and whole["block_errors"] == resumed["block_errors"]
     assert json.loads(json.dumps(whole["stages"])) == json.loads(json.dumps(resumed["stages"]))
     assert resumed["streamed"]["resumed_at_block"] == crash_at and not (tmp_path / "resumed.work").exists()
+    layers = lambda d: {k: json.loads((tmp_path / d / "compress.json").read_text()).get(k)  # noqa: E731
+                        for k in ("layers", "trellis", "kv_cache")}
+    assert layers("whole") == layers("resumed")  # the blocks done before the crash recorded as they were made
 
 
 def test_resume_refuses_a_changed_recipe(tmp_path, monkeypatch):
