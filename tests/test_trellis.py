@@ -170,6 +170,18 @@ def test_trellis_beats_gptq_on_one_layer(bits, margin):
     assert qt.nbytes <= gq.nbytes  # equal here: 64 x 128 is small enough for the signs (int8) to count
 
 
+def test_refitted_row_scales_never_raise_the_error():
+    """After the codes are chosen each rotated row's scale is refitted to them (least squares against H̃): the
+    layer's output error (the rotations keep its total) drops below what the RMS scales left."""
+    x, inputs = _layer_inputs(64, 11)
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(12)) * 0.02
+    scheme = QuantScheme(dtype="int2", granularity="channel", group_size=None)
+    total = lambda q: float(((q - w) @ x.T).pow(2).sum())  # noqa: E731
+    plain = total(quantize_trellis(w, scheme, TrellisOptions(state_bits=8, refit_scales=False), inputs).dequantize())
+    refit = total(quantize_trellis(w, scheme, TrellisOptions(state_bits=8), inputs).dequantize())
+    assert refit < 0.995 * plain
+
+
 def test_format_and_scheme_checks_name_the_fix():
     with pytest.raises(ValueError, match="2, 3 or 4 bits"):
         TrellisFormat(bits=5)

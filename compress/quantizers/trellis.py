@@ -33,6 +33,7 @@ class TrellisOptions:
     tile: int = 16
     damp: float = 0.01
     seed: int = 0
+    refit_scales: bool = True
 
 
 def trellis_problem(scheme: QuantScheme) -> str | None:
@@ -112,7 +113,11 @@ def quantize_trellis(w: Tensor, scheme: QuantScheme, options: TrellisOptions, in
         start[:, j], steps[:, j] = st, sp
         return cb[walk_states(st, sp.to(torch.int64), fmt)].reshape(m, t)
 
-    block_ldlq(wr / s, damped_inverse_factor(hr, options.damp), t, code_block)
+    c = block_ldlq(wr / s, damped_inverse_factor(hr, options.damp), t, code_block).double()
+    if options.refit_scales:  # each row's scale refitted to its codes: min over s of (w - s c) H (w - s c)ᵀ
+        ch = c @ hr
+        best = (wr * ch).sum(dim=1, keepdim=True) / (c * ch).sum(dim=1, keepdim=True).clamp_min(1e-30)
+        scale = torch.where(best > 0, best, s).to(torch.float16)
     qdata = pack_tiles(start.reshape(-1), steps.reshape(-1, fmt.steps - 1), fmt).to(w.device)
     return TrellisTensor(qdata, scale.to(w.device), None, trellis_scheme(fmt), (m, n), None, fmt,
                          signs_in.to(w.device), signs_out.to(w.device))
