@@ -101,13 +101,15 @@ int compress_trellis_rows(const float *x, const uint8_t *codes, int64_t stride, 
                 bits[q] = p + 2;
                 w[q * T] = cb[s[q]];
             }
-            for (int64_t t = 1; t < T; ++t) {
-                const int64_t at = (t % tile) * tile + t / tile;
-                for (int q = 0; q < nq; ++q) {
-                    if (have[q] < k) { bitbuf[q] |= (uint64_t)(*bits[q]++) << have[q]; have[q] += 8; }
-                    s[q] = ((s[q] << k) | ((uint32_t)bitbuf[q] & low)) & mask;
-                    bitbuf[q] >>= k; have[q] -= (int)k;
-                    w[q * T + at] = cb[s[q]];
+            for (int64_t r = 0; r < tile; ++r) {  /* step t = r * tile + c, stored at c * tile + r */
+                for (int64_t c = r ? 0 : 1; c < tile; ++c) {
+                    const int64_t at = c * tile + r;
+                    for (int q = 0; q < nq; ++q) {
+                        if (have[q] < k) { bitbuf[q] |= (uint64_t)(*bits[q]++) << have[q]; have[q] += 8; }
+                        s[q] = ((s[q] << k) | ((uint32_t)bitbuf[q] & low)) & mask;
+                        bitbuf[q] >>= k; have[q] -= (int)k;
+                        w[q * T + at] = cb[s[q]];
+                    }
                 }
             }
             for (int q = 0; q < nq; ++q) {
