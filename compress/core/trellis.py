@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
-from .hadamard import rotation_matrix
+from .hadamard import rotate_by
 from .nn import QuantLinear, linear_shape
 from .qtensor import QuantizedTensor, pack_codes, unpack_codes
 from .scheme import QuantScheme
@@ -109,15 +109,19 @@ def unpack_tiles(qdata: Tensor, fmt: TrellisFormat) -> tuple[Tensor, Tensor]:
 
 
 def walk_states(start: Tensor, steps: Tensor, fmt: TrellisFormat) -> Tensor:
-    """The states of every tile's walk, int64 [S, T]: T small vector steps over all tiles at once (any device)."""
-    mask = (1 << fmt.state_bits) - 1
-    states = torch.empty(start.shape[0], fmt.steps, dtype=torch.int64, device=start.device)
-    s = start.to(torch.int64)
-    states[:, 0] = s
-    for t in range(1, fmt.steps):
-        s = ((s << fmt.bits) | steps[:, t - 1]) & mask
-        states[:, t] = s
-    return states
+    """The states of every tile's walk, int64 [S, T], computed for all steps at once (any device): s_t is the last L
+    bits of the stream s_0, b_1, ..., b_t, so it is the sum of the last P = ⌈L / k⌉ k-bit chunks of that stream, each
+    shifted into place (s_0 written as P chunks of its own), masked to L bits."""
+    k, mask = fmt.bits, (1 << fmt.state_bits) - 1
+    p = -(-fmt.state_bits // k)
+    s0 = start.to(torch.int64)[:, None]
+    chunks = torch.cat([(s0 >> (k * (p - 1 - j))) & ((1 << k) - 1) for j in range(p)], dim=1)
+    stream = torch.cat([chunks, steps.to(torch.int64)], dim=1)  # [S, P + T - 1]
+    t = fmt.steps
+    states = torch.zeros(start.shape[0], t, dtype=torch.int64, device=start.device)
+    for i in range(p):  # chunk P - 1 + t - i lands i * k bits up in s_t
+        states |= stream[:, p - 1 - i:p - 1 - i + t] << (i * k)
+    return states & mask
 
 
 def to_tiles(w: Tensor, tile: int) -> Tensor:
@@ -164,8 +168,9 @@ class TrellisTensor(QuantizedTensor):
         return (from_tiles(values, m, n, self.fmt.tile) * self.scale.float()).to(dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        q_out, q_in = rotation_matrix(self.signs_out), rotation_matrix(self.signs_in)
-        return (q_out @ self.decoded() @ q_in.T).to(dtype)
+        """W = Q_out · diag(scale) C · Q_inᵀ, both rotations by the fast transform."""
+        right = rotate_by(self.decoded(), self.signs_in, transpose=True)  # (diag(scale) C) Q_inᵀ
+        return rotate_by(right.T, self.signs_out, transpose=True).T.contiguous().to(dtype)
 
     def codes(self) -> Tensor:
         raise ValueError("trellis codes are walks of a trellis, not integer codes on a grid: only compress's own "

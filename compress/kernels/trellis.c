@@ -44,12 +44,9 @@ int compress_trellis_viterbi(const float *target, const float *cb, int64_t S, in
                 }
             }
             const float xt = x[t];
-            for (int64_t j = 0; j < G; ++j) {
-                const float m = best[j];
-                for (int64_t b = 0; b < B; ++b) {
-                    float d = xt - cb[(j << k) | b];
-                    next[(j << k) | b] = m + d * d;
-                }
+            for (int64_t s = 0; s < N; ++s) {
+                float d = xt - cb[s];
+                next[s] = best[s >> k] + d * d;
             }
             float *tmp = cost; cost = next; next = tmp;
         }
