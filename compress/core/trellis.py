@@ -225,5 +225,6 @@ class TrellisLinear(QuantLinear):
 
     def extra_repr(self) -> str:
         f = self.trellis
+        rank = f", rank={self.rank}" if self.rank else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, trellis k={f.bits} "
-                f"L={f.state_bits} tile={f.tile}")
+                f"L={f.state_bits} tile={f.tile}{rank}")
