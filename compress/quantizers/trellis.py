@@ -34,6 +34,20 @@ class TrellisOptions:
     damp: float = 0.01
     seed: int = 0
     refit_scales: bool = True
+    # against the whole model's KL (a `kl_hessians` stage before the quantize stage writes this folder, as for GPTQ):
+    # the LDLQ column loop takes the loss-weighted input side, and each block of `tile` rows' error is carried to the
+    # rows not yet coded through the output side (GPTQ's row feedback, quantizers/gptq_kron.py); kl_sides, the output
+    # side's dampening and shrinkage as GPTQConfig's
+    output_hessians: str = ""
+    kl_sides: str = "both"
+    output_dampening: float = 0.1
+    output_shrink: float = 1.0
+
+    def __post_init__(self):
+        if self.kl_sides not in ("input", "output", "both"):
+            raise ValueError(f"kl_sides must be input, output or both, got {self.kl_sides!r}")
+        if self.output_shrink < 0 or not 0 <= self.damp < 1 or self.output_dampening < 0:
+            raise ValueError("trellis: damp must be in [0, 1), output_dampening and output_shrink >= 0")
 
 
 def trellis_problem(scheme: QuantScheme) -> str | None:
@@ -69,21 +83,49 @@ def damped_inverse_factor(h: Tensor, damp: float) -> Tensor:
     return torch.linalg.cholesky(hinv, upper=True)
 
 
-def block_ldlq(w: Tensor, u: Tensor, block: int, quantize_block) -> Tensor:
-    """BlockLDLQ: the columns of w [m, n] coded `block` at a time by quantize_block(x [m, block], j) -> q, each block's
-    error pushed onto the later columns through u (damped_inverse_factor). Returns the coded weight [m, n]."""
-    w = w.double().clone()
+def feedback_maps(u: Tensor, block: int) -> list[Tensor]:
+    """For each block of `block` columns, U_bb⁻¹ U_b,rest: what its error times, pushed onto the later columns."""
     u = u.double()
+    n = u.shape[0]
+    return [torch.linalg.solve_triangular(u[j:j + block, j:j + block], u[j:j + block, j + block:], upper=True)
+            for j in range(0, n, block)]
+
+
+def block_ldlq(w: Tensor, u: Tensor, block: int, quantize_block, maps: list[Tensor] | None = None) -> Tensor:
+    """BlockLDLQ: the columns of w [m, n] coded `block` at a time by quantize_block(x [m, block], j) -> q, each block's
+    error pushed onto the later columns through u (damped_inverse_factor; `maps`: its feedback_maps, when several row
+    blocks share them). Returns the coded weight [m, n]."""
+    maps = feedback_maps(u, block) if maps is None else maps
+    w = w.double().clone()
     m, n = w.shape
     q = torch.empty_like(w)
     for j in range(0, n, block):
         b = slice(j, j + block)
         q[:, b] = quantize_block(w[:, b].float(), j // block).double()
         if j + block < n:
-            e = w[:, b] - q[:, b]
-            k = torch.linalg.solve_triangular(u[b, b], u[b, j + block:], upper=True)
-            w[:, j + block:] -= e @ k
+            w[:, j + block:] -= (w[:, b] - q[:, b]) @ maps[j // block]
     return q.float()
+
+
+def kl_sides(options: TrellisOptions, inputs, shape: tuple[int, int]) -> tuple[Tensor, Tensor | None]:
+    """(the input side the column loop uses, the output side for the row feedback or None), as options say."""
+    if not options.output_hessians:
+        return inputs.hessian("trellis codes"), None
+    from .gptq_kron import layer_kl_sides
+
+    h_out, h_in, _own = layer_kl_sides(options.output_hessians, inputs, shape)
+    return (inputs.hessian("trellis codes") if options.kl_sides == "output" else h_in,
+            None if options.kl_sides == "input" else h_out)
+
+
+def output_side_factor(h_out: Tensor, options: TrellisOptions) -> Tensor:
+    """U, upper, with Uᵀ U = H_out⁻¹ after GPTQ's output-side shrinkage and dampening (gptq_kron.output_factor), rows
+    in place."""
+    from .gptq import GPTQConfig
+    from .gptq_kron import output_factor
+
+    cfg = GPTQConfig(act_order=False, output_dampening=options.output_dampening, output_shrink=options.output_shrink)
+    return output_factor(h_out, cfg, torch.float64, "trellis")[0]
 
 
 def quantize_trellis(w: Tensor, scheme: QuantScheme, options: TrellisOptions, inputs) -> TrellisTensor:
@@ -96,7 +138,7 @@ def quantize_trellis(w: Tensor, scheme: QuantScheme, options: TrellisOptions, in
     if m % t or n % t:
         raise ValueError(f"{inputs.name}: a {m} x {n} weight is not whole {t} x {t} trellis tiles; add the layer to "
                          f"`ignore:` or pick a tile that divides both ({t} does not)")
-    h = inputs.hessian("trellis codes").to(w.device)
+    h, h_out = kl_sides(options, inputs, (m, n))
     signs_in, signs_out = layer_signs(inputs.name, options.seed, m, n)
     q_in, q_out = rotation_matrix(signs_in).double(), rotation_matrix(signs_out).double()
     wr = q_out.T @ w.double().cpu() @ q_in
@@ -104,16 +146,26 @@ def quantize_trellis(w: Tensor, scheme: QuantScheme, options: TrellisOptions, in
     scale = wr.pow(2).mean(dim=1, keepdim=True).sqrt().clamp_min(1e-8).to(torch.float16)
     s = scale.double()
     cb = codebook(fmt)
-    tiles_per_col = m // t
-    start = torch.empty(tiles_per_col, n // t, dtype=torch.int32)
-    steps = torch.empty(tiles_per_col, n // t, fmt.steps - 1, dtype=torch.uint8)
+    start = torch.empty(m // t, n // t, dtype=torch.int32)
+    steps = torch.empty(m // t, n // t, fmt.steps - 1, dtype=torch.uint8)
+    maps = feedback_maps(damped_inverse_factor(hr, options.damp), t)
+    # rows in blocks of one tile row between two output-side feedbacks (all rows at once without an output side)
+    rows = m if h_out is None else t
+    u_out = None if h_out is None else output_side_factor(q_out.T @ h_out.double().cpu() @ q_out, options)
+    targets, c = wr.clone(), torch.empty_like(wr)
+    for r1 in range(0, m, rows):
+        r2 = r1 + rows
 
-    def code_block(x: Tensor, j: int) -> Tensor:  # x [m, t]: tiles (i, j) for every i, each row by row
-        st, sp, _ = viterbi(x.reshape(tiles_per_col, t * t), fmt, cb)
-        start[:, j], steps[:, j] = st, sp
-        return cb[walk_states(st, sp.to(torch.int64), fmt)].reshape(m, t)
+        def code_block(x: Tensor, j: int) -> Tensor:  # x [rows, t]: tiles (i, j) of this row block, each row by row
+            st, sp, _ = viterbi(x.reshape(rows // t, t * t), fmt, cb)
+            start[r1 // t:r2 // t, j], steps[r1 // t:r2 // t, j] = st, sp
+            return cb[walk_states(st, sp.to(torch.int64), fmt)].reshape(rows, t)
 
-    c = block_ldlq(wr / s, damped_inverse_factor(hr, options.damp), t, code_block).double()
+        c[r1:r2] = block_ldlq(targets[r1:r2] / s[r1:r2], None, t, code_block, maps).double()
+        if u_out is not None and r2 < m:  # this row block's error, carried to the rows still to come
+            err = targets[r1:r2] - s[r1:r2] * c[r1:r2]
+            shift = torch.linalg.solve_triangular(u_out[r1:r2, r1:r2].T, err, upper=False)
+            targets[r2:] -= u_out[r1:r2, r2:].T @ shift
     if options.refit_scales:  # each row's scale refitted to its codes: min over s of (w - s c) H (w - s c)ᵀ
         ch = c @ hr
         best = (wr * ch).sum(dim=1, keepdim=True) / (c * ch).sum(dim=1, keepdim=True).clamp_min(1e-30)

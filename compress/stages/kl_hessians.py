@@ -56,7 +56,7 @@ class KLHessiansRecord(StageRecord):
 
 @dataclass(frozen=True)
 class KLHessiansStage(StageBase):
-    """Recipe entry `- stage: kl_hessians`, right before the `quantize` stage (method gptq) it feeds."""
+    """Recipe entry `- stage: kl_hessians`, right before the `quantize` stage (method gptq or trellis) it feeds."""
 
     n_samples: int = 32  # calibration windows the Fisher is summed over (each token one sampled label)
     seq_len: int | None = None  # None: the calibration section's
@@ -84,9 +84,9 @@ class KLHessiansStage(StageBase):
         super().check(index, stages, calibrated)
         j = next_target(stages, index)
         q = None if j is None else stages[j]
-        if q is None or getattr(q, "method", None) != "gptq":
-            raise ValueError(f"`stages.{index}` (kl_hessians) feeds the GPTQ of the quantize stage after it; put a "
-                             "`- stage: quantize` with `method: gptq` right after it")
+        if q is None or not hasattr(getattr(q, "options", None), "output_hessians"):
+            raise ValueError(f"`stages.{index}` (kl_hessians) feeds the rounding of the quantize stage after it; put a "
+                             "`- stage: quantize` with `method: gptq` or `method: trellis` right after it")
         if later := [s.name for s in stages[index + 1:] if s.whole_model and not s.after_calibration]:
             raise ValueError(f"`stages.{index}` (kl_hessians): {', '.join(later)} after it would change the model "
                              "after its Hessians are taken; put kl_hessians after them, right before the quantize stage")
