@@ -66,7 +66,16 @@ KL_AWQ_GPTQ = ("stages=[{stage: kl_hessians}, {stage: awq, n_grid: 20, search_sa
 # EoRA against the KL (issue 50): the kl_hessians stage's two sides fit the repair too; `allocate` spends the budget of
 # rank r on every layer where the KL Hessians say a parameter removes the most
 EORA_KL = "{stage: eora, rank: %d, weighting: %s, allocate: %s}"
+# trellis codes (issue 50 item 1): QTIP-style, incoherence + BlockLDLQ with Viterbi, one float16 scale per row
+TRELLIS = ("stages=[{stage: quantize, method: trellis, scheme: {dtype: %s, granularity: channel}, "
+           "options: {state_bits: %d}, ignore: [lm_head]}]")
 RUNS = {  # name: (recipe, extra --set overrides)
+    **{f"trellis int{b} L{L}": ("recipes/gptq_int4.yaml", [TRELLIS % (f"int{b}", L)]) for b in (2, 3, 4) for L in (12, 14)},
+    **{f"kl+trellis int{b} L12": ("recipes/gptq_int4.yaml", ["stages=[{stage: kl_hessians}, " +
+                                                             (TRELLIS % (f"int{b}", 12))[len("stages=["):]])
+       for b in (2, 3, 4)},
+    **{f"trellis int{b} L12 + eora r8": ("recipes/gptq_int4.yaml", [(TRELLIS % (f"int{b}", 12))[:-1] +
+                                                                   ", {stage: eora, rank: 8}]"]) for b in (2, 3)},
     "rtn int4": ("recipes/gptq_int4.yaml", ["stages.0.method=rtn", "calibration=null"]),
     "awq int4": ("recipes/awq_int4.yaml", []),
     "gptq int4": ("recipes/gptq_int4.yaml", []),

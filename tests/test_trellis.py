@@ -314,3 +314,12 @@ def test_kl_hessians_feed_a_trellis_run(tmp_path):
     assert [s["stage"] for s in report["stages"]] == ["kl_hessians", "quantize"]
     assert isinstance(__import__("compress.export.native", fromlist=["x"]).load_compressed(out).model.layers[0]
                       .self_attn.q_proj, TrellisLinear)
+
+
+def test_tune_scales_leaves_trellis_layers_with_the_reason():
+    from compress.distill.scale_tuning import tunable_layers
+
+    qt = _random_trellis(32, 48, TrellisFormat(bits=2, state_bits=8, tile=16))
+    model = torch.nn.Sequential(TrellisLinear.from_module(torch.nn.Linear(48, 32), qt))
+    names, skipped = tunable_layers(model)
+    assert names == [] and "trellis codes" in skipped["0"]

@@ -36,6 +36,9 @@ def tunable_layers(model: nn.Module) -> tuple[list[str], dict[str, str]]:
             continue
         if m.scheme.act is not None:
             skipped[name] = f"{m.scheme.name}: its activations are quantized too (the int8 matmul has no gradient)"
+        elif getattr(m, "trellis", None) is not None:
+            skipped[name] = (f"{m.trellis.name}: trellis codes (each row's scale was refitted to its codes when they "
+                             "were chosen; tuning them is not built)")
         elif m.scheme.is_micro:
             skipped[name] = f"{m.scheme.name}: its block scales are encoded ({m.scheme.scale_dtype}); a tuned value " \
                             "would be rounded back to that grid"

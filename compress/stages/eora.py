@@ -225,7 +225,7 @@ class EoRAStage(StageBase):
         folder = getattr(ctx.plan.stages[j].options, "output_hessians", "")
         if not folder:
             raise ValueError(f"eora (weighting: kl): stage {j}, which quantizes {name}, was given no KL Hessians; "
-                             f"put a `- stage: kl_hessians` right before it (its method must be gptq)")
+                             f"put a `- stage: kl_hessians` right before it (its method must be gptq or trellis)")
         h_out, h_in, _ = layer_kl_sides(folder, inputs, shape)
         return kl_weights(h_in, h_out, self.damp, self.output_shrink)
 

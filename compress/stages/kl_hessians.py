@@ -97,7 +97,7 @@ class KLHessiansStage(StageBase):
 
     def plan(self, model: nn.Module, arch: ArchSpec, claimed: dict[str, int], index: int) -> str:
         return (f"\nstage {index}: kl_hessians, each layer's KL Hessian in two Kronecker sides (Fisher, sampled labels) "
-                f"on {self.n_samples} calibration windows, block by block, for the GPTQ of the next quantize stage "
+                f"on {self.n_samples} calibration windows, block by block, for the rounding of the next quantize stage "
                 "(float32 files in the run's work folder: out² + in² values per layer)")
 
     def describe(self, plan: Plan, index: int) -> tuple[list[str], str]:
