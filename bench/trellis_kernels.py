@@ -22,8 +22,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -39,19 +39,12 @@ from compress.kernels.dispatch import install_kernel
 from compress.kernels.trellis import trellis_rows, viterbi
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.verify_matmul import median_us  # noqa: E402
 LLOYD_MAX = {2: 0.1175, 3: 0.03454, 4: 0.009497}  # the best scalar quantizer of a unit Gaussian at k bits
 SHAPES = {"q/o_proj": (576, 576), "k/v_proj": (192, 576), "gate/up_proj": (1536, 576), "down_proj": (576, 1536)}
 MB_CYCLED = 64  # float32 weights cycled per timing: beyond this CPU's caches
-
-
-def median_us(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
 
 
 def random_trellis(m: int, n: int, fmt: TrellisFormat, gen: torch.Generator) -> TrellisLinear:
