@@ -8,6 +8,10 @@ For a layer W [m, n] with input Hessian H:
 3. BlockLDLQ: GPTQ's loop over blocks of `tile` columns. Each block's tiles are the walks Viterbi finds nearest
    (kernels/trellis.c), and the block's error E is pushed onto the columns not yet coded: W̃[:, rest] -= E U_bb⁻¹
    U_b,rest, with U the upper Cholesky factor of H̃⁻¹ (for one-column blocks this is GPTQ's update, tested).
+4. Each row's scale refitted to its codes (least squares against H̃; `refit_scales`).
+With a kl_hessians stage before (`output_hessians`), H is the loss-weighted input side of the layer's KL Hessian, and
+the rows are coded one tile row at a time, each tile row's error carried to the rows still to come through the
+rotated output side Q_outᵀ H_out Q_out (gptq_kron's row feedback).
 """
 from __future__ import annotations
 
@@ -24,8 +28,8 @@ from ..core.trellis import TrellisFormat, TrellisTensor, codebook, pack_tiles, t
 
 @dataclass(frozen=True)
 class TrellisOptions:
-    """state_bits: L, the trellis's memory (12: ~1 ms per 256 weights on one CPU core; each +2 is 4x the encoding
-    time for a few percent less error; at most 16). tile: the side of a tile (T = tile² weights per walk; the layer's
+    """state_bits: L, the trellis's memory (12: ~0.6 ms per 256 weights on one CPU core; each +2 is 4x the encoding
+    time, and 16 leaves 10-14% less error than 12; at most 16). refit_scales: each row's scale refitted to its codes. tile: the side of a tile (T = tile² weights per walk; the layer's
     dimensions must be multiples of it). damp: added to H's diagonal, as a fraction of its mean (GPTQ's). seed:
     the Hadamard signs' seed (each layer's also depends on its name)."""
 
