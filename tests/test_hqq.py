@@ -73,11 +73,12 @@ def test_hqq_refuses_schemes_it_cannot_produce():
 
 
 def test_registry_is_the_one_list():
-    assert set(QUANTIZERS) == {"rtn", "gptq", "hqq", "autoround"}
+    assert set(QUANTIZERS) == {"rtn", "gptq", "hqq", "autoround", "trellis"}
     assert get_quantizer("hqq").quantize is quantize_hqq and not get_quantizer("hqq").needs_hessian
     assert get_quantizer("gptq").needs_hessian
     assert get_quantizer("autoround").tune_block is not None and not get_quantizer("autoround").needs_hessian
-    with pytest.raises(ValueError, match="known: \\['autoround', 'gptq', 'hqq', 'rtn'\\]"):
+    assert get_quantizer("trellis").needs_hessian and get_quantizer("trellis").code is not None
+    with pytest.raises(ValueError, match="known: \\['autoround', 'gptq', 'hqq', 'rtn', 'trellis'\\]"):
         get_quantizer("signround")
 
 

@@ -128,5 +128,5 @@ def test_presets_and_registry():
     with pytest.raises(ValueError, match="known presets"):
         get_preset("W5A16")
     assert get_quantizer("rtn").quantize is quantize_rtn
-    with pytest.raises(ValueError, match="known: \\['autoround', 'gptq', 'hqq', 'rtn'\\]"):
+    with pytest.raises(ValueError, match="known: \\['autoround', 'gptq', 'hqq', 'rtn', 'trellis'\\]"):
         get_quantizer("magic")
