@@ -71,9 +71,9 @@ TRELLIS = ("stages=[{stage: quantize, method: trellis, scheme: {dtype: %s, granu
            "options: {state_bits: %d}, ignore: [lm_head]}]")
 RUNS = {  # name: (recipe, extra --set overrides)
     **{f"trellis int{b} L{L}": ("recipes/gptq_int4.yaml", [TRELLIS % (f"int{b}", L)]) for b in (2, 3, 4) for L in (12, 14)},
-    **{f"kl+trellis int{b} L12": ("recipes/gptq_int4.yaml", ["stages=[{stage: kl_hessians}, " +
-                                                             (TRELLIS % (f"int{b}", 12))[len("stages=["):]])
-       for b in (2, 3, 4)},
+    **{f"kl+trellis int{b} L{L}": ("recipes/gptq_int4.yaml", ["stages=[{stage: kl_hessians}, " +
+                                                               (TRELLIS % (f"int{b}", L))[len("stages=["):]])
+       for b in (2, 3, 4) for L in (12, 14)},
     **{f"trellis int{b} L12 + eora r8": ("recipes/gptq_int4.yaml", [(TRELLIS % (f"int{b}", 12))[:-1] +
                                                                    ", {stage: eora, rank: 8}]"]) for b in (2, 3)},
     "rtn int4": ("recipes/gptq_int4.yaml", ["stages.0.method=rtn", "calibration=null"]),

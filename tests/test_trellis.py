@@ -323,3 +323,14 @@ def test_tune_scales_leaves_trellis_layers_with_the_reason():
     model = torch.nn.Sequential(TrellisLinear.from_module(torch.nn.Linear(48, 32), qt))
     names, skipped = tunable_layers(model)
     assert names == [] and "trellis codes" in skipped["0"]
+
+
+def test_eora_repairs_trellis_layers(tmp_path):
+    """A low-rank repair after trellis codes: every block layer carries the term, kept through our checkpoint."""
+    from compress.export.native import load_compressed
+
+    out = run_tiny_recipe(tmp_path, [TRELLIS, {"stage": "eora", "rank": 4}], NO_EVAL)
+    eora = json.loads((out / "report.json").read_text())["stages"][1]
+    assert eora["stage"] == "eora" and eora["repaired"] == 14 and eora["mean_error_removed"] > 0.05
+    layer = load_compressed(out).model.layers[1].mlp.gate_proj
+    assert isinstance(layer, TrellisLinear) and layer.rank == 4
