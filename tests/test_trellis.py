@@ -106,15 +106,25 @@ def test_rows_kernel_is_the_dense_decode(bits, rows):
         kernels.trellis_rows(torch.randn(17, 64), qt.qdata, qt.scale, fmt, codebook(fmt), 48)
 
 
+def _dense_q(signs: torch.Tensor) -> torch.Tensor:
+    """Q = H·diag(signs)/√n as the rotate stage's OnlineHadamard has it, dense."""
+    from compress.transforms.rotation import OnlineHadamard
+
+    return OnlineHadamard(signs.numel(), signs.float())(torch.eye(signs.numel()))
+
+
 def test_dequantize_undoes_the_rotations():
     """W = Q_out diag(scale) C Q_inᵀ, with Q the randomised Hadamard transforms of the stored signs."""
-    from compress.core.hadamard import rotation_matrix as hadamard_rotation
+    from compress.core.hadamard import rotated
 
     qt = _random_trellis(32, 48, TrellisFormat(bits=2, state_bits=8, tile=16))
-    q_out, q_in = hadamard_rotation(qt.signs_out), hadamard_rotation(qt.signs_in)
+    q_out, q_in = _dense_q(qt.signs_out), _dense_q(qt.signs_in)
     assert torch.allclose(q_in @ q_in.T, torch.eye(48), atol=1e-5)
     assert torch.allclose(qt.dequantize(), q_out @ qt.decoded() @ q_in.T, atol=1e-5)
     assert torch.allclose(q_out.T @ qt.dequantize() @ q_in, qt.decoded(), atol=1e-4)
+    w = torch.randn(32, 48, dtype=torch.float64)  # the quantizer's Q_outᵀ W Q_in, in float64
+    assert torch.allclose(rotated(w, qt.signs_out, qt.signs_in), q_out.T.double() @ w @ q_in.double(), atol=1e-6)
+    assert rotated(w, qt.signs_out, qt.signs_in).dtype == torch.float64
 
 
 def _spd(n: int, seed: int) -> torch.Tensor:

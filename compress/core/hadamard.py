@@ -128,23 +128,25 @@ def _fast_parts(n: int) -> tuple[list[int], list[Tensor | None], float]:
 
 
 def rotate_by(x: Tensor, signs: Tensor, transpose: bool = False) -> Tensor:
-    """x [..., n] times Q (or Qᵀ) in float32, Q = H·diag(signs)/√n (the block's order where H is block-diagonal:
-    hadamard_factors), by the Kronecker factors of H one axis at a time: n·Σ nᵢ multiply-adds per row instead of n²."""
+    """x [..., n] times Q (or Qᵀ), Q = H·diag(signs)/√n (the block's order where H is block-diagonal:
+    hadamard_factors), by the Kronecker factors of H one axis at a time: n·Σ nᵢ multiply-adds per row instead of n².
+    In float64 for float64 x, else float32."""
     n = signs.numel()
     sizes, factors, norm = _fast_parts(n)
     lead = x.shape[:-1]
-    s = signs.to(torch.float32) * norm
-    y = x.float() * s if transpose else x.float()
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    s = signs.to(dtype) * norm
+    y = x.to(dtype) * s if transpose else x.to(dtype)
     y = y.reshape(*lead, *sizes)
     axis0 = len(lead)
     for i, f in enumerate(factors):
         if f is not None:
-            f = f.to(y.device)
+            f = f.to(y.device, dtype)
             y = torch.movedim(torch.tensordot(y, f.T if transpose else f, dims=([axis0 + i], [0])), -1, axis0 + i)
     y = y.reshape(*lead, n)
     return y if transpose else y * s
 
 
-def rotation_matrix(signs: Tensor) -> Tensor:
-    """Q [n, n] float32 = H·diag(signs)/√n as a dense matrix (rotate_by of the identity)."""
-    return rotate_by(torch.eye(signs.numel(), device=signs.device), signs)
+def rotated(x: Tensor, left: Tensor, right: Tensor) -> Tensor:
+    """Q_leftᵀ · x · Q_right for x [m, n] (Q of the sign vectors `left` [m], `right` [n]), by the fast transform."""
+    return rotate_by(rotate_by(x, right).T, left).T

@@ -120,7 +120,7 @@ def export_problems(model: nn.Module, name: str) -> list[str]:
     problems = exporter.problems(model)
     if (why := online_rotation_problem(model, exporter.loaders)) is not None:
         problems = [why] + problems
-    if name not in ("native", "dense") and any(hasattr(m, "trellis") for m in model.modules()):
+    if name not in ("native", "dense") and any(getattr(m, "trellis", None) is not None for m in model.modules()):
         problems = [f"the model's weights are trellis codes (method: trellis), which no {name} loader "
                     f"({exporter.loaders}) reads; export `native` (compress's own checkpoint, decoded by compress) "
                     "or `dense` (the decoded weights in float)"] + problems

@@ -66,13 +66,12 @@ int compress_trellis_viterbi(const float *target, const float *cb, int64_t S, in
     return 0;
 }
 
-/* One tile's walk decoded into w, transposed (w[c * tile + r] is weight (r, c), step r * tile + c): a stored tile
- * is s_0 in two bytes (little end first), then b_1..b_{T-1} as one little-endian stream of k bits each. */
 #define LANES 4 /* tiles decoded together: four independent state chains keep the core busy */
 
 /* y[M][R] = x[M][C] @ W^T for one matrix held as trellis tiles of `tile` x `tile` weights, as stored: tiles
- * [R/tile][C/tile] in row-major order, each `stride` bytes (see above). Tile (i, j)'s weight (r, c) is step
- * r * tile + c of its walk, worth cb[s] * scale[i * tile + r]. M <= 16 rows of float x.
+ * [R/tile][C/tile] in row-major order, each `stride` bytes: s_0 in two bytes (little end first), then b_1..b_{T-1} as
+ * one little-endian stream of k bits each. Tile (i, j)'s weight (r, c) is step r * tile + c of its walk, worth
+ * cb[s] * scale[i * tile + r]. M <= 16 rows of float x.
  *
  * Each tile is decoded once into a small float buffer (LANES tiles of a tile row at a time, their state chains
  * interleaved) and applied to every row of x: for each input c, the tile's column c times x[c] added to the tile

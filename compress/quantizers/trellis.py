@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from ..core.scheme import QuantScheme
-from ..core.hadamard import rotation_matrix
-from ..core.trellis import TrellisFormat, TrellisTensor, codebook, pack_tiles, trellis_scheme, walk_states
+from ..core.hadamard import rotated
+from ..core.trellis import TrellisFormat, TrellisTensor, codebook, pack_tiles, to_tiles, trellis_scheme, walk_states
 
 
 @dataclass(frozen=True)
@@ -77,14 +77,15 @@ def layer_signs(name: str, seed: int, m: int, n: int) -> tuple[Tensor, Tensor]:
     return draw(n), draw(m)
 
 
-def damped_inverse_factor(h: Tensor, damp: float) -> Tensor:
-    """U, upper triangular, with Uᵀ U = (H + damp·mean(diag H)·I)⁻¹; dead inputs (zero diagonal) count as 1."""
+def damped_inverse_factor(h: Tensor, damp: float, name: str = "layer") -> Tensor:
+    """U, upper triangular, with Uᵀ U = (H + damp·mean(diag H)·I)⁻¹ (GPTQ's factor, float64, textbook form); dead
+    inputs (zero diagonal) count as 1."""
+    from .gptq import _inverse_hessian_factor
+
     h = h.double().clone()
     dead = torch.diagonal(h) <= 0
     h[dead, dead] = 1.0
-    h += damp * torch.diagonal(h).mean() * torch.eye(h.shape[0], dtype=h.dtype)
-    hinv = torch.cholesky_inverse(torch.linalg.cholesky(h))
-    return torch.linalg.cholesky(hinv, upper=True)
+    return _inverse_hessian_factor(h, damp, name)
 
 
 def feedback_maps(u: Tensor, block: int) -> list[Tensor]:
@@ -144,24 +145,23 @@ def quantize_trellis(w: Tensor, scheme: QuantScheme, options: TrellisOptions, in
                          f"`ignore:` or pick a tile that divides both ({t} does not)")
     h, h_out = kl_sides(options, inputs, (m, n))
     signs_in, signs_out = layer_signs(inputs.name, options.seed, m, n)
-    q_in, q_out = rotation_matrix(signs_in).double(), rotation_matrix(signs_out).double()
-    wr = q_out.T @ w.double().cpu() @ q_in
-    hr = q_in.T @ h.double().cpu() @ q_in
+    wr = rotated(w.double().cpu(), signs_out, signs_in)  # W̃ = Q_outᵀ W Q_in
+    hr = rotated(h.double().cpu(), signs_in, signs_in)  # H̃ = Q_inᵀ H Q_in
     scale = wr.pow(2).mean(dim=1, keepdim=True).sqrt().clamp_min(1e-8).to(torch.float16)
     s = scale.double()
     cb = codebook(fmt)
     start = torch.empty(m // t, n // t, dtype=torch.int32)
     steps = torch.empty(m // t, n // t, fmt.steps - 1, dtype=torch.uint8)
-    maps = feedback_maps(damped_inverse_factor(hr, options.damp), t)
+    maps = feedback_maps(damped_inverse_factor(hr, options.damp, inputs.name), t)
     # rows in blocks of one tile row between two output-side feedbacks (all rows at once without an output side)
     rows = m if h_out is None else t
-    u_out = None if h_out is None else output_side_factor(q_out.T @ h_out.double().cpu() @ q_out, options)
+    u_out = None if h_out is None else output_side_factor(rotated(h_out.double().cpu(), signs_out, signs_out), options)
     targets, c = wr.clone(), torch.empty_like(wr)
     for r1 in range(0, m, rows):
         r2 = r1 + rows
 
         def code_block(x: Tensor, j: int) -> Tensor:  # x [rows, t]: tiles (i, j) of this row block, each row by row
-            st, sp, _ = viterbi(x.reshape(rows // t, t * t), fmt, cb)
+            st, sp, _ = viterbi(to_tiles(x, t), fmt, cb)
             start[r1 // t:r2 // t, j], steps[r1 // t:r2 // t, j] = st, sp
             return cb[walk_states(st, sp.to(torch.int64), fmt)].reshape(rows, t)
 
