@@ -280,7 +280,7 @@ def test_top_level_help(capsys):
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert "usage: compress" in out and "{run,eval,inspect,export,verify,report,speculate,plan,push,generate}" in out
+    assert "usage: compress" in out and "{run,eval,inspect,export,verify,report,speculate,draft-head,plan,push,generate}" in out
 
 
 @pytest.mark.parametrize("command", ["run", "inspect"])

@@ -227,7 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .plan import add_parser as add_plan_parser
     from .speculate import add_parser as add_speculate_parser
     from .generate import add_parser as add_generate_parser
+    from .draft_head import add_parser as add_draft_head_parser
     add_speculate_parser(sub)
+    add_draft_head_parser(sub)
     add_plan_parser(sub)
     p = sub.add_parser("push", help="upload a run or an export, with its model card, to the Hugging Face Hub",
                        epilog=EPILOG_PUSH, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -245,6 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_speculate(args) -> int:
     from .speculate import run
+
+    return run(args)
+
+
+def cmd_draft_head(args) -> int:
+    from .draft_head import run
 
     return run(args)
 
@@ -532,7 +540,7 @@ def cmd_inspect(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"run": cmd_run, "eval": cmd_eval, "inspect": cmd_inspect, "export": cmd_export,
-               "verify": cmd_verify, "report": cmd_report, "speculate": cmd_speculate,
+               "verify": cmd_verify, "report": cmd_report, "speculate": cmd_speculate, "draft-head": cmd_draft_head,
                "plan": cmd_plan, "push": cmd_push, "generate": cmd_generate}[args.command]
     try:
         return handler(args)

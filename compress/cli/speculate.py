@@ -12,10 +12,12 @@ EPILOG = """examples:
   compress speculate default --draft runs/minitron_prune_distill --draft-int4 --k 1-8 --adaptive
   compress speculate default --draft self-int4 --temperature 0.8 --output runs/spec.json
   compress speculate default --draft runs/awq_gptq_int4 --draft-int4 --draft-vocab 16384 --k 3-5
+  compress speculate default --draft runs/eagle_head --k 3-6                # an EAGLE-3 head (compress draft-head)
 
-DRAFT is anything `compress eval` loads (a run folder, a Hugging Face folder, a .gguf file, `default`) or
-`self-int4`: TARGET's weights rounded to int4 g64 (head int8) in memory, no calibration. The draft must share
-TARGET's tokenizer. Greedy (temperature 0) outputs are checked token for token against plain decoding; with
+DRAFT is anything `compress eval` loads (a run folder, a Hugging Face folder, a .gguf file, `default`),
+`self-int4`: TARGET's weights rounded to int4 g64 (head int8) in memory, no calibration, or an EAGLE-3 head folder
+(`compress draft-head TARGET --output DIR`: one layer reading TARGET's hidden states; float32 here).
+A whole-model draft must share TARGET's tokenizer. Greedy (temperature 0) outputs are checked token for token against plain decoding; with
 sampling, the output follows TARGET's distribution exactly (the min(1, q/p) acceptance rule and the residual).
 Timings are batch 1 on --threads CPU threads; the speed-up is end to end (prefills included) against plain
 greedy decoding of TARGET in the same run. --accelerator adds the roofline's prediction at each measured alpha.
@@ -99,6 +101,7 @@ def run(args) -> int:
     from ..serving.lean_decode import ROWS_ATTR, use_rows
     from ..model.load import load_model
     from ..core.nn import QuantLinear
+    from ..serving.eagle import is_head_folder, load_head
 
     ks = parse_ks(args.k)
     for name in args.accelerator:
@@ -119,7 +122,17 @@ def run(args) -> int:
     ids = frequent_tokens(loaded.tokenizer, args.draft_vocab) if args.draft_vocab else None
     if ids is not None:
         notes.append(f"draft head: the {len(ids)} tokens most frequent in WikiText-2 validation (--draft-vocab)")
-    if args.draft == SELF_DRAFT:
+    if is_head_folder(args.draft):
+        if args.draft_int4 or args.draft_vocab:
+            raise ValueError(f"{args.draft} is an EAGLE-3 head: --draft-int4 and --draft-vocab apply to whole-model "
+                             "drafts (a head has its own draft vocabulary)")
+        draft, kept = load_head(args.draft, torch.float32), []
+        notes.append(f"draft: the EAGLE-3 head in {args.draft} ({draft.config.draft_vocab_size} draft tokens, target "
+                     f"features at layers {list(draft.aux_layers)}), float32")
+        if args.accelerator:
+            notes.append("no roofline for a head draft: the roofline models whole decoders (--accelerator ignored)")
+            args.accelerator = []
+    elif args.draft == SELF_DRAFT:
         draft, kept = int4_copy(target, head=head, dtype=draft_dtype, vocab_ids=ids)
         notes.append(f"draft: the target's linears rounded to int4 g64 (asymmetric), its head to {args.draft_head}")
     else:

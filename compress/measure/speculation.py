@@ -166,10 +166,14 @@ def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]],
                   ks=(1, 2, 3, 4, 5, 6, 7, 8), adaptive: bool = True, temperature: float = 0.0, seed: int = 0,
                   rounds: int = 1, progress=None, runtime: str = "auto") -> dict:
     """α, tokens per target step and speed-up over plain decoding of `target`, per draft length K (and the adaptive
-    schedule), over `prompts`. Speed-up: the summed end-to-end time of plain decoding over that of speculative
+    schedule), over `prompts`. `draft`: a model sharing the target's vocabulary, or an EAGLE-3 head (serving/eagle.py)
+    trained for the target. Speed-up: the summed end-to-end time of plain decoding over that of speculative
     decoding, each from the prompt to the last new token (prefills included: the draft's is part of the cost).
     Greedy (temperature 0) checks every output against plain decoding. `runtime`: the decode loop of both
     (speculative.RUNTIMES; auto: the lean path where the model allows it)."""
+    from ..serving.eagle import EagleHead, generate_eagle
+
+    generate = generate_eagle if isinstance(draft, EagleHead) else generate_speculative  # a head, or a whole model
     settings = [(k, False) for k in ks] + ([(ks[0] if ks else 4, True)] if adaptive else [])
     plain_s, plain_decode_s, plain_steps, plain_tokens, mismatches = 0.0, 0.0, 0, 0, 0
     distinct = []  # per prompt: distinct 4-grams / 4-grams of the plain output (repetition raises α)
@@ -190,8 +194,7 @@ def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]],
                 distinct.append(len(set(grams)) / len(grams))
             for k, a in settings:
                 g = torch.Generator().manual_seed(seed + i)
-                got = generate_speculative(target, draft, prompt, max_new_tokens, k, temperature, a, g,
-                                           runtime=runtime)
+                got = generate(target, draft, prompt, max_new_tokens, k, temperature, a, g, runtime=runtime)
                 if temperature == 0 and got.tokens != base.tokens:
                     mismatches += 1
                 row = rows["adaptive" if a else k]

@@ -215,7 +215,7 @@ class LeanStream:
     returns their logits ([T, V] float32 for logits='all', [1, V] for 'last', None for 'none'); `crop(length)`
     forgets every token from `length` on (rejected draft tokens), with nothing recomputed."""
 
-    def __init__(self, model: nn.Module, max_len: int = 4096):
+    def __init__(self, model: nn.Module, max_len: int = 4096, aux_layers: tuple[int, ...] = ()):
         problem = lean_problem(model, max_len)
         if problem:
             raise ValueError(f"the lean decode path cannot run this model: {problem}")
@@ -235,6 +235,10 @@ class LeanStream:
         self.k = torch.zeros(shape, device=self.device)
         self.v = torch.zeros(shape, device=self.device)
         self.length = 0
+        if any(not 0 <= j < len(self.blocks) for j in aux_layers):
+            raise ValueError(f"feature layers {tuple(aux_layers)}: ids are 0..{len(self.blocks) - 1} (the input of "
+                             "layer j)")
+        self.aux_layers, self.features = tuple(aux_layers), None  # features: [T, n·H] after each forward
         self.c_blocks, self.c_problem = self._c_blocks()
 
     def _c_blocks(self):
@@ -286,21 +290,38 @@ class LeanStream:
         cos, sin = self.base.rotary_emb(h, pos)
         cos, sin = cos[0, None], sin[0, None]  # [1, T, head_dim]
         end = start + t
+        feats = [None] * len(self.aux_layers)
         if self.c_blocks is not None:  # the whole stack in one call per MAX_ROWS tokens (cpu_rows.c)
+            import ctypes
+
             h = h[0].contiguous()
             cos, sin = cos[0].contiguous(), sin[0].contiguous()
+            cuts = sorted({0, len(self.blocks), *self.aux_layers})  # segments between the captured layers' inputs
+            base, size = ctypes.addressof(self.c_blocks), ctypes.sizeof(self.c_blocks[0])
+            if self.aux_layers:
+                feats = [h.new_empty(t, h.shape[-1]) for _ in self.aux_layers]
             for c in range(0, t, MAX_ROWS):
                 n = min(MAX_ROWS, t - c)
-                rc = self._lib.compress_blocks(self.c_blocks, len(self.blocks), h[c].data_ptr(), n, start + c,
-                                               cos[c].data_ptr(), sin[c].data_ptr(), self.heads, self.kv_heads,
-                                               self.head_dim, self.max_len, self.scaling)
-                if rc:
-                    raise RuntimeError("the block kernel refused this step (a shape outside its limits)")
+                for a, b in zip(cuts, cuts[1:] + [None]):
+                    for f, j in zip(feats, self.aux_layers):
+                        if j == a:
+                            f[c:c + n] = h[c:c + n]
+                    if b is None:
+                        break
+                    rc = self._lib.compress_blocks(base + a * size, b - a, h[c].data_ptr(), n, start + c,
+                                                   cos[c].data_ptr(), sin[c].data_ptr(), self.heads, self.kv_heads,
+                                                   self.head_dim, self.max_len, self.scaling)
+                    if rc:
+                        raise RuntimeError("the block kernel refused this step (a shape outside its limits)")
+            self._features(feats)
             return self._finish(h[None], end, logits)
         mask = None
         if t > 1:  # query i (position start + i) sees keys 0..start + i
             mask = torch.arange(end, device=self.device)[None] <= pos[0, :, None]
         for i, block in enumerate(self.blocks):
+            for n, j in enumerate(self.aux_layers):
+                if j == i:
+                    feats[n] = h[0]
             attn = block.self_attn
             x = block.input_layernorm(h)
             qkv = getattr(attn, "qkv_proj", None)
@@ -324,7 +345,11 @@ class LeanStream:
             else:
                 g, u = _linear(mlp.gate_proj, x), _linear(mlp.up_proj, x)
             h = h + _linear(mlp.down_proj, mlp.act_fn(g) * u)
+        self._features(feats)
         return self._finish(h, end, logits)
+
+    def _features(self, feats: list) -> None:
+        self.features = torch.cat(feats, -1).float() if self.aux_layers else None
 
     def _finish(self, h: Tensor, end: int, logits: str) -> Tensor | None:
         self.length = end

@@ -161,12 +161,13 @@ class Generation:
 class _Stream:
     """One model's KV cache over the committed tokens: `forward(tokens)` appends them and returns their logits."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, aux_layers: tuple[int, ...] = ()):
         from transformers import DynamicCache
 
         from .hf_forward import cache_kwarg, last_logits_kwarg
 
         self.model, self.kw = model, cache_kwarg(model)
+        self.aux_layers, self.features = tuple(aux_layers), None
         self.last_only = last_logits_kwarg(model)  # {"logits_to_keep": 1} where the model takes it
         self.cache = DynamicCache(config=model.config)
         self.length = 0
@@ -178,7 +179,11 @@ class _Stream:
         ids = torch.tensor([tokens], device=self.device)
         pos = torch.arange(self.length, self.length + len(tokens), device=self.device)[None]
         kw = {self.kw: self.cache, **(self.last_only if logits != "all" else {})}
+        if self.aux_layers:
+            kw["output_hidden_states"] = True
         out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **kw)
+        if self.aux_layers:  # hidden_states[j]: the input of layer j (0: the embedding)
+            self.features = torch.cat([out.hidden_states[j][0] for j in self.aux_layers], -1).float()
         self.length += len(tokens)
         if logits == "none":
             return None
@@ -190,16 +195,18 @@ class _Stream:
             self.length = length
 
 
-def make_stream(model: nn.Module, max_len: int, runtime: str = "auto"):
+def make_stream(model: nn.Module, max_len: int, runtime: str = "auto", aux_layers: tuple[int, ...] = ()):
     """A decoding stream for `model`: the lean path (lean_decode.LeanStream) where it applies and `runtime` allows,
-    else transformers' forward with its cache. runtime 'lean' insists (an error names why it cannot)."""
+    else transformers' forward with its cache. runtime 'lean' insists (an error names why it cannot). `aux_layers`:
+    after each forward, `stream.features` holds the hidden states entering those layers, concatenated [T, n·H]
+    float32 (an EAGLE-3 head's input)."""
     from .lean_decode import LeanStream, lean_problem
 
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime {runtime!r}: use one of {RUNTIMES}")
     if runtime == "lean" or (runtime == "auto" and lean_problem(model, max_len) is None):
-        return LeanStream(model, max_len)
-    return _Stream(model)
+        return LeanStream(model, max_len, aux_layers)
+    return _Stream(model, aux_layers)
 
 
 def _runtime_name(stream) -> str:

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# EAGLE-3 draft heads (issue 50, item 4): train one for the embedded model, then measure it against the self-int4
+# draft at 64 new tokens, greedy and sampling, on the few-row kernels (docs/results.md, "EAGLE-3 draft heads").
+# One thread each, nothing else running. Training ~40 minutes (generation ~16, teacher pass ~7, 10 epochs ~16),
+# each measurement ~2-4 minutes.
+set -euo pipefail
+export OMP_WAIT_POLICY=PASSIVE
+R=bench/results
+H=${HEAD:-runs/eagle_head}
+compress draft-head default --output "$H" --holdout 32 --threads 1 \
+  --cache runs/eagle_data
+for t in 0 0.8; do
+  compress speculate default --draft "$H" --k 1-4 --prompts 8 --max-new-tokens 64 --temperature $t \
+    --output $R/speculative_eagle_64_t$t.json
+  compress speculate default --draft self-int4 --k 2-5 --prompts 8 --max-new-tokens 64 --temperature $t \
+    --output $R/speculative_self_int4_64_t$t.json
+done
