@@ -288,6 +288,15 @@ def test_the_commands_train_a_head_and_measure_it(tmp_path, capsys):
     assert is_head_folder(out) and "compress speculate" in capsys.readouterr().out
     assert main(args) == 0
     assert json.loads((out / "training.json").read_text())["data"].startswith("read from")
+    assert main(args + ["--text-sequences", "3", "--draft-vocab", "80"]) == 0  # new data, the same generations
+    notes = json.loads((out / "training.json").read_text())
+    assert notes["generations"].startswith("read from") and "generate" not in notes["seconds"]
+    assert notes["settings"]["text_sequences"] == 3 and load_head(out).config.draft_vocab_size == 80
+    from safetensors.torch import load_file
+
+    data = load_file(str(cache / "data.safetensors"))
+    assert data["sequences"].shape == (9, 22) and torch.equal(data["sequences"][3:], load_file(
+        str(cache / "generations.safetensors"))["sequences"])  # text first, the generations (held out from) last
     result = tmp_path / "spec.json"
     assert main(["speculate", str(folder), "--draft", str(out), "--prompts", "2", "--prompt-tokens", "16",
                  "--max-new-tokens", "6", "--k", "1-2", "--output", str(result)]) == 0

@@ -20,7 +20,8 @@ unrolled --ttt-steps times as drafting feeds it its own outputs, against the tar
 hidden states: the head drafts for the model that will be served. The output folder holds config.json and
 model.safetensors (vLLM's LlamaForCausalLMEagle3 layout; the embedding is the target's) and training.json (settings,
 per-epoch held-out KL and top-1 agreement per unrolled step, seconds per phase). --cache DIR keeps the generated data
-(safetensors) to train again without generating."""
+(safetensors) to train again without generating; --text-sequences N adds N stretches of WikiText-2 validation
+text, read as they are (more data for the cost of a forward each, at the price of text the target did not write)."""
 
 
 def add_parser(sub) -> None:
@@ -39,6 +40,9 @@ def add_parser(sub) -> None:
                    help=f"WikiText-2 validation tokens per prompt (default {d.prompt_tokens})")
     p.add_argument("--new-tokens", type=int, default=d.new_tokens,
                    help=f"tokens the target generates per prompt (default {d.new_tokens})")
+    p.add_argument("--text-sequences", type=int, default=d.text_sequences,
+                   help="also train on this many WikiText-2 validation stretches of prompt + new tokens, read as they "
+                        f"are (the target's features and distributions over real text; default {d.text_sequences})")
     p.add_argument("--sample-temperature", type=float, default=d.sample_temperature,
                    help=f"temperature of the sampled half of the data (default {d.sample_temperature})")
     p.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
@@ -59,42 +63,65 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
 
 
+GEN_KEYS = ("sequences", "prompt_tokens", "new_tokens", "sample_temperature", "seed")
+
+
+def _read(cache: Path | None, name: str, key: dict) -> dict | None:
+    """The tensors of cache/NAME.safetensors when cache/NAME.json holds `key` (the settings that made them)."""
+    from safetensors.torch import load_file
+
+    if cache is None or not (cache / f"{name}.safetensors").is_file() or not (cache / f"{name}.json").is_file():
+        return None
+    return load_file(str(cache / f"{name}.safetensors")) if json.loads((cache / f"{name}.json").read_text()) == key \
+        else None
+
+
+def _write(cache: Path | None, name: str, key: dict, tensors: dict) -> None:
+    from safetensors.torch import save_file
+
+    if cache is not None:
+        cache.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(cache / f"{name}.safetensors"))
+        (cache / f"{name}.json").write_text(json.dumps(key))
+
+
 def _data(args, loaded, cfg, aux, notes):
-    """(sequences, features, teacher log-probabilities, draft ids), generated or read from --cache."""
+    """(sequences, features, teacher log-probabilities, draft ids), made or read from --cache: the target's
+    generations are kept apart (generations.*) so that other vocabulary, layer or text settings reuse them."""
     import torch
-    from safetensors.torch import load_file, save_file
     from tqdm import tqdm
 
-    from ..calibrate.data import random_windows, tokenize_joined, wikitext2_rows
+    from ..calibrate.data import random_windows, sequential_windows, tokenize_joined, wikitext2_rows
     from ..distill.eagle import frequent_ids, generate_sequences, teacher_data
 
-    key = {"target": args.target, "sequences": cfg.sequences, "prompt_tokens": cfg.prompt_tokens,
-           "new_tokens": cfg.new_tokens, "sample_temperature": cfg.sample_temperature,
-           "draft_vocab": cfg.draft_vocab, "aux_layers": list(aux), "seed": cfg.seed}
+    gen_key = {"target": args.target, **{k: getattr(cfg, k) for k in GEN_KEYS}}
+    key = {**gen_key, "draft_vocab": cfg.draft_vocab, "aux_layers": list(aux), "text_sequences": cfg.text_sequences}
     cache = Path(args.cache) if args.cache else None
-    if cache and (cache / "data.safetensors").is_file() and (cache / "key.json").is_file() and \
-            json.loads((cache / "key.json").read_text()) == key:
-        t = load_file(str(cache / "data.safetensors"))
+    if (t := _read(cache, "data", key)) is not None:
         notes["data"] = f"read from {cache}"
         return t["sequences"], t["features"], t["teacher"], t["ids"]
-    ids = tokenize_joined(wikitext2_rows("validation"), loaded.tokenizer)
-    prompts = random_windows(ids, cfg.sequences, cfg.prompt_tokens, cfg.seed)
-    t0 = time.perf_counter()
-    bar = tqdm(total=cfg.sequences, desc="generating", unit="seq")
-    seqs = generate_sequences(loaded.model, prompts, cfg, progress=lambda i, n: bar.update(i - bar.n))
-    bar.close()
-    notes["seconds"]["generate"] = time.perf_counter() - t0
+    text = tokenize_joined(wikitext2_rows("validation"), loaded.tokenizer)
+    if (g := _read(cache, "generations", gen_key)) is not None:
+        gens = g["sequences"]
+        notes["generations"] = f"read from {cache}"
+    else:
+        prompts = random_windows(text, cfg.sequences, cfg.prompt_tokens, cfg.seed)
+        t0 = time.perf_counter()
+        bar = tqdm(total=cfg.sequences, desc="generating", unit="seq")
+        gens = generate_sequences(loaded.model, prompts, cfg, progress=lambda i, n: bar.update(i - bar.n))
+        bar.close()
+        notes["seconds"]["generate"] = time.perf_counter() - t0
+        _write(cache, "generations", gen_key, {"sequences": gens})
+    # text first: the held-out sequences are the last ones, and they should be the target's own generations
+    seqs = gens if not cfg.text_sequences else \
+        torch.cat([sequential_windows(text, gens.shape[1], cfg.text_sequences), gens])
     vocab_ids = frequent_ids(seqs, cfg.draft_vocab, loaded.model.get_output_embeddings().out_features)
     t0 = time.perf_counter()
-    bar = tqdm(total=cfg.sequences, desc="teacher pass", unit="seq")
+    bar = tqdm(total=seqs.shape[0], desc="teacher pass", unit="seq")
     feats, teacher = teacher_data(loaded.model, seqs, aux, vocab_ids, progress=lambda i, n: bar.update(i - bar.n))
     bar.close()
     notes["seconds"]["teacher"] = time.perf_counter() - t0
-    if cache:
-        cache.mkdir(parents=True, exist_ok=True)
-        save_file({"sequences": seqs.contiguous(), "features": feats.contiguous(), "teacher": teacher.contiguous(),
-                   "ids": vocab_ids.contiguous()}, str(cache / "data.safetensors"))
-        (cache / "key.json").write_text(json.dumps(key))
+    _write(cache, "data", key, {"sequences": seqs, "features": feats, "teacher": teacher, "ids": vocab_ids})
     return seqs, feats, teacher, vocab_ids
 
 
@@ -110,10 +137,12 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = HeadTraining(sequences=args.sequences, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
-                       sample_temperature=args.sample_temperature, draft_vocab=args.draft_vocab, epochs=args.epochs,
+                       sample_temperature=args.sample_temperature, text_sequences=args.text_sequences,
+                       draft_vocab=args.draft_vocab, epochs=args.epochs,
                        batch=args.batch, lr=args.lr, ttt_steps=args.ttt_steps, bf16=not args.no_bf16, seed=args.seed)
     if not 0 <= args.holdout < cfg.sequences:
-        raise ValueError(f"--holdout {args.holdout}: use 0..{cfg.sequences - 1} (fewer than --sequences)")
+        raise ValueError(f"--holdout {args.holdout}: use 0..{cfg.sequences - 1} (fewer than --sequences; held out "
+                         "from the generations)")
     loaded = load_model(args.target, "float32", "cpu")
     target = loaded.model.eval()
     if getattr(target.config, "model_type", None) not in ("llama", "mistral", "qwen2"):
@@ -134,7 +163,7 @@ def run(args) -> int:
     for p in target.parameters():
         p.requires_grad_(False)
     t0 = time.perf_counter()
-    n_steps = -(-(cfg.sequences - args.holdout) // cfg.batch) * cfg.epochs
+    n_steps = -(-(seqs.shape[0] - args.holdout) // cfg.batch) * cfg.epochs
     bar = tqdm(total=n_steps, desc="training", unit="step")
 
     def progress(step, total, loss):

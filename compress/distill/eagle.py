@@ -27,13 +27,15 @@ from ..serving.eagle import EagleHead, head_config
 
 @dataclass(frozen=True)
 class HeadTraining:
-    """What `compress draft-head` does: `sequences` prompts of `prompt_tokens` continued by `new_tokens`; `epochs`
-    passes of AdamW at `lr` (cosine to 10%, 5% warm-up) over batches of `batch` sequences, unrolled `ttt_steps`."""
+    """What `compress draft-head` does: `sequences` prompts of `prompt_tokens` continued by `new_tokens` (and
+    `text_sequences` stretches of text as long, read as they are); `epochs` passes of AdamW at `lr` (cosine to 10%,
+    5% warm-up) over batches of `batch` sequences, unrolled `ttt_steps`."""
     sequences: int = 384
     prompt_tokens: int = 64
     new_tokens: int = 192
     generate_batch: int = 16
     sample_temperature: float = 0.8
+    text_sequences: int = 0  # WikiText-2 validation windows of prompt + new tokens, teacher-forced, beside them
     draft_vocab: int = 4096
     epochs: int = 10
     batch: int = 8
@@ -48,6 +50,8 @@ class HeadTraining:
                      "ttt_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"draft-head training: {name} = {getattr(self, name)} must be >= 1")
+        if self.text_sequences < 0:
+            raise ValueError(f"draft-head training: text_sequences = {self.text_sequences} must be >= 0")
         if self.lr <= 0 or self.sample_temperature <= 0:
             raise ValueError("draft-head training: lr and sample_temperature must be > 0")
         if self.ttt_steps > self.prompt_tokens + self.new_tokens - 2:
