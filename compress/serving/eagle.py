@@ -29,8 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from .lean_decode import _linear, _rotate, attend
-from .speculative import (K_MAX, Generation, _probs, _sample, _verify_estimate, accept_greedy, accept_sampled,
-        best_k, make_stream, _runtime_name)
+from .speculative import (K_MAX, Generation, _probs, _runtime_name, _sample, accept_greedy, accept_sampled,
+        adapted_k, emitted, make_stream)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONFIG_KEYS = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids")
@@ -287,10 +287,8 @@ def generate_eagle(target: nn.Module, head: EagleHead, prompt: list[int], max_ne
         else:
             n, nxt = accept_sampled(torch.tensor([drafted]), torch.stack(p_rows)[None],
                                     _probs(logits, temperature)[None], generator)
-        n, nxt = int(n), int(nxt)
-        new = drafted[:n] + [nxt]
-        if eos_token_id is not None and eos_token_id in new:
-            new = new[:new.index(eos_token_id) + 1]
+        n = int(n)
+        new = emitted(drafted, n, int(nxt), eos_token_id)
         exact = len(committed) - 1  # the head's exact entries before this round
         committed += new
         tgt.crop(len(committed) - 1)
@@ -299,20 +297,13 @@ def generate_eagle(target: nn.Module, head: EagleHead, prompt: list[int], max_ne
         lg, h = hs.forward(new, _linear(head.fc, feats[:len(new)].to(dtype)))
         last = lg[-1], h[-1]
         t_draft += time.perf_counter() - t0
-        gen.target_steps += 1
-        gen.proposed += k_round
-        gen.accepted += n
-        gen.rejected += n < k_round
-        gen.draft_seconds += t_draft
-        gen.target_seconds += t_verify
-        gen.ks.append(k_round)
+        gen.record(k_round, n, t_draft, t_verify)
         if eos_token_id is not None and committed[-1] == eos_token_id:
             break
         if k_round:
             verify_s.setdefault(k_round, []).append(t_verify)
         if adaptive and gen.proposed:
-            alpha = (gen.accepted + 1) / (gen.accepted + gen.rejected + 2)
-            k = best_k(alpha, gen.draft_seconds / gen.proposed, lambda j: _verify_estimate(verify_s, j))
+            k = adapted_k(gen, verify_s)
     gen.tokens = committed[n_prompt:n_prompt + max_new_tokens]
     gen.seconds = time.perf_counter() - t_start
     return gen

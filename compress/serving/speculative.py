@@ -157,6 +157,29 @@ class Generation:
     def tokens_per_step(self) -> float:
         return len(self.tokens) / self.target_steps if self.target_steps else float("nan")
 
+    def record(self, k: int, n: int, draft_s: float, verify_s: float) -> None:
+        """One round: k tokens drafted in draft_s, n of them accepted by a verify of verify_s."""
+        self.target_steps += 1
+        self.proposed += k
+        self.accepted += n
+        self.rejected += n < k
+        self.draft_seconds += draft_s
+        self.target_seconds += verify_s
+        self.ks.append(k)
+
+
+def emitted(drafted: list[int], n: int, nxt: int, eos_token_id: int | None) -> list[int]:
+    """A round's new tokens: the n accepted drafts and the target's own, cut after an end-of-sequence token."""
+    new = drafted[:n] + [nxt]
+    return new[:new.index(eos_token_id) + 1] if eos_token_id is not None and eos_token_id in new else new
+
+
+def adapted_k(gen: Generation, verify_s: dict[int, list[float]]) -> int:
+    """The adaptive schedule's next K: the largest predicted speed-up from α so far (Laplace: never 0 or 1 after a
+    round), the measured draft step and the verify step measured at each length."""
+    alpha = (gen.accepted + 1) / (gen.accepted + gen.rejected + 2)
+    return best_k(alpha, gen.draft_seconds / gen.proposed, lambda j: _verify_estimate(verify_s, j))
+
 
 class _Stream:
     """One model's KV cache over the committed tokens: `forward(tokens)` appends them and returns their logits."""
@@ -298,26 +321,16 @@ def generate_speculative(target: nn.Module, draft: nn.Module, prompt: list[int],
             n, nxt = accept_greedy(tokens, logits[None])
         else:
             n, nxt = accept_sampled(tokens, torch.stack(p_rows)[None], _probs(logits, temperature)[None], generator)
-        n, nxt = int(n), int(nxt)
-        new = drafted[:n] + [nxt]
-        if eos_token_id is not None and eos_token_id in new:
-            new = new[:new.index(eos_token_id) + 1]
-        committed += new
+        n = int(n)
+        committed += emitted(drafted, n, int(nxt), eos_token_id)
         tgt.crop(len(committed) - 1)
         drf.crop(len(committed) - 1)
-        gen.target_steps += 1
-        gen.proposed += k_round
-        gen.accepted += n
-        gen.rejected += n < k_round
-        gen.draft_seconds += t_draft
-        gen.target_seconds += t_verify
-        gen.ks.append(k_round)
+        gen.record(k_round, n, t_draft, t_verify)
         if eos_token_id is not None and committed[-1] == eos_token_id:
             break
         verify_s.setdefault(k_round, []).append(t_verify)
         if adaptive:
-            alpha = (gen.accepted + 1) / (gen.accepted + gen.rejected + 2)  # Laplace: never 0 or 1 after a round
-            k = best_k(alpha, gen.draft_seconds / gen.proposed, lambda j: _verify_estimate(verify_s, j))
+            k = adapted_k(gen, verify_s)
     gen.tokens = committed[n_prompt:n_prompt + max_new_tokens]
     gen.seconds = time.perf_counter() - t_start
     return gen
