@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from .lean_decode import _linear, _rotate, attend
 from .speculative import (K_MAX, Generation, _probs, _runtime_name, _sample, accept_greedy, accept_sampled,
-        adapted_k, emitted, make_stream)
+        adapted_k, check_settings, emitted, make_stream)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONFIG_KEYS = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids")
@@ -229,12 +229,7 @@ def generate_eagle(target: nn.Module, head: EagleHead, prompt: list[int], max_ne
     """Speculative decoding with an EAGLE-3 head as the draft: the same rounds, verification and timing as
     speculative.generate_speculative (exact: greedy token for token, sampling in distribution), the draft's K
     proposals made by the head from the target's features of the last verify."""
-    if max_new_tokens < 1 or not prompt:
-        raise ValueError("speculative decoding needs a non-empty prompt and max_new_tokens >= 1")
-    if not 1 <= k <= 64:
-        raise ValueError(f"draft length k={k}: use 1..64 (the adaptive schedule picks from 1..{K_MAX})")
-    if temperature < 0:
-        raise ValueError(f"temperature {temperature} < 0; use 0 for greedy")
+    check_settings(prompt, max_new_tokens, k, temperature)
     vocab = target.get_output_embeddings().out_features
     if head.config.vocab_size != vocab or head.config.target_hidden_size != target.config.hidden_size:
         raise ValueError(f"this head was trained for a target of vocabulary {head.config.vocab_size} and width "

@@ -168,6 +168,16 @@ class Generation:
         self.ks.append(k)
 
 
+def check_settings(prompt: list[int], max_new_tokens: int, k: int, temperature: float) -> None:
+    """A speculative decoding's arguments, each refused with what to use instead."""
+    if max_new_tokens < 1 or not prompt:
+        raise ValueError("speculative decoding needs a non-empty prompt and max_new_tokens >= 1")
+    if not 1 <= k <= 64:
+        raise ValueError(f"draft length k={k}: use 1..64 (the adaptive schedule picks from 1..{K_MAX})")
+    if temperature < 0:
+        raise ValueError(f"temperature {temperature} < 0; use 0 for greedy")
+
+
 def emitted(drafted: list[int], n: int, nxt: int, eos_token_id: int | None) -> list[int]:
     """A round's new tokens: the n accepted drafts and the target's own, cut after an end-of-sequence token."""
     new = drafted[:n] + [nxt]
@@ -276,12 +286,7 @@ def generate_speculative(target: nn.Module, draft: nn.Module, prompt: list[int],
     """Speculative decoding of `max_new_tokens` after `prompt` (token ids), batch 1. k: the draft length (the first
     one when `adaptive`: then each round picks the K in 1..8 of the largest predicted speed-up from the acceptance
     rate so far, the measured draft step and the verify step measured at each length)."""
-    if max_new_tokens < 1 or not prompt:
-        raise ValueError("speculative decoding needs a non-empty prompt and max_new_tokens >= 1")
-    if not 1 <= k <= 64:
-        raise ValueError(f"draft length k={k}: use 1..64 (the adaptive schedule picks from 1..{K_MAX})")
-    if temperature < 0:
-        raise ValueError(f"temperature {temperature} < 0; use 0 for greedy")
+    check_settings(prompt, max_new_tokens, k, temperature)
     _check_models(target, draft)
     t_start = time.perf_counter()
     max_len = len(prompt) + max_new_tokens + K_MAX + max(k, K_MAX)  # a round may draft past the end: cropped
