@@ -15,3 +15,10 @@ for t in 0 0.8; do
   compress speculate default --draft self-int4 --k 2-5 --prompts 8 --max-new-tokens 64 --temperature $t \
     --output $R/speculative_self_int4_64_t$t.json
 done
+# the head trained with text too (at two threads; the same generations from the cache)
+compress draft-head default --output "${H}_text" --holdout 32 --threads 2 --text-sequences 960 --epochs 5 \
+  --cache runs/eagle_data
+for t in 0 0.8; do
+  compress speculate default --draft "${H}_text" --k 1-4 --prompts 8 --max-new-tokens 64 --temperature $t \
+    --output $R/speculative_eagle_text_64_t$t.json
+done
