@@ -44,10 +44,11 @@ def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
     return 2, n_layers // 2, n_layers - 3
 
 
-def head_config(target_config, draft_vocab: int, aux_layers: tuple[int, ...] | None = None, hidden: int | None = None,
+def head_config(target_config, draft_vocab: int, aux_layers: tuple[int, ...] | None = None,
                 intermediate: int | None = None):
-    """The head's LlamaConfig for a Llama-family target: its own width (default the target's), one layer, the
-    target's attention shape, rotary embedding, vocabulary and norm epsilon; `draft_vocab` rows in its head."""
+    """The head's LlamaConfig for a Llama-family target: one layer of the target's width (it reads the target's
+    embedding), attention shape, rotary embedding, vocabulary and norm epsilon; its own MLP width (default the
+    target's); `draft_vocab` rows in its head."""
     from transformers import LlamaConfig
 
     t = target_config
@@ -60,7 +61,7 @@ def head_config(target_config, draft_vocab: int, aux_layers: tuple[int, ...] | N
     if not 1 <= draft_vocab <= t.vocab_size:
         raise ValueError(f"draft vocabulary {draft_vocab}: use 1..{t.vocab_size} (the target's vocabulary)")
     heads = t.num_attention_heads
-    h = hidden or t.hidden_size
+    h = t.hidden_size
     rope = getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(t, "rope_theta", 1e4)}
     cfg = LlamaConfig(hidden_size=h, intermediate_size=intermediate or t.intermediate_size, num_hidden_layers=1,
                       num_attention_heads=heads, num_key_value_heads=getattr(t, "num_key_value_heads", heads),
