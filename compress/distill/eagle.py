@@ -71,6 +71,7 @@ def generate_sequences(target: nn.Module, prompts: Tensor, cfg: HeadTraining, pr
     for b, start in enumerate(range(0, prompts.shape[0], cfg.generate_batch)):
         ids = prompts[start:start + cfg.generate_batch]
         sample = b % 2 == 1
+        # transformers' sampling draws from torch's global generator and takes no other: seeded per batch from ours
         torch.manual_seed(int(torch.randint(0, 2 ** 31 - 1, (1,), generator=g)))
         gc = GenerationConfig(max_new_tokens=cfg.new_tokens, min_new_tokens=cfg.new_tokens, do_sample=sample,
                               temperature=cfg.sample_temperature if sample else None, top_k=None, top_p=None,
