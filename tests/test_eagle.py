@@ -199,12 +199,14 @@ def test_training_raises_agreement_and_the_unrolled_steps_improve():
     from compress.distill.eagle import generate_sequences
 
     target, perm = permutation_llama()
-    prompts = torch.randint(0, 96, (48, 8), generator=torch.Generator().manual_seed(0))
-    cfg = HeadTraining(sequences=48, prompt_tokens=8, new_tokens=24, generate_batch=16, draft_vocab=96, epochs=8,
+    # random prompts as long as the continuations: there token p + 1 does not follow from token p, so the head must
+    # read its own input token (the embedding), not only the target's features at p
+    prompts = torch.randint(0, 96, (48, 16), generator=torch.Generator().manual_seed(0))
+    cfg = HeadTraining(sequences=48, prompt_tokens=16, new_tokens=16, generate_batch=16, draft_vocab=96, epochs=8,
                        batch=8, lr=3e-3, ttt_steps=3)
     seqs = generate_sequences(target, prompts, cfg)
-    assert seqs.shape == (48, 32) and torch.equal(seqs[:, :8], prompts)
-    assert torch.equal(seqs[0, 9:], perm[seqs[0, 8:-1]])  # greedy: π applied token after token
+    assert seqs.shape == (48, 32) and torch.equal(seqs[:, :16], prompts)
+    assert torch.equal(seqs[0, 17:], perm[seqs[0, 16:-1]])  # greedy: π applied token after token
     ids = frequent_ids(seqs, 96, 96)
     feats, teacher = teacher_data(target, seqs, AUX, ids)
     assert feats.shape == (48, 32, 192) and teacher.shape == (48, 32, 96)
@@ -217,11 +219,11 @@ def test_training_raises_agreement_and_the_unrolled_steps_improve():
     assert all(a > b + 0.3 for a, b in zip(after["heldout_agreement"], before["heldout_agreement"])), (
         before["heldout_agreement"], after["heldout_agreement"])
     fresh = init_head(target, 96, ids, AUX)
-    prompt = seqs[44, :8].tolist()
-    trained = generate_eagle(target, head, prompt, 24, k=3)
-    untrained = generate_eagle(target, fresh, prompt, 24, k=3)
-    assert trained.tokens == untrained.tokens == spec.generate_plain(target, prompt, 24).tokens
-    assert trained.accepted > untrained.accepted + 10
+    prompt = seqs[44, :16].tolist()
+    trained = generate_eagle(target, head, prompt, 48, k=3)
+    untrained = generate_eagle(target, fresh, prompt, 48, k=3)
+    assert trained.tokens == untrained.tokens == spec.generate_plain(target, prompt, 48).tokens
+    assert trained.accepted > untrained.accepted + 10, (trained.accepted, untrained.accepted)
 
 
 def test_the_checkpoint_is_vllms_layout_and_reads_back(tmp_path):
@@ -373,6 +375,8 @@ def test_a_quantized_target_trains_its_own_head():
     out = target(input_ids=seqs[:1], output_hidden_states=True)
     torch.testing.assert_close(feats[0].float(), torch.cat([out.hidden_states[j][0] for j in AUX], -1),
                                rtol=1e-2, atol=1e-2)  # stored in bfloat16
+    want = torch.log_softmax(out.logits[0][..., ids], -1)  # the whole model's logits, over the draft vocabulary
+    torch.testing.assert_close(teacher[0].float(), want, rtol=2e-3, atol=2e-3)  # stored in float16
     head = init_head(target, 32, ids, AUX)
     rows = target.lm_head(torch.eye(64)).T[ids]  # the int8 head's dequantized rows
     torch.testing.assert_close(head.lm_head.weight, rows)

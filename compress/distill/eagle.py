@@ -93,12 +93,16 @@ def frequent_ids(sequences: Tensor, n: int, vocab: int) -> Tensor:
 def teacher_data(target: nn.Module, sequences: Tensor, aux_layers: tuple[int, ...], ids: Tensor, batch: int = 8,
                  progress=None) -> tuple[Tensor, Tensor]:
     """Per token: the target's hidden states entering `aux_layers`, concatenated [N, T, 3H] (bfloat16), and its
-    log-probabilities over the draft vocabulary `ids`, renormalised [N, T, len(ids)] (float16)."""
+    log-probabilities over the draft vocabulary `ids`, renormalised [N, T, len(ids)] (float16). The target's own head
+    runs one sequence at a time, so no batch × length × vocabulary logits tensor is built (a 128k vocabulary)."""
     feats, teach = [], []
+    head = target.get_output_embeddings()
     for start in range(0, sequences.shape[0], batch):
-        out = target(input_ids=sequences[start:start + batch], output_hidden_states=True)
+        out = target.model(input_ids=sequences[start:start + batch], output_hidden_states=True)
         feats.append(torch.cat([out.hidden_states[j] for j in aux_layers], -1).to(torch.bfloat16))
-        teach.append(torch.log_softmax(out.logits[..., ids].float(), -1).to(torch.float16))
+        last = out.last_hidden_state  # after the final norm: what the head reads
+        teach += [torch.log_softmax(head(last[i:i + 1])[..., ids].float(), -1).to(torch.float16)
+                  for i in range(last.shape[0])]
         if progress:
             progress(min(start + batch, sequences.shape[0]), sequences.shape[0])
     return torch.cat(feats), torch.cat(teach)
@@ -120,17 +124,28 @@ def init_head(target: nn.Module, draft_vocab: int, ids: Tensor, aux_layers=None,
             head.fc.weight[:, deepest * h:(deepest + 1) * h] = torch.eye(h)
         head.midlayer.self_attn.o_proj.weight.zero_()
         head.midlayer.mlp.down_proj.weight.zero_()
-        out = target.get_output_embeddings()
-        weight = out.weight if isinstance(getattr(out, "weight", None), Tensor) else None
-        if weight is None:  # a quantized head: its dequantized rows
-            weight = out(torch.eye(out.in_features)).T
-        head.lm_head.weight.copy_(weight.detach().float()[ids])
+        head.lm_head.weight.copy_(head_rows(target.get_output_embeddings(), ids))
         norm = getattr(target.model, "norm", None)
         weight = getattr(norm, "weight", None)
         if weight is not None and weight.shape == head.norm.weight.shape:
             head.norm.weight.copy_(norm.weight.detach().float())
     head.set_vocab(ids)
     return head
+
+
+def head_rows(out: nn.Module, ids: Tensor) -> Tensor:
+    """Rows `ids` of an output head as float32: a float linear's weight rows, or a QuantLinear's dequantized codes
+    (with its low-rank term, if any)."""
+    from ..core.nn import QuantLinear
+
+    if isinstance(out, QuantLinear):
+        rows = out.qtensor().dequantize(torch.float32)[ids]
+        return rows if not out.rank else rows + (out.lora_b.float()[ids] @ out.lora_a.float())
+    weight = getattr(out, "weight", None)
+    if not isinstance(weight, Tensor):
+        raise ValueError(f"the target's output head ({type(out).__name__}) is neither a linear nor a QuantLinear: "
+                         "a head cannot start from its rows")
+    return weight.detach()[ids].float()
 
 
 def _shift(x: Tensor, d: int) -> Tensor:
@@ -213,8 +228,6 @@ def train_head(head: EagleHead, embed: nn.Module, sequences: Tensor, feats: Tens
     warm = max(1, total // 20)
     g = torch.Generator().manual_seed(cfg.seed)
     history, step, t0 = [], 0, time.perf_counter()
-    with torch.no_grad():
-        emb_all = embed(sequences).float()
     head.train()
     for epoch in range(cfg.epochs):
         order = torch.randperm(n, generator=g)
@@ -225,8 +238,10 @@ def train_head(head: EagleHead, embed: nn.Module, sequences: Tensor, feats: Tens
                 cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm))))
             for group in opt.param_groups:
                 group["lr"] = lr
+            with torch.no_grad():
+                emb = embed(sequences[rows]).float()  # per batch: the whole set's embeddings would be N·T·H floats
             with _autocast(cfg):
-                loss, _ = ttt_loss(head, emb_all[rows], feats[rows].float(), teacher[rows], cfg.ttt_steps)
+                loss, _ = ttt_loss(head, emb, feats[rows].float(), teacher[rows], cfg.ttt_steps)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -237,7 +252,9 @@ def train_head(head: EagleHead, embed: nn.Module, sequences: Tensor, feats: Tens
                 progress(step, total, running[-1])
         row = {"epoch": epoch + 1, "train_loss": sum(running) / len(running), "seconds": time.perf_counter() - t0}
         if holdout:
-            row.update(evaluate_head(head, emb_all[n:], feats[n:], teacher[n:], cfg))
+            with torch.no_grad():
+                emb = embed(sequences[n:]).float()
+            row.update(evaluate_head(head, emb, feats[n:], teacher[n:], cfg))
         history.append(row)
     head.eval()
     return history
