@@ -91,6 +91,13 @@ RUNS = {  # name: (recipe, extra --set overrides)
        for how, r in (("input", 8), ("kl", 8), ("kl alloc", 8), ("kl alloc", 16))},
     "kl+awq(grid clip)+gptq+eora(kl alloc) r8 int3": ("recipes/gptq_int4.yaml", [
         (KL_AWQ_GPTQ % ("int3", 64))[:-1] + ", " + EORA_KL % (8, "kl", True) + "]"]),
+    # the same terms trained end to end by distillation (tune_scales train: [lowrank]); and the scales alone at the
+    # base's bytes, for what the terms' bytes buy against tuning what is already there
+    "kl+awq(grid clip)+gptq+eora(kl alloc)+tune(lowrank) r8 int3": ("recipes/gptq_int4.yaml", [
+        (KL_AWQ_GPTQ % ("int3", 64))[:-1] + ", " + EORA_KL % (8, "kl", True) +
+        ", {stage: tune_scales, train: [lowrank]}]"]),
+    "kl+awq(grid clip)+gptq+tune int3": ("recipes/gptq_int4.yaml", [
+        (KL_AWQ_GPTQ % ("int3", 64))[:-1] + ", {stage: tune_scales}]"]),
     **{f"kl({sides})+gptq int3": ("recipes/gptq_int4.yaml", [KL_GPTQ % ("int3", 64), f"stages.1.options.kl_sides={sides}"])
        for sides in ("input", "output")},
     "kl(input)+gptq int2 g32": ("recipes/gptq_int4.yaml", [KL_GPTQ % ("int2", 32), "stages.1.options.kl_sides=input"]),

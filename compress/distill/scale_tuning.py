@@ -5,6 +5,11 @@ Each tuned QuantLinear's scale s [out, groups] is read as s * exp(g) while tunin
 shape that starts at 0 (a multiplicative gain, so that one learning rate suits every layer whatever its scales'
 magnitude, and no scale changes sign). The codes and the zero points are untouched, so the checkpoint keeps its
 format, its size and every export; only the scale values change.
+
+The low-rank repair terms the eora stage set (QuantLinear.lora_a / lora_b) can be trained the same way, beside the
+scales or alone (`tuning`): the terms were fitted layer by layer to each layer's own error (or its KL Hessian's
+two sides); trained end to end they are fitted to what the whole model computes. Their shapes, and so the bytes and
+the adapter every export writes, stay as the eora stage set them.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from ..core.nn import QuantLinear
+from ..export.adapter import lowrank_layers
 
 
 class ScaleGain(nn.Module):
@@ -70,3 +76,32 @@ def scale_gains(model: nn.Module, names: list[str]):
             stored = m.parametrizations.scale.original
             parametrize.remove_parametrizations(m, "scale", leave_parametrized=False)
             m.scale = tuned.to(stored.dtype)
+
+
+@contextlib.contextmanager
+def tuning(model: nn.Module, scales: list[str], lowrank: list[str]):
+    """Within the block the model is frozen except the scale gains of the QuantLinears `scales` (scale_gains) and
+    the low-rank terms A, B of the QuantLinears `lowrank` (trained in float32 in place, whatever their stored dtype);
+    yields the trainable parameters. On exit the scales are stored as scale_gains stores them, each term goes back
+    to its stored dtype, and nothing requires gradients (also after an error: the model is left as tuned so far)."""
+    modules = dict(model.named_modules())
+    with scale_gains(model, scales) as gains:  # freezes the whole model first
+        stored = {}
+        for name in lowrank:
+            m = modules[name]
+            if not m.rank:
+                raise ValueError(f"{name} has no low-rank term to train")
+            stored[name] = m.lora_a.dtype
+            m.lora_a = nn.Parameter(m.lora_a.detach().float())
+            m.lora_b = nn.Parameter(m.lora_b.detach().float())
+        try:
+            yield gains + [p for n in lowrank for p in (modules[n].lora_a, modules[n].lora_b)]
+        finally:
+            for name, dtype in stored.items():
+                m = modules[name]
+                m.set_lowrank(m.lora_a.detach().to(dtype), m.lora_b.detach().to(dtype))
+
+
+def lowrank_names(model: nn.Module) -> list[str]:
+    """The QuantLinears of `model` that carry a low-rank term (the eora stage's), in module order."""
+    return list(lowrank_layers(model))

@@ -178,9 +178,9 @@ def plan_memory(recipe, config, dtype: torch.dtype, device: str, available: int 
     width = torch.empty((), dtype=dtype).element_size()
     basis = MemoryBasis(size, width, recipe.calibration, streamed, device=device)
     weights = basis.weights
-    compressed = next((b for s in recipe.stages if (b := s.stored_bytes(basis)) is not None), weights) + \
-        sum(s.added_bytes(basis) for s in recipe.stages)
-    basis = dataclasses.replace(basis, compressed=compressed)
+    added = sum(s.added_bytes(basis) for s in recipe.stages)
+    compressed = next((b for s in recipe.stages if (b := s.stored_bytes(basis)) is not None), weights) + added
+    basis = dataclasses.replace(basis, compressed=compressed, added=added)
     if streamed:
         return _streamed_plan(recipe, basis, dtype, device, available, device_available)
     before, after, into = _stage_phases(recipe, basis, ("load", "calibration", "evaluation"))

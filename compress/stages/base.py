@@ -78,6 +78,7 @@ class MemoryBasis:
     streamed: bool = False
     compressed: int = 0
     device: str = "cpu"  # where the pass computes (a CPU solves two GPTQ layers at once on two threads)
+    added: int = 0  # what the stages add beside the weights (added_bytes: eora's low-rank terms), in `compressed`
 
     @property
     def weights(self) -> int:

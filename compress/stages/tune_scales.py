@@ -5,18 +5,26 @@ E2E-QP; the parametrization is in scale_tuning.py, the training loop is the dist
 It trains on the calibration windows (the text the recipe already chose), `epochs` passes over them. The checkpoint
 keeps its format and size: only scale values change, so every export that held the quantized model holds the tuned
 one. It needs the whole model and the original beside it (the teacher, reloaded from the source), so a streamed run
-refuses it."""
+refuses it.
+
+`train: [scales, lowrank]` (or `[lowrank]`) also trains the low-rank repair terms an `eora` stage set, end to end
+against the original model instead of layer by layer: the same bytes and the same adapter, fitted to the whole
+model's output (distill/scale_tuning.py: tuning)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from ..calibrate.data import eval_windows
 from ..distill.kd import distill
 from ..calibrate.distributed import world
-from ..distill.scale_tuning import scale_gains, tunable_layers
+from ..distill.scale_tuning import lowrank_names, tunable_layers, tuning
 from .base import MemoryBasis, MemoryPhase, ModelStageContext, Plan, StageBase, StageRecord, inline, work_dir
 from .distill import DistillStage, _render
+
+
+TRAINABLE = ("scales", "lowrank")
+WHAT = {"scales": "every weight-only quantized layer's scales", "lowrank": "the eora stage's low-rank terms"}
 
 
 @dataclass
@@ -30,6 +38,9 @@ class TuneScalesRecord(StageRecord):
     epochs: int
     eval_windows: list  # [windows, tokens each] of the before/after points
     training: dict = inline()
+    train: list = field(default_factory=lambda: ["scales"])  # what was trained: scales, lowrank
+    lowrank_layers: int = 0  # layers whose low-rank terms were trained
+    lowrank_parameters: int = 0  # their A and B values
 
 
 @dataclass(frozen=True)
@@ -51,8 +62,15 @@ class TuneScalesStage(StageBase):
     eval_windows: int = 2  # before/after points on held-out WikiText-2 test windows (never trained on); 0 = none
     eval_seq_len: int = 1024
     eval_every: int = 0  # a curve point every N steps (0 = only before and after)
+    # what is trained: "scales" (every weight-only quantized layer's scales), "lowrank" (the terms an earlier eora
+    # stage set, A and B, trained end to end instead of fitted layer by layer), or both
+    train: tuple[str, ...] = ("scales",)
 
     def __post_init__(self):
+        if not self.train or len(set(self.train)) != len(self.train) or \
+                not set(self.train) <= set(TRAINABLE):
+            raise ValueError(f"tune_scales train={list(self.train)!r}; name one or both of {list(TRAINABLE)} once "
+                             "(e.g. train: [scales, lowrank])")
         if not isinstance(self.epochs, int) or isinstance(self.epochs, bool) or self.epochs < 1:
             raise ValueError(f"tune_scales epochs={self.epochs!r}; use a positive integer")
         if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 0:
@@ -88,6 +106,9 @@ class TuneScalesStage(StageBase):
         if world()[1] > 1:
             raise ValueError(f"`stages.{index}` (tune_scales) runs in one process; run this recipe without torchrun "
                              "/ accelerate launch (or drop the stage)")
+        if "lowrank" in self.train and not any(s.name == "eora" for s in stages[:index]):
+            raise ValueError(f"`stages.{index}` (tune_scales) trains low-rank terms (train: [lowrank]), but no "
+                             "`stage: eora` before it sets any; add one after the quantize stage, or train: [scales]")
         if not any(getattr(s, "stores_weights", False) for s in stages[:index]):
             raise ValueError(f"`stages.{index}` (tune_scales) tunes the scales of quantized layers; put a "
                              "`stage: quantize` before it")
@@ -107,8 +128,17 @@ class TuneScalesStage(StageBase):
         if basis.streamed or basis.calibration is None:
             return []
         return [MemoryPhase("tune_scales", {"compressed model": basis.compressed, "teacher": basis.weights,
-                                            **self.tuning_bytes(basis.size, basis.calibration.seq_len)},
+                                            **self.tuning_bytes(basis.size, basis.calibration.seq_len),
+                                            **self.lowrank_bytes(basis)},
                             after_pass=True)]
+
+    def lowrank_bytes(self, basis: MemoryBasis) -> dict[str, int]:
+        """train: [lowrank]: the terms the stages added (basis.added, at the run's dtype) trained in float32: the
+        float32 copy where the run's dtype is narrower, their gradients and AdamW's two moments."""
+        if "lowrank" not in self.train or not basis.added:
+            return {}
+        values = basis.added // basis.width
+        return {"low-rank terms' training": values * 4 * (3 + (basis.width < 4))}
 
     def tuning_bytes(self, size, seq_len: int) -> dict[str, int]:
         """The training beside both models (`size`: a pipeline.memory_plan.ModelSize): each linear's dequantized
@@ -126,17 +156,21 @@ class TuneScalesStage(StageBase):
                 "logits": 3 * 4 * tokens * size.vocab}
 
     def describe(self, plan: Plan, index: int) -> tuple[list[str], str]:
-        line = (f"\nstage {index}: tune_scales: every weight-only quantized layer's scales trained by distillation "
-                "from the original, codes fixed: "
+        what = " and ".join(WHAT[t] for t in TRAINABLE if t in self.train)
+        line = (f"\nstage {index}: tune_scales: {what} trained by distillation from the original, codes fixed: "
                 + (f"{self.steps} steps" if self.steps else f"{self.epochs} epoch(s)") + " over the calibration windows, "
                 f"{self.batch_size} windows per step, lr {self.lr}")
         return [line], line.strip()
 
     def run_model(self, ctx: ModelStageContext, index: int) -> dict:
-        names, skipped = tunable_layers(ctx.model)
-        if not names:
+        names, skipped = tunable_layers(ctx.model) if "scales" in self.train else ([], {})
+        if "scales" in self.train and not names:
             raise ValueError("tune_scales found no weight-only quantized layer to tune "
                              f"({len(skipped)} quantized layers, none weight-only integer or fp8); drop the stage")
+        terms = lowrank_names(ctx.model) if "lowrank" in self.train else []
+        if "lowrank" in self.train and not terms:
+            raise ValueError("tune_scales train: [lowrank] found no low-rank term (the eora stage set none: see its "
+                             "report section); train: [scales], or drop the stage")
         windows = ctx.samples
         if windows.shape[0] < self.batch_size:
             raise ValueError(f"tune_scales batch_size={self.batch_size} but the calibration pass has "
@@ -146,21 +180,28 @@ class TuneScalesStage(StageBase):
             if self.eval_windows else None
         ctx.log(f"stage {index}: tune_scales - {len(names)} layers' scales, {cfg.steps} steps × {cfg.batch_size} "
                 f"calibration windows of {cfg.seq_len} tokens"
+                + (f", {len(terms)} layers' low-rank terms" if terms else "")
                 + (f"; not tuned: {len(skipped)} layers" if skipped else ""))
-        with scale_gains(ctx.model, names) as gains:
+        with tuning(ctx.model, names, terms) as params:
             result = distill(ctx.model, ctx.teacher, windows, cfg, work_dir(ctx.out) / f"tune-{index}",
                              eval_ids=held_out, progress=ctx.progress, log=ctx.log)
-            n_gains = sum(g.numel() for g in gains)
+            n_lowrank = sum(p.numel() for p in params[len(names):])
+            n_gains = sum(p.numel() for p in params[:len(names)])
         ctx.model.eval()
         return TuneScalesRecord(index, "tune_scales", "calibration windows", len(names), n_gains, skipped,
-                                self.epochs, [self.eval_windows, self.eval_seq_len], result).to_json()
+                                self.epochs, [self.eval_windows, self.eval_seq_len], result, list(self.train),
+                                len(terms), n_lowrank).to_json()
 
     @staticmethod
     def render(section: dict, models: dict) -> list[str]:
         lines = _render(section)
-        lines[1] = (f"## Stage {section['index']}: tune_scales (the quantized scales trained by distillation from "
-                    "the original, codes fixed)")
-        lines.insert(3, f"{section['layers']} layers, {section['parameters']:,} scales tuned.")
+        what = " and ".join(("the quantized scales", "the low-rank terms")[TRAINABLE.index(t)]
+                            for t in section.get("train", ["scales"]))
+        lines[1] = (f"## Stage {section['index']}: tune_scales ({what} trained by distillation from the original, "
+                    "codes fixed)")
+        lowrank = (f"; {section['lowrank_layers']} layers' low-rank terms trained ({section['lowrank_parameters']:,} "
+                   "values, the eora stage's shapes)") if section.get("lowrank_layers") else ""
+        lines.insert(3, f"{section['layers']} layers, {section['parameters']:,} scales tuned{lowrank}.")
         lines.insert(4, "")
         if section.get("not_tuned"):
             lines += ["", "Not tuned:", ""] + [f"- `{n}`: {why}" for n, why in section["not_tuned"].items()]
