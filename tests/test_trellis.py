@@ -326,13 +326,51 @@ def test_kl_hessians_feed_a_trellis_run(tmp_path):
                       .self_attn.q_proj, TrellisLinear)
 
 
-def test_tune_scales_leaves_trellis_layers_with_the_reason():
-    from compress.distill.scale_tuning import tunable_layers
+def test_tune_scales_tunes_a_trellis_layers_row_scales_by_the_hand_formula():
+    """W = Q_out · diag(s·e^g) C · Q_inᵀ: dL/dg_i = Σ_j (Q_outᵀ (dL/dW) Q_in)_ij · W̃_ij, W̃ = diag(s·e^g) C the
+    rotated weight; the walks and signs untouched, the tuned scale stored as float16."""
+    from compress.core.hadamard import rotated
+    from compress.distill.scale_tuning import scale_gains, tunable_layers
 
     qt = _random_trellis(32, 48, TrellisFormat(bits=2, state_bits=8, tile=16))
-    model = torch.nn.Sequential(TrellisLinear.from_module(torch.nn.Linear(48, 32), qt))
+    layer = TrellisLinear.from_module(torch.nn.Linear(48, 32, bias=False), qt)
+    model = torch.nn.Sequential(layer)
     names, skipped = tunable_layers(model)
-    assert names == [] and "trellis codes" in skipped["0"]
+    assert names == ["0"] and skipped == {}
+    codes = layer.qdata.clone()
+    x, y = torch.randn(16, 48), torch.randn(16, 32)
+    plain = qt.dequantize()
+    with scale_gains(model, names) as (gain,):
+        # the walks decoded once for the tuning: the same weight up to float32 rounding
+        assert layer._unscaled is not None
+        torch.testing.assert_close(layer.qtensor().dequantize(), plain, rtol=1e-5, atol=1e-6)
+        with torch.no_grad():
+            gain.copy_(0.1 * torch.randn(gain.shape))
+        ((layer(x) - y) ** 2).sum().backward()
+        tt = layer.qtensor()
+        w, w_rot = tt.dequantize().double(), tt.decoded().double()
+        d_w = 2 * (x.double() @ w.T - y.double()).T @ x.double()
+        expected = (rotated(d_w, layer.signs_out, layer.signs_in) * w_rot).sum(1, keepdim=True)
+        torch.testing.assert_close(gain.grad.double(), expected, rtol=1e-4, atol=1e-6)
+        tuned = (qt.scale.float() * torch.exp(gain.detach())).half()
+    assert layer.scale.dtype == torch.float16 and torch.equal(layer.scale, tuned)
+    assert torch.equal(layer.qdata, codes) and layer._unscaled is None
+
+
+def test_a_run_tunes_trellis_row_scales(tmp_path):
+    """trellis codes, then tune_scales: every block layer's row scales tuned, its walks kept."""
+    from compress.export.native import load_compressed
+
+    plain = run_tiny_recipe(tmp_path / "plain", [TRELLIS], NO_EVAL)
+    tuned = run_tiny_recipe(tmp_path / "tuned", [TRELLIS, {"stage": "tune_scales", "epochs": 2, "batch_size": 2,
+                                                           "eval_windows": 0}], NO_EVAL)
+    section = json.loads((tuned / "report.json").read_text())["stages"][1]
+    assert section["layers"] == 14 and section["not_tuned"] == {}
+    a, b = (dict(load_compressed(p).named_modules()) for p in (plain, tuned))
+    layers = [n for n, m in a.items() if isinstance(m, TrellisLinear)]
+    assert len(layers) == 14 and section["parameters"] == sum(a[n].out_features for n in layers)
+    assert all(torch.equal(a[n].qdata, b[n].qdata) and torch.equal(a[n].signs_in, b[n].signs_in) for n in layers)
+    assert all(not torch.equal(a[n].scale, b[n].scale) for n in layers)
 
 
 def test_eora_repairs_trellis_layers(tmp_path):

@@ -17,6 +17,7 @@ and every exporter except compress's own checkpoint refuses it (no engine reads 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import asdict, dataclass
@@ -148,6 +149,7 @@ class TrellisTensor(QuantizedTensor):
     fmt: TrellisFormat | None = None
     signs_in: Tensor | None = None
     signs_out: Tensor | None = None
+    unscaled: Tensor | None = None  # C · Q_inᵀ float32 [m, n], kept by decoded_walks (the walks decoded once)
 
     def __post_init__(self):
         if self.fmt is None or self.signs_in is None or self.signs_out is None:
@@ -160,16 +162,23 @@ class TrellisTensor(QuantizedTensor):
             raise ValueError(f"trellis codes {tuple(self.qdata.shape)} do not fit a {m} x {n} weight in "
                              f"{self.fmt}")
 
-    def decoded(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """diag(scale) · C: the weight in the rotated basis, [m, n]."""
-        m, n = self.shape
+    def walks(self) -> Tensor:
+        """C: the decoded walks, float32 [m, n] (the rotated weight before its row scales)."""
         start, steps = unpack_tiles(self.qdata, self.fmt)
         values = codebook(self.fmt, self.qdata.device)[walk_states(start, steps, self.fmt)]
-        return (from_tiles(values, m, n, self.fmt.tile) * self.scale.float()).to(dtype)
+        return from_tiles(values, *self.shape, self.fmt.tile)
+
+    def decoded(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """diag(scale) · C: the weight in the rotated basis, [m, n]."""
+        return (self.walks() * self.scale.float()).to(dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """W = Q_out · diag(scale) C · Q_inᵀ, both rotations by the fast transform."""
-        right = rotate_by(self.decoded(), self.signs_in, transpose=True)  # (diag(scale) C) Q_inᵀ
+        """W = Q_out · diag(scale) C · Q_inᵀ, both rotations by the fast transform (the first one kept, with the
+        decoded walks, where decoded_walks holds C · Q_inᵀ: the same weight up to float32 rounding)."""
+        if self.unscaled is not None:
+            right = self.unscaled * self.scale.float()  # diag(scale) (C Q_inᵀ)
+        else:
+            right = rotate_by(self.decoded(), self.signs_in, transpose=True)  # (diag(scale) C) Q_inᵀ
         return rotate_by(right.T, self.signs_out, transpose=True).T.contiguous().to(dtype)
 
     def codes(self) -> Tensor:
@@ -203,6 +212,7 @@ class TrellisLinear(QuantLinear):
         self.scale = torch.ones(out_features, 1, dtype=torch.float16, device=device)
         self.register_buffer("signs_in", torch.ones(in_features, dtype=torch.int8, device=device))
         self.register_buffer("signs_out", torch.ones(out_features, dtype=torch.int8, device=device))
+        self._unscaled: Tensor | None = None  # set only inside decoded_walks()
 
     @classmethod
     def from_module(cls, module, qt: TrellisTensor) -> "TrellisLinear":
@@ -217,7 +227,7 @@ class TrellisLinear(QuantLinear):
 
     def qtensor(self) -> TrellisTensor:
         return TrellisTensor(self.qdata, self.scale, None, self.scheme, (self.out_features, self.in_features), None,
-                             self.trellis, self.signs_in, self.signs_out)
+                             self.trellis, self.signs_in, self.signs_out, self._unscaled)
 
     @property
     def kernel(self) -> str:
@@ -228,3 +238,18 @@ class TrellisLinear(QuantLinear):
         rank = f", rank={self.rank}" if self.rank else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, trellis k={f.bits} "
                 f"L={f.state_bits} tile={f.tile}{rank}")
+
+
+@contextlib.contextmanager
+def decoded_walks(layers: list[TrellisLinear]):
+    """Within the block each of `layers` keeps C · Q_inᵀ (float32, its walks decoded and rotated once), so that a
+    dequantization is a row scaling and the output rotation: for training the row scales, which change while the
+    walks do not (distill/scale_tuning.py; one float32 copy of each weight, what the training's dequantized weights
+    hold anyway). Dropped on exit."""
+    try:
+        for layer in layers:
+            layer._unscaled = rotate_by(layer.qtensor().walks(), layer.signs_in, transpose=True)
+        yield
+    finally:
+        for layer in layers:
+            layer._unscaled = None

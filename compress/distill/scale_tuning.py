@@ -4,7 +4,9 @@
 Each tuned QuantLinear's scale s [out, groups] is read as s * exp(g) while tuning, g a float32 gain of the scale's
 shape that starts at 0 (a multiplicative gain, so that one learning rate suits every layer whatever its scales'
 magnitude, and no scale changes sign). The codes and the zero points are untouched, so the checkpoint keeps its
-format, its size and every export; only the scale values change.
+format, its size and every export; only the scale values change. A trellis-coded layer (core/trellis.py) has one
+scale per row of its rotated weight, W = Q_out · diag(scale) C · Q_inᵀ: those are tuned the same way, its walks and
+Hadamard signs untouched.
 
 The low-rank repair terms the eora stage set (QuantLinear.lora_a / lora_b) can be trained the same way, beside the
 scales or alone (`tuning`): the terms were fitted layer by layer to each layer's own error (or its KL Hessian's
@@ -20,6 +22,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from ..core.nn import QuantLinear
+from ..core.trellis import TrellisLinear, decoded_walks
 from ..export.adapter import lowrank_layers
 
 
@@ -42,9 +45,6 @@ def tunable_layers(model: nn.Module) -> tuple[list[str], dict[str, str]]:
             continue
         if m.scheme.act is not None:
             skipped[name] = f"{m.scheme.name}: its activations are quantized too (the int8 matmul has no gradient)"
-        elif getattr(m, "trellis", None) is not None:
-            skipped[name] = (f"{m.trellis.name}: trellis codes (each row's scale was refitted to its codes when they "
-                             "were chosen; tuning them is not built)")
         elif m.scheme.is_micro:
             skipped[name] = f"{m.scheme.name}: its block scales are encoded ({m.scheme.scale_dtype}); a tuned value " \
                             "would be rounded back to that grid"
@@ -61,21 +61,23 @@ def scale_gains(model: nn.Module, names: list[str]):
     modules = dict(model.named_modules())
     model.requires_grad_(False)
     gains = []
-    for name in names:
-        m = modules[name]
-        # unsafe: the parametrized scale is float32 while the stored one keeps the scheme's scale_dtype (float16)
-        parametrize.register_parametrization(m, "scale", ScaleGain(m.scale.shape).to(m.scale.device), unsafe=True)
-        gains.append(m.parametrizations.scale[0].gain)
-    try:
-        yield gains
-    finally:
+    # a trellis layer's walks decoded once for the whole tuning, not in every forward (only its row scales change)
+    with decoded_walks([modules[n] for n in names if isinstance(modules[n], TrellisLinear)]):
         for name in names:
             m = modules[name]
-            with torch.no_grad():
-                tuned = m.scale
-            stored = m.parametrizations.scale.original
-            parametrize.remove_parametrizations(m, "scale", leave_parametrized=False)
-            m.scale = tuned.to(stored.dtype)
+            # unsafe: the parametrized scale is float32 while the stored one keeps the scheme's scale_dtype (float16)
+            parametrize.register_parametrization(m, "scale", ScaleGain(m.scale.shape).to(m.scale.device), unsafe=True)
+            gains.append(m.parametrizations.scale[0].gain)
+        try:
+            yield gains
+        finally:
+            for name in names:
+                m = modules[name]
+                with torch.no_grad():
+                    tuned = m.scale
+                stored = m.parametrizations.scale.original
+                parametrize.remove_parametrizations(m, "scale", leave_parametrized=False)
+                m.scale = tuned.to(stored.dtype)
 
 
 @contextlib.contextmanager
