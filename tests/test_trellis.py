@@ -256,6 +256,9 @@ def test_fast_rotation_is_the_dense_one():
         assert torch.allclose(q @ q.T, torch.eye(n), atol=1e-5)
         assert torch.allclose(rotate_by(x, signs), x @ q, atol=1e-5)
         assert torch.allclose(rotate_by(x, signs, transpose=True), x @ q.T, atol=1e-5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # float32 whatever autocast (tune_scales trains under it)
+            y = rotate_by(x, signs)
+        assert y.dtype == torch.float32 and torch.allclose(y, x @ q, atol=1e-5)
 
 
 def test_the_dispatcher_decodes_few_rows_with_the_trellis_kernel():

@@ -130,7 +130,12 @@ def _fast_parts(n: int) -> tuple[list[int], list[Tensor | None], float]:
 def rotate_by(x: Tensor, signs: Tensor, transpose: bool = False) -> Tensor:
     """x [..., n] times Q (or Qᵀ), Q = H·diag(signs)/√n (the block's order where H is block-diagonal:
     hadamard_factors), by the Kronecker factors of H one axis at a time: n·Σ nᵢ multiply-adds per row instead of n².
-    In float64 for float64 x, else float32."""
+    In float64 for float64 x, else float32, also under autocast (the trellis weights tune_scales trains)."""
+    with torch.autocast(x.device.type, enabled=False):  # under autocast the factors' products would mix dtypes
+        return _rotate_by(x, signs, transpose)
+
+
+def _rotate_by(x: Tensor, signs: Tensor, transpose: bool) -> Tensor:
     n = signs.numel()
     sizes, factors, norm = _fast_parts(n)
     lead = x.shape[:-1]
