@@ -74,6 +74,11 @@ RUNS = {  # name: (recipe, extra --set overrides)
     **{f"kl+trellis int{b} L{L}": ("recipes/gptq_int4.yaml", ["stages=[{stage: kl_hessians}, " +
                                                                (TRELLIS % (f"int{b}", L))[len("stages=["):]])
        for b in (2, 3, 4) for L in (12, 14)},
+    # the trellis layers' row scales then tuned by distillation (tune_scales; walks and signs kept)
+    **{f"kl+trellis int{b} L{L} + tune": ("recipes/gptq_int4.yaml", ["stages=[{stage: kl_hessians}, " +
+                                                                      (TRELLIS % (f"int{b}", L))[len("stages=["):-1] +
+                                                                      ", {stage: tune_scales}]"])
+       for b in (3, 4) for L in (12, 14)},
     **{f"trellis int{b} L12 + eora r8": ("recipes/gptq_int4.yaml", [(TRELLIS % (f"int{b}", 12))[:-1] +
                                                                    ", {stage: eora, rank: 8}]"]) for b in (2, 3)},
     "rtn int4": ("recipes/gptq_int4.yaml", ["stages.0.method=rtn", "calibration=null"]),
