@@ -89,14 +89,14 @@ def tuning(model: nn.Module, scales: list[str], lowrank: list[str]):
     modules = dict(model.named_modules())
     with scale_gains(model, scales) as gains:  # freezes the whole model first
         stored = {}
-        for name in lowrank:
-            m = modules[name]
-            if not m.rank:
-                raise ValueError(f"{name} has no low-rank term to train")
-            stored[name] = m.lora_a.dtype
-            m.lora_a = nn.Parameter(m.lora_a.detach().float())
-            m.lora_b = nn.Parameter(m.lora_b.detach().float())
         try:
+            for name in lowrank:
+                m = modules[name]
+                if not m.rank:
+                    raise ValueError(f"{name} has no low-rank term to train")
+                stored[name] = m.lora_a.dtype
+                m.lora_a = nn.Parameter(m.lora_a.detach().float())
+                m.lora_b = nn.Parameter(m.lora_b.detach().float())
             yield gains + [p for n in lowrank for p in (modules[n].lora_a, modules[n].lora_b)]
         finally:
             for name, dtype in stored.items():
