@@ -178,10 +178,10 @@ class TuneScalesStage(StageBase):
         cfg = self.training(windows.shape[0], windows.shape[1])
         held_out = eval_windows(ctx.tokenizer, "test", self.eval_seq_len, self.eval_windows) \
             if self.eval_windows else None
-        ctx.log(f"stage {index}: tune_scales - {len(names)} layers' scales, {cfg.steps} steps × {cfg.batch_size} "
-                f"calibration windows of {cfg.seq_len} tokens"
-                + (f", {len(terms)} layers' low-rank terms" if terms else "")
-                + (f"; not tuned: {len(skipped)} layers" if skipped else ""))
+        what = " and ".join([f"{len(names)} layers' scales"] * bool(names) +
+                            [f"{len(terms)} layers' low-rank terms"] * bool(terms))
+        ctx.log(f"stage {index}: tune_scales - {what}, {cfg.steps} steps × {cfg.batch_size} calibration windows of "
+                f"{cfg.seq_len} tokens" + (f"; not tuned: {len(skipped)} layers" if skipped else ""))
         with tuning(ctx.model, names, terms) as params:
             result = distill(ctx.model, ctx.teacher, windows, cfg, work_dir(ctx.out) / f"tune-{index}",
                              eval_ids=held_out, progress=ctx.progress, log=ctx.log)
