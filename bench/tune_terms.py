@@ -32,7 +32,8 @@ def main() -> None:
     from compress.calibrate.data import calibration_windows
     from compress.core.nn import QuantLinear
     from compress.distill.kd import distill
-    from compress.distill.scale_tuning import lowrank_names, tunable_layers, tuning
+    from compress.distill.scale_tuning import tunable_layers, tuning
+    from compress.export.adapter import lowrank_layers
     from compress.export.native import load_compressed
     from compress.measure.ppl import score_windows
     from compress.model.load import load_model
@@ -63,7 +64,7 @@ def main() -> None:
                 if isinstance(m, QuantLinear) and m.rank:
                     m.set_lowrank(None, None)
         scales = tunable_layers(model)[0] if "scales" in parts else []
-        terms = lowrank_names(model) if "lowrank" in parts else []
+        terms = list(lowrank_layers(model)) if "lowrank" in parts else []
         t0 = time.perf_counter()
         with tuning(model, scales, terms), tempfile.TemporaryDirectory() as tmp:
             distill(model, base.model, ids, cfg, Path(tmp), progress=False, log=lambda *a: None)

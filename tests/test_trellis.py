@@ -358,6 +358,9 @@ def test_tune_scales_tunes_a_trellis_layers_row_scales_by_the_hand_formula():
         tuned = (qt.scale.float() * torch.exp(gain.detach())).half()
     assert layer.scale.dtype == torch.float16 and torch.equal(layer.scale, tuned)
     assert torch.equal(layer.qdata, codes) and layer._unscaled is None
+    with scale_gains(model, names, decode_once=False):  # gradient checkpointing: the walks decoded per forward
+        assert layer._unscaled is None
+        torch.testing.assert_close(layer(x), x @ layer.qtensor().dequantize().T)
 
 
 def test_a_run_tunes_trellis_row_scales(tmp_path):

@@ -19,7 +19,8 @@ from compress.export.native import load_compressed
 from compress.core.nn import QuantLinear, is_linear, linear_weight
 from compress.quantizers.rtn import quantize_rtn
 from compress.recipe import RecipeError, load_recipe
-from compress.distill.scale_tuning import lowrank_names, scale_gains, tunable_layers, tuning
+from compress.distill.scale_tuning import scale_gains, tunable_layers, tuning
+from compress.export.adapter import lowrank_layers
 from compress.core.scheme import FP8, MXFP4A16, W8A8, QuantScheme
 from compress.stages.distill import DistillStage
 from compress.stages.tune_scales import TuneScalesStage
@@ -256,7 +257,7 @@ def with_svd_terms(model: nn.Module, rank: int, dtype: torch.dtype) -> nn.Module
 
 def test_lowrank_terms_train_in_float32_and_go_back_to_their_dtype():
     student = with_svd_terms(make_tiny_model("llama"), 4, torch.bfloat16)
-    names = lowrank_names(student)
+    names = list(lowrank_layers(student))
     assert len(names) == 14
     modules = dict(student.named_modules())
     kept = {n: (modules[n].qdata.clone(), modules[n].scale.clone()) for n in names}
@@ -282,7 +283,7 @@ def test_lowrank_terms_train_in_float32_and_go_back_to_their_dtype():
 def test_training_the_terms_recovers_more_than_their_fit_and_keeps_the_codes_and_scales(tmp_path):
     teacher = make_tiny_model("llama")
     student = with_svd_terms(teacher, 4, torch.float32)
-    names = lowrank_names(student)
+    names = list(lowrank_layers(student))
     modules = dict(student.named_modules())
     kept = {n: (modules[n].qdata.clone(), modules[n].scale.clone(), modules[n].lora_b.clone()) for n in names}
     # lr 1e-3: the terms' entries are on the tiny model's weight scale (about 0.02); at 1e-2 the KL rises

@@ -23,7 +23,6 @@ from torch.nn.utils import parametrize
 
 from ..core.nn import QuantLinear
 from ..core.trellis import TrellisLinear, decoded_walks
-from ..export.adapter import lowrank_layers
 
 
 class ScaleGain(nn.Module):
@@ -54,15 +53,18 @@ def tunable_layers(model: nn.Module) -> tuple[list[str], dict[str, str]]:
 
 
 @contextlib.contextmanager
-def scale_gains(model: nn.Module, names: list[str]):
+def scale_gains(model: nn.Module, names: list[str], decode_once: bool = True):
     """Within the block, the scales of the QuantLinears `names` read as scale * exp(gain); yields the gains (the
     only parameters that require gradients: the rest of the model is frozen). On exit each scale becomes its tuned
-    value in its own dtype (also after an error: the model is left as tuned so far)."""
+    value in its own dtype (also after an error: the model is left as tuned so far). `decode_once`: a trellis layer
+    keeps its decoded walks for the whole block (core/trellis.decoded_walks: 4 bytes per weight of every trellis
+    layer at once, where a forward's backward holds one layer's); off, each forward decodes them again (gradient
+    checkpointing, where only one block's are meant to be held)."""
     modules = dict(model.named_modules())
     model.requires_grad_(False)
     gains = []
     # a trellis layer's walks decoded once for the whole tuning, not in every forward (only its row scales change)
-    with decoded_walks([modules[n] for n in names if isinstance(modules[n], TrellisLinear)]):
+    with decoded_walks([modules[n] for n in names if decode_once and isinstance(modules[n], TrellisLinear)]):
         for name in names:
             m = modules[name]
             # unsafe: the parametrized scale is float32 while the stored one keeps the scheme's scale_dtype (float16)
@@ -81,13 +83,13 @@ def scale_gains(model: nn.Module, names: list[str]):
 
 
 @contextlib.contextmanager
-def tuning(model: nn.Module, scales: list[str], lowrank: list[str]):
+def tuning(model: nn.Module, scales: list[str], lowrank: list[str], decode_once: bool = True):
     """Within the block the model is frozen except the scale gains of the QuantLinears `scales` (scale_gains) and
     the low-rank terms A, B of the QuantLinears `lowrank` (trained in float32 in place, whatever their stored dtype);
     yields the trainable parameters. On exit the scales are stored as scale_gains stores them, each term goes back
     to its stored dtype, and nothing requires gradients (also after an error: the model is left as tuned so far)."""
     modules = dict(model.named_modules())
-    with scale_gains(model, scales) as gains:  # freezes the whole model first
+    with scale_gains(model, scales, decode_once) as gains:  # freezes the whole model first
         stored = {}
         try:
             for name in lowrank:
@@ -102,8 +104,3 @@ def tuning(model: nn.Module, scales: list[str], lowrank: list[str]):
             for name, dtype in stored.items():
                 m = modules[name]
                 m.set_lowrank(m.lora_a.detach().to(dtype), m.lora_b.detach().to(dtype))
-
-
-def lowrank_names(model: nn.Module) -> list[str]:
-    """The QuantLinears of `model` that carry a low-rank term (the eora stage's), in module order."""
-    return list(lowrank_layers(model))

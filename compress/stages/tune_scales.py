@@ -18,7 +18,8 @@ from typing import ClassVar, Literal
 from ..calibrate.data import eval_windows
 from ..distill.kd import distill
 from ..calibrate.distributed import world
-from ..distill.scale_tuning import lowrank_names, tunable_layers, tuning
+from ..distill.scale_tuning import tunable_layers, tuning
+from ..export.adapter import lowrank_layers
 from .base import MemoryBasis, MemoryPhase, ModelStageContext, Plan, StageBase, StageRecord, inline, work_dir
 from .distill import DistillStage, _render
 
@@ -146,6 +147,8 @@ class TuneScalesStage(StageBase):
         checkpointing, in one block at a time; one step's activations, about 6 float32 values per token and input
         feature of a block (with checkpointing: one block's, plus every block's input); both models' logits and the
         student's logit gradient, which kd_loss forms chunk by chunk (float32 at most; bf16 autocast holds half).
+        A trellis layer's backward also holds its decoded walks (4 bytes per weight; without gradient checkpointing
+        every trellis layer's, kept for the whole tuning): not counted, since the plan is not told the method here.
         Measured on the embedded model (4 × 512 tokens a step, bf16 autocast): 5.5 GB peak RSS, where this plans
         7.9 GB (the activations, about 5 values per token and feature, are most of it)."""
         tokens = self.batch_size * seq_len
@@ -167,7 +170,7 @@ class TuneScalesStage(StageBase):
         if "scales" in self.train and not names:
             raise ValueError("tune_scales found no weight-only quantized layer to tune "
                              f"({len(skipped)} quantized layers, none weight-only integer or fp8); drop the stage")
-        terms = lowrank_names(ctx.model) if "lowrank" in self.train else []
+        terms = list(lowrank_layers(ctx.model)) if "lowrank" in self.train else []
         if "lowrank" in self.train and not terms:
             raise ValueError("tune_scales train: [lowrank] found no low-rank term (the eora stage set none: see its "
                              "report section); train: [scales], or drop the stage")
@@ -182,7 +185,7 @@ class TuneScalesStage(StageBase):
                             [f"{len(terms)} layers' low-rank terms"] * bool(terms))
         ctx.log(f"stage {index}: tune_scales - {what}, {cfg.steps} steps × {cfg.batch_size} calibration windows of "
                 f"{cfg.seq_len} tokens" + (f"; not tuned: {len(skipped)} layers" if skipped else ""))
-        with tuning(ctx.model, names, terms) as params:
+        with tuning(ctx.model, names, terms, decode_once=not self.gradient_checkpointing) as params:
             result = distill(ctx.model, ctx.teacher, windows, cfg, work_dir(ctx.out) / f"tune-{index}",
                              eval_ids=held_out, progress=ctx.progress, log=ctx.log)
             n_lowrank = sum(p.numel() for p in params[len(names):])
