@@ -63,6 +63,10 @@ KL_GPTQ = ("stages=[{stage: kl_hessians}, {stage: quantize, method: gptq, scheme
 KL_AWQ_GPTQ = ("stages=[{stage: kl_hessians}, {stage: awq, n_grid: 20, search_samples: 4, clip_to: grid}, "
                "{stage: quantize, method: gptq, scheme: {dtype: %s, granularity: group, group_size: %d, "
                "symmetric: false}, ignore: [lm_head]}]")
+# AutoRound against the model's loss (issue 50): each block's error weighed by the Fisher at its output (kl_hessians),
+# the table's 200 steps of 2 windows, like for like with "autoround int3" / "autoround int2 g32"
+KL_AR = ("stages=[{stage: kl_hessians}, {stage: quantize, method: autoround, scheme: {dtype: %s, granularity: group, "
+         "group_size: %d, symmetric: false}, options: {iters: 200, batch_size: 2}, ignore: [lm_head]}]")
 # EoRA against the KL (issue 50): the kl_hessians stage's two sides fit the repair too; `allocate` spends the budget of
 # rank r on every layer where the KL Hessians say a parameter removes the most
 EORA_KL = "{stage: eora, rank: %d, weighting: %s, allocate: %s}"
@@ -91,6 +95,8 @@ RUNS = {  # name: (recipe, extra --set overrides)
     "gptq int2 g32": ("recipes/gptq_int4.yaml", ["stages.0.scheme.dtype=int2", "stages.0.scheme.group_size=32"]),
     "kl+gptq int2 g32": ("recipes/gptq_int4.yaml", [KL_GPTQ % ("int2", 32)]),
     "kl+awq(grid clip)+gptq int3": ("recipes/gptq_int4.yaml", [KL_AWQ_GPTQ % ("int3", 64)]),
+    "kl+autoround int2 g32": ("recipes/gptq_int4.yaml", [KL_AR % ("int2", 32)]),
+    "kl+autoround int3": ("recipes/gptq_int4.yaml", [KL_AR % ("int3", 64)]),
     **{f"kl+gptq+eora({how}) r{r} int3": ("recipes/gptq_int4.yaml", [
         (KL_GPTQ % ("int3", 64))[:-1] + ", " + EORA_KL % (r, how.split()[0], "alloc" in how) + "]"])
        for how, r in (("input", 8), ("kl", 8), ("kl alloc", 8), ("kl alloc", 16))},

@@ -13,6 +13,10 @@ recomputed from its kept input with autograd on and the gradient at its output p
 layers' sums taken as it passes. Each layer's pair is written, as soon as its block is done, to
 `<folder>/<layer>.safetensors` (float32), so memory holds the kept states ((blocks + 1) × windows × seq_len × hidden
 values, and one set of gradients) and one block's sums ([out, out] and [in, in] per layer).
+
+For AutoRound against the model's loss (`block_sides`), the pass sums instead, per block that holds a planned layer,
+G = Σ g gᵀ of the gradients at the block's output (the ones it pushes into the block), written to
+`<folder>/<block>.safetensors` [hidden, hidden] (quantizers/autoround.block_metric).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from ..arch import get_arch, get_module
 from ..calibrate.blockwise import BlockInputs, ResidentBlocks, _first, block_forward, capture_block_inputs
 from ..core.nn import linear_shape
 from ..measure.ppl import final_logits
+from ..quantizers.autoround import KEY_BLOCK, block_fisher_path
 from ..quantizers.gptq_kron import KEY_IN, KEY_OUT, output_hessian_path
 from .fisher_blocks import _remove
 from .mixed import sample_labels
@@ -41,18 +46,22 @@ def outside_blocks(model: nn.Module, names: list[str]) -> list[str]:
     return [n for n in names if not n.startswith(prefix)]
 
 
-def complete(folder: Path, names: list[str], seed: int, tokens: int) -> bool:
-    """Whether `folder` already holds these layers' Hessians from the same windows and seed (a resumed run)."""
+def complete(folder: Path, names: list[str], seed: int, tokens: int, block_sides: bool = False) -> bool:
+    """Whether `folder` already holds these layers' Hessians (or, `block_sides`, their blocks' output Fishers) from
+    the same windows and seed (a resumed run)."""
     try:
         index = json.loads((folder / INDEX).read_text())
     except (OSError, ValueError):
         return False
-    return index.get("seed") == seed and index.get("tokens") == tokens and set(index.get("layers", [])) == set(names)
+    return (index.get("seed") == seed and index.get("tokens") == tokens and set(index.get("layers", [])) == set(names)
+            and index.get("block_sides", False) == block_sides)
 
 
 def output_hessians(model: nn.Module, windows: Tensor, names: list[str], folder: Path, seed: int = 0,
-                    progress=None, blocks=None, device=None, compute_dtype: torch.dtype | None = None) -> dict:
+                    progress=None, blocks=None, device=None, compute_dtype: torch.dtype | None = None,
+                    block_sides: bool = False) -> dict:
     """Write both sides of every layer in `names` (inside the decoder blocks) to `folder` (see the module docstring);
+    with `block_sides`, the Fisher at the output of every block holding one of them instead (AutoRound's loss);
     returns the folder's index. `blocks`: the block source (default: the model's own, ResidentBlocks); `device`:
     where the blocks compute (default: where the input embedding is); `compute_dtype` (bfloat16): the blocks'
     matmuls, forward and backward, under autocast, as the calibration pass computes (the sums stay float32).
@@ -104,9 +113,15 @@ def output_hessians(model: nn.Module, windows: Tensor, names: list[str], folder:
             grads.append(park(h.grad))
         step("kl hessians: head")
         for b in reversed(range(n_blocks)):  # backward, the block's layers' output gradients summed
-            block = blocks.load(b, device).requires_grad_(False)
             prefix = f"{arch.blocks}.{b}."
-            sums = {n: _Sums(block.get_submodule(n[len(prefix):]), device) for n in owner.get(b, [])}
+            if block_sides and b in owner:
+                _write_block(folder, prefix[:-1], grads, device)
+            if block_sides and b == 0:  # no block below wants the gradient at this one's input
+                step("kl hessians: backward")
+                break
+            block = blocks.load(b, device).requires_grad_(False)
+            sums = {} if block_sides else {n: _Sums(block.get_submodule(n[len(prefix):]), device)
+                                           for n in owner.get(b, [])}
             handles = [h for n, acc in sums.items() for h in acc.attach(block.get_submodule(n[len(prefix):]))]
             new_grads = []
             for h, kw, g in zip(states[b], kwargs(b), grads):
@@ -127,7 +142,7 @@ def output_hessians(model: nn.Module, windows: Tensor, names: list[str], folder:
             if not p.is_meta:
                 p.requires_grad_(flag)
     index = {"seed": seed, "tokens": int(windows.numel()), "windows": int(windows.shape[0]),
-             "seq_len": int(windows.shape[1]), "layers": sorted(names)}
+             "seq_len": int(windows.shape[1]), "layers": sorted(names), "block_sides": block_sides}
     (folder / INDEX).write_text(json.dumps(index, indent=1))
     return index
 
@@ -162,6 +177,19 @@ def _write(folder: Path, name: str, acc: _Sums) -> None:
     path = output_hessian_path(folder, name)
     tmp = path.with_name(path.name + ".tmp")
     save_file({KEY_OUT: acc.out.to("cpu").contiguous(), KEY_IN: acc.inp.to("cpu").contiguous()}, str(tmp))
+    os.replace(tmp, path)
+
+
+def _write_block(folder: Path, prefix: str, grads: list[Tensor], device) -> None:
+    """The Fisher at block `prefix`'s output, Σ g gᵀ over every window's tokens, written beside its place and renamed
+    into it (quantizers/autoround.block_metric reads it)."""
+    total = None
+    for g in grads:
+        g2 = g.to(device).reshape(-1, g.shape[-1]).float()
+        total = g2.T @ g2 if total is None else total.addmm_(g2.T, g2)
+    path = block_fisher_path(folder, prefix)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({KEY_BLOCK: total.to("cpu").contiguous()}, str(tmp))
     os.replace(tmp, path)
 
 

@@ -19,6 +19,17 @@ Differences from auto-round, by decision: the block's inputs are the outputs of 
 the target is the float block on those same inputs (the runner's one stream of activations, as GPTQ uses it);
 auto-round's default keeps a second, float stream as the target. Symmetric schemes keep this project's grid (absmax
 / qmax, codes in [qmin, qmax]), not auto-round's "full range" one, so the result is an ordinary symmetric checkpoint.
+
+Against the model's loss (issue 50, item 2; `output_hessians`, written by a `kl_hessians` stage before): the block's
+error is weighed by the Fisher of the whole model's output at the block's output, G = Σ_t g_t g_tᵀ (g the gradient
+of the sampled log-likelihood at the block's output, labels sampled from the model; precision/output_hessians.py),
+the Kronecker-factored second-order term of the KL to the original model, Σ_t Δy_tᵀ G Δy_t, instead of |Δy_t|²:
+
+    loss = mean over the windows' tokens of Δy_t M Δy_tᵀ / hidden,  M = G / mean(diag G) + kl_dampening · I
+
+(BRECQ, Li et al., 2021, weighs block outputs by the diagonal of the same Fisher, per token; a token's gradient is
+not known for the calibration windows the tuning draws, so here the tokens share one hidden × hidden G.) At
+M = I it is the plain loss; SignSGD reads only the gradient's signs, so M's scale does not matter.
 """
 from __future__ import annotations
 
@@ -26,8 +37,10 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from ..arch import get_module, set_module
@@ -58,6 +71,10 @@ class AutoRoundOptions:
     # where the rounding starts: "rtn" (the paper: round to nearest of the float weight) or "gptq" (GPTQ's solution
     # for each layer, from the pass's input Hessians; AutoRound then tunes its rounding and clipping from there)
     init: str = "rtn"
+    # the kl_hessians stage's folder (set by that stage, not by hand): the block's error weighed by the Fisher of the
+    # model's output at the block's output (the module docstring); "" = plain mean squared error
+    output_hessians: str = ""
+    kl_dampening: float = 0.01  # M's identity part, as a fraction of G's mean diagonal (output_hessians only)
 
     def __post_init__(self):
         if self.iters < 0:
@@ -70,6 +87,9 @@ class AutoRoundOptions:
             raise ValueError(f"autoround batch_size must be >= 1 (the paper uses 8), got {self.batch_size}")
         if self.init not in ("rtn", "gptq"):
             raise ValueError(f"autoround init {self.init!r}: use rtn (round to nearest, the paper's) or gptq")
+        if not self.kl_dampening >= 0:
+            raise ValueError(f"autoround kl_dampening must be >= 0 (a fraction of the Fisher's mean diagonal added "
+                             f"as identity; 0.01 is the default), got {self.kl_dampening}")
 
     @property
     def step_size(self) -> float:
@@ -92,6 +112,36 @@ def autoround_problem(scheme: QuantScheme) -> str | None:
         return ("AutoRound's loss does not simulate quantized activations; for a scheme with `act:` use method: gptq "
                 "or rtn (or tune the weights weight-only)")
     return None
+
+
+KEY_BLOCK = "output"  # the block-output Fisher's name in its file
+
+
+def block_fisher_path(folder: str | Path, prefix: str) -> Path:
+    """Where the Fisher at the output of the decoder block `prefix` ("model.layers.5") lives in a kl_hessians folder
+    (beside the layers' files, which are named by a layer inside the block: no clash)."""
+    return Path(folder) / f"{prefix}.safetensors"
+
+
+def block_metric(folder: str | Path, prefix: str, hidden: int, dampening: float) -> Tensor:
+    """M = G / mean(diag G) + dampening · I [hidden, hidden] (float32) for the block `prefix`, from the kl_hessians
+    folder `folder` (the module docstring). Clear errors for a missing file or one of another model."""
+    path = block_fisher_path(folder, prefix)
+    if not path.is_file():
+        raise FileNotFoundError(f"{prefix}: no block-output Fisher at {path}. AutoRound's `output_hessians` folder is "
+                                "written by a `- stage: kl_hessians` right before the quantize stage; add that stage, "
+                                "or remove `output_hessians` for the plain loss.")
+    g = load_file(str(path))[KEY_BLOCK].float()
+    if tuple(g.shape) != (hidden, hidden):
+        raise ValueError(f"{prefix}: the block-output Fisher at {path} is {tuple(g.shape)}, the block's output has "
+                         f"{hidden} features; it was computed for another model (rerun the kl_hessians stage)")
+    mean = float(g.diagonal().mean())
+    if not mean > 0:
+        raise ValueError(f"{prefix}: the block-output Fisher at {path} is zero (no gradient reached the block's "
+                         "output); rerun the kl_hessians stage")
+    m = g / mean
+    m.diagonal().add_(dampening)
+    return m
 
 
 def quantize_autoround_layer(w: Tensor, scheme: QuantScheme, options: AutoRoundOptions, inputs) -> QuantizedTensor:
@@ -321,6 +371,14 @@ class _Rounded(nn.Module):
         return nn.functional.linear(x, w, self.bias)
 
 
+def error_loss(d: Tensor, metric: Tensor | None) -> Tensor:
+    """The block's loss on one window's output error d [..., hidden]: mean(d²), or with `metric` M,
+    mean over tokens of d M dᵀ / hidden (equal to mean(d²) at M = I)."""
+    if metric is None:
+        return d.pow(2).mean()
+    return (d @ metric.to(d.device)).mul_(d).mean()
+
+
 @dataclass
 class BlockSamples:
     """What the calibration pass showed one block: its inputs (hidden states and keyword arguments, per window)
@@ -356,14 +414,16 @@ def tuning_workers(batch_size: int, device: str, threads: int) -> int:
 def tune_block(block: nn.Module, weights: dict[str, Tensor], scheme: QuantScheme, options: AutoRoundOptions,
                samples: BlockSamples, compute_dtype: torch.dtype | None = None,
                schemes: dict[str, QuantScheme] | None = None,
-               starts: dict[str, Tensor] | None = None) -> tuple[dict[str, QuantizedTensor], dict]:
+               starts: dict[str, Tensor] | None = None,
+               metric: Tensor | None = None) -> tuple[dict[str, QuantizedTensor], dict]:
     """Tune the rounding of the linears `weights` (block-relative name -> [out, in] float weight) of `block`
     jointly, against `samples.target`. Returns the quantized layers and a record (loss before and after, the step
     kept, seconds). `compute_dtype` (bfloat16): the block's matmuls run under autocast in it, as the pass's
     forwards do; the parameters, the rounding and the loss stay float32. `schemes` overrides the scheme per layer.
     `starts` (name -> [out, in]): the values to round instead of the weight itself, on the weight's grid (GPTQ's
-    solution: `init: gptq`). The block's own parameters are not changed (the caller replaces the layers with the
-    returned ones)."""
+    solution: `init: gptq`). `metric` [hidden, hidden] (block_metric): each token's output error weighed by it,
+    Δy M Δyᵀ, instead of |Δy|² (against the model's loss). The block's own parameters are not changed (the caller
+    replaces the layers with the returned ones)."""
     starts = starts or {}
     t0 = time.perf_counter()
     schemes = {name: (schemes or {}).get(name, scheme) for name in weights}
@@ -384,7 +444,7 @@ def tune_block(block: nn.Module, weights: dict[str, Tensor], scheme: QuantScheme
         """Window i's loss (over `windows`) and its gradient for each of `leaves` (None where it did not reach)."""
         with torch.autocast(device_type=device.type, dtype=compute_dtype) if cast else contextlib.nullcontext():
             out = _first(block(samples.hidden[i], **samples.kwargs[i]))
-        loss = (out.float() - samples.target[i].float()).pow(2).mean() / windows
+        loss = error_loss(out.float() - samples.target[i].float(), metric) / windows
         return float(loss.detach()), torch.autograd.grad(loss, leaves, allow_unused=True)
 
     def step_grads(idx: list[int]) -> tuple[float, list]:

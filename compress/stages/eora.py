@@ -133,6 +133,11 @@ class EoRAStage(StageBase):
         if self.weighting == "kl" and not any(getattr(s, "name", "") == "kl_hessians" for s in stages[:index]):
             raise ValueError(f"`stages.{index}` (eora, weighting: kl) fits against the layers' KL Hessians; put a "
                              "`- stage: kl_hessians` right before the quantize stage, or use weighting: input")
+        if self.weighting == "kl" and (tuned := [j for j, s in enumerate(stages[:index])
+                                                 if getattr(s, "method", None) == "autoround"]):
+            raise ValueError(f"`stages.{index}` (eora, weighting: kl): `stages.{tuned[0]}` is AutoRound, for which "
+                             "kl_hessians writes each block's output side, not the layers' two sides this fit reads; "
+                             "use weighting: input after AutoRound, or quantize with gptq or trellis")
         return self
 
     def plan(self, model: nn.Module, arch: ArchSpec, claimed: dict[str, int], index: int) -> EoRAPlan:

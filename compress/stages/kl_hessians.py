@@ -14,6 +14,15 @@ The Hessians are those of the model as it is before the calibration pass (after 
 distillation before this stage): the original model's KL. A smoothing stage between this stage and the quantize stage
 (awq, smoothquant) rescales the layers afterwards; GPTQ takes both sides into the layers' new coordinates
 (gptq_kron.as_scaled), so AWQ's scales and its clipping as GPTQ's grid combine with it.
+
+Before a `method: autoround` stage the pass writes, instead of the layers' sides, the Fisher at the output of each
+decoder block (hidden × hidden), and AutoRound tunes each block against Δy G Δyᵀ instead of its output's squared
+error (quantizers/autoround.py):
+
+    - stage: kl_hessians
+    - stage: quantize
+      method: autoround
+      scheme: {dtype: int2, granularity: group, group_size: 32, symmetric: false}
 """
 from __future__ import annotations
 
@@ -30,11 +39,18 @@ from ..arch import ArchSpec
 from ..calibrate.data import calibration_windows
 from ..core.nn import calibration_dtype, linear_shape
 from ..precision.output_hessians import complete, output_hessians, outside_blocks
+from ..quantizers import get_quantizer
 from ..quantizers.gptq_kron import kron_problem
 from ..threads import cpu_threads
 from .base import (MemoryBasis, MemoryPhase, ModelStageContext, Plan, StageBase, StageRecord, next_target,
         work_dir)
 from .quantize import plan_quantize
+
+
+def _block_sides(q) -> bool:
+    """Whether the quantize stage `q` tunes whole blocks (AutoRound), and so reads each block's output side, not its
+    layers' two sides."""
+    return get_quantizer(q.method).tune_block is not None
 
 FOLDER = "kl_hessians"  # inside the run's work folder
 
@@ -51,7 +67,8 @@ class KLHessiansRecord(StageRecord):
     seconds: float
     reused: bool  # a resumed run found the folder complete
     folder: str
-    disk_bytes: int  # the files, Σ (out² + in²) float32 values over the layers
+    disk_bytes: int  # the files, Σ (out² + in²) float32 values over the layers (blocks: hidden² per block)
+    sides: str = "layers"  # "layers": each layer's two sides (GPTQ, trellis); "blocks": each block's output (AutoRound)
 
 
 @dataclass(frozen=True)
@@ -86,19 +103,21 @@ class KLHessiansStage(StageBase):
         q = None if j is None else stages[j]
         if q is None or not hasattr(getattr(q, "options", None), "output_hessians"):
             raise ValueError(f"`stages.{index}` (kl_hessians) feeds the rounding of the quantize stage after it; put a "
-                             "`- stage: quantize` with `method: gptq` or `method: trellis` right after it")
+                             "`- stage: quantize` with `method: gptq`, `trellis` or `autoround` right after it")
         if later := [s.name for s in stages[index + 1:] if s.whole_model and not s.after_calibration]:
             raise ValueError(f"`stages.{index}` (kl_hessians): {', '.join(later)} after it would change the model "
                              "after its Hessians are taken; put kl_hessians after them, right before the quantize stage")
-        for s in q.schemes:
-            if (why := kron_problem(s)) is not None:
-                raise ValueError(f"`stages.{j}` scheme {s.name}: {why}")
+        if not _block_sides(q):  # AutoRound reads the block's side, on any scheme it takes
+            for s in q.schemes:
+                if (why := kron_problem(s)) is not None:
+                    raise ValueError(f"`stages.{j}` scheme {s.name}: {why}")
         return self
 
     def plan(self, model: nn.Module, arch: ArchSpec, claimed: dict[str, int], index: int) -> str:
         return (f"\nstage {index}: kl_hessians, each layer's KL Hessian in two Kronecker sides (Fisher, sampled labels) "
                 f"on {self.n_samples} calibration windows, block by block, for the rounding of the next quantize stage "
-                "(float32 files in the run's work folder: out² + in² values per layer)")
+                "(float32 files in the run's work folder: out² + in² values per layer; before AutoRound, each "
+                "block's output side instead: hidden² values per block)")
 
     def describe(self, plan: Plan, index: int) -> tuple[list[str], str]:
         return [plan.steps[index]], plan.steps[index].strip()
@@ -135,7 +154,12 @@ class KLHessiansStage(StageBase):
                              "output-side Hessians are not computed; add it to the quantize stage's `ignore:`")
         seq_len = self.seq_len or ctx.calibration.seq_len
         folder = work_dir(ctx.out) / FOLDER
-        need = sum(4 * (o * o + i * i) for o, i in (linear_shape(ctx.model.get_submodule(n)) for n in names))
+        by_block = _block_sides(q)
+        if by_block:
+            hidden = ctx.model.get_input_embeddings().weight.shape[-1]
+            need = 4 * hidden * hidden * len({n[len(ctx.arch.blocks) + 1:].split(".")[0] for n in names})
+        else:
+            need = sum(4 * (o * o + i * i) for o, i in (linear_shape(ctx.model.get_submodule(n)) for n in names))
         folder.parent.mkdir(parents=True, exist_ok=True)
         if (free := shutil.disk_usage(folder.parent).free) < need:
             raise ValueError(f"stage {index} (kl_hessians): the layers' KL Hessians take {need / 1e9:.1f} GB on disk "
@@ -144,12 +168,13 @@ class KLHessiansStage(StageBase):
         windows = calibration_windows(ctx.calibration.source(), ctx.tokenizer, ctx.model, self.n_samples, seq_len,
                                       ctx.calibration.seed)
         t0 = time.perf_counter()
-        reused = ctx.resume and complete(folder, names, self.seed, int(windows.numel()))
+        reused = ctx.resume and complete(folder, names, self.seed, int(windows.numel()), by_block)
         if reused:
             ctx.log(f"stage {index}: kl_hessians — reusing the output-side Hessians in {folder}")
         else:
-            ctx.log(f"stage {index}: kl_hessians — the KL Hessians (two sides) of {len(names)} layers on {self.n_samples} × "
-                    f"{seq_len} calibration tokens ...")
+            what = ("the Fisher at each block's output, for AutoRound's loss," if by_block
+                    else f"the KL Hessians (two sides) of {len(names)} layers")
+            ctx.log(f"stage {index}: kl_hessians — {what} on {self.n_samples} × {seq_len} calibration tokens ...")
             bar = tqdm(desc="kl hessians", unit="step", disable=not ctx.progress, leave=False)
 
             def progress(what: str, done: int, total: int) -> None:
@@ -162,11 +187,12 @@ class KLHessiansStage(StageBase):
                 dtype = calibration_dtype(ctx.calibration.dtype, device)
                 with cpu_threads(ctx.calibration.threads):  # the calibration's threads and matmul dtype
                     output_hessians(ctx.model, windows, names, folder, self.seed, progress, blocks=ctx.blocks,
-                                    device=ctx.device, compute_dtype=getattr(torch, dtype))
+                                    device=ctx.device, compute_dtype=getattr(torch, dtype), block_sides=by_block)
             finally:
                 bar.close()
         return KLHessiansRecord(index, self.name, len(names), int(windows.shape[0]), seq_len, int(windows.numel()),
-                                self.seed, time.perf_counter() - t0, reused, str(folder), need).to_json()
+                                self.seed, time.perf_counter() - t0, reused, str(folder), need,
+                                "blocks" if by_block else "layers").to_json()
 
     def resolve_stages(self, stages: tuple, index: int, section: dict) -> tuple:
         j = next_target(stages, index)
@@ -177,7 +203,10 @@ class KLHessiansStage(StageBase):
     @staticmethod
     def render(section: dict, models: dict) -> list[str]:
         how = "reused from an interrupted run" if section.get("reused") else f"{section['seconds']:.1f} s"
+        if section.get("sides") == "blocks":
+            what, use = "The Fisher at the output of each decoder block", "AutoRound's loss in the next stage"
+        else:
+            what, use = f"The two sides of {section['layers']} layers' KL Hessians", "the rounding of the next stage"
         return ["", f"## Stage {section['index']}: kl_hessians",
-                f"The output side of {section['layers']} layers' KL Hessians (the Fisher with labels sampled from the "
-                f"model), on {section['windows']} × {section['seq_len']} calibration tokens ({how}), for the GPTQ "
-                "of the next stage."]
+                f"{what} (labels sampled from the model), on {section['windows']} × {section['seq_len']} calibration "
+                f"tokens ({how}), for {use}."]

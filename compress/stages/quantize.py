@@ -21,7 +21,7 @@ from ..core.nn import QuantLinear, is_linear, kernel_for, linear_shape, linear_w
 from ..calibrate.deferred import deferrable
 from ..calibrate.observers import BlockObserver
 from ..quantizers import LayerInputs, build_options, get_quantizer
-from ..quantizers.autoround import tuning_workers
+from ..quantizers.autoround import block_metric, tuning_workers
 from ..threads import run_groups
 from ..core.scheme import W4A16_G64, QuantScheme
 from ..core.trellis import TrellisLinear, TrellisTensor
@@ -274,11 +274,17 @@ class QuantizeStage(StageBase):
             t0 = time.perf_counter()
             kw["starts"] = {rel: gptq_start(w, entries[rel].scheme, block.inputs(rel)) for rel, w in weights.items()}
             t_init = round(time.perf_counter() - t0, 2)
+        if folder := getattr(self.options, "output_hessians", ""):  # against the model's loss (a kl_hessians stage)
+            hidden = samples.target[0].shape[-1]
+            kw["metric"] = block_metric(folder, block.prefix, hidden, self.options.kl_dampening).to(
+                samples.target[0].device)
         tuned, record = get_quantizer(self.method).tune_block(
             block.module, weights, self.scheme, self.options, samples, dtype,
             {rel: e.scheme for rel, e in entries.items()}, **kw)
         if t_init is not None:
             record.update(init="gptq", init_seconds=t_init)
+        if "metric" in kw:
+            record.update(loss="block-output Fisher")
         ctx.records[index][block.prefix] = {"tuning": record}  # beside the layers' records (saved on resume)
         return tuned
 
