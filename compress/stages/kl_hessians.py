@@ -46,13 +46,13 @@ from .base import (MemoryBasis, MemoryPhase, ModelStageContext, Plan, StageBase,
         work_dir)
 from .quantize import plan_quantize
 
+FOLDER = "kl_hessians"  # inside the run's work folder
+
 
 def _block_sides(q) -> bool:
     """Whether the quantize stage `q` tunes whole blocks (AutoRound), and so reads each block's output side, not its
     layers' two sides."""
     return get_quantizer(q.method).tune_block is not None
-
-FOLDER = "kl_hessians"  # inside the run's work folder
 
 
 @dataclass
@@ -124,7 +124,9 @@ class KLHessiansStage(StageBase):
 
     def memory_phases(self, basis: MemoryBasis) -> list[MemoryPhase]:
         """Every block's input kept for each window, one block's output-side sums, one window's backward through a
-        block, the logits at the top; besides the weights or, streamed, one block and the embedding and head."""
+        block, the logits at the top; besides the weights or, streamed, one block and the embedding and head. Before
+        AutoRound the sums are one hidden² side per block, counted here as the layers' sides (an upper bound: the
+        basis does not say which method follows)."""
         if basis.calibration is None:
             return []
         size, width = basis.size, basis.width
