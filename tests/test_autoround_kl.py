@@ -15,7 +15,7 @@ from compress.precision.mixed import sample_labels
 from compress.precision.output_hessians import INDEX, complete, output_hessians
 from compress.quantizers.autoround import (KEY_BLOCK, AutoRoundOptions, BlockSamples, block_fisher_path,
                                            block_metric, error_loss, tune_block)
-from tests.conftest import make_tiny_model, run_tiny_recipe, tiny_recipe
+from tests.conftest import make_tiny_model, requires_data, run_tiny_recipe, tiny_recipe
 from tests.test_autoround import _OneLinear
 
 AR_INT3 = {"stage": "quantize", "method": "autoround", "ignore": ["lm_head"], "options": {"iters": 10, "batch_size": 2},
@@ -150,3 +150,23 @@ def test_eora_against_the_layers_kl_is_refused_after_autoround(tmp_path):
                                            {"stage": "eora", "rank": 4, "weighting": "kl"}], {"perplexity": False}))
     assert load_recipe(tiny_recipe(tmp_path, [{"stage": "kl_hessians"}, {**AR_INT3, "scheme": {
         "dtype": "int4", "granularity": "tensor", "symmetric": True}}], {"perplexity": False}))  # any AutoRound scheme
+
+
+@requires_data
+def test_streamed_equals_in_memory(tmp_path):
+    """A streamed run's pass reads the blocks from disk one at a time: the same block Fishers, so the same AutoRound
+    tensors as in memory."""
+    from compress.export.shards import read_safetensors
+    from compress.pipeline.resident import run
+    from tests.test_streaming import _folder, _recipe
+
+    folder, _ = _folder(tmp_path, "llama")
+    stages = [{"stage": "kl_hessians", "n_samples": 2}, {**AR_INT3, "ignore": []}]
+    tensors = {}
+    for mode in ("never", "always"):
+        out = tmp_path / f"out-{mode}"
+        report = run(_recipe(folder, out, stages, mode), progress=False, log=lambda *a: None)
+        assert ("streamed" in report) == (mode == "always")
+        tensors[mode] = read_safetensors(out)
+    assert tensors["never"].keys() == tensors["always"].keys()
+    assert all(torch.equal(tensors["never"][k], tensors["always"][k]) for k in tensors["never"])
