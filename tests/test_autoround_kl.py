@@ -11,12 +11,12 @@ from torch import nn
 
 from compress.calibrate.blockwise import _first
 from compress.core.scheme import QuantScheme
-from compress.precision.mixed import sample_labels
 from compress.precision.output_hessians import INDEX, complete, output_hessians
 from compress.quantizers.autoround import (KEY_BLOCK, AutoRoundOptions, BlockSamples, block_fisher_path,
                                            block_metric, error_loss, tune_block)
 from tests.conftest import make_tiny_model, requires_data, run_tiny_recipe, tiny_recipe
 from tests.test_autoround import _OneLinear
+from tests.test_kl_hessians import codes_differ_from_plain, sampled_backward
 
 AR_INT3 = {"stage": "quantize", "method": "autoround", "ignore": ["lm_head"], "options": {"iters": 10, "batch_size": 2},
            "scheme": {"dtype": "int3", "granularity": "group", "group_size": 16, "symmetric": False}}
@@ -36,14 +36,7 @@ def _block_fishers(model: nn.Module, windows: torch.Tensor, seed: int) -> list[t
             _first(out).register_hook(g_hook)
         return f
 
-    handles = [layer.register_forward_hook(hook(b)) for b, layer in enumerate(layers)]
-    gen = torch.Generator().manual_seed(seed)
-    for w in windows:
-        logits = model(w[None]).logits[0]
-        nn.functional.cross_entropy(logits, sample_labels(logits, gen), reduction="sum").backward()
-    for h in handles:
-        h.remove()
-    model.zero_grad()
+    sampled_backward(model, windows, seed, [layer.register_forward_hook(hook(b)) for b, layer in enumerate(layers)])
     return sums
 
 
@@ -121,8 +114,6 @@ def test_the_metric_moves_the_error_where_the_loss_does_not_look():
 def test_a_run_tunes_against_the_block_fishers(tmp_path):
     """kl_hessians before AutoRound writes one Fisher per block (not the layers' sides), the resolved recipe points
     AutoRound at them, every block's tuning says which loss it took, and the codes differ from plain AutoRound's."""
-    from safetensors import safe_open
-
     out = run_tiny_recipe(tmp_path, [{"stage": "kl_hessians", "n_samples": 2}, AR_INT3], {"perplexity": False})
     report = json.loads((out / "report.json").read_text())
     section = next(s for s in report["stages"] if s["stage"] == "kl_hessians")
@@ -134,13 +125,7 @@ def test_a_run_tunes_against_the_block_fishers(tmp_path):
     assert all(t["loss"] == "block-output Fisher" for t in tuning.values())
     assert "output_hessians:" in (out / "recipe.resolved.yaml").read_text()
     assert "output of each decoder block" in (out / "report.md").read_text()
-    plain = tmp_path / "plain"
-    plain.mkdir()
-    run_tiny_recipe(plain, [AR_INT3], {"perplexity": False})
-    name = "model.layers.1.mlp.down_proj.qdata"
-    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as a, \
-            safe_open(str(next((plain / "out").glob("*.safetensors"))), "pt") as b:
-        assert not torch.equal(a.get_tensor(name), b.get_tensor(name))
+    assert codes_differ_from_plain(tmp_path, out, AR_INT3)
 
 
 def test_eora_against_the_layers_kl_is_refused_after_autoround(tmp_path):

@@ -34,7 +34,14 @@ def _whole_model(model: nn.Module, windows: torch.Tensor, names: list[str], seed
             out.register_hook(g_hook)
         return f
 
-    handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in names]
+    sampled_backward(model, windows, seed, [model.get_submodule(n).register_forward_hook(hook(n)) for n in names])
+    return sums
+
+
+def sampled_backward(model: nn.Module, windows: torch.Tensor, seed: int, handles: list) -> None:
+    """Each window forward and back through the whole model, the labels sampled from its logits by a generator seeded
+    `seed` (in the windows' order, as the block-by-block pass draws them); `handles` (hooks summing what the test
+    wants) removed after."""
     gen = torch.Generator().manual_seed(seed)
     for w in windows:
         logits = model(w[None]).logits[0]
@@ -42,7 +49,6 @@ def _whole_model(model: nn.Module, windows: torch.Tensor, names: list[str], seed
     for h in handles:
         h.remove()
     model.zero_grad()
-    return sums
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "mixtral"])
@@ -86,15 +92,22 @@ def test_a_run_rounds_against_them(tmp_path):
     resolved = (out / "recipe.resolved.yaml").read_text()
     assert "output_hessians:" in resolved and "kl_hessians" in resolved
     assert "kl_hessians" in (out / "report.md").read_text()
+    assert codes_differ_from_plain(tmp_path, out, GPTQ_INT3)
+    assert load_recipe(tiny_recipe(tmp_path, [{"stage": "kl_hessians"}, GPTQ_INT3], {"perplexity": False}))
+
+
+def codes_differ_from_plain(tmp_path, out, stage: dict) -> bool:
+    """Whether the run in `out` stored other codes for layer 1's down_proj than a run of `stage` alone (written to
+    tmp_path/plain)."""
+    from safetensors import safe_open
+
     plain = tmp_path / "plain"
     plain.mkdir()
-    run_tiny_recipe(plain, [GPTQ_INT3], {"perplexity": False})
-    from safetensors import safe_open
+    run_tiny_recipe(plain, [stage], {"perplexity": False})
     name = "model.layers.1.mlp.down_proj.qdata"
     with safe_open(str(next(out.glob("*.safetensors"))), "pt") as a, \
             safe_open(str(next((plain / "out").glob("*.safetensors"))), "pt") as b:
-        assert not torch.equal(a.get_tensor(name), b.get_tensor(name))
-    assert load_recipe(tiny_recipe(tmp_path, [{"stage": "kl_hessians"}, GPTQ_INT3], {"perplexity": False}))
+        return not torch.equal(a.get_tensor(name), b.get_tensor(name))
 
 
 @pytest.mark.parametrize("stages, match", [
