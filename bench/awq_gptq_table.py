@@ -97,6 +97,7 @@ RUNS = {  # name: (recipe, extra --set overrides)
     "kl+awq(grid clip)+gptq int3": ("recipes/gptq_int4.yaml", [KL_AWQ_GPTQ % ("int3", 64)]),
     "kl+autoround int2 g32": ("recipes/gptq_int4.yaml", [KL_AR % ("int2", 32)]),
     "kl+autoround int3": ("recipes/gptq_int4.yaml", [KL_AR % ("int3", 64)]),
+    "kl+autoround int4": ("recipes/gptq_int4.yaml", [KL_AR % ("int4", 64)]),
     **{f"kl+gptq+eora({how}) r{r} int3": ("recipes/gptq_int4.yaml", [
         (KL_GPTQ % ("int3", 64))[:-1] + ", " + EORA_KL % (r, how.split()[0], "alloc" in how) + "]"])
        for how, r in (("input", 8), ("kl", 8), ("kl alloc", 8), ("kl alloc", 16))},
