@@ -46,6 +46,15 @@ def outside_blocks(model: nn.Module, names: list[str]) -> list[str]:
     return [n for n in names if not n.startswith(prefix)]
 
 
+def owning_blocks(model: nn.Module, names: list[str]) -> dict[int, list[str]]:
+    """The layers of `names` (inside the decoder blocks) by the index of the block that holds them."""
+    prefix = get_arch(model).blocks + "."
+    owner: dict[int, list[str]] = {}
+    for n in names:
+        owner.setdefault(int(n[len(prefix):].split(".")[0]), []).append(n)
+    return owner
+
+
 def complete(folder: Path, names: list[str], seed: int, tokens: int, block_sides: bool = False) -> bool:
     """Whether `folder` already holds these layers' Hessians (or, `block_sides`, their blocks' output Fishers) from
     the same windows and seed (a resumed run)."""
@@ -73,9 +82,7 @@ def output_hessians(model: nn.Module, windows: Tensor, names: list[str], folder:
                          "quantize stage (`ignore:`) or quantize it in a stage of its own")
     folder.mkdir(parents=True, exist_ok=True)
     n_blocks = len(arch.block_list(model))
-    owner: dict[int, list[str]] = {}
-    for n in names:
-        owner.setdefault(int(n[len(arch.blocks) + 1:].split(".")[0]), []).append(n)
+    owner = owning_blocks(model, names)
     if device is None:
         device = model.get_input_embeddings().weight.device
     blocks = blocks or ResidentBlocks(model, arch, offload=device)
@@ -200,4 +207,4 @@ def _autocast(device, dtype: torch.dtype | None):
                           enabled=dtype is not None and dtype != torch.float32)
 
 
-__all__ = ["INDEX", "complete", "outside_blocks", "output_hessians"]
+__all__ = ["INDEX", "complete", "outside_blocks", "output_hessians", "owning_blocks"]

@@ -376,7 +376,7 @@ def error_loss(d: Tensor, metric: Tensor | None) -> Tensor:
     mean over tokens of d M dᵀ / hidden (equal to mean(d²) at M = I)."""
     if metric is None:
         return d.pow(2).mean()
-    return (d @ metric.to(d.device)).mul_(d).mean()
+    return (d @ metric).mul_(d).mean()
 
 
 @dataclass

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from ..arch import ArchSpec
 from ..calibrate.data import calibration_windows
 from ..core.nn import calibration_dtype, linear_shape
-from ..precision.output_hessians import complete, output_hessians, outside_blocks
+from ..precision.output_hessians import complete, output_hessians, outside_blocks, owning_blocks
 from ..quantizers import get_quantizer
 from ..quantizers.gptq_kron import kron_problem
 from ..threads import cpu_threads
@@ -159,7 +159,7 @@ class KLHessiansStage(StageBase):
         by_block = _block_sides(q)
         if by_block:
             hidden = ctx.model.get_input_embeddings().weight.shape[-1]
-            need = 4 * hidden * hidden * len({n[len(ctx.arch.blocks) + 1:].split(".")[0] for n in names})
+            need = 4 * hidden * hidden * len(owning_blocks(ctx.model, names))
         else:
             need = sum(4 * (o * o + i * i) for o, i in (linear_shape(ctx.model.get_submodule(n)) for n in names))
         folder.parent.mkdir(parents=True, exist_ok=True)
