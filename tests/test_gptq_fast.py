@@ -20,10 +20,19 @@ from compress.stages.quantize import QuantizeStage, apply_quantize, plan_quantiz
 from compress.threads import cpu_threads
 from tests.conftest import make_tiny_model
 from tests.reference import gptq_plain
+from tests.test_gptq_loop import unfused_block
 
 SCHEMES = {"int4_g32_asym": scheme("int4", "group", 32, False), "int3_g64": scheme("int3", "group", 64, True),
            "int4_channel": scheme("int4", "channel", symmetric=False), "int8_tensor": scheme("int8", "tensor"),
            "fp8_channel": FP8_W8A16, "nvfp4": NVFP4A16, "mxfp4": MXFP4A16}
+
+
+@pytest.fixture(autouse=True)
+def unfused_loop(monkeypatch):
+    """These tests hold the solve's structure (transposed blocks, shared factors, workers) to the plain form bit for
+    bit: the integer grids' loop runs unfused here, as the plain form's update does (its fused update, which moves
+    near-tie codes, is bounded in tests/test_gptq_loop.py)."""
+    monkeypatch.setattr(gptq, "compiled_integer_block", lambda: unfused_block)
 
 
 def plain_gptq(*args, **kw):

@@ -20,6 +20,7 @@ from torch import Tensor
 from ..core.primitives import FP8_DTYPES, cast_float, compute_qparams, global_scale, group_view, shrink_range
 from ..core.qtensor import QuantizedTensor
 from ..core.scheme import QuantScheme, replace_granularity
+from .gptq_loop import compiled_integer_block
 
 
 @dataclass(frozen=True)
@@ -327,7 +328,9 @@ def quantize_gptq(w: Tensor, hessian: Tensor | HessianFactor, scheme: QuantSchem
 # row), and each column's error is written straight into its row of the block's error matrix. Every element goes
 # through the same float operations, in the same order, as the plain form (W[:, j:i2] -= err[:, None] *
 # h_inv[j, j:i2]; the lazy update err_block @ h_inv[i1:i2, i2:] on the same [N, B] layout), so the codes and scales
-# are bit for bit those of that form (tests/test_gptq.py checks against it, tests/reference/gptq_plain.py).
+# are bit for bit those of that form (tests/test_gptq_fast.py checks against it, tests/reference/gptq_plain.py),
+# except on fixed integer grids (act_order, channel, tensor), whose block loop is gptq_loop.py's compiled one with
+# the in-block update fused (one rounding instead of two; tests/test_gptq_loop.py bounds the difference).
 
 def _update_buffer(W: Tensor, block_size: int) -> Tensor:
     """Room for the largest lazy update, [N, K - block_size], allocated once: a fresh product per block costs
@@ -366,6 +369,7 @@ def _static_columns(W: Tensor, h_inv: Tensor, scheme: QuantScheme, block_size: i
     """GPTQ's column loop on grids fixed up front (act_order, channel, tensor): W's columns become their codes."""
     n_rows, k = W.shape
     buf = _update_buffer(W, block_size)
+    loop = None if scheme.is_float else compiled_integer_block()
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
         wt = W[:, i1:i2].T.contiguous()  # [B, N]
@@ -374,11 +378,14 @@ def _static_columns(W: Tensor, h_inv: Tensor, scheme: QuantScheme, block_size: i
         s_t = scale_tab[:, cols].T.contiguous()  # [B, N or 1]: each column's grid
         z_t = None if zero_tab is None else zero_tab[:, cols].T.contiguous()
         hb = h_inv[i1:i2, i1:i2]
-        for jj in range(i2 - i1):
-            q = _quantize_column(wt[jj], s_t[jj], None if z_t is None else z_t[jj], scheme, et[jj], hb[jj, jj])
-            if jj + 1 < i2 - i1:
-                wt[jj + 1:] -= hb[jj, jj + 1:, None] * et[jj]
-            wt[jj] = q  # column j is final: its slot now holds the code
+        if loop is not None:  # the same operations as below, compiled (gptq_loop.py)
+            loop(wt, et, s_t, z_t, hb, float(scheme.qmin), float(scheme.qmax))
+        else:
+            for jj in range(i2 - i1):
+                q = _quantize_column(wt[jj], s_t[jj], None if z_t is None else z_t[jj], scheme, et[jj], hb[jj, jj])
+                if jj + 1 < i2 - i1:
+                    wt[jj + 1:] -= hb[jj, jj + 1:, None] * et[jj]
+                wt[jj] = q  # column j is final: its slot now holds the code
         W[:, i1:i2] = wt.T
         _lazy_update(W, et, h_inv, i1, i2, buf)
 
