@@ -392,11 +392,12 @@ def matmul_dtype(inputs: BlockInputs, compute_dtype: torch.dtype | None) -> torc
 
 
 @contextlib.contextmanager
-def linear_weights_in(block: nn.Module, dtype: torch.dtype):
+def linear_weights_in(block: nn.Module, dtype: torch.dtype, exclude: tuple[nn.Module, ...] = ()):
     """The float linear weights of `block` held as `dtype` copies for a burst of autocast forwards (autocast would
-    otherwise cast every weight on every call); the float32 weights are back on exit, untouched."""
+    otherwise cast every weight on every call); the float32 weights are back on exit, untouched. `exclude`: linears
+    left as they are (those whose weights the caller swaps itself)."""
     saved = [(m, m.weight.data) for m in block.modules() if is_linear(m) and not isinstance(m, QuantLinear)
-             and m.weight.dtype != dtype]
+             and m.weight.dtype != dtype and not any(m is e for e in exclude)]
     try:
         for m, w in saved:
             m.weight.data = w.to(dtype)

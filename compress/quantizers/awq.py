@@ -12,6 +12,7 @@ the following `quantize` stage stores them (RTN or GPTQ), so there is one RTN, i
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable
 
@@ -19,12 +20,14 @@ import torch
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
+from ..calibrate.blockwise import linear_weights_in
 from ..calibrate.deferred import map_windows
 from ..calibrate.distributed import all_windows, mean_over_ranks, total_over_ranks
 from ..core.primitives import group_range, group_view
 from ..core.scheme import QuantScheme
 from ..transforms.smoothing import (replay_dtype, PairResult, fold_scales, in_weight, pooled_stats, replay,
         replay_autocast, usable_pairs)
+from ..threads import cpu_threads
 from .rtn import fake_quantize
 
 
@@ -126,17 +129,57 @@ def apply_clip(m: nn.Module, lo: Tensor, hi: Tensor, scheme: QuantScheme) -> Non
 
 # ---------------------------------------------------------------- one decoder block
 
+def slice_rows(w: Tensor, scheme: QuantScheme) -> int:
+    """Rows of a [out, in] weight that fake_quantize may take at a time with the whole weight's result bit for bit
+    (every operation is per row group): on a CPU about 64K values, so that a slice's temporaries stay in the core's
+    cache (a 1536 x 576 trial: 3.6 ms in slices against 7.0 ms whole, one thread); the whole weight on an
+    accelerator, or where the scales span rows (per tensor, 2-D blocks) or there is a per-tensor scale (NVFP4)."""
+    if w.device.type != "cpu" or scheme.granularity not in ("group", "channel") or scheme.has_global_scale:
+        return w.shape[0]
+    return max(1, SLICE_VALUES // w.shape[1])
+
+
+SLICE_VALUES = 1 << 16
+
+
+def one_thread(device: torch.device):
+    """torch's CPU threads at one for a burst of element-wise work on cache-sized slices (the trial weights, the
+    clipping search): on the 2-core machines we measure, such work is 1.3-2.5x slower on two OpenMP threads than on
+    one, and slower still split between two Python threads (each small operation hands the interpreter lock over).
+    A CPU of many cores gives up its intra-op threads here; the replays, most of the search, keep them. Unchanged
+    on an accelerator."""
+    return cpu_threads(1) if device.type == "cpu" else contextlib.nullcontext()
+
+
+@torch.no_grad()
+def scaled_trials(balance: list[nn.Module], s: Tensor, schemes: list[QuantScheme], dtype: torch.dtype) -> list[Tensor]:
+    """The scale search's trial weights of the linears in `balance`: Q(W * s) / s (s [K] per input channel), each in
+    its module's own weight layout, as `dtype`. Computed in slices of slice_rows rows on one_thread: the same values
+    as on the whole weights, bit for bit."""
+    outs, pieces = [], []
+    for m, sch in zip(balance, schemes):
+        w = in_weight(m)
+        out = torch.empty(m.weight.shape, dtype=dtype, device=w.device)
+        view = out.t() if isinstance(m, Conv1D) else out  # [out, in], written in the module's layout
+        rows = slice_rows(w, sch)
+        pieces += [(w, view, sch, r, rows) for r in range(0, w.shape[0], rows)]
+        outs.append(out)
+
+    with one_thread(s.device):
+        for w, view, sch, r, rows in pieces:
+            view[r:r + rows] = fake_quantize(w[r:r + rows].float() * s[None, :], sch).div_(s[None, :])
+    return outs
+
+
 @torch.no_grad()
 def _replay_loss(inspect: nn.Module, calls, reference: list[Tensor], balance: list[nn.Module], s: Tensor,
                  schemes: list[QuantScheme]) -> float:
     """MSE of the inspect module's output with balance weights fake-quantized as Q(W * s) / s, each in its scheme."""
     originals = [m.weight.data for m in balance]
     try:
-        for m, sch in zip(balance, schemes):
-            w = in_weight(m).float()
-            trial = fake_quantize(w * s[None, :], sch).div_(s[None, :])
-            # held in the replay's matmul dtype: the same values autocast would produce, cast once, not per call
-            m.weight.data = (trial.t() if isinstance(m, Conv1D) else trial).to(replay_dtype(originals[0])).contiguous()
+        # held in the replay's matmul dtype: the same values autocast would produce, cast once, not per call
+        for m, trial in zip(balance, scaled_trials(balance, s, schemes, replay_dtype(originals[0]))):
+            m.weight.data = trial
         def loss(k: int) -> float:  # a replay's output compared as it comes (on a worker thread: map_windows)
             with replay_autocast(originals[0]):
                 out = inspect(*calls[k].args, **calls[k].kwargs)
@@ -171,29 +214,35 @@ def awq_block(block: nn.Module, pairs, observer, stage, scheme: QuantScheme, qua
         balance_schemes = [schemes[n] for n in pair.balance_names]
         w_mean = weight_mean([in_weight(m) for m in balance], balance_schemes[0]) if stage.duo_scaling else None
         inspect = block.get_submodule(pair.inspect_name)
-        with replay_autocast(balance[0].weight):
-            reference = replay(inspect, calls)
-        s, ratio, loss, loss0 = search_scales(
-            stats.abs_mean, lambda sc: _replay_loss(inspect, calls, reference, balance, sc, balance_schemes), stage.n_grid,
-            w_mean)
+        dtype = replay_dtype(balance[0].weight)
+        # the inspect module's other linears (o_proj after q/k/v, down_proj after gate/up) held in the replays'
+        # matmul dtype for the search: the values autocast casts them to, once instead of in every replay
+        with linear_weights_in(inspect, dtype, exclude=tuple(balance)) if dtype != torch.float32 else \
+                contextlib.nullcontext():
+            with replay_autocast(balance[0].weight):
+                reference = replay(inspect, calls)
+            s, ratio, loss, loss0 = search_scales(
+                stats.abs_mean, lambda sc: _replay_loss(inspect, calls, reference, balance, sc, balance_schemes),
+                stage.n_grid, w_mean)
         fold_scales(pair, s, norm_offset, input_divisor)
         results.append(PairResult(pair.label, ratio, loss, loss0))
     if stage.clip:
-        for name in sorted(quantized):
-            if name in no_clip or name not in observer.stats or schemes[name].granularity == "tensor":
-                continue
-            st = observer.stats[name]
-            kept = all_windows(st.kept, st.kept_at)
-            if not kept:  # an expert no replayed window reached: its range stays as it is
-                continue
-            x = torch.cat(kept)  # [T, K]; with several processes, every rank's windows
-            x = x[:: max(1, x.shape[0] // stage.clip_tokens)][: stage.clip_tokens]
-            if name in input_divisor:
-                x = x / input_divisor[name][None, :]
-            m = block.get_submodule(name)
-            lo, hi = search_clip(in_weight(m), x, schemes[name], stage.clip_grid, stage.max_shrink)
-            if clip_into is not None:
-                clip_into[name] = clip_factor(in_weight(m), lo, hi, schemes[name])
-            else:
-                apply_clip(m, lo, hi, schemes[name])
+        with one_thread(next(block.parameters()).device):  # search_clip's ranges do not depend on the threads (tested)
+            for name in sorted(quantized):
+                if name in no_clip or name not in observer.stats or schemes[name].granularity == "tensor":
+                    continue
+                st = observer.stats[name]
+                kept = all_windows(st.kept, st.kept_at)
+                if not kept:  # an expert no replayed window reached: its range stays as it is
+                    continue
+                x = torch.cat(kept)  # [T, K]; with several processes, every rank's windows
+                x = x[:: max(1, x.shape[0] // stage.clip_tokens)][: stage.clip_tokens]
+                if name in input_divisor:
+                    x = x / input_divisor[name][None, :]
+                m = block.get_submodule(name)
+                lo, hi = search_clip(in_weight(m), x, schemes[name], stage.clip_grid, stage.max_shrink)
+                if clip_into is not None:
+                    clip_into[name] = clip_factor(in_weight(m), lo, hi, schemes[name])
+                else:
+                    apply_clip(m, lo, hi, schemes[name])
     return results
