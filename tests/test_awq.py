@@ -17,7 +17,7 @@ from compress.quantizers.awq import clip_factor, search_clip, search_scales
 from compress.quantizers.rtn import fake_quantize
 from compress.transforms.smoothing import apply_smoothing, in_weight, out_channels
 from compress.recipe import from_dict
-from compress.core.scheme import scheme
+from compress.core.scheme import FP8_W8A16, MXFP4A16, NVFP4A16, scheme
 from tests.conftest import TINY_CONFIGS, make_tiny_model
 from tests.reference.naive_awq import naive_awq_search, naive_fake_quantize
 
@@ -405,3 +405,42 @@ def test_awq_block_search_equals_a_plain_grid_search(pair, offset, sch, duo, flo
             acts = [nn.functional.silu(m.gate(h)) * m.up(h) for h in (block.norm(x) for x in samples[:keep])]  # a / s
             outs = [a.double() @ naive_fake_quantize(m.down.weight, sch).double().T for a in acts]
     assert _mse(outs, refs) == pytest.approx(res.loss, rel=1e-5)
+
+
+# ---------------------------------------------------------------- the search's work in slices, on one thread
+
+@pytest.mark.parametrize("sch", [scheme("int4", "group", 64, False), scheme("int3", "group", 32, True),
+                                 scheme("int8", "channel"), FP8_W8A16, MXFP4A16, NVFP4A16], ids=lambda s: s.name)
+@pytest.mark.parametrize("conv1d", [False, True], ids=["linear", "conv1d"])
+def test_scaled_trials_are_the_whole_weight_computation_bit_for_bit(monkeypatch, sch, conv1d):
+    """The scale search's trial weights, Q(W s) / s in the module's layout, computed in slices of a few rows (here
+    7 rows a slice and a short last one) are the whole weight's, bit for bit; NVFP4's per-tensor scale keeps it whole."""
+    import compress.quantizers.awq as awq
+    from transformers.pytorch_utils import Conv1D
+
+    monkeypatch.setattr(awq, "SLICE_VALUES", 1000)
+    torch.manual_seed(0)
+    m = Conv1D(200, 128) if conv1d else nn.Linear(128, 200, bias=False)
+    nn.init.normal_(m.weight, std=0.05)
+    s = torch.rand(128) + 0.5
+    whole = fake_quantize(in_weight(m).float() * s[None, :], sch).div_(s[None, :])
+    whole = whole.t() if conv1d else whole
+    for dtype in (torch.bfloat16, torch.float32):
+        (got,) = awq.scaled_trials([m], s, [sch], dtype)
+        assert got.shape == m.weight.shape and got.is_contiguous()
+        assert torch.equal(got, whole.to(dtype))
+    assert awq.slice_rows(in_weight(m), sch) == (200 if sch.has_global_scale else 7)
+
+
+def test_clip_search_does_not_depend_on_the_thread_count():
+    """awq_block runs the clipping search on one thread (quantizers/awq.one_thread): the ranges are those of two."""
+    from compress.threads import cpu_threads
+
+    torch.manual_seed(1)
+    w, x = torch.randn(300, 256) * 0.05, _salient_inputs(n=512, k=256)
+    for sch in (scheme("int4", "group", 64, False), scheme("int3", "group", 32, True)):
+        with cpu_threads(1):
+            one = search_clip(w, x, sch)
+        with cpu_threads(2):
+            two = search_clip(w, x, sch)
+        assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
