@@ -35,7 +35,7 @@ class GPTQConfig:
     # ~14.5 s on one CPU thread), not bit for bit. On by default: on the embedded model (recipes/gptq_int4.yaml)
     # KL is 0.1378 with it, 0.1355 with the textbook float32 factor and 0.1371 with the textbook factor computed in
     # float64 (the most exact of the three): the spread is the factor's rounding, not a loss (false: the textbook
-    # factor, bit for bit the solves before issue 49)
+    # factor, the solves before issue 49 but for gptq_loop.py's fused update on fixed integer grids)
     fast_factor: bool = True
     # a folder of each layer's two sides of the whole model's KL Hessian (the kl_hessians stage writes it; one
     # `<layer>.safetensors` per layer; quantizers/gptq_kron.py). Empty: plain GPTQ, the layer's own output error
