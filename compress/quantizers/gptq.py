@@ -378,7 +378,7 @@ def _static_columns(W: Tensor, h_inv: Tensor, scheme: QuantScheme, block_size: i
         s_t = scale_tab[:, cols].T.contiguous()  # [B, N or 1]: each column's grid
         z_t = None if zero_tab is None else zero_tab[:, cols].T.contiguous()
         hb = h_inv[i1:i2, i1:i2]
-        if loop is not None:  # the same operations as below, compiled (gptq_loop.py)
+        if loop is not None:  # the loop below compiled, its in-block update fused (gptq_loop.py)
             loop(wt, et, s_t, z_t, hb, float(scheme.qmin), float(scheme.qmax))
         else:
             for jj in range(i2 - i1):
