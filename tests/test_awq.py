@@ -444,3 +444,31 @@ def test_clip_search_does_not_depend_on_the_thread_count():
         with cpu_threads(2):
             two = search_clip(w, x, sch)
         assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+def test_holding_the_inspect_modules_other_linears_in_bf16_changes_nothing(monkeypatch):
+    """On the bf16 replay path awq_block holds the inspect module's linears other than the balance ones (here the MLP's
+    down after gate/up) in bf16 for the search, the values autocast would cast them to: the chosen exponent, its loss
+    and the folded weights are those of a search that lets autocast cast them per replay, bit for bit. (Holding the
+    balance linears too would give the trials bf16-rounded weights to start from.)"""
+    import contextlib
+
+    import compress.core.nn
+    import compress.quantizers.awq as awq
+    from compress.stages.awq import AWQStage
+
+    monkeypatch.setattr(compress.core.nn, "cpu_has_bf16", lambda: True)  # the bf16 path, whatever this CPU has
+    sch, stage, outcomes = scheme("int4", "group", G, True), AWQStage(n_grid=8, search_samples=2, clip=False), []
+    for hold in (True, False):
+        if not hold:
+            monkeypatch.setattr(awq, "linear_weights_in", lambda *a, **k: contextlib.nullcontext())
+        block, samples = _awq_case(0.0)
+        obs = _observe(block, samples, 2)
+        with torch.no_grad():
+            (res,) = awq.awq_block(block, (NORM_PAIR,), obs, stage, sch, {"mlp.gate", "mlp.up", "mlp.down"}, (),
+                                   0.0, {})
+        assert not res.skipped and res.ratio > 0
+        outcomes.append((res.ratio, res.loss, [p.detach().clone() for p in block.parameters()]))
+    (r1, l1, p1), (r2, l2, p2) = outcomes
+    assert r1 == r2 and l1 == l2
+    assert all(torch.equal(a, b) for a, b in zip(p1, p2))

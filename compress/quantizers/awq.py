@@ -129,6 +129,9 @@ def apply_clip(m: nn.Module, lo: Tensor, hi: Tensor, scheme: QuantScheme) -> Non
 
 # ---------------------------------------------------------------- one decoder block
 
+SLICE_VALUES = 1 << 16  # values in one slice of a trial weight (slice_rows)
+
+
 def slice_rows(w: Tensor, scheme: QuantScheme) -> int:
     """Rows of a [out, in] weight that fake_quantize may take at a time with the whole weight's result bit for bit
     (every operation is per row group): on a CPU about 64K values, so that a slice's temporaries stay in the core's
@@ -137,9 +140,6 @@ def slice_rows(w: Tensor, scheme: QuantScheme) -> int:
     if w.device.type != "cpu" or scheme.granularity not in ("group", "channel") or scheme.has_global_scale:
         return w.shape[0]
     return max(1, SLICE_VALUES // w.shape[1])
-
-
-SLICE_VALUES = 1 << 16
 
 
 def one_thread(device: torch.device):
@@ -156,18 +156,16 @@ def scaled_trials(balance: list[nn.Module], s: Tensor, schemes: list[QuantScheme
     """The scale search's trial weights of the linears in `balance`: Q(W * s) / s (s [K] per input channel), each in
     its module's own weight layout, as `dtype`. Computed in slices of slice_rows rows on one_thread: the same values
     as on the whole weights, bit for bit."""
-    outs, pieces = [], []
-    for m, sch in zip(balance, schemes):
-        w = in_weight(m)
-        out = torch.empty(m.weight.shape, dtype=dtype, device=w.device)
-        view = out.t() if isinstance(m, Conv1D) else out  # [out, in], written in the module's layout
-        rows = slice_rows(w, sch)
-        pieces += [(w, view, sch, r, rows) for r in range(0, w.shape[0], rows)]
-        outs.append(out)
-
+    outs = []
     with one_thread(s.device):
-        for w, view, sch, r, rows in pieces:
-            view[r:r + rows] = fake_quantize(w[r:r + rows].float() * s[None, :], sch).div_(s[None, :])
+        for m, sch in zip(balance, schemes):
+            w = in_weight(m)
+            out = torch.empty(m.weight.shape, dtype=dtype, device=w.device)
+            view = out.t() if isinstance(m, Conv1D) else out  # [out, in], written in the module's layout
+            rows = slice_rows(w, sch)
+            for r in range(0, w.shape[0], rows):
+                view[r:r + rows] = fake_quantize(w[r:r + rows].float() * s[None, :], sch).div_(s[None, :])
+            outs.append(out)
     return outs
 
 
