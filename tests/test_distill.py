@@ -78,6 +78,66 @@ def test_kd_loss_chunks_rows_and_keeps_the_logits_dtype():
     torch.testing.assert_close(student.grad.double(), expected, rtol=1e-2, atol=1e-7)
 
 
+def test_kd_loss_gradient_is_the_same_however_the_rows_are_cut(monkeypatch):
+    """On two threads the rows go to two workers in chunks of KD_CHUNK_ROWS_CPU; the gradient is the one a single
+    chunk on one thread makes, bit for bit (each row's terms depend on that row alone), and the loss equals it to
+    float64 rounding (its sum's order is the only difference)."""
+    from compress.distill import kd
+    from compress.threads import cpu_threads
+
+    student = (3 * torch.randn(2, 8 * kd.KD_CHUNK_ROWS_CPU + 3, 50)).bfloat16()
+    teacher = (3 * torch.randn(2, 8 * kd.KD_CHUNK_ROWS_CPU + 3, 50)).bfloat16()
+
+    def run(threads: int, temperature: float):
+        s = student.clone().requires_grad_()
+        with cpu_threads(threads):
+            loss = kd_loss(s, teacher, temperature)
+            loss.backward()
+        return loss, s.grad
+
+    for temperature in (1.0, 2.0):
+        cut_loss, cut_grad = run(2, temperature)
+        monkeypatch.setattr(kd, "KD_CHUNK_ROWS_CPU", 10_000)
+        whole_loss, whole_grad = run(1, temperature)
+        monkeypatch.undo()
+        assert torch.equal(cut_grad, whole_grad)
+        torch.testing.assert_close(cut_loss, whole_loss, rtol=1e-6, atol=0)
+
+
+def test_teacher_runs_on_weights_cast_once(tmp_path):
+    """Under bf16 autocast the teacher's linear layers run on bfloat16 copies made once (core/nn.py:
+    cast_linear_weights), where autocast would cast each float32 weight at every forward: the same logits bit for
+    bit; outside the teacher's forward, and after distill, the teacher holds its own float32 weights (the tied head
+    tied again)."""
+    from compress.core.nn import cast_linear_weights, swapped_weights
+
+    teacher = make_tiny_model("llama")
+    teacher.config.tie_word_embeddings = True
+    teacher.tie_weights()
+    ids = random_ids(2, 16, 0)
+    casts = cast_linear_weights(teacher, torch.bfloat16)
+    assert casts and all(c.dtype == torch.bfloat16 and w.dtype == torch.float32 for _, w, c in casts)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = teacher(input_ids=ids).logits
+        with swapped_weights(casts):
+            assert teacher.lm_head.weight.dtype == torch.bfloat16
+            cast = teacher(input_ids=ids).logits
+    assert torch.equal(plain, cast)
+    assert teacher.lm_head.weight is teacher.model.embed_tokens.weight
+    assert cast_linear_weights(teacher, torch.bfloat16, free=0) == []  # no room: autocast casts as before
+    assert cast_linear_weights(teacher, torch.float32) == []  # nothing narrower to cast to
+
+    seen = []
+    student = noisy_copy(teacher)
+    teacher.lm_head.register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
+    cfg = DistillStage(steps=2, batch_size=2, seq_len=16, lr=1e-3, min_lr=1e-4, warmup_steps=0, eval_every=0,
+                       checkpoint_every=0, mixed_precision="bf16")
+    distill(student, teacher, random_ids(8, 16, 4), cfg, tmp_path, **QUIET)
+    assert seen and set(seen) == {torch.bfloat16}
+    assert teacher.lm_head.weight is teacher.model.embed_tokens.weight
+    assert teacher.lm_head.weight.dtype == torch.float32
+
+
 def test_kd_loss_rejects_other_vocab():
     with pytest.raises(ValueError, match="same vocabulary"):
         kd_loss(torch.randn(3, 8), torch.randn(3, 9), 1.0)

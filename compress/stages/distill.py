@@ -17,6 +17,16 @@ from ..calibrate.distributed import world
 from .base import MemoryBasis, MemoryPhase, ModelStageContext, Plan, StageBase, StageRecord, inline, work_dir
 
 
+def teacher_casts_bytes(basis: MemoryBasis, mixed_precision: str) -> dict[str, int]:
+    """The teacher's linear weights cast once to bfloat16 for its forwards under autocast (distill/kd.py,
+    core/nn.py: cast_linear_weights), where the run's dtype is wider and mixed precision may be on: the blocks'
+    linears and the output head, two bytes each."""
+    if mixed_precision == "no" or basis.width <= 2:
+        return {}
+    size = basis.size
+    return {"teacher's bf16 weights": 2 * (size.block_linear_parameters + size.vocab * size.hidden)}
+
+
 @dataclass
 class DistillRecord(StageRecord):
     """The distill stage's report section: what it trained on, and the training run's record (kd.distill: steps,
@@ -99,8 +109,9 @@ class DistillStage(StageBase):
             return []
         share = world()[1] if self.fsdp else 1
         weights = basis.weights
+        casts = teacher_casts_bytes(basis, self.mixed_precision) if share == 1 else {}  # not on sharded teachers
         return [MemoryPhase("distill", {"weights": weights, "teacher and optimizer":
-                                        weights + (weights + basis.size.parameters * 12) // share}),
+                                        weights + (weights + basis.size.parameters * 12) // share, **casts}),
                 MemoryPhase("evaluation", {"pruned copy": basis.compressed}, after_pass=True)]
 
     def memory_fix(self, parts: dict[str, int]) -> str | None:

@@ -21,7 +21,7 @@ from ..calibrate.distributed import world
 from ..distill.scale_tuning import tunable_layers, tuning
 from ..export.adapter import lowrank_layers
 from .base import MemoryBasis, MemoryPhase, ModelStageContext, Plan, StageBase, StageRecord, inline, work_dir
-from .distill import DistillStage, _render
+from .distill import DistillStage, _render, teacher_casts_bytes
 
 
 TRAINABLE = ("scales", "lowrank")
@@ -129,6 +129,7 @@ class TuneScalesStage(StageBase):
         if basis.streamed or basis.calibration is None:
             return []
         return [MemoryPhase("tune_scales", {"compressed model": basis.compressed, "teacher": basis.weights,
+                                            **teacher_casts_bytes(basis, self.mixed_precision),
                                             **self.tuning_bytes(basis.size, basis.calibration.seq_len),
                                             **self.lowrank_bytes(basis)},
                             after_pass=True)]
