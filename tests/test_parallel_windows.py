@@ -32,12 +32,14 @@ def _block0(family: str, n: int = 6, seq: int = 24):
     return arch, arch.block_list(model)[0], inputs
 
 
-def _observed(arch, block, inputs, threads: int, compute_dtype) -> tuple[list, BlockObserver, object, int]:
-    """The outputs, the observer (AWQ's statistics: |x| sums and maxima, two kept inputs, the replayed calls), the
-    AutoRound window keeper's samples, and how many windows ran off the caller's thread."""
+def _observed(arch, block, inputs, threads: int, compute_dtype,
+              hessian: bool = False) -> tuple[list, BlockObserver, object, int]:
+    """The outputs, the observer (AWQ's statistics: |x| sums and maxima, two kept inputs, the replayed calls; GPTQ's
+    Hessians with `hessian`), the AutoRound window keeper's samples, and how many windows ran off the caller's
+    thread."""
     linears = [n for n, m in block.named_modules() if n and is_linear(m)]
     inspect = sorted({p[2] for p in block_pairs(block, arch.awq)})
-    obs = BlockObserver(block, linears, inspect, abs_mean=True, hessian=False, keep_samples=2, abs_max=True)
+    obs = BlockObserver(block, linears, inspect, abs_mean=True, hessian=hessian, keep_samples=2, abs_max=True)
     state = BlockState(0, "model.layers.0", block, obs)
     off_thread = []
     caller = threading.get_ident()
@@ -58,11 +60,12 @@ def _thread_safe(hook):
 
 
 @pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["float32", "bf16-autocast"])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "opt", "mixtral"])
-def test_two_workers_give_a_one_thread_forward_and_its_statistics(family, compute_dtype):
+@pytest.mark.parametrize("family,hessian", [("llama", False), ("qwen2", False), ("opt", False), ("mixtral", False),
+                                            ("llama", True), ("mixtral", True)])
+def test_two_workers_give_a_one_thread_forward_and_its_statistics(family, hessian, compute_dtype):
     arch, block, inputs = _block0(family)
-    ref_out, ref_obs, (ref_samples, ref_dtype), ref_off = _observed(arch, block, inputs, 1, compute_dtype)
-    out, obs, (samples, dtype), off = _observed(arch, block, inputs, 2, compute_dtype)
+    ref_out, ref_obs, (ref_samples, ref_dtype), ref_off = _observed(arch, block, inputs, 1, compute_dtype, hessian)
+    out, obs, (samples, dtype), off = _observed(arch, block, inputs, 2, compute_dtype, hessian)
     assert ref_off == 0 and off == len(inputs.hidden)  # the parallel path really ran, every window on a worker
     for a, b in zip(ref_out, out, strict=True):
         assert torch.equal(a, b)
@@ -70,6 +73,8 @@ def test_two_workers_give_a_one_thread_forward_and_its_statistics(family, comput
     for name, st in obs.stats.items():
         ref = ref_obs.stats[name]
         assert st.tokens == ref.tokens and torch.equal(st.abs_sum, ref.abs_sum) and torch.equal(st.abs_max, ref.abs_max)
+        # GPTQ's Hessians: accumulated on the caller's thread in the windows' order, as one thread adds them
+        assert (st.hessian is None) == (not hessian) and (not hessian or torch.equal(st.hessian, ref.hessian))
         assert st.kept_at == ref.kept_at == [0, 1][:len(st.kept_at)]
         for a, b in zip(ref.kept, st.kept, strict=True):
             assert torch.equal(a, b)
@@ -86,16 +91,15 @@ def test_two_workers_give_a_one_thread_forward_and_its_statistics(family, comput
         assert a.data_ptr() == h.data_ptr()
 
 
-def test_a_hessian_or_a_plain_hook_keeps_the_windows_serial():
-    """The Hessian's float32 accumulation would be left to one thread, and a hook nobody wrapped may change its
-    module's output or keep state: both run the windows one at a time, on the caller's thread."""
+def test_a_plain_hook_keeps_the_windows_serial():
+    """A hook nobody wrapped may change its module's output or keep state: it runs the windows one at a time, on the
+    caller's thread. The observers' hooks, Hessians included, are deferred and leave them parallel."""
     _arch, block, inputs = _block0("llama")
     assert deferred.parallel_safe(block)
     linears = [n for n, m in block.named_modules() if n and is_linear(m)]
-    with BlockObserver(block, linears, [], abs_mean=True, hessian=True, keep_samples=0):
-        assert not deferred.parallel_safe(block)
-    with BlockObserver(block, linears, [], abs_mean=True, hessian=False, keep_samples=1):
-        assert deferred.parallel_safe(block)
+    for hessian in (True, False):
+        with BlockObserver(block, linears, [], abs_mean=True, hessian=hessian, keep_samples=1):
+            assert deferred.parallel_safe(block)
     threads = []
     handle = block.mlp.register_forward_hook(lambda *_: threads.append(threading.get_ident()))
     try:
