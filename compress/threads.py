@@ -102,4 +102,33 @@ def ordered_map(items: list, work: Callable, workers: int) -> Iterator:
                 f.cancel()
 
 
+def ordered_batches(items: list, work: Callable, workers: int) -> Iterator[list]:
+    """work(item) for each item on up to `workers` threads, as ordered_map, but a batch of `workers` items at a time:
+    each batch's results are yielded together, in the items' order, once the whole batch is done, and the workers
+    idle until the caller takes the next batch, so that between batches the caller runs on all of its threads (a
+    Hessian's float32 matmuls, which a lone caller thread beside two busy workers would leave to one core:
+    calibrate/deferred.py). Each worker runs on its share of the threads, as in ordered_map (it takes up the
+    count set when it first computes, which is set again before each batch), under the caller's grad mode; one pool
+    serves every batch. workers <= 1 or one item: in the caller's thread, batches of one."""
+    if workers <= 1 or len(items) <= 1:
+        for item in items:
+            yield [work(item)]
+        return
+    workers = min(workers, len(items))
+    grad, caller = torch.is_grad_enabled(), torch.get_num_threads()
+
+    def in_worker(item):
+        with torch.set_grad_enabled(grad):
+            return work(item)
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compress-window") as pool:
+        for start in range(0, len(items), workers):
+            torch.set_num_threads(max(1, caller // workers))  # what a new worker thread takes up
+            try:
+                futures = [pool.submit(in_worker, item) for item in items[start:start + workers]]
+                results = [f.result() for f in futures]
+            finally:
+                torch.set_num_threads(caller)
+            yield results
+
+
 _NONE = object()

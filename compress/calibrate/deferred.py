@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
-from ..threads import ordered_map, window_workers
+from ..threads import ordered_batches, ordered_map, window_workers
 
 _local = threading.local()
 
@@ -32,9 +32,11 @@ _local = threading.local()
 _STATEFUL = ("_compress_kv_record", "kv_record", "_hf_hook")
 
 
-def deferrable(hook: Callable) -> Callable:
+def deferrable(hook: Callable, heavy: bool = False) -> Callable:
     """`hook` (a forward or pre-forward hook that returns None), recorded instead of run on a thread inside
-    `recording()`."""
+    `recording()`. `heavy`: its calls are float32 matmul work that wants all of the caller's threads (a Hessian's
+    X^T X): a module with such a hook runs its windows a pair at a time and replays the pair's calls between pairs,
+    with the workers idle (map_windows), not beside them on one core."""
     @functools.wraps(hook)
     def wrapped(*args, **kwargs):
         record = getattr(_local, "record", None)
@@ -44,6 +46,7 @@ def deferrable(hook: Callable) -> Callable:
         record.append((hook, args, kwargs, torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu")))
         return None
     wrapped.deferrable = True
+    wrapped.heavy = heavy
     return wrapped
 
 
@@ -81,6 +84,12 @@ def parallel_safe(block: nn.Module) -> bool:
     return True
 
 
+def _heavy(module: nn.Module) -> bool:
+    """Whether a hook on `module` or its submodules was made deferrable with heavy=True."""
+    return any(getattr(h, "heavy", False) for m in module.modules()
+               for hooks in (m._forward_hooks, m._forward_pre_hooks) for h in hooks.values())
+
+
 def map_windows(module: nn.Module, items: Iterable, work: Callable, device: str) -> Iterator:
     """work(item) for each item (a window through `module`), the results yielded in the items' order: two at a time
     on worker threads of one thread each where threads.window_workers says so (a CPU of more than one thread) and
@@ -96,6 +105,12 @@ def map_windows(module: nn.Module, items: Iterable, work: Callable, device: str)
     def recorded(item):
         with recording() as calls:
             return work(item), calls
+    if _heavy(module):  # a Hessian: a pair of windows at a time, its calls replayed on all threads in between
+        for batch in ordered_batches(items, recorded, workers):
+            for result, calls in batch:
+                replay(calls)
+                yield result
+        return
     for result, calls in ordered_map(items, recorded, workers):
         replay(calls)
         yield result

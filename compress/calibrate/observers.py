@@ -81,11 +81,12 @@ class BlockObserver:
     def __enter__(self) -> "BlockObserver":
         # deferrable: on the worker threads of a parallel block forward, kept and run in the windows' order
         # (calibrate/deferred.py), so the sums, the Hessians and the kept samples are a one-window-at-a-time
-        # forward's. A Hessian's float32 X^T X then runs on this thread while the workers compute the next windows
-        # (on the embedded model's awq_gptq_tune recipe, the float forward and the statistics 145 -> 111 s on the AMX
-        # Xeon; they were serial before, on two threads, where this machine runs the forward's small operations slowly)
+        # forward's. With a Hessian the hooks are heavy: its float32 X^T X runs between pairs of windows on all
+        # threads (on the embedded model's awq_gptq_tune recipe, the float forward and the statistics 145 -> 111 s on
+        # the AMX Xeon; they were serial on two threads before, where this machine runs a forward's small operations
+        # slowly)
         # (the key/value maxima ride on the attention modules instead, which keeps windows serial: deferred.py)
-        wrap = deferrable
+        wrap = (lambda hook: deferrable(hook, heavy=True)) if self.want_hessian else deferrable
         self._handles.append(self.block.register_forward_pre_hook(wrap(self._new_sample)))
         for name, record in self.kv_absmax.items():
             self.block.get_submodule(name).kv_record = record
