@@ -161,3 +161,33 @@ def test_windows_go_to_workers_only_on_a_cpu_of_more_than_one_thread():
     from compress.threads import window_workers
     assert window_workers("cpu", 2, 64) == window_workers("cpu", 16, 64) == 2
     assert window_workers("cpu", 1, 64) == window_workers("cuda", 16, 64) == window_workers("cpu", 2, 1) == 1
+
+
+@pytest.mark.parametrize("heavy", [True, False])
+def test_a_heavy_hook_replays_between_pairs_on_all_threads(heavy):
+    """A heavy deferred hook (a Hessian's float32 X^T X) is replayed on the caller's thread with its two threads,
+    between pairs of windows, while no window runs; a light one beside the workers, on the caller's one thread."""
+    _arch, block, inputs = _block0("llama")
+    seen, running, lock = [], [0], threading.Lock()
+
+    def count(delta):
+        def hook(*_):
+            with lock:
+                running[0] += delta
+        return _thread_safe(hook)
+
+    def watch(*_):
+        seen.append((threading.get_ident(), torch.get_num_threads(), running[0]))
+    handles = [block.register_forward_pre_hook(count(1)), block.register_forward_hook(count(-1)),
+               block.register_forward_hook(deferred.deferrable(watch, heavy=heavy))]
+    try:
+        with cpu_threads(2):
+            block_forward(block, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(seen) == len(inputs.hidden) and {s[0] for s in seen} == {threading.get_ident()}
+    if heavy:
+        assert {s[1] for s in seen} == {2} and {s[2] for s in seen} == {0}
+    else:
+        assert {s[1] for s in seen} == {1}

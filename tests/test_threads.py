@@ -75,3 +75,31 @@ def test_ordered_map_yields_in_order_with_at_most_workers_in_flight():
     assert {o[1] for o in out} == {"compress-window"} and {o[2] for o in out} == {1} and not any(o[3] for o in out)
     assert most[0] == 2
     assert [o[1] for o in ordered_map([1, 2], work, 1)] == [threading.current_thread().name.split("_")[0]] * 2
+
+
+def test_ordered_batches_yield_pairs_in_order_with_the_workers_idle_in_between():
+    """A batch of two items at a time on the two one-thread workers, its results in the items' order; while the
+    caller holds a batch nothing runs on the workers, and the caller is back on its two threads (where a Hessian's
+    replay runs: calibrate/deferred.py); the last, odd item makes a batch of one."""
+    from compress.threads import ordered_batches
+
+    lock, running, calls = threading.Lock(), [0], []
+
+    def work(i):
+        with lock:
+            running[0] += 1
+        time.sleep(0.05 if i % 2 == 0 else 0.01)  # the first of each pair finishes last
+        with lock:
+            running[0] -= 1
+            calls.append(i)
+        return i, threading.current_thread().name.split("_")[0], torch.get_num_threads()
+
+    seen = []
+    with cpu_threads(2), torch.no_grad():
+        for batch in ordered_batches(list(range(5)), work, 2):
+            assert running[0] == 0 and torch.get_num_threads() == 2
+            seen.append([b[0] for b in batch])
+            assert {b[1] for b in batch} == {"compress-window"} and {b[2] for b in batch} == {1}
+        assert torch.get_num_threads() == 2
+    assert seen == [[0, 1], [2, 3], [4]] and sorted(calls) == list(range(5))
+    assert list(ordered_batches([1, 2], lambda i: i * 3, 1)) == [[3], [6]]
