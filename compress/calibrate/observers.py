@@ -82,7 +82,7 @@ class BlockObserver:
         # deferrable: on the worker threads of a parallel block forward, kept and run in the windows' order
         # (calibrate/deferred.py), so the sums, the Hessians and the kept samples are a one-window-at-a-time
         # forward's. With a Hessian the hooks are heavy: its float32 X^T X runs between pairs of windows on all
-        # threads (on the embedded model's awq_gptq_tune recipe, the float forward and the statistics 145 -> 111 s on
+        # threads (on the embedded model's awq_gptq_tune recipe, the float forward and the statistics 145 -> 109 s on
         # the AMX Xeon; they were serial on two threads before, where this machine runs a forward's small operations
         # slowly)
         # (the key/value maxima ride on the attention modules instead, which keeps windows serial: deferred.py)
