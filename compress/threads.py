@@ -35,6 +35,17 @@ def window_workers(device: str, threads: int, windows: int) -> int:
     return min(windows, 2) if device == "cpu" and threads > 1 else 1
 
 
+def _under_callers_grad_mode(work: Callable) -> Callable:
+    """`work` run under the grad mode of the thread calling this (torch keeps it per thread: a worker would start with
+    gradients on whatever the caller set)."""
+    grad = torch.is_grad_enabled()
+
+    def in_worker(item):
+        with torch.set_grad_enabled(grad):
+            return work(item)
+    return in_worker
+
+
 def run_groups(groups: list[list], work: Callable[[list], list], workers: int,
                cost: Callable[[list], float] | None = None) -> list[list]:
     """work(group) for each group, on up to `workers` threads at once; the results in the groups' order.
@@ -50,11 +61,7 @@ def run_groups(groups: list[list], work: Callable[[list], list], workers: int,
     workers = min(workers, len(groups))
     order = sorted(range(len(groups)), key=lambda i: -cost(groups[i]) if cost else i)
     results: list = [None] * len(groups)
-    grad = torch.is_grad_enabled()  # thread-local: a worker starts with gradients on whatever the caller set
-
-    def in_worker(group):
-        with torch.set_grad_enabled(grad):
-            return work(group)
+    in_worker = _under_callers_grad_mode(work)
     # torch's thread count is one setting per process that a new thread takes up on its first parallel operation;
     # the pool's threads are new, and the caller's count comes back afterwards
     with cpu_threads(max(1, torch.get_num_threads() // workers)), \
@@ -81,11 +88,7 @@ def ordered_map(items: list, work: Callable, workers: int) -> Iterator:
             yield work(item)
         return
     workers = min(workers, len(items))
-    grad = torch.is_grad_enabled()
-
-    def in_worker(item):
-        with torch.set_grad_enabled(grad):
-            return work(item)
+    in_worker = _under_callers_grad_mode(work)
     with cpu_threads(max(1, torch.get_num_threads() // workers)), \
             concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compress-window") as pool:
         pending = collections.deque(pool.submit(in_worker, item) for item in items[:workers])
@@ -115,11 +118,7 @@ def ordered_batches(items: list, work: Callable, workers: int) -> Iterator[list]
             yield [work(item)]
         return
     workers = min(workers, len(items))
-    grad, caller = torch.is_grad_enabled(), torch.get_num_threads()
-
-    def in_worker(item):
-        with torch.set_grad_enabled(grad):
-            return work(item)
+    caller, in_worker = torch.get_num_threads(), _under_callers_grad_mode(work)
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compress-window") as pool:
         for start in range(0, len(items), workers):
             torch.set_num_threads(max(1, caller // workers))  # what a new worker thread takes up
