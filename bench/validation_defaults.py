@@ -42,6 +42,9 @@ def _runs() -> dict[str, tuple[str, list[str]]]:
     for seed in (0, 1, 2):  # half the calibration windows: as good on validation? (it halves the pass)
         runs[f"awq int4 n64 seed{seed}"] = ("recipes/awq_int4.yaml", ["calibration.n_samples=64",
                                                                       f"calibration.seed={seed}"])
+        # the scale search coarse to fine (issue 49: 11 of the grid's 20 losses): as good on validation?
+        runs[f"awq int4 n64 step3 seed{seed}"] = ("recipes/awq_int4.yaml", [
+            "calibration.n_samples=64", "stages.0.search_step=3", f"calibration.seed={seed}"])
     for act_order in (False, True):
         runs[f"gptq int4 act_order={act_order}"] = ("recipes/gptq_int4.yaml",
                                                     [f"stages.0.options.act_order={str(act_order).lower()}"])
@@ -120,11 +123,12 @@ def summary(scores: dict) -> dict:
     """Per AWQ setting: the mean and spread over seeds of KL and perplexity."""
     out = {}
     for bits in ("int4", "int3"):
-        for samples in (4, 16, "n64"):
-            prefix = f"awq {bits} n64 " if samples == "n64" else f"awq {bits} s{samples} "
+        settings = [(f"awq {bits} s{n} seed", f"awq {bits} search_samples={n}") for n in (4, 16)] + [
+            (f"awq {bits} n64 seed", f"awq {bits} n_samples=64"),
+            (f"awq {bits} n64 step3 seed", f"awq {bits} n_samples=64 search_step=3")]
+        for prefix, name in settings:
             rows = [v for k, v in scores.items() if k.startswith(prefix)]
             if rows:
-                name = f"awq {bits} n_samples=64" if samples == "n64" else f"awq {bits} search_samples={samples}"
                 out[name] = {
                     "seeds": len(rows), "kl_mean": statistics.mean(r["kl"] for r in rows),
                     "kl_min": min(r["kl"] for r in rows), "kl_max": max(r["kl"] for r in rows),

@@ -2,6 +2,8 @@
 and every tiny architecture runs AWQ and GPTQ through the block-by-block runner."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -44,6 +46,53 @@ def test_awq_beats_rtn_on_salient_channels(sch):
     assert at_identity == pytest.approx(err_rtn, rel=1e-5)  # r = 0 is plain RTN
     assert ratio > 0
     assert best < 0.5 * err_rtn  # measured 0.15-0.26x of RTN's error for these schemes
+
+
+def _grid_loss(curve):
+    """A loss over the search's 20-point grid given as a list (the candidate's exponent read back from its scales:
+    with x_mean 2.0 on one channel and 0.5 on the other, s = 4^r / 2), and the grid indices it was asked for."""
+    asked = []
+
+    def loss(s):
+        r = round(float(torch.log(s[0] / s[1]) / math.log(4)) * 19)
+        asked.append(r)
+        return curve[r]
+    return loss, asked
+
+
+@pytest.mark.parametrize("best, left, right", [(0, 1, 1), (1, 1, 1), (7, 1, 1), (8, 1, 1), (12, 1, 1), (18, 1, 1),
+                                               (19, 1, 1), (7, 3, 0.5), (8, 0.5, 3)])
+def test_coarse_to_fine_search_finds_a_single_dips_minimum_with_fewer_losses(best, left, right):
+    """search_step 3: 1 in 3 exponents, then those within 2 of the best: the full grid's choice wherever the loss
+    falls then rises (the minimum at either end too, and two grid points from the best coarse point where the dip is
+    lopsided), from at most 11 of the 20 losses; step 1 asks every loss in grid order (the paper's search). r = 0's
+    loss is the identity's in both."""
+    curve = [(i - best) ** 2 * (left if i < best else right) + 0.1 for i in range(20)]
+    x_mean = torch.tensor([2.0, 0.5])
+    full, asked_full = _grid_loss(curve)
+    s1, r1, l1, id1 = search_scales(x_mean, full, 20)
+    assert asked_full == list(range(20))
+    coarse, asked = _grid_loss(curve)
+    s3, r3, l3, id3 = search_scales(x_mean, coarse, 20, step=3)
+    assert (r3, l3, id3) == (r1, l1, id1) == (torch.linspace(0, 1, 20)[best].item(), curve[best], curve[0])
+    assert torch.equal(s3, s1)
+    assert len(asked) == len(set(asked)) <= 11
+
+
+def test_coarse_to_fine_search_settles_near_the_best_coarse_point():
+    """With two dips the coarse pass picks the deeper-looking one (its 1-in-3 points) and the search keeps the best
+    loss it tried, ties to the smaller exponent; a dip between coarse points elsewhere is not seen."""
+    curve = [5.0] * 20
+    curve[6], curve[10], curve[11] = 1.0, 0.5, 0.2  # 11 (a fine point) is the grid's minimum; 6 is a coarse one
+    x_mean = torch.tensor([2.0, 0.5])
+    loss, asked = _grid_loss(curve)
+    _, r, best, _ = search_scales(x_mean, loss, 20, step=3)
+    assert r == torch.linspace(0, 1, 20)[6].item() and best == 1.0 and 11 not in asked
+    curve[5] = 1.0  # a tie with the coarse point: the smaller exponent, as the full grid
+    loss, asked = _grid_loss(curve)
+    assert search_scales(x_mean, loss, 20, step=3)[1] == torch.linspace(0, 1, 20)[5].item()
+    with pytest.raises(ValueError, match="step"):
+        search_scales(x_mean, loss, 20, step=0)
 
 
 def test_smoothing_preserves_a_norm_linear_pair():

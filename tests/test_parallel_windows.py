@@ -191,3 +191,19 @@ def test_a_heavy_hook_replays_between_pairs_on_all_threads(heavy):
         assert {s[1] for s in seen} == {2} and {s[2] for s in seen} == {0}
     else:
         assert {s[1] for s in seen} == {1}
+
+
+def test_light_statistics_are_summed_on_the_workers():
+    """Without a Hessian, each window's |x| sums and maxima are computed on the worker that ran the window (the
+    caller's thread only adds them up, in order), once per input tensor (q/k/v share theirs); the statistics are the
+    one-thread run's (test above)."""
+    arch, block, inputs = _block0("llama")
+    linears = [n for n, m in block.named_modules() if n and is_linear(m)]
+    obs = BlockObserver(block, linears, [], abs_mean=True, hessian=False, keep_samples=0, abs_max=True)
+    where, sums = [], obs._sums
+    obs._sums = lambda x2: (where.append(threading.get_ident()), sums(x2))[1]
+    with cpu_threads(2), obs:
+        block_forward(block, inputs, None)
+    distinct_inputs = len({id(st) for st in obs.stats.values()})  # q/k/v and gate/up share
+    assert len(where) == distinct_inputs * len(inputs.hidden)
+    assert threading.get_ident() not in where

@@ -417,7 +417,7 @@ def _keep(out: Tensor, store: Tensor | None, i: int) -> Tensor:
 
 @torch.no_grad()
 def block_forward(block: nn.Module, inputs: BlockInputs, compute_dtype: torch.dtype | None = None,
-                  store: Tensor | None = None) -> list[Tensor]:
+                  store: Tensor | None = None, reference: list[Tensor] | None = None):
     """The block on every sample. `compute_dtype` (bfloat16) runs the matmuls of a float32 block in that dtype under
     autocast (a 16-bit model already computes in its own dtype); outputs return in the inputs' dtype, so the
     residual stream between blocks stays float32. `store` ([n, 1, seq_len, hidden], e.g. a Spill): write the outputs
@@ -426,25 +426,36 @@ def block_forward(block: nn.Module, inputs: BlockInputs, compute_dtype: torch.dt
     On a CPU of more than one thread two windows run at once, one thread each (threads.window_workers), where every
     hook on the block is deferrable (calibrate/deferred.py): the hooks' calls are kept on the workers and run here in
     the windows' order, so what they accumulate is what one window at a time gives. The outputs are a one-thread
-    run's bit for bit (a matmul's rounding can depend on its thread count)."""
+    run's bit for bit (a matmul's rounding can depend on its thread count).
+
+    `reference` (the float block's outputs on the same windows): each window's squared-error terms against it are
+    computed beside its forward, on the thread that ran it (not afterwards on the caller's, the workers idle), and
+    (outputs, relative_error of the outputs against it) is returned."""
     if inputs.kwargs is None:
         raise ValueError(f"no block {inputs.block} to run: these are the last block's outputs")
     if inputs.skipped:  # the model passes the hidden states by this block (a cross-attention layer on text)
-        return [_keep(h, store, i) for i, h in enumerate(inputs.hidden)]
+        kept = [_keep(h, store, i) for i, h in enumerate(inputs.hidden)]
+        return kept if reference is None else (kept, relative_error(reference, kept))
     dtype = matmul_dtype(inputs, compute_dtype)
     cast = dtype != inputs.hidden[0].dtype
     device = inputs.hidden[0].device.type
 
-    def window(i: int) -> Tensor:  # autocast is per thread: entered by whichever thread runs the window
+    def forward(i: int) -> Tensor:  # autocast is per thread: entered by whichever thread runs the window
         h, kw = inputs.hidden[i], inputs.kwargs[i]
         if not cast:
             return _first(block(h, **kw))
         with torch.autocast(device_type=device, dtype=dtype):
             return _first(block(h, **kw)).to(h.dtype)
 
+    def window(i: int):
+        out = forward(i)
+        return out if reference is None else (out, error_terms(reference[i], out))
+
     with linear_weights_in(block, dtype) if cast else contextlib.nullcontext():
-        return [_keep(out, store, i) for i, out in enumerate(map_windows(block, range(len(inputs.hidden)), window,
-                                                                         device))]
+        done = list(map_windows(block, range(len(inputs.hidden)), window, device))
+    if reference is None:
+        return [_keep(out, store, i) for i, out in enumerate(done)]
+    return [_keep(out, store, i) for i, (out, _) in enumerate(done)], summed_error([t for _, t in done])
 
 
 def spill(folder: Path, name: str, like: Tensor, n: int) -> Tensor:
@@ -474,10 +485,20 @@ def forward_work(block: nn.Module, inputs: BlockInputs, compute_dtype: torch.dty
     return linear_flop(block, tokens), 0, str(matmul_dtype(inputs, compute_dtype)).replace("torch.", "")
 
 
+def error_terms(ref: Tensor, out: Tensor) -> tuple[float, float]:
+    """One sample's (||out - ref||^2, ||ref||^2)."""
+    return float((out.float() - ref.float()).pow(2).sum()), float(ref.float().pow(2).sum())
+
+
 def relative_error(ref: list[Tensor], out: list[Tensor]) -> float:
     """||out - ref||^2 / ||ref||^2 summed over all samples (over every process's samples in a data-parallel pass)."""
-    num = sum(float((o.float() - r.float()).pow(2).sum()) for r, o in zip(ref, out))
-    den = sum(float(r.float().pow(2).sum()) for r in ref)
+    return summed_error([error_terms(r, o) for r, o in zip(ref, out)])
+
+
+def summed_error(terms: list[tuple[float, float]]) -> float:
+    """relative_error from the samples' error_terms, added in the samples' order."""
+    num = sum(t[0] for t in terms)
+    den = sum(t[1] for t in terms)
     if active():
         num, den = reduce_sums([num, den])
     return num / max(den, 1e-30)
@@ -626,8 +647,8 @@ def run_blockwise(model: nn.Module, arch: ArchSpec, samples: Tensor | None, on_b
             if inputs is not None:
                 with phase_of(profile, "compressed forward", *forward_work(block, inputs, compute_dtype)), \
                         cached_dequantize(block, matmul_dtype(inputs, compute_dtype)):
-                    outputs = block_forward(block, inputs, compute_dtype, stores[2])
-                    errors.append(relative_error(reference, outputs))
+                    outputs, error = block_forward(block, inputs, compute_dtype, stores[2], reference)
+                    errors.append(error)
                 inputs = inputs.advance(outputs)
                 stores[0], stores[2] = stores[2], stores[0]  # the next block writes over these inputs
             for v in visitors:

@@ -32,18 +32,23 @@ _local = threading.local()
 _STATEFUL = ("_compress_kv_record", "kv_record", "_hf_hook")
 
 
-def deferrable(hook: Callable, heavy: bool = False) -> Callable:
+def deferrable(hook: Callable, heavy: bool = False, prepare: Callable | None = None) -> Callable:
     """`hook` (a forward or pre-forward hook that returns None), recorded instead of run on a thread inside
     `recording()`. `heavy`: its calls are float32 matmul work that wants all of the caller's threads (a Hessian's
     X^T X): a module with such a hook runs its windows a pair at a time and replays the pair's calls between pairs,
-    with the workers idle (map_windows), not beside them on one core."""
+    with the workers idle (map_windows), not beside them on one core. `prepare` (called with the hook's arguments):
+    the part of the hook's work that depends on its window alone, done on the worker as the call is recorded and
+    handed to the replayed hook as `prepared=` (run directly, the hook gets no `prepared` and does it all itself);
+    it must give the values the hook would compute (a per-window statistic whose result does not depend on the
+    thread count), so that only the order-dependent rest waits for the caller's thread."""
     @functools.wraps(hook)
     def wrapped(*args, **kwargs):
         record = getattr(_local, "record", None)
         if record is None:
             return hook(*args, **kwargs)
+        call = hook if prepare is None else functools.partial(hook, prepared=prepare(*args, **kwargs))
         # the worker's CPU autocast state goes with the call (a hook may read it: AutoRound's kept windows)
-        record.append((hook, args, kwargs, torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu")))
+        record.append((call, args, kwargs, torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu")))
         return None
     wrapped.deferrable = True
     wrapped.heavy = heavy

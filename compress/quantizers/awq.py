@@ -49,18 +49,31 @@ def candidate_scales(x_mean: Tensor, w_mean: Tensor | None, ratio: float) -> Ten
 
 
 def search_scales(x_mean: Tensor, loss_fn: Callable[[Tensor], float], n_grid: int,
-                  w_mean: Tensor | None = None) -> tuple[Tensor, float, float, float]:
-    """Grid search; returns (best scales [K], best ratio, best loss, loss at r = 0)."""
-    best = (None, 0.0, float("inf"))
-    first_loss = None
-    for ratio in torch.linspace(0, 1, n_grid).tolist():
-        s = candidate_scales(x_mean, w_mean, ratio)
-        loss = loss_fn(s)
-        if first_loss is None:
-            first_loss = loss
-        if loss < best[2]:
-            best = (s, ratio, loss)
-    return best[0], best[1], best[2], first_loss
+                  w_mean: Tensor | None = None, step: int = 1) -> tuple[Tensor, float, float, float]:
+    """Grid search over r in linspace(0, 1, n_grid); returns (best scales [K], best ratio, best loss, loss at r = 0).
+
+    `step` > 1: coarse to fine. Every step-th exponent of the grid first (r = 0 among them), then the exponents within
+    step - 1 grid points of the best of those; the best of all tried wins (ties: the smaller r, as in the full grid).
+    Where the loss falls then rises along the grid this finds the full grid's choice exactly, with about
+    n_grid / step + 2 (step - 1) losses instead of n_grid (20 -> 11 at step 3); where it has several dips it may
+    settle in a local one near the best coarse point (on the embedded model's awq_int4 recipe: 89 of 90 pairs chose
+    as the full grid did)."""
+    if step < 1:
+        raise ValueError(f"the search step must be >= 1, got {step}")
+    ratios = torch.linspace(0, 1, n_grid).tolist()
+    losses: dict[int, float] = {}
+
+    def tried(i: int) -> float:
+        if i not in losses:
+            losses[i] = loss_fn(candidate_scales(x_mean, w_mean, ratios[i]))
+        return losses[i]
+
+    coarse = list(range(0, n_grid, step))
+    best = min(coarse, key=lambda i: (tried(i), i))
+    for i in range(max(0, best - step + 1), min(n_grid, best + step)):
+        tried(i)
+    best = min(losses, key=lambda i: (losses[i], i))
+    return candidate_scales(x_mean, w_mean, ratios[best]), ratios[best], losses[best], losses[0]
 
 
 # ---------------------------------------------------------------- clipping
@@ -232,7 +245,7 @@ def awq_block(block: nn.Module, pairs, observer, stage, scheme: QuantScheme, qua
                 reference = replay(inspect, calls)
             s, ratio, loss, loss0 = search_scales(
                 stats.abs_mean, lambda sc: _replay_loss(inspect, calls, reference, balance, sc, balance_schemes),
-                stage.n_grid, w_mean)
+                stage.n_grid, w_mean, stage.search_step)
         fold_scales(pair, s, norm_offset, input_divisor)
         results.append(PairResult(pair.label, ratio, loss, loss0))
     if stage.clip:
