@@ -45,6 +45,10 @@ def _runs() -> dict[str, tuple[str, list[str]]]:
         # the scale search coarse to fine (issue 49: 11 of the grid's 20 losses): as good on validation?
         runs[f"awq int4 n64 step3 seed{seed}"] = ("recipes/awq_int4.yaml", [
             "calibration.n_samples=64", "stages.0.search_step=3", f"calibration.seed={seed}"])
+        # and on half the replayed windows (the replays are most of what remains of the search)
+        runs[f"awq int4 n64 step3 s2 seed{seed}"] = ("recipes/awq_int4.yaml", [
+            "calibration.n_samples=64", "stages.0.search_step=3", "stages.0.search_samples=2",
+            f"calibration.seed={seed}"])
     for act_order in (False, True):
         runs[f"gptq int4 act_order={act_order}"] = ("recipes/gptq_int4.yaml",
                                                     [f"stages.0.options.act_order={str(act_order).lower()}"])
@@ -125,7 +129,8 @@ def summary(scores: dict) -> dict:
     for bits in ("int4", "int3"):
         settings = [(f"awq {bits} s{n} seed", f"awq {bits} search_samples={n}") for n in (4, 16)] + [
             (f"awq {bits} n64 seed", f"awq {bits} n_samples=64"),
-            (f"awq {bits} n64 step3 seed", f"awq {bits} n_samples=64 search_step=3")]
+            (f"awq {bits} n64 step3 seed", f"awq {bits} n_samples=64 search_step=3"),
+            (f"awq {bits} n64 step3 s2 seed", f"awq {bits} n_samples=64 search_step=3 search_samples=2")]
         for prefix, name in settings:
             rows = [v for k, v in scores.items() if k.startswith(prefix)]
             if rows:

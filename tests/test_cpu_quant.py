@@ -105,3 +105,35 @@ def test_the_c_sources_ship_in_the_package():
                for p in (root / "compress" / "kernels").rglob("*") if p.suffix in (".c", ".cu", ".h", ".cpp")]
     assert "cpu_quant.c" in sources
     assert [s for s in sources if not any(fnmatch.fnmatch(s, pat) for pat in patterns)] == []
+
+
+@pytest.mark.parametrize("sch", [QuantScheme(dtype="int4", granularity="group", group_size=64, symmetric=False),
+                                 QuantScheme(dtype="int3", granularity="group", group_size=32, symmetric=True),
+                                 QuantScheme(dtype="int2", granularity="channel", group_size=None, symmetric=False,
+                                             scale_dtype="bfloat16")], ids=lambda s: s.name)
+def test_autorounds_rounding_and_sign_step_are_torchs_bit_for_bit(sch):
+    """The tuning step's rounded weight (float32 and bfloat16), its inside mask and scale-gradient factor, and the
+    SignSGD step on V, from the C kernels, equal rounding_forward's and the torch step's, with offsets V that push
+    codes out of range and clipping that shrinks the groups (so some codes clamp)."""
+    from compress.quantizers.autoround import Rounding, RoundingGrid, rounded_weight, rounding_forward, sign_step
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 256, generator=g) * 0.05
+    r = Rounding.start(w, sch)
+    r.v.uniform_(-0.5, 0.5, generator=g)
+    r.alpha.uniform_(0.7, 1.0, generator=g)
+    r.beta.uniform_(0.7, 1.0, generator=g)
+    grid = RoundingGrid.of(w, sch)
+    deq, ref = rounding_forward(grid, r)
+    for dtype in (torch.float32, torch.bfloat16):
+        hat, saved = rounded_weight(grid, r, dtype)
+        assert torch.equal(_bits(hat), _bits(deq.to(dtype)))
+        assert torch.equal(saved.inside, ref.inside) and torch.equal(_bits(saved.ds_factor), _bits(ref.ds_factor))
+        assert torch.equal(saved.scale, ref.scale)
+    assert 0 < ref.inside.mean() < 1  # some codes clamped
+    grad = torch.randn(w.shape, generator=g)
+    grad[0, :10] = 0.0
+    want = (r.v - 1e-2 * torch.sign(grad)).clamp_(-0.5, 0.5)
+    r.v.grad = grad
+    sign_step(r, 1e-2, 1e-2, minmax=False)
+    assert torch.equal(r.v, want) and r.v.grad is None

@@ -137,3 +137,50 @@ int compress_fake_quant(const float *w, const float *colmul, const float *clip_l
     }
     return 0;
 }
+
+/* AutoRound's rounding of one weight for a tuning step (quantizers/autoround.rounding_forward's element-wise part),
+   one pass over the weight. Per group (of `group` values; scale[g] and zero[g], zero NULL when symmetric):
+     x = values / scale; q = round(x + v) (+ zero); c = clamp(q, qmin, qmax); inside = (q == c) ? 1 : 0;
+     c = c (- zero); hat = c * scale (float32 or, hat_bf16, bfloat16 bits); ds_factor = c - x * inside.
+   The same operations in the same order as the torch code, so the same bits (tested). */
+int compress_autoround_round(const float *values, const float *v, const float *scale, const float *zero, int64_t groups,
+                             int64_t group, float qmin, float qmax, void *hat, int hat_bf16, float *inside,
+                             float *ds_factor) {
+    if (groups < 0 || group <= 0)
+        return 1;
+    for (int64_t g = 0; g < groups; g++) {
+        const float s = scale[g], z = zero ? zero[g] : 0.0f;
+        const int64_t o = g * group;
+        for (int64_t k = 0; k < group; k++) {
+            float x = values[o + k] / s;
+            float q = rintf(x + v[o + k]);
+            if (zero)
+                q = q + z;
+            float c = q < qmin ? qmin : (q > qmax ? qmax : q);
+            float in = q == c ? 1.0f : 0.0f;
+            if (zero)
+                c = c - z;
+            float h = c * s;
+            if (hat_bf16)
+                ((uint16_t *)hat)[o + k] = to_bf16(h);
+            else
+                ((float *)hat)[o + k] = h;
+            inside[o + k] = in;
+            ds_factor[o + k] = c - x * in;
+        }
+    }
+    return 0;
+}
+
+/* AutoRound's SignSGD step on V: v = clamp(v - lr * sign(grad), -bound, bound), in place (sign(0) = 0). */
+int compress_sign_step(float *v, const float *grad, int64_t n, float lr, float bound) {
+    if (n < 0)
+        return 1;
+    for (int64_t i = 0; i < n; i++) {
+        float sg = (grad[i] > 0.0f) ? 1.0f : ((grad[i] < 0.0f) ? -1.0f : 0.0f);
+        float x = v[i] - lr * sg;
+        x = x < -bound ? -bound : x;
+        v[i] = x > bound ? bound : x;
+    }
+    return 0;
+}

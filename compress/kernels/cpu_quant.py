@@ -29,8 +29,31 @@ def load() -> ctypes.CDLL | None:
         return None
     p, i64, c_int, c_float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.compress_fake_quant.argtypes = [p, p, p, p, i64, i64, i64, c_int, c_float, c_float, c_int, p, c_int]
-    lib.compress_fake_quant.restype = c_int
+    lib.compress_autoround_round.argtypes = [p, p, p, p, i64, i64, c_float, c_float, p, c_int, p, p]
+    lib.compress_sign_step.argtypes = [p, p, i64, c_float, c_float]
+    for f in (lib.compress_fake_quant, lib.compress_autoround_round, lib.compress_sign_step):
+        f.restype = c_int
     return lib
+
+
+def in_bands(n: int, threads: int, work, least: int = 64) -> None:
+    """work(start, count) over [0, n) cut into up to `threads` bands of at least `least` items, each band on its own
+    thread (a C call leaves Python's lock), the first on the caller's; raises if any band's call returned non-zero."""
+    bands = max(1, min(threads, n // least))
+    edges = [n * i // bands for i in range(bands + 1)]
+    codes = [0] * bands
+
+    def band(i: int) -> None:
+        codes[i] = work(edges[i], edges[i + 1] - edges[i])
+
+    helpers = [threading.Thread(target=band, args=(i,)) for i in range(1, bands)]
+    for t in helpers:
+        t.start()
+    band(0)
+    for t in helpers:
+        t.join()
+    if any(codes):
+        raise ValueError("cpu_quant.c rejected its arguments")
 
 
 def applies(w: Tensor, scheme: QuantScheme) -> bool:
@@ -71,26 +94,55 @@ def fake_quantize_rows(w: Tensor, scheme: QuantScheme, colmul: Tensor | None = N
             (minus_w and out.dtype != torch.float32):
         raise ValueError("out must be a contiguous float32 (or, without minus_w, bfloat16) tensor of w's shape")
     mode = 2 if minus_w else int(out.dtype == torch.bfloat16)
-    bands = max(1, min(threads, rows // 64))  # a band of fewer rows is not worth a thread
-    edges = [rows * i // bands for i in range(bands + 1)]
-    codes = [0] * bands
     groups = cols // group
 
-    def band(i: int) -> None:
-        r0, n = edges[i], edges[i + 1] - edges[i]
-        codes[i] = lib.compress_fake_quant(
+    def band(r0: int, n: int) -> int:
+        return lib.compress_fake_quant(
             w.data_ptr() + r0 * cols * 4, None if colmul is None else colmul.data_ptr(),
             None if clip is None else clip[0].data_ptr() + r0 * groups * 4,
             None if clip is None else clip[1].data_ptr() + r0 * groups * 4, n, cols, group,
             int(scheme.symmetric), float(scheme.qmin), float(scheme.qmax), SCALE_KINDS[scheme.scale_dtype],
             out.data_ptr() + r0 * cols * out.element_size(), mode)
 
-    helpers = [threading.Thread(target=band, args=(i,)) for i in range(1, bands)]
-    for t in helpers:
-        t.start()
-    band(0)
-    for t in helpers:
-        t.join()
-    if any(codes):
-        raise ValueError(f"cpu_quant.c rejected a {tuple(w.shape)} weight in groups of {group}")
+    in_bands(rows, threads, band)
     return out
+
+
+def autoround_round(values: Tensor, v: Tensor, scale: Tensor, zero: Tensor | None, qmin: float, qmax: float,
+                    dtype: torch.dtype, threads: int = 1) -> tuple[Tensor, Tensor, Tensor] | None:
+    """AutoRound's rounding of one weight (quantizers/autoround.rounding_forward's element-wise part): values and V
+    [..., G] float32 in the same contiguous layout, the groups' scale and zero point [...] (zero None: symmetric).
+    Returns (the rounded weight in `dtype`, float32 or bfloat16; the codes' inside mask; the scale gradient's
+    factor), each of values' shape, torch's bits; None where the kernel does not apply (another layout, not on the
+    CPU) or is not available."""
+    tensors = [values, v, scale] + ([zero] if zero is not None else [])
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in tensors) or \
+            v.shape != values.shape or scale.shape != values.shape[:-1] or \
+            (zero is not None and zero.shape != scale.shape) or (lib := load()) is None:
+        return None
+    group, groups = values.shape[-1], scale.numel()
+    hat = torch.empty(values.shape, dtype=dtype)
+    inside, ds_factor = torch.empty_like(values), torch.empty_like(values)
+
+    def band(g0: int, n: int) -> int:
+        at = g0 * group * 4
+        return lib.compress_autoround_round(
+            values.data_ptr() + at, v.data_ptr() + at, scale.data_ptr() + g0 * 4,
+            None if zero is None else zero.data_ptr() + g0 * 4, n, group, float(qmin), float(qmax),
+            hat.data_ptr() + g0 * group * hat.element_size(), int(dtype == torch.bfloat16), inside.data_ptr() + at,
+            ds_factor.data_ptr() + at)
+
+    in_bands(groups, threads, band, least=max(1, 4096 // group))
+    return hat, inside, ds_factor
+
+
+def sign_step_rows(v: Tensor, grad: Tensor, lr: float, bound: float, threads: int = 1) -> bool:
+    """v = clamp(v - lr * sign(grad), -bound, bound) in place (AutoRound's SignSGD step on V), torch's bits, for
+    contiguous float32 CPU tensors of one shape; False (nothing done) where the kernel does not apply."""
+    if v.device.type != "cpu" or grad.device.type != "cpu" or v.dtype != torch.float32 or \
+            grad.dtype != torch.float32 or not v.is_contiguous() or not grad.is_contiguous() or \
+            v.shape != grad.shape or (lib := load()) is None:
+        return False
+    in_bands(v.numel(), threads, lambda i0, n: lib.compress_sign_step(
+        v.data_ptr() + i0 * 4, grad.data_ptr() + i0 * 4, n, float(lr), float(bound)), least=4096)
+    return True

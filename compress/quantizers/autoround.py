@@ -48,6 +48,7 @@ from ..calibrate.blockwise import _first
 from ..core.primitives import group_view, scale_shape, ungroup
 from ..core.qtensor import QuantizedTensor
 from ..core.scheme import QuantScheme
+from ..kernels.cpu_quant import autoround_round, sign_step_rows
 from ..threads import ordered_map, window_workers
 
 V_RANGE = 0.5  # a weight may round to either neighbour on the grid, nothing further
@@ -251,11 +252,9 @@ class _Saved:
     ds_factor: Tensor
 
 
-@torch.no_grad()
-def rounding_forward(grid: RoundingGrid, r: Rounding) -> tuple[Tensor, _Saved]:
-    """`fake_quant(w, scheme, r, start)` computed directly (the same operations in the same order, so the same
-    values), and what its straight-through gradient needs: one pass over the weight, not autograd's dozen
-    weight-sized temporaries."""
+def _group_params(grid: RoundingGrid, r: Rounding):
+    """rounding_forward's per-group part: (scale, where the stored scale was positive, the clipped low end, where the
+    zero point was inside its range, the zero point); the last three None when symmetric."""
     sch = grid.scheme
     if sch.symmetric:
         lo, raw = None, grid.hi * r.alpha / sch.qmax
@@ -265,14 +264,25 @@ def rounding_forward(grid: RoundingGrid, r: Rounding) -> tuple[Tensor, _Saved]:
     stored = raw.to(getattr(torch, sch.scale_dtype)).float()
     positive = stored > 0
     scale = torch.where(positive, stored, torch.ones_like(stored))
-    s = scale[..., None]
-    x = grid.values / s
-    q = torch.round(x + group_view(r.v, sch))
     zero = zero_inside = None
     if lo is not None:
         zr = torch.round(-lo / scale)
         zero_inside = (zr >= sch.qmin) & (zr <= sch.qmax)
         zero = torch.clamp(zr, sch.qmin, sch.qmax)
+    return scale, positive, lo, zero_inside, zero
+
+
+@torch.no_grad()
+def rounding_forward(grid: RoundingGrid, r: Rounding) -> tuple[Tensor, _Saved]:
+    """`fake_quant(w, scheme, r, start)` computed directly (the same operations in the same order, so the same
+    values), and what its straight-through gradient needs: one pass over the weight, not autograd's dozen
+    weight-sized temporaries."""
+    sch = grid.scheme
+    scale, positive, lo, zero_inside, zero = _group_params(grid, r)
+    s = scale[..., None]
+    x = grid.values / s
+    q = torch.round(x + group_view(r.v, sch))
+    if zero is not None:
         q += zero[..., None]
     clamped = torch.clamp(q, sch.qmin, sch.qmax)
     inside = q.sub_(clamped).abs_().neg_().add_(1.0).clamp_(min=0.0)  # the codes are integers: 1 inside, 0 outside
@@ -280,6 +290,23 @@ def rounding_forward(grid: RoundingGrid, r: Rounding) -> tuple[Tensor, _Saved]:
         clamped -= zero[..., None]
     deq = ungroup(clamped * s, grid.shape, sch)
     return deq, _Saved(scale, positive, lo, zero_inside, inside, clamped.sub_(x.mul_(inside)))
+
+
+@torch.no_grad()
+def rounded_weight(grid: RoundingGrid, r: Rounding, dtype: torch.dtype) -> tuple[Tensor, _Saved]:
+    """rounding_forward's weight cast to `dtype`, and its _Saved: on a CPU in one C pass over the weight on every
+    thread (kernels/cpu_quant.c; the same bits, tested), where the scheme's groups are rows of the weight's own
+    layout (group, channel, tensor) and the dtype is float32 or bfloat16; else rounding_forward's torch operations."""
+    sch = grid.scheme
+    if grid.values.device.type == "cpu" and sch.granularity != "block" and dtype in (torch.float32, torch.bfloat16):
+        scale, positive, lo, zero_inside, zero = _group_params(grid, r)
+        done = autoround_round(grid.values, group_view(r.v, sch), scale, zero, sch.qmin, sch.qmax, dtype,
+                               torch.get_num_threads())
+        if done is not None:
+            hat, inside, ds_factor = done
+            return hat.view(grid.shape), _Saved(scale, positive, lo, zero_inside, inside, ds_factor)
+    deq, saved = rounding_forward(grid, r)
+    return deq.to(dtype), saved
 
 
 @torch.no_grad()
@@ -324,8 +351,9 @@ def sign_step(r: Rounding, lr: float, clip_lr: float, minmax: bool) -> None:
     """One SignSGD step on the gradients the last backward left, then the parameters back into their ranges;
     the gradients are cleared."""
     if r.v.grad is not None:  # None: the layer saw no input in this step (an expert no token was routed to)
-        r.v -= lr * torch.sign(r.v.grad)
-        r.v.clamp_(-V_RANGE, V_RANGE)
+        if not sign_step_rows(r.v, r.v.grad, lr, V_RANGE, torch.get_num_threads()):  # one C pass on a CPU
+            r.v -= lr * torch.sign(r.v.grad)
+            r.v.clamp_(-V_RANGE, V_RANGE)
     if minmax:
         for p in (r.alpha, r.beta):
             if p.grad is not None:
@@ -352,8 +380,8 @@ class _Rounded(nn.Module):
     def round(self, dtype: torch.dtype) -> Tensor:
         """This step's rounded weight from the current V, α, β, in `dtype` (the dtype the block's matmuls compute
         in: cast once a step, not once a window and back): the leaf the windows' gradients are taken for."""
-        hat, self.saved = rounding_forward(self.grid, self.rounding)
-        self.hat = hat.to(dtype).requires_grad_(True)
+        hat, self.saved = rounded_weight(self.grid, self.rounding, dtype)
+        self.hat = hat.requires_grad_(True)
         return self.hat
 
     def backward(self, grad: Tensor | None, minmax: bool) -> None:
