@@ -249,33 +249,36 @@ def awq_block(block: nn.Module, pairs, observer, stage, scheme: QuantScheme, qua
         fold_scales(pair, s, norm_offset, input_divisor)
         results.append(PairResult(pair.label, ratio, loss, loss0))
     if stage.clip:
-        jobs = []  # (name, its module, its inputs as it sees them now)
-        for name in sorted(quantized):
-            if name in no_clip or name not in observer.stats or schemes[name].granularity == "tensor":
-                continue
-            st = observer.stats[name]
-            kept = all_windows(st.kept, st.kept_at)
-            if not kept:  # an expert no replayed window reached: its range stays as it is
-                continue
-            x = torch.cat(kept)  # [T, K]; with several processes, every rank's windows
-            x = x[:: max(1, x.shape[0] // stage.clip_tokens)][: stage.clip_tokens]
-            if name in input_divisor:
-                x = x / input_divisor[name][None, :]
-            jobs.append((name, block.get_submodule(name), x))
+        names = [name for name in sorted(quantized) if name not in no_clip and name in observer.stats
+                 and schemes[name].granularity != "tensor"]
         device = next(block.parameters()).device
+        workers = max(1, window_workers(device.type, torch.get_num_threads(), len(names)))
 
         def clip_search(job):
             name, m, x = job[0]
             return [search_clip(in_weight(m), x, schemes[name], stage.clip_grid, stage.max_shrink)]
-        # two layers at once on a CPU of more than one thread, each on half the threads (one each on two cores,
-        # where these small operations run 1.7-2x faster than on two threads); the ranges do not depend on the threads
-        # (tested)
-        ranges = run_groups([[job] for job in jobs], clip_search,
-                            window_workers(device.type, torch.get_num_threads(), len(jobs)),
-                            cost=lambda g: g[0][1].weight.numel())
-        for (name, m, _), [(lo, hi)] in zip(jobs, ranges):
-            if clip_into is not None:
-                clip_into[name] = clip_factor(in_weight(m), lo, hi, schemes[name])
-            else:
-                apply_clip(m, lo, hi, schemes[name])
+        # a few layers at a time: their inputs gathered here, in order (with several processes every rank gathers
+        # the same layer at the same time), two searched at once on a CPU of more than one thread, each on half the
+        # threads (one each on two cores, where these small operations run 1.7-2x faster than on two threads; the
+        # ranges do not depend on the threads, tested); a MoE block's hundreds of experts never hold all their
+        # inputs at once
+        for at in range(0, len(names), 2 * workers):
+            jobs = []  # (name, its module, its inputs as it sees them now)
+            for name in names[at:at + 2 * workers]:
+                st = observer.stats[name]
+                kept = all_windows(st.kept, st.kept_at)
+                if not kept:  # an expert no replayed window reached: its range stays as it is
+                    continue
+                x = torch.cat(kept)  # [T, K]; with several processes, every rank's windows
+                x = x[:: max(1, x.shape[0] // stage.clip_tokens)][: stage.clip_tokens]
+                if name in input_divisor:
+                    x = x / input_divisor[name][None, :]
+                jobs.append((name, block.get_submodule(name), x))
+            ranges = run_groups([[job] for job in jobs], clip_search, workers,
+                                cost=lambda g: g[0][1].weight.numel())
+            for (name, m, _), [(lo, hi)] in zip(jobs, ranges):
+                if clip_into is not None:
+                    clip_into[name] = clip_factor(in_weight(m), lo, hi, schemes[name])
+                else:
+                    apply_clip(m, lo, hi, schemes[name])
     return results
