@@ -17,7 +17,9 @@
        qmin, qmax) * scale); v = v / colmul[c] (colmul NULL: v).
      out (mode 0) float32 v, (1) bfloat16 bits of v, (2) float32 v - w.
    Returns 0, or 1 for bad arguments. */
+/* no a * b + c fused into one rounding: GCC's default in GNU C is to fuse, clang's within an expression */
 #pragma GCC optimize("fp-contract=off")
+#pragma STDC FP_CONTRACT OFF
 
 #include <math.h>
 #include <stdint.h>
