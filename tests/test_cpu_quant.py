@@ -111,7 +111,7 @@ def test_the_c_sources_ship_in_the_package():
                                  QuantScheme(dtype="int3", granularity="group", group_size=32, symmetric=True),
                                  QuantScheme(dtype="int2", granularity="channel", group_size=None, symmetric=False,
                                              scale_dtype="bfloat16")], ids=lambda s: s.name)
-def test_autorounds_rounding_and_sign_step_are_torchs_bit_for_bit(sch):
+def test_autorounds_rounding_and_sign_step_are_torchs_bit_for_bit(sch, monkeypatch):
     """The tuning step's rounded weight (float32 and bfloat16), its inside mask and scale-gradient factor, and the
     SignSGD step on V, from the C kernels, equal rounding_forward's and the torch step's, with offsets V that push
     codes out of range and clipping that shrinks the groups (so some codes clamp)."""
@@ -135,5 +135,14 @@ def test_autorounds_rounding_and_sign_step_are_torchs_bit_for_bit(sch):
     grad[0, :10] = 0.0
     want = (r.v - 1e-2 * torch.sign(grad)).clamp_(-0.5, 0.5)
     r.v.grad = grad
+    v0 = r.v.clone()
     sign_step(r, 1e-2, 1e-2, minmax=False)
     assert torch.equal(r.v, want) and r.v.grad is None
+    # without the kernel (no C compiler, or an accelerator) the torch path gives the same
+    monkeypatch.setattr(cpu_quant, "load", lambda: None)
+    hat, saved = rounded_weight(grid, r, torch.bfloat16)
+    deq2, _ = rounding_forward(grid, r)
+    assert torch.equal(_bits(hat), _bits(deq2.to(torch.bfloat16))) and saved.inside.shape == ref.inside.shape
+    r.v, r.v.grad = v0, grad
+    sign_step(r, 1e-2, 1e-2, minmax=False)
+    assert torch.equal(r.v, want)
