@@ -253,3 +253,36 @@ def test_the_evaluation_caches_for_the_samples_and_not_for_the_speed_run(monkeyp
     spec = EvalSpec(perplexity=False, samples=4, speed=True, prefill_tokens=8, decode_tokens=2, speed_repeats=1)
     result = report.evaluate_models({"compressed": model}, tok, spec)
     assert cached == {"samples": True, "speed": False} and result["samples"]["prompts"]
+
+
+def test_models_decode_side_by_side_as_each_alone(monkeypatch):
+    """On a CPU with a core to spare, the models decode at once, one worker each on the caller's thread count: each
+    model's tokens are those it gives alone, and a model given under two names decodes once."""
+    import compress.measure.samples as samples
+    from compress.threads import cpu_threads
+
+    tok = make_tiny_tokenizer()
+    models = {"a": make_tiny_model("qwen2"), "b": make_tiny_model("qwen2", seed=1), "c": make_tiny_model("mistral")}
+    models["again"] = models["a"]
+    for m in models.values():
+        m.generation_config.eos_token_id = m.config.eos_token_id = None
+    alone = {n: [greedy(m, prompt_ids(tok, p)[0], 6) for _, p in PROMPTS] for n, m in models.items()}
+    calls, threads = [], {}
+    own = samples.greedy
+
+    def counted(m, *args, **kw):
+        calls.append(id(m))
+        threads.setdefault(id(m), set()).add(torch.get_num_threads())
+        return own(m, *args, **kw)
+    monkeypatch.setattr(samples, "greedy", counted)
+    monkeypatch.setattr(samples.os, "cpu_count", lambda: 4)  # room for every model, whatever this machine has
+    with cpu_threads(1):
+        assert samples.decoding_workers("cpu", 3) == 3 and samples.decoding_workers("cuda", 3) == 1
+        section = generate_samples(models, tok, 6, baseline="a")
+        assert torch.get_num_threads() == 1
+    for k, p in enumerate(section["prompts"]):
+        assert {n: o["tokens"] for n, o in p["outputs"].items()} == {n: alone[n][k] for n in models}
+    assert sorted(calls) == sorted([id(m) for n, m in models.items() if n != "again"] * len(PROMPTS))
+    assert all(t == {1} for t in threads.values())
+    with cpu_threads(2):
+        assert samples.decoding_workers("cpu", 3) == 2
