@@ -77,19 +77,20 @@ def run_groups(groups: list[list], work: Callable[[list], list], workers: int,
     return results
 
 
-def ordered_map(items: list, work: Callable, workers: int) -> Iterator:
+def ordered_map(items: list, work: Callable, workers: int, threads_each: int | None = None) -> Iterator:
     """work(item) for each item on up to `workers` threads, the results yielded in the items' order, with at most
     `workers` items in flight (an item starts once the result `workers` places before it has been taken), so a
     caller that folds the results in order gets what one thread gives however the workers finish, holding at most
-    `workers` results. torch's threads are divided between the workers as in run_groups; each worker runs under
-    the caller's grad mode. workers <= 1 or one item: in the caller's thread."""
+    `workers` results. torch's threads are divided between the workers as in run_groups, or `threads_each` each
+    (the caller's count, where each worker must compute as the caller would alone); each worker runs under the
+    caller's grad mode. workers <= 1 or one item: in the caller's thread."""
     if workers <= 1 or len(items) <= 1:
         for item in items:
             yield work(item)
         return
     workers = min(workers, len(items))
     in_worker = _under_callers_grad_mode(work)
-    with cpu_threads(max(1, torch.get_num_threads() // workers)), \
+    with cpu_threads(threads_each or max(1, torch.get_num_threads() // workers)), \
             concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compress-window") as pool:
         pending = collections.deque(pool.submit(in_worker, item) for item in items[:workers])
         rest = iter(items[workers:])

@@ -284,5 +284,9 @@ def test_models_decode_side_by_side_as_each_alone(monkeypatch):
         assert {n: o["tokens"] for n, o in p["outputs"].items()} == {n: alone[n][k] for n in models}
     assert sorted(calls) == sorted([id(m) for n, m in models.items() if n != "again"] * len(PROMPTS))
     assert all(t == {1} for t in threads.values())
-    with cpu_threads(2):
+    threads.clear()
+    with cpu_threads(2):  # two models at once on 4 cores, each on the caller's 2 threads
         assert samples.decoding_workers("cpu", 3) == 2
+        generate_samples(models, tok, 2)
+        assert torch.get_num_threads() == 2
+    assert len(threads) == 3 and all(t == {2} for t in threads.values())

@@ -9,7 +9,7 @@ import os
 import torch
 from torch import nn
 
-from ..threads import cpu_threads, ordered_map
+from ..threads import ordered_map
 
 # three short prompts of different kinds, the same in every report
 PROMPTS = (("fact", "What is the capital of France?"),
@@ -92,8 +92,7 @@ def generate_samples(models: dict[str, nn.Module], tokenizer, new_tokens: int, b
 
     threads = torch.get_num_threads()
     workers = decoding_workers(device.split(":")[0], len(distinct), threads)
-    with cpu_threads(threads * workers):  # ordered_map gives each of its workers this count / workers threads
-        tokens = dict(zip(map(id, distinct), ordered_map(distinct, continuations, workers)))
+    tokens = dict(zip(map(id, distinct), ordered_map(distinct, continuations, workers, threads_each=threads)))
     for k, (name, prompt, ids, text) in enumerate(rendered):
         outputs = {}
         for n, m in models.items():
