@@ -336,3 +336,95 @@ def test_gptq_initialisation_starts_from_gptq_and_tunes_below_it():
     assert plan.stages[0].report(ctx, 0)["tuning"]["model.layers.0"]["init_seconds"] >= 0
     with pytest.raises(ValueError, match="init"):
         AutoRoundOptions(init="hqq")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2_moe"])
+def test_the_float_models_activations_as_the_target(family, monkeypatch):
+    """`target: model` (auto-round's default): each block is tuned towards the float model's own activations at its
+    output, the reference being a hook on the untouched float model; the default target (the float block on the
+    compressed model's inputs) differs from them after the first block, where the two are the same bit for bit."""
+    import dataclasses
+
+    from compress.quantizers import QUANTIZERS
+    from compress.stages import quantize as stage_module
+    seen = {}
+
+    def spy(target):
+        original = QUANTIZERS["autoround"]
+
+        def tune(block, weights, scheme, options, samples, *args, **kw):
+            seen.setdefault(target, []).append([t.clone() for t in samples.target])
+            return original.tune_block(block, weights, scheme, options, samples, *args, **kw)
+        return dataclasses.replace(original, tune_block=tune)
+
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
+    float_model = _model(family)
+    n_blocks = len(get_module(float_model, get_arch(float_model).blocks))
+    reference = [_block_samples(float_model, i, ids).target for i in range(n_blocks)]
+    records = {}
+    for target in ("block", "model"):
+        monkeypatch.setattr(stage_module, "get_quantizer", lambda name, t=target: spy(t))
+        stage = {**AR, "options": {**AR["options"], "target": target}}
+        plan, ctx, errors = _run(_model(family), [stage], ids)
+        records[target] = plan.stages[0].report(ctx, 0)["tuning"]
+        plan.stages[0].finalize(ctx, 0)
+        assert ctx.carried == {}  # let go of after the last block
+    assert len(seen["model"]) == len(seen["block"]) == n_blocks > 1
+    for i in range(n_blocks):
+        for got, ref in zip(seen["model"][i], reference[i]):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(seen["model"][0], seen["block"][0]))
+    later = [float((a - b).norm() / b.norm()) for a, b in zip(seen["block"][-1], reference[-1])]
+    assert min(later) > 1e-3  # the default target is not the float model's: the test tells them apart
+    assert all("carried from block 0" in r["target"] for r in records["model"].values())
+    assert not any("target" in r for r in records["block"].values())
+
+
+def test_the_float_models_activations_start_again_where_a_pass_resumes():
+    """A pass resumed at block k has no float-model activations for block k: the carried stream restarts from the
+    compressed model's inputs there, and the record says so."""
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
+    model = _model("llama")
+    arch = get_arch(model)
+    plan = make_plan(model, arch, _recipe([{**AR, "options": {"iters": 2, "target": "model"}}]).stages)
+    ctx = start_stages(model, plan)
+    ctx.carried[0] = (0, None, 0)  # what a pass that stopped before block 1 would not have: a stream for block 0
+    stage_pass = StagePass(ctx)
+    run_blockwise(model, arch, ids, stage_pass.on_block, BlockPass(observe=stage_pass.observe, progress=False,
+                                                                    start=1, restore=lambda inputs: (inputs, [0.0])))
+    tuning = plan.stages[0].report(ctx, 0)["tuning"]
+    assert list(tuning) == [f"{arch.blocks}.1"] and "carried from block 1" in tuning[f"{arch.blocks}.1"]["target"]
+
+
+def test_the_float_model_target_is_validated_and_planned():
+    from transformers import LlamaConfig
+
+    from compress.pipeline.memory_plan import plan_memory
+    with pytest.raises(ValueError, match="use block .* or model"):
+        AutoRoundOptions(target="float")
+    config = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                         vocab_size=32000)
+    plans = {}
+    for target in ("block", "model"):
+        recipe = from_dict({"model": "unused", "calibration": {"kind": "self", "n_samples": 16, "seq_len": 512},
+                            "stages": [{**AR, "scheme": "W4A16", "options": {"target": target}}]})
+        plans[target] = plan_memory(recipe, config, torch.bfloat16, "cpu", available=10 ** 12).phases["calibration"]
+    assert plans["model"]["block statistics"] - plans["block"].get("block statistics", 0) == 16 * 512 * 4096 * 2
+
+
+def test_the_float_models_activations_survive_a_spilled_pass(tmp_path):
+    """With calibration.offload: disk the pass's float outputs are copied into rows of a file the next block writes
+    over: the carried activations must not be those rows, and the result is the in-memory pass's bit for bit."""
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
+    stage = {**AR, "options": {"iters": 4, "batch_size": 2, "target": "model"}}
+    codes = []
+    for spill_dir in (None, tmp_path):
+        model = _model("llama")
+        arch = get_arch(model)
+        plan = make_plan(model, arch, _recipe([stage]).stages)
+        ctx = start_stages(model, plan)
+        stage_pass = StagePass(ctx)
+        run_blockwise(model, arch, ids, stage_pass.on_block, BlockPass(observe=stage_pass.observe, progress=False,
+                                                                        spill_dir=spill_dir))
+        codes.append({n: m.qtensor().codes() for n, m in model.named_modules() if isinstance(m, QuantLinear)})
+    assert codes[0].keys() == codes[1].keys() and all(torch.equal(codes[0][n], codes[1][n]) for n in codes[0])

@@ -3,7 +3,7 @@ recipe, held against this machine's measured peaks (measure/machine.py). A lower
 in every run's report (its `profile`), and the gap between the two is what a faster implementation could win.
 
 Counted: reading the checkpoint; the calibration pass's float and compressed forwards (the linear layers' FLOPs,
-at the pass's matmul dtype); the evaluation's forwards (both models, at the model's dtype); the statistics a stage
+at the pass's matmul dtype; the float one twice for AutoRound's `target: model`); the evaluation's forwards (both models, at the model's dtype); the statistics a stage
 asks for (GPTQ's Hessians, X^T X per distinct input, float32); GPTQ's solves (per layer: the factor of its Hessian,
 ~4/3 K^3, and the updates, ~N K^2, float32). Not counted: attention's own products, element-wise work, AWQ's and
 AutoRound's searches, the trellis encoder's Viterbi search (their cost depends on their grids, steps and trellis
@@ -67,7 +67,10 @@ def time_plan(model: nn.Module, arch: ArchSpec, recipe: Recipe, needs_hessian: b
         compute = model_name if model_dtype != torch.float32 else (
             "bfloat16" if cal.dtype == "bfloat16" or (cal.dtype == "auto" and native_bf16(torch.device(device).type))
             else "float32")
-        row("float forward", block_flop_per_token * tokens, dtype=compute)
+        # AutoRound's `target: model` runs the float blocks once more, on the float model's own activations
+        floats = 2 if any(getattr(getattr(st, "options", None), "target", None) == "model" for st in recipe.stages) \
+            else 1
+        row("float forward", floats * block_flop_per_token * tokens, dtype=compute)
         row("compressed forward", block_flop_per_token * tokens, dtype=compute)
         if needs_hessian:
             blocks = arch.block_list(model)

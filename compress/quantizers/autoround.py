@@ -15,9 +15,11 @@ loss = mean over the windows of mean((block_Ŵ(x) - block_W(x))²), and moves ev
 (SignSGD), lr_t = lr · (1 - t / iters) (linear decay to 0), then clamps V and α, β to their ranges. The parameters
 of the step with the lowest loss are kept (auto-round's default; `best: false` keeps the last).
 
-Differences from auto-round, by decision: the block's inputs are the outputs of the blocks already quantized, and
-the target is the float block on those same inputs (the runner's one stream of activations, as GPTQ uses it);
-auto-round's default keeps a second, float stream as the target. Symmetric schemes keep this project's grid (absmax
+The block's inputs are the outputs of the blocks already quantized (the runner's stream of activations, as GPTQ
+uses it). The target (`target:`) is either the float block on those same inputs (`block`, the default) or, as
+auto-round's default does, the float model's own output at the block (`model`: a second stream of activations
+carried through the float blocks beside the pass's, so each block also learns to undo the error of the blocks
+before it; one more float forward per block and one more set of activations held). Symmetric schemes keep this project's grid (absmax
 / qmax, codes in [qmin, qmax]), not auto-round's "full range" one, so the result is an ordinary symmetric checkpoint.
 
 Against the model's loss (issue 50, item 2; `output_hessians`, written by a `kl_hessians` stage before): the block's
@@ -54,6 +56,7 @@ from ..threads import ordered_map, window_workers
 V_RANGE = 0.5  # a weight may round to either neighbour on the grid, nothing further
 CLIP_RANGE = (0.0, 1.0)  # α, β only shrink the range (auto-round's bounds)
 DEFAULT_LR = 5e-3  # the paper's 1 / 200, the largest default step size
+TARGETS = ("block", "model")  # AutoRoundOptions.target
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,9 @@ class AutoRoundOptions:
     # model's output at the block's output (the module docstring); "" = plain mean squared error
     output_hessians: str = ""
     kl_dampening: float = 0.01  # M's identity part, as a fraction of G's mean diagonal (output_hessians only)
+    # what the block's output is tuned towards: "block" (the float block on the compressed model's inputs) or "model"
+    # (the float model's own activations at the block's output, auto-round's default; the module docstring)
+    target: str = "block"
 
     def __post_init__(self):
         if self.iters < 0:
@@ -88,6 +94,9 @@ class AutoRoundOptions:
             raise ValueError(f"autoround batch_size must be >= 1 (the paper uses 8), got {self.batch_size}")
         if self.init not in ("rtn", "gptq"):
             raise ValueError(f"autoround init {self.init!r}: use rtn (round to nearest, the paper's) or gptq")
+        if self.target not in TARGETS:
+            raise ValueError(f"autoround target {self.target!r}: use block (the float block on the compressed "
+                             f"model's inputs) or model (the float model's own activations, auto-round's default)")
         if not self.kl_dampening >= 0:
             raise ValueError(f"autoround kl_dampening must be >= 0 (a fraction of the Fisher's mean diagonal added "
                              f"as identity; 0.01 is the default), got {self.kl_dampening}")

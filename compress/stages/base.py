@@ -236,6 +236,9 @@ class RunContext:
     model: nn.Module
     plan: Plan
     records: dict[int, Any] = field(default_factory=dict)  # stage index -> that stage's record
+    # stage index -> what a stage carries from one block to the next that is not part of its record (AutoRound's
+    # `target: model`: the float model's activations at the next block's input)
+    carried: dict[int, Any] = field(default_factory=dict)
     calibrated: bool = False  # the calibration pass has run (every decoder block went through the stages)
     profile: Any = None  # the run's core.profile.Profile (None: not timed): stages time their finer phases in it
 

@@ -17,11 +17,13 @@ from ..arch import ArchSpec, block_pairs, cross_attention_blocks, get_module, mu
 from ..arch.mixers import float_linear_reason, float_reason
 from ..arch.moe import EXPERT, ROUTER_REASON, any_expert, router_names
 from ..arch.paths import is_tied, untie_lm_head
+from ..core.profile import phase_of
 from ..core.nn import QuantLinear, is_linear, kernel_for, linear_shape, linear_weight
+from ..calibrate.blockwise import BlockInputs, block_forward, forward_work
 from ..calibrate.deferred import deferrable
 from ..calibrate.observers import BlockObserver
 from ..quantizers import LayerInputs, build_options, get_quantizer
-from ..quantizers.autoround import block_metric, tuning_workers
+from ..quantizers.autoround import BlockSamples, block_metric, tuning_workers
 from ..threads import run_groups
 from ..core.scheme import W4A16_G64, QuantScheme
 from ..core.trellis import TrellisLinear, TrellisTensor
@@ -229,8 +231,8 @@ class QuantizeStage(StageBase):
         solve at a time beside them (two on a CPU pass of more than one thread: two inputs' layers at once, one per
         worker thread): the layer's H/n, its weight being updated, the lazy update (quantizers/gptq.py; the factor of
         H that layers reading one input share is held across them, and let go before the next is made);
-        AutoRound: the tuning of one block (tuning_bytes). Both are named, 0 where the method has none (a device plan
-        lists them)."""
+        AutoRound: the tuning of one block (tuning_bytes), and with `target: model` the float model's activations
+        carried beside the pass's. Both are named, 0 where the method has none (a device plan lists them)."""
         size, seq_len = basis.size, basis.calibration.seq_len
         hessian = self._needs_hessian()
         tuning = get_quantizer(self.method).tune_block is not None
@@ -239,7 +241,11 @@ class QuantizeStage(StageBase):
         solve = size.two_solves if two else size.largest_solve
         workers = tuning_workers(getattr(self.options, "batch_size", 1), basis.device,
                                  2 if basis.calibration.threads != 1 else 1) if tuning else 1
-        return PassMemory(statistics={"Hessians": 4 * size.hessian_floats} if hessian else {},
+        statistics = {"Hessians": 4 * size.hessian_floats} if hessian else {}
+        if tuning and getattr(self.options, "target", "block") == "model":  # one more set of a block's activations
+            statistics["the float model's activations"] = \
+                basis.calibration.n_samples * seq_len * size.hidden * basis.width
+        return PassMemory(statistics=statistics,
                           during={"block tuning": tuning_bytes(size, seq_len, workers) if tuning else 0},
                           between={"GPTQ solve": 4 * solve if hessian else 0})
 
@@ -254,6 +260,8 @@ class QuantizeStage(StageBase):
         ctx.records[index] = {}  # layer name -> what the pass found for it (input scale, outlier features)
 
     def on_block(self, ctx: RunContext, block: BlockState, index: int) -> None:
+        if getattr(self.options, "target", "block") == "model":
+            _follow_float_model(ctx, block, index)
         tuned = self._tune(ctx, block, index) if get_quantizer(self.method).tune_block is not None else None
         apply_quantize(ctx.model, ctx.plan.steps[index], self, block.prefix, block.observer, block.divisor,
                        ctx.records[index], tuned=tuned, clip=block.clip,
@@ -285,11 +293,14 @@ class QuantizeStage(StageBase):
             record.update(init="gptq", init_seconds=t_init)
         if "metric" in kw:
             record.update(loss="block-output Fisher")
+        if self.options.target == "model":
+            record.update(target=f"the float model's activations (carried from block {ctx.carried[index][2]})")
         ctx.records[index][block.prefix] = {"tuning": record}  # beside the layers' records (saved on resume)
         return tuned
 
     def finalize(self, ctx: RunContext, index: int) -> None:
         """The planned layers outside the decoder blocks (lm_head), or all of them without a calibration pass."""
+        ctx.carried.pop(index, None)  # AutoRound's float-model activations, if any, past the last block
         apply_quantize(ctx.model, ctx.plan.steps[index], self, outside=ctx.arch.blocks if ctx.calibrated else None)
 
     def report(self, ctx: RunContext, index: int) -> dict:
@@ -340,11 +351,44 @@ def gptq_start(w: Tensor, scheme: QuantScheme, inputs: LayerInputs) -> Tensor:
     return qt.dequantize(torch.float32).to(w.dtype)
 
 
+def _follow_float_model(ctx: RunContext, block: BlockState, index: int) -> None:
+    """AutoRound's `target: model`: the float model's own activations at this block's output become the tuning's
+    targets (in place of the float block on the compressed model's inputs), carried from block to block in
+    ctx.carried[index] as (the block they are the input of, one tensor per window, the block the carried stream
+    started at). At the first block both are the pass's own targets. The float block runs on them before any
+    stage of this block has quantized it, with the pass's autocast dtype and its two windows at once. A pass resumed
+    part-way starts the stream again from the compressed model's inputs at the block it resumes at (the record says
+    from which block); a block the model's forward passes by (cross-attention on text) passes it on unchanged."""
+    if getattr(ctx.model.config.get_text_config(), "num_kv_shared_layers", 0):
+        raise ValueError("autoround target: model carries a second stream of activations through the blocks, and "
+                         "this model's later layers read keys and values that earlier layers wrote in the same "
+                         "forward (num_kv_shared_layers), which the two streams would overwrite; use target: block")
+    stream = ctx.carried.get(index)
+    if stream is not None and stream[0] != block.index:
+        stream = None  # not this block's input (the pass resumed elsewhere): start again from the pass's inputs
+    kept = block.observed.get(index)
+    if kept is None or not kept[0].hidden:  # the block saw no windows: the activations pass it by
+        if stream is not None:
+            ctx.carried[index] = (block.index + 1, stream[1], stream[2])
+        return
+    samples, dtype = kept
+    if stream is None:  # the block's own outputs as its hook saw them (not a spill file's rows: those are reused)
+        ctx.carried[index] = (block.index + 1, samples.target, block.index)
+        return
+    inputs, started = BlockInputs(stream[1], samples.kwargs), stream[2]
+    del stream
+    ctx.carried[index] = None  # the previous block's activations go as this block's are made
+    with phase_of(ctx.profile, "float forward", *forward_work(block.module, inputs, dtype)):
+        targets = block_forward(block.module, inputs, dtype)
+    del inputs
+    ctx.carried[index] = (block.index + 1, targets, started)
+    block.observed[index] = (BlockSamples(samples.hidden, samples.kwargs, targets), dtype)
+
+
 @contextlib.contextmanager
 def _keep_block_samples(block: BlockState, index: int):
     """Record, during the block's float forward, every window's inputs and outputs in block.observed[index] as
     (BlockSamples, the autocast dtype of the forward or None)."""
-    from ..quantizers.autoround import BlockSamples
     samples, dtype = BlockSamples([], [], []), []
 
     def hook(_module, args, kwargs, output):
