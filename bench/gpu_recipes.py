@@ -471,6 +471,12 @@ def compare(rows: list[dict], reference: dict | None, random_sha: str | None) ->
     for key, bar in BARS_S.items():
         row = next((r for r in rows if r["id"] == key and r.get("ok")), None)
         verdicts[f"{key} <= {bar:.0f} s"] = None if row is None else row["wall_s"] <= bar
+    # the streamed run is the resident run block by block (on CUDA its blocks reach the device through the
+    # read-ahead's pinned copies, core/transfer.py): the same scores
+    pair = [next((r for r in rows if r["id"] == f"large/{LARGE_RECIPE}/{m}" and r.get("ok")), None)
+            for m in ("resident", "streamed")]
+    verdicts["large streamed == resident (KL, perplexity)"] = None if None in pair else all(
+        pair[0].get(k) == pair[1].get(k) for k in ("kl", "ppl"))
     return verdicts
 
 

@@ -133,6 +133,7 @@ def test_dry_run_takes_every_recipe_and_the_large_model_through_compress_run(tmp
     assert build["ok"] and build["bytes_on_disk"] > 0 and build["parameters"] > 0
     assert resident["ok"] and streamed["ok"] and streamed["streamed"] and not resident["streamed"]
     assert resident["kl"] == streamed["kl"] and resident["ppl"] == streamed["ppl"]  # the same run, bit for bit
+    assert result["verdicts"]["large streamed == resident (KL, perplexity)"] is True
     assert result["verdicts"]["recipes_completed"] == "5/5 attempted (5 skipped)"
     assert not (tmp_path / "work" / "large").exists()  # the large model is removed after its runs
 

@@ -25,6 +25,7 @@ from torch import nn
 from ..arch import get_module
 from ..calibrate.blockwise import BlockInputs, BlockVisitor, block_forward, capture_block_inputs, forward_work
 from ..core.profile import phase_of
+from ..core.transfer import DeviceCopies, ahead_to
 from ..calibrate.data import eval_windows
 from ..calibrate.distributed import world
 from ..measure.memory import folder_bytes
@@ -130,7 +131,10 @@ class StreamedBlocks:
 
     While block i computes, block i + 1 is read on a helper thread (`read_ahead`): its tensors as stored (one more
     block at the checkpoint's dtype in memory, which the memory plan counts), converted to the run's dtype when its
-    turn comes. The profile then shows the read as overlapped, and as `read` only the time the pass waited for it."""
+    turn comes. The profile then shows the read as overlapped, and as `read` only the time the pass waited for it.
+    On a CUDA device the helper thread also queues the block's copies to the device, through pinned memory on a
+    stream of its own (core/transfer.py; one more block's weights on the device): the pass's stream waits for them
+    when the block's turn comes, and the profile shows them as the overlapped phase `transfer`."""
 
     def __init__(self, streamed: Streamed, writer: ShardWriter | None, save_dtype: str, profile=None,
                  read_ahead: bool = True):
@@ -139,6 +143,7 @@ class StreamedBlocks:
         self.n = len(streamed.arch.block_list(streamed.model))
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="read-ahead") if read_ahead else None
         self.ahead: tuple[int, Future] | None = None
+        self.copies = None  # the CUDA stream the read-ahead copies go on (made by the helper thread on first use)
 
     def begin(self) -> None:  # the block-0 inputs are captured: embeddings and head are not needed until the end
         self.streamed.release_outside()
@@ -155,8 +160,20 @@ class StreamedBlocks:
             stored = self.ahead[1].result()  # the wait, if any, is timed as `read` by the runner
         self.ahead = None
         if self.pool is not None and i + 1 < self.n:
-            self.ahead = (i + 1, self.pool.submit(self.streamed.read_block, i + 1, self.profile))
+            self.ahead = (i + 1, self.pool.submit(self._read_ahead, i + 1, device))
+        if isinstance(stored, DeviceCopies):
+            stored = stored.ready()
         return self.streamed.load(i, self.profile, stored).to(device)
+
+    def _read_ahead(self, i: int, device) -> dict | DeviceCopies:
+        """Block i's tensors as stored (a helper thread's work), on a CUDA `device` already on their way there."""
+        stored = self.streamed.read_block(i, self.profile)
+        if not ahead_to(device):
+            return stored
+        if self.copies is None:
+            self.copies = torch.cuda.Stream(torch.device(device))
+        with phase_of(self.profile, "transfer", nbytes=sum(t.numel() * t.element_size() for t in stored.values())):
+            return DeviceCopies.of(stored, device, self.copies)
 
     def done(self, i: int, block: nn.Module) -> None:
         prefix = f"{self.streamed.arch.blocks}.{i}"
