@@ -3,9 +3,9 @@ recipe, held against this machine's measured peaks (measure/machine.py). A lower
 in every run's report (its `profile`), and the gap between the two is what a faster implementation could win.
 
 Counted: reading the checkpoint; the calibration pass's float and compressed forwards (the linear layers' FLOPs,
-at the pass's matmul dtype; the float one twice for AutoRound's `target: model`); the evaluation's forwards (both models, at the model's dtype); the statistics a stage
-asks for (GPTQ's Hessians, X^T X per distinct input, float32); GPTQ's solves (per layer: the factor of its Hessian,
-~4/3 K^3, and the updates, ~N K^2, float32). Not counted: attention's own products, element-wise work, AWQ's and
+at the pass's matmul dtype; the float one twice for AutoRound's `target: model`); the evaluation's forwards (both
+models, at the model's dtype); the statistics a stage asks for (GPTQ's Hessians, X^T X per distinct input,
+float32); GPTQ's solves (per layer: the factor of its Hessian, ~4/3 K^3, and the updates, ~N K^2, float32). Not counted: attention's own products, element-wise work, AWQ's and
 AutoRound's searches, the trellis encoder's Viterbi search (their cost depends on their grids, steps and trellis
 states: the report shows it).
 """

@@ -19,8 +19,9 @@ The block's inputs are the outputs of the blocks already quantized (the runner's
 uses it). The target (`target:`) is either the float block on those same inputs (`block`, the default) or, as
 auto-round's default does, the float model's own output at the block (`model`: a second stream of activations
 carried through the float blocks beside the pass's, so each block also learns to undo the error of the blocks
-before it; one more float forward per block and one more set of activations held). Symmetric schemes keep this project's grid (absmax
-/ qmax, codes in [qmin, qmax]), not auto-round's "full range" one, so the result is an ordinary symmetric checkpoint.
+before it; one more float forward per block and one more set of activations held). Symmetric schemes keep this
+project's grid (absmax / qmax, codes in [qmin, qmax]), not auto-round's "full range" one, so the result is an
+ordinary symmetric checkpoint.
 
 Against the model's loss (issue 50, item 2; `output_hessians`, written by a `kl_hessians` stage before): the block's
 error is weighed by the Fisher of the whole model's output at the block's output, G = Σ_t g_t g_tᵀ (g the gradient
