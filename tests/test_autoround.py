@@ -428,3 +428,18 @@ def test_the_float_models_activations_survive_a_spilled_pass(tmp_path):
                                                                         spill_dir=spill_dir))
         codes.append({n: m.qtensor().codes() for n, m in model.named_modules() if isinstance(m, QuantLinear)})
     assert codes[0].keys() == codes[1].keys() and all(torch.equal(codes[0][n], codes[1][n]) for n in codes[0])
+
+
+def test_the_time_plan_counts_the_float_models_forward():
+    """`compress inspect`'s time plan: with `target: model` the float blocks run twice per block."""
+    from compress.pipeline.time_plan import time_plan
+    model = make_tiny_model("llama")
+    peaks = {"matmul_gflop_per_s": {"float32": 100.0, "bfloat16": 100.0}, "read_gb_per_s": 1.0}
+    flop = {}
+    for target in ("block", "model"):
+        recipe = _recipe([{**AR, "options": {"target": target}}], n=512, seq=4096)
+        rows = {r["phase"]: r for r in time_plan(model, get_arch(model), recipe, False, 1, torch.float32, "cpu",
+                                                 peaks)["phases"]}
+        flop[target] = (rows["float forward"]["tflop"], rows["compressed forward"]["tflop"])
+    assert flop["block"][0] > 0.05  # enough tokens that the rounded TFLOP figures compare
+    assert flop["model"][0] == pytest.approx(2 * flop["block"][0], rel=0.02) and flop["model"][1] == flop["block"][1]
