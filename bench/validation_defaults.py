@@ -79,15 +79,18 @@ def _runs() -> dict[str, tuple[str, list[str]]]:
             runs[f"awq+autoround int4 iters={iters} bs=2 lr=0.005 seed{seed}"] = ("recipes/autoround_int4.yaml", [
                 f"stages.1.options.iters={iters}", "stages.1.options.batch_size=2", "stages.1.options.lr=0.005",
                 f"calibration.seed={seed}", "calibration.threads=1"])
-    for seed in (0, 1, 2):  # the float model's activations as the target (auto-round's default), against the above
-        runs[f"awq+autoround int4 iters=100 bs=2 lr=0.005 target=model seed{seed}"] = ("recipes/autoround_int4.yaml", [
-            "stages.1.options.iters=100", "stages.1.options.batch_size=2", "stages.1.options.lr=0.005",
-            "stages.1.options.target=model", f"calibration.seed={seed}", "calibration.threads=1"])
+    for seed in (0, 1, 2):
         # the last step's parameters, not those of the step whose two windows gave the lowest loss (a loss over
         # different windows each step: the "best" step is the one that drew the easiest windows)
         runs[f"awq+autoround int4 iters=100 bs=2 lr=0.005 best=false seed{seed}"] = ("recipes/autoround_int4.yaml", [
             "stages.1.options.iters=100", "stages.1.options.batch_size=2", "stages.1.options.lr=0.005",
             "stages.1.options.best=false", f"calibration.seed={seed}", "calibration.threads=1"])
+        # and the float model's activations as the target (auto-round's default), against the row above
+        runs[f"awq+autoround int4 iters=100 bs=2 lr=0.005 best=false target=model seed{seed}"] = (
+            "recipes/autoround_int4.yaml", [
+                "stages.1.options.iters=100", "stages.1.options.batch_size=2", "stages.1.options.lr=0.005",
+                "stages.1.options.best=false", "stages.1.options.target=model", f"calibration.seed={seed}",
+                "calibration.threads=1"])
     runs["rtn int4"] = ("recipes/int4_rtn.yaml", ["calibration=null"])
     runs["rtn int3"] = ("recipes/int4_rtn.yaml", ["calibration=null", "stages.0.scheme.dtype=int3"])
     return runs
