@@ -301,9 +301,14 @@ def test_the_commands_train_a_head_and_measure_it(tmp_path, capsys):
         str(cache / "generations.safetensors"))["sequences"])  # text first, the generations (held out from) last
     result = tmp_path / "spec.json"
     assert main(["speculate", str(folder), "--draft", str(out), "--prompts", "2", "--prompt-tokens", "16",
-                 "--max-new-tokens", "6", "--k", "1-2", "--output", str(result)]) == 0
+                 "--max-new-tokens", "6", "--k", "1-2", "--tree", "3,2,4", "--output", str(result)]) == 0
     measured = json.loads(result.read_text())
-    assert measured["greedy_mismatches"] == 0 and [r["k"] for r in measured["rows"]] == [1, 2, "adaptive"]
+    assert measured["greedy_mismatches"] == 0 and [r["k"] for r in measured["rows"]] == [1, 2, "adaptive",
+                                                                                          "tree 3,2,4"]
+    assert measured["tree_mismatches"] == 0 and measured["rows"][-1]["alpha"] is None
+    assert "| tree 3,2,4 (mean" in capsys.readouterr().out
+    assert main(["speculate", str(folder), "--draft", "self-int4", "--tree", "3,2,4"]) == 2
+    assert "trees are drafted by an EAGLE-3 head" in capsys.readouterr().err
     assert any("EAGLE-3 head" in n for n in measured["notes"])
     assert main(["speculate", str(folder), "--draft", str(out), "--draft-int4"]) == 2
     assert "--draft-int4 and --draft-vocab apply to whole-model drafts" in capsys.readouterr().err

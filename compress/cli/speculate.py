@@ -13,6 +13,7 @@ EPILOG = """examples:
   compress speculate default --draft self-int4 --temperature 0.8 --output runs/spec.json
   compress speculate default --draft runs/awq_gptq_int4 --draft-int4 --draft-vocab 16384 --k 3-5
   compress speculate default --draft runs/eagle_head --k 3-6                # an EAGLE-3 head (compress draft-head)
+  compress speculate default --draft runs/eagle_head --k 2 --tree 5,4,15    # the head drafting trees, beside a chain
 
 DRAFT is anything `compress eval` loads (a run folder, a Hugging Face folder, a .gguf file, `default`),
 `self-int4`: TARGET's weights rounded to int4 g64 (head int8) in memory, no calibration, or an EAGLE-3 head folder
@@ -25,7 +26,11 @@ Llama, Mistral and Qwen2 models decode on a lean loop (their own modules over a 
 here get fused q/k/v and gate/up layers), both plainly and speculatively; other families on transformers' forward.
 At one thread the lean loop runs on compress's few-row C kernels (--kernels; built with the C compiler on first
 use): float32 targets, int4/int8 drafts (int4 x int8 activations on AVX512-VNNI CPUs, --draft-act); a verify of K
-tokens then costs about one decode step and equals K one-token steps bit for bit."""
+tokens then costs about one decode step and equals K one-token steps bit for bit.
+--tree DEPTH,BRANCH,TOKENS (a head only; repeat it to compare shapes): each round the head expands the BRANCH best
+nodes of each of DEPTH levels, the TOKENS nodes of highest path probability are verified in one target forward
+(root + 15 = the few-row kernels' 16 rows), and the target's own token (its argmax, or its sample) walks down the
+tree: the output is plain decoding's token for token, greedy or sampled."""
 
 
 def add_parser(sub) -> None:
@@ -47,9 +52,15 @@ def add_parser(sub) -> None:
                         "int8 per channel (default) or int4 g64")
     p.add_argument("--k", default="1-8", help="draft lengths: one (4), a list (2,4,6) or a range (1-8; default)")
     p.add_argument("--no-adaptive", action="store_true", help="skip the adaptive draft length")
+    p.add_argument("--tree", action="append", default=[], metavar="D,B,T",
+                   help="also measure the head drafting trees of DEPTH levels, BRANCH nodes expanded per level, "
+                        "TOKENS verified (e.g. 5,4,15); repeatable")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sampling")
     p.add_argument("--prompts", type=int, default=4, help="WikiText-2 test prompts (default 4)")
     p.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt (default 128)")
+    p.add_argument("--prompt-split", default="test", choices=["test", "train", "validation"],
+                   help="the WikiText-2 split the prompts come from (default test: report there, choose settings "
+                        "such as --tree on train)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
     p.add_argument("--rounds", type=int, default=1, help="repeat the whole measurement (default 1)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
@@ -103,7 +114,10 @@ def run(args) -> int:
     from ..core.nn import QuantLinear
     from ..serving.eagle import is_head_folder, load_head
 
+    from ..serving.tree import TreeShape
+
     ks = parse_ks(args.k)
+    trees = tuple(TreeShape.parse(t) for t in args.tree)
     for name in args.accelerator:
         get_accelerator(name)  # an unknown name fails before any loading
     if args.temperature < 0:
@@ -132,6 +146,8 @@ def run(args) -> int:
         if args.accelerator:
             notes.append("no roofline for a head draft: the roofline models whole decoders (--accelerator ignored)")
             args.accelerator = []
+    elif trees:
+        raise ValueError(f"--tree: trees are drafted by an EAGLE-3 head (compress draft-head), not by {args.draft}")
     elif args.draft == SELF_DRAFT:
         draft, kept = int4_copy(target, head=head, dtype=draft_dtype, vocab_ids=ids)
         notes.append(f"draft: the target's linears rounded to int4 g64 (asymmetric), its head to {args.draft_head}")
@@ -146,8 +162,9 @@ def run(args) -> int:
             draft.config.tie_word_embeddings = False
             subset_head(draft, ids, head)
     notes += [f"kept in float: {k}" for k in kept]
-    prompts = wikitext_prompts(loaded.tokenizer, args.prompts, args.prompt_tokens)
-    batches = sorted({1, *(k + 1 for k in range(1, max(*ks, 8) + 1)), args.prompt_tokens - 1})  # decode, verify, prefill
+    prompts = wikitext_prompts(loaded.tokenizer, args.prompts, args.prompt_tokens, args.prompt_split)
+    batches = sorted({1, *(k + 1 for k in range(1, max(*ks, 8) + 1)), *(t.tokens + 1 for t in trees),
+                      args.prompt_tokens - 1})  # decode, verify (chain and tree), prefill
     with torch.no_grad(), contextlib.ExitStack() as stack:
         for m in (target, draft):  # the fastest kernel per layer, as `compress eval` measures speed
             if any(isinstance(x, QuantLinear) for x in m.modules()):
@@ -163,9 +180,10 @@ def run(args) -> int:
         bar = tqdm(total=args.rounds * args.prompts, desc="speculating", unit="prompt")
         result = measure_draft(target, draft, prompts, args.max_new_tokens, ks, not args.no_adaptive,
                                args.temperature, args.seed, args.rounds, progress=lambda i, n: bar.update(i - bar.n),
-                               runtime=args.runtime)
+                               runtime=args.runtime, trees=trees)
         bar.close()
     result["target"], result["draft"], result["notes"] = args.target, args.draft, notes
+    result["prompt_split"] = args.prompt_split
     result["kernels"] = "rows" if rows else "torch"
     result["row_kernels"] = row_kernels
     if args.accelerator:

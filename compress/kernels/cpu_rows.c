@@ -73,9 +73,9 @@ INLINE void finish(float *y, int64_t N, int64_t n0, const float *bias, const v16
     }
 }
 
-INLINE void f32_rows_m(const float *x, const float *w, const float *bias, float *y, int64_t N, int64_t K, int M) {
-    int64_t strips = (N + STRIP - 1) / STRIP;
-    for (int64_t s = 0; s < strips; ++s) {
+INLINE void f32_rows_m(const float *x, const float *w, const float *bias, float *y, int64_t N, int64_t K, int M,
+                       int64_t s0, int64_t s1) { /* strips s0 .. s1 - 1 */
+    for (int64_t s = s0; s < s1; ++s) {
         const float *ws = w + s * K * STRIP;
         v16 acc[16];
         for (int i = 0; i < 2 * M; ++i) acc[i] = (v16){0};
@@ -160,8 +160,9 @@ INLINE void i8_rows_m(const float *x, const int8_t *w, const float *scale, const
     default: return -1; } \
     return 0;
 
-static int f32_rows8(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
-#define F32(m) f32_rows_m(x, w, bias, y, N, K, m)
+static int f32_rows8(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K,
+                     int64_t s0, int64_t s1) {
+#define F32(m) f32_rows_m(x, w, bias, y, N, K, m, s0, s1)
     DISPATCH(F32)
 }
 
@@ -288,8 +289,13 @@ int compress_w4a8_rows(const float *x, const uint8_t *w, const float *scale, con
 #define MAX_ROWS 16
 int compress_f32_rows(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
     if (M < 1 || M > MAX_ROWS) return -1;
-    for (int64_t m = 0; m < M; m += 8)
-        if (f32_rows8(x + m * K, w, bias, y + m * N, M - m < 8 ? M - m : 8, N, K)) return -1;
+    int64_t strips = (N + STRIP - 1) / STRIP;
+    if (M <= 8) return f32_rows8(x, w, bias, y, M, N, K, 0, strips);
+    /* 9..16 rows (a draft tree's verify): strip by strip, each group of 8 rows in turn, so that a strip (K x 32
+     * floats) comes from memory once and from cache for the second group: the weights stream once for all rows */
+    for (int64_t s = 0; s < strips; ++s)
+        for (int64_t m = 0; m < M; m += 8)
+            if (f32_rows8(x + m * K, w, bias, y + m * N, M - m < 8 ? M - m : 8, N, K, s, s + 1)) return -1;
     return 0;
 }
 
@@ -403,18 +409,25 @@ static void rope(float *x, const float *cos, const float *sin, int64_t D) { /* o
     for (int64_t d = half; d < D; ++d) x[d] = tmp[d] * cos[d] + tmp[d - half] * sin[d];
 }
 
-/* h [M, H] updated in place; tokens at positions start .. start + M - 1; cos, sin [M, D]. Returns 0, or -1 for a
+/* h [M, H] updated in place; rows written to cache slots start .. start + M - 1, rotated by cos, sin [M, D] (their
+ * positions). Causal by default: row m reads slots 0 .. start + m. With `tree` (a speculative draft tree, one verify
+ * over its branches): slots below tree_start are read by every row, and row m reads slot tree_start + j (j <= start
+ * + m - tree_start) only where tree[m * tree_stride + j] is set (its ancestors and itself). The keys a row reads are
+ * taken in slot order, so a tree's row gives the same bits as the decode step of its branch. Returns 0, or -1 for a
  * shape the kernels refuse. */
 int compress_blocks(const Block *blocks, int64_t n_blocks, float *h, int64_t M, int64_t start, const float *cos,
-                    const float *sin, int64_t heads, int64_t kv_heads, int64_t D, int64_t max_len, float scaling) {
+                    const float *sin, int64_t heads, int64_t kv_heads, int64_t D, int64_t max_len, float scaling,
+                    const uint8_t *tree, int64_t tree_start, int64_t tree_stride) {
     if (M < 1 || M > MAX_ROWS || D > 1024 || start + M > max_len || heads % kv_heads) return -1;
+    if (tree && (tree_start < 0 || tree_start > start || tree_stride < start + M - tree_start)) return -1;
     int64_t H = blocks[0].q.k, QD = heads * D, KD = kv_heads * D, groups = heads / kv_heads, end = start + M;
     int64_t ffn = blocks[0].down.k;
     float *x = malloc(sizeof(float) * M * H), *qkv = malloc(sizeof(float) * M * (QD + 2 * KD));
     float *att = malloc(sizeof(float) * M * QD), *o = malloc(sizeof(float) * M * H);
     float *gu = malloc(sizeof(float) * M * 2 * ffn), *act = malloc(sizeof(float) * M * ffn);
     float *p = malloc(sizeof(float) * end), *tmp = malloc(sizeof(float) * M * (QD > ffn ? QD : ffn));
-    int rc = (x && qkv && att && o && gu && act && p && tmp) ? 0 : -1;
+    int64_t *keys = malloc(sizeof(int64_t) * end);
+    int rc = (x && qkv && att && o && gu && act && p && tmp && keys) ? 0 : -1;
     int64_t W = QD + 2 * KD;
     for (int64_t b = 0; b < n_blocks && !rc; ++b) {
         const Block *B = &blocks[b];
@@ -434,14 +447,21 @@ int compress_blocks(const Block *blocks, int64_t n_blocks, float *h, int64_t M, 
             }
         }
         for (int64_t m = 0; m < M; ++m) {
-            int64_t len = start + m + 1; /* causal: keys 0 .. start + m */
+            int64_t len = 0; /* the slots row m reads, in order: causal 0 .. start + m, or the tree's */
+            if (!tree)
+                for (; len <= start + m; ++len) keys[len] = len;
+            else {
+                for (; len < tree_start; ++len) keys[len] = len;
+                for (int64_t j = 0; j <= start + m - tree_start; ++j)
+                    if (tree[m * tree_stride + j]) keys[len++] = tree_start + j;
+            }
             for (int64_t hd = 0; hd < heads; ++hd) {
                 const float *q = qkv + m * W + hd * D;
                 const float *kc = B->kcache + (hd / groups) * max_len * D;
                 const float *vc = B->vcache + (hd / groups) * max_len * D;
                 float mx = -INFINITY, sum = 0.0f;
                 for (int64_t j = 0; j < len; ++j) {
-                    p[j] = dot(q, kc + j * D, D) * scaling;
+                    p[j] = dot(q, kc + keys[j] * D, D) * scaling;
                     mx = p[j] > mx ? p[j] : mx;
                 }
                 for (int64_t j = 0; j < len; ++j) p[j] -= mx;
@@ -451,7 +471,8 @@ int compress_blocks(const Block *blocks, int64_t n_blocks, float *h, int64_t M, 
                 for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
                 for (int64_t j = 0; j < len; ++j) {
                     float pj = p[j] / sum;
-                    for (int64_t d = 0; d < D; ++d) out[d] += pj * vc[j * D + d];
+                    const float *vj = vc + keys[j] * D;
+                    for (int64_t d = 0; d < D; ++d) out[d] += pj * vj[d];
                 }
             }
         }
@@ -472,6 +493,6 @@ int compress_blocks(const Block *blocks, int64_t n_blocks, float *h, int64_t M, 
         rc |= linear(&B->down, act, o, M);
         for (int64_t i = 0; i < M * H; ++i) h[i] += o[i];
     }
-    free(x); free(qkv); free(att); free(o); free(gu); free(act); free(p); free(tmp);
+    free(x); free(qkv); free(att); free(o); free(gu); free(act); free(p); free(tmp); free(keys);
     return rc ? -1 : 0;
 }

@@ -72,7 +72,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.compress_i8_rows.argtypes = [p, p, p, p, p, i64, i64, i64]
     lib.compress_w4a8_rows.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64]
     lib.compress_has_vnni.argtypes = []
-    lib.compress_blocks.argtypes = [p, i64, p, i64, i64, p, p, i64, i64, i64, i64, ctypes.c_float]
+    lib.compress_blocks.argtypes = [p, i64, p, i64, i64, p, p, i64, i64, i64, i64, ctypes.c_float, p, i64, i64]
     for f in (lib.compress_f32_rows, lib.compress_i4_rows, lib.compress_i8_rows, lib.compress_w4a8_rows,
               lib.compress_has_vnni, lib.compress_blocks):
         f.restype = ctypes.c_int

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..serving.speculative import (acceptance_rate, expected_tokens, generate_plain, generate_speculative,
         roofline_speedup)
+from ..serving.tree import TreeShape
 from ..arch import set_module
 from ..serving.lean_decode import fuse_projections, lean_problem
 from ..core.nn import QuantLinear, is_linear, native_bf16
@@ -164,21 +165,30 @@ def choose_kernels(kernels: str, threads: int, runtime: str, dtype: str) -> str 
 
 def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]], max_new_tokens: int = 64,
                   ks=(1, 2, 3, 4, 5, 6, 7, 8), adaptive: bool = True, temperature: float = 0.0, seed: int = 0,
-                  rounds: int = 1, progress=None, runtime: str = "auto") -> dict:
+                  rounds: int = 1, progress=None, runtime: str = "auto", trees=()) -> dict:
     """α, tokens per target step and speed-up over plain decoding of `target`, per draft length K (and the adaptive
     schedule), over `prompts`. `draft`: a model sharing the target's vocabulary, or an EAGLE-3 head (serving/eagle.py)
     trained for the target. Speed-up: the summed end-to-end time of plain decoding over that of speculative
     decoding, each from the prompt to the last new token (prefills included: the draft's is part of the cost).
     Greedy (temperature 0) checks every output against plain decoding. `runtime`: the decode loop of both
-    (speculative.RUNTIMES; auto: the lean path where the model allows it)."""
+    (speculative.RUNTIMES; auto: the lean path where the model allows it). `trees`: serving.tree.TreeShape each, a
+    row per shape for a head drafting trees (their outputs are plain decoding's in both modes: counted in
+    tree_mismatches)."""
     from ..serving.eagle import EagleHead, generate_eagle
+    from ..serving.tree import generate_eagle_tree
 
-    generate = generate_eagle if isinstance(draft, EagleHead) else generate_speculative  # a head, or a whole model
+    is_head = isinstance(draft, EagleHead)
+    if trees and not is_head:
+        raise ValueError("draft trees are drafted by an EAGLE-3 head (compress draft-head); a whole-model draft "
+                         "drafts a chain (no --tree)")
+    generate = generate_eagle if is_head else generate_speculative  # a head, or a whole model
     settings = [(k, False) for k in ks] + ([(ks[0] if ks else 4, True)] if adaptive else [])
-    plain_s, plain_decode_s, plain_steps, plain_tokens, mismatches = 0.0, 0.0, 0, 0, 0
+    settings += [(shape, False) for shape in trees]
+    plain_s, plain_decode_s, plain_steps, plain_tokens, mismatches, tree_mismatches = 0.0, 0.0, 0, 0, 0, 0
     distinct = []  # per prompt: distinct 4-grams / 4-grams of the plain output (repetition raises α)
-    rows = {("adaptive" if a else k): {"k": "adaptive" if a else k, "seconds": 0.0, "proposed": 0, "accepted": 0, "rejected": 0,
-                                       "target_steps": 0, "tokens": 0, "draft_s": 0.0, "verify_s": 0.0, "ks": []}
+    label = lambda k, a: "adaptive" if a else (f"tree {k}" if isinstance(k, TreeShape) else k)  # noqa: E731
+    rows = {label(k, a): {"k": label(k, a), "seconds": 0.0, "proposed": 0, "accepted": 0, "rejected": 0,
+                          "target_steps": 0, "tokens": 0, "draft_s": 0.0, "verify_s": 0.0, "ks": []}
             for k, a in settings}
     t_start = time.perf_counter()
     for r in range(rounds):
@@ -194,10 +204,15 @@ def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]],
                 distinct.append(len(set(grams)) / len(grams))
             for k, a in settings:
                 g = torch.Generator().manual_seed(seed + i)
-                got = generate(target, draft, prompt, max_new_tokens, k, temperature, a, g, runtime=runtime)
+                if isinstance(k, TreeShape):
+                    got = generate_eagle_tree(target, draft, prompt, max_new_tokens, k, temperature, g,
+                                              runtime=runtime)
+                    tree_mismatches += got.tokens != base.tokens
+                else:
+                    got = generate(target, draft, prompt, max_new_tokens, k, temperature, a, g, runtime=runtime)
                 if temperature == 0 and got.tokens != base.tokens:
                     mismatches += 1
-                row = rows["adaptive" if a else k]
+                row = rows[label(k, a)]
                 row["seconds"] += got.seconds
                 row["proposed"] += got.proposed
                 row["accepted"] += got.accepted
@@ -213,14 +228,25 @@ def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]],
     t_step = plain_decode_s / max(plain_steps, 1)
     out_rows = []
     for row in rows.values():
-        alpha = acceptance_rate(row["accepted"], row["rejected"]) if row["proposed"] else 0.0
         k_mean = statistics.mean(row["ks"]) if row["ks"] else 0
-        draft_cost = row["draft_s"] / max(row["proposed"], 1) / t_step
         verify_cost = row["verify_s"] / max(row["target_steps"], 1) / t_step
+        per_step = row["tokens"] / max(row["target_steps"], 1)
+        ks_used = row.pop("ks")
+        if isinstance(row["k"], str) and row["k"].startswith("tree"):
+            # a tree: α of a chain does not apply; its draft cost is per round (every level and the catch-up)
+            draft_cost = row["draft_s"] / max(row["target_steps"], 1) / t_step
+            out_rows.append({**row, "alpha": None, "tokens_per_step": per_step, "expected_tokens_per_step": None,
+                             "mean_k": k_mean, "k_histogram": {}, "tree": row["k"][5:],
+                             "speedup": plain_s / row["seconds"] if row["seconds"] else 0.0,
+                             "tok_s": row["tokens"] / row["seconds"] if row["seconds"] else 0.0,
+                             "draft_cost": draft_cost, "verify_cost": verify_cost,
+                             "predicted_speedup": per_step / (verify_cost + draft_cost)})
+            continue
+        alpha = acceptance_rate(row["accepted"], row["rejected"]) if row["proposed"] else 0.0
+        draft_cost = row["draft_s"] / max(row["proposed"], 1) / t_step
         k_eff = k_mean if row["k"] == "adaptive" else row["k"]
         predicted = expected_tokens(alpha, round(k_eff)) / (verify_cost + k_eff * draft_cost) if k_eff else 0
-        ks_used = row.pop("ks")
-        out_rows.append({**row, "alpha": alpha, "tokens_per_step": row["tokens"] / max(row["target_steps"], 1),
+        out_rows.append({**row, "alpha": alpha, "tokens_per_step": per_step,
                          "expected_tokens_per_step": expected_tokens(alpha, round(k_eff)) if k_eff else 1.0,
                          "mean_k": k_mean, "k_histogram": {k: ks_used.count(k) for k in sorted(set(ks_used))},
                          "speedup": plain_s / row["seconds"] if row["seconds"] else 0.0,
@@ -230,6 +256,7 @@ def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]],
             "max_new_tokens": max_new_tokens, "temperature": temperature, "rounds": rounds,
             "plain_s": plain_s, "plain_step_s": t_step, "plain_tok_s": plain_tokens / plain_s if plain_s else 0,
             "greedy_mismatches": mismatches if temperature == 0 else None, "rows": out_rows,
+            "tree_mismatches": tree_mismatches if trees else None,
             "plain_distinct_4grams": distinct,
             "target_bytes": _bytes(target), "draft_bytes": _bytes(draft), "target_serving_bytes": _serving(target),
             "draft_serving_bytes": _serving(draft), "threads": torch.get_num_threads(),
@@ -250,7 +277,7 @@ def roofline_rows(result: dict, target_config, draft_config, accelerators=("H100
         acc = get_accelerator(name)
         for row in result["rows"]:
             k = round(row["mean_k"]) if row["k"] == "adaptive" else row["k"]
-            if k:
+            if k and row["alpha"] is not None:
                 out.append({**roofline_speedup(row["alpha"], k, t, d, acc, context), "k": row["k"]})
     return out
 
@@ -267,7 +294,16 @@ def render(result: dict, title: str = "") -> list[str]:
                   f"{'all' if not result['greedy_mismatches'] else str(result['greedy_mismatches']) + ' differ'}", ""]
     lines += ["| K | α | accepted / proposed | tokens / target step | E[tokens] at α | draft step | verify step | speed-up "
               "| predicted from step costs |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    if result.get("tree_mismatches") is not None:
+        lines += [f"tree outputs equal to plain decoding (both modes: the target's own tokens): "
+                  f"{'all' if not result['tree_mismatches'] else str(result['tree_mismatches']) + ' differ'}", ""]
     for r in result["rows"]:
+        if r["alpha"] is None:  # a tree
+            lines.append(f"| tree {r['tree']} (mean {r['mean_k']:.1f} nodes) | — | "
+                         f"{r['accepted'] / max(r['proposed'], 1):.3f} | {r['tokens_per_step']:.2f} | — | "
+                         f"{r['draft_cost']:.2f} per round | {r['verify_cost']:.2f} | **{r['speedup']:.2f}×** | "
+                         f"{r['predicted_speedup']:.2f}× |")
+            continue
         k = r["k"] if r["k"] != "adaptive" else f"adaptive (mean {r['mean_k']:.1f})"
         lines.append(f"| {k} | {r['alpha']:.3f} | {r['accepted'] / max(r['proposed'], 1):.3f} | {r['tokens_per_step']:.2f} | {r['expected_tokens_per_step']:.2f} "
                      f"| {r['draft_cost']:.2f} | {r['verify_cost']:.2f} | **{r['speedup']:.2f}×** "

@@ -195,20 +195,26 @@ class HeadStream:
         self.length = 0
 
     @torch.no_grad()
-    def forward(self, tokens: list[int], hidden: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, tokens: list[int], hidden: Tensor, positions: Tensor | None = None,
+                mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Entries at positions start, start + 1, ... each seeing those before it; or (a draft tree's nodes,
+        serving/tree.py) at `positions` [T], each seeing the entries `mask` [T, start + T] names."""
         t, start = len(tokens), self.length
         end = start + t
         if hidden.shape[0] != t:
             raise ValueError(f"{t} tokens but {hidden.shape[0]} hidden states")
         if end > self.max_len:
             raise ValueError(f"{end} entries exceed the head stream's max_len {self.max_len}")
+        if (positions is None) != (mask is None):
+            raise ValueError("a tree's entries need both their positions and their mask")
         dtype = self.head.fc.weight.dtype
         ids = torch.tensor([tokens], device=self.k.device)
-        pos = torch.arange(start, end, device=self.k.device)[None]
+        pos = torch.arange(start, end, device=self.k.device)[None] if positions is None else positions[None]
         emb, hid = self.embed(ids).to(dtype), hidden[None].to(dtype)
         q, k, v = self.head.qkv(emb, hid, pos)
         self.k[:, start:end], self.v[:, start:end] = k[0], v[0]
-        mask = None if t == 1 else torch.arange(end, device=self.k.device)[None] <= pos[0, :, None]
+        if mask is None and t > 1:
+            mask = torch.arange(end, device=self.k.device)[None] <= pos[0, :, None]
         o = attend(q[0], self.k[:, :end], self.v[:, :end], mask, self.head.scaling).to(dtype)
         out = self.head.finish(o[None], hid)
         self.length = end

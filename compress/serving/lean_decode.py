@@ -278,14 +278,24 @@ class LeanStream:
         return arr, None
 
     @torch.no_grad()
-    def forward(self, tokens: list[int], logits: str = "all") -> Tensor | None:
+    def forward(self, tokens: list[int], logits: str = "all", parents: list[int] | None = None) -> Tensor | None:
+        """Append `tokens` and return their logits. `parents` (a speculative draft tree, serving/tree.py): token i
+        continues token parents[i] (< i; -1: the committed text), sits at position length + its depth and attends to
+        the committed tokens and its ancestors only; `keep` then commits one branch."""
         if not tokens or not all(isinstance(t, int) for t in tokens):
             raise TypeError("a stream takes a flat, non-empty list of token ids (ints)")
         t, start = len(tokens), self.length
         if start + t > self.max_len:
             raise ValueError(f"{start + t} tokens exceed the stream's max_len {self.max_len}; make it longer")
         ids = torch.tensor([tokens], device=self.device)
-        pos = torch.arange(start, start + t, device=self.device)[None]
+        anc = None
+        if parents is None:
+            pos = torch.arange(start, start + t, device=self.device)[None]
+        else:
+            depth, anc = tree_layout(parents)
+            if len(parents) != t:
+                raise ValueError(f"{t} tokens but {len(parents)} parents")
+            pos = (start + depth).to(self.device)[None]
         h = self.base.embed_tokens(ids)
         cos, sin = self.base.rotary_emb(h, pos)
         cos, sin = cos[0, None], sin[0, None]  # [1, T, head_dim]
@@ -300,6 +310,7 @@ class LeanStream:
             base, size = ctypes.addressof(self.c_blocks), ctypes.sizeof(self.c_blocks[0])
             if self.aux_layers:
                 feats = [h.new_empty(t, h.shape[-1]) for _ in self.aux_layers]
+            tree = None if anc is None else anc.to(torch.uint8).contiguous()  # [T, T], row i's ancestors
             for c in range(0, t, MAX_ROWS):
                 n = min(MAX_ROWS, t - c)
                 for a, b in zip(cuts, cuts[1:] + [None]):
@@ -310,13 +321,16 @@ class LeanStream:
                         break
                     rc = self._lib.compress_blocks(base + a * size, b - a, h[c].data_ptr(), n, start + c,
                                                    cos[c].data_ptr(), sin[c].data_ptr(), self.heads, self.kv_heads,
-                                                   self.head_dim, self.max_len, self.scaling)
+                                                   self.head_dim, self.max_len, self.scaling,
+                                                   None if tree is None else tree[c].data_ptr(), start, t)
                     if rc:
                         raise RuntimeError("the block kernel refused this step (a shape outside its limits)")
             self._features(feats)
             return self._finish(h[None], end, logits)
         mask = None
-        if t > 1:  # query i (position start + i) sees keys 0..start + i
+        if anc is not None:  # the committed tokens, then the tree's ancestors
+            mask = torch.cat([anc.new_ones(t, start), anc], 1).to(self.device)
+        elif t > 1:  # query i (position start + i) sees keys 0..start + i
             mask = torch.arange(end, device=self.device)[None] <= pos[0, :, None]
         for i, block in enumerate(self.blocks):
             for n, j in enumerate(self.aux_layers):
@@ -365,3 +379,30 @@ class LeanStream:
         if length < 0:
             raise ValueError(f"crop to {length}: a length is >= 0")
         self.length = min(length, self.length)
+
+    def keep(self, start: int, rows: list[int]) -> None:
+        """After a tree forward that began at `start`: keep its `rows` (a branch: increasing, each the parent of the
+        next) as the tokens at start, start + 1, ... and forget the rest. Their keys were rotated at those positions,
+        so the moved cache rows are what decoding the branch token by token writes."""
+        if not rows or any(b <= a for a, b in zip(rows, rows[1:])) or rows[0] < 0 or start + rows[-1] >= self.length:
+            raise ValueError(f"rows {rows} are not an increasing branch of the tree at {start}..{self.length}")
+        src = torch.tensor(rows, device=self.device) + start
+        n = len(rows)
+        self.k[:, :, start:start + n] = self.k[:, :, src]
+        self.v[:, :, start:start + n] = self.v[:, :, src]
+        self.length = start + n
+
+
+def tree_layout(parents: list[int]) -> tuple[Tensor, Tensor]:
+    """A draft tree given by each node's parent (parents[i] < i, -1 for a node on the committed text) -> each
+    node's depth [T] (0 for those) and its ancestors and itself [T, T] bool."""
+    t = len(parents)
+    depth = torch.zeros(t, dtype=torch.int64)
+    anc = torch.eye(t, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise ValueError(f"node {i}'s parent {p}: a parent comes before its child (or is -1)")
+        if p >= 0:
+            depth[i] = depth[p] + 1
+            anc[i] |= anc[p]
+    return depth, anc

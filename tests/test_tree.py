@@ -1,0 +1,184 @@
+"""Draft trees (serving/tree.py): the target's masked verify against decoding each branch on its own (bit for bit on
+the few-row kernels, across their 16-row calls), the kept branch's cache, the head's tree against drafting each
+branch as a chain, and decoding that equals plain decoding greedy and sampled while a trained head accepts more
+tokens per target step than its chain."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from compress.serving import speculative as spec
+from compress.serving.eagle import HeadStream, generate_eagle
+from compress.serving.lean_decode import LeanStream, tree_layout, use_rows
+from compress.serving.tree import DraftTree, TreeShape, draft_tree, generate_eagle_tree, walk
+
+from tests.test_eagle import AUX, HAS_ROWS, _trained_head, permutation_llama, random_head, small_llama
+
+ROWS = [False, pytest.param(True, marks=pytest.mark.skipif(not HAS_ROWS, reason="the few-row kernels do not build"))]
+
+
+def _rows(*models, on: bool):
+    stack = contextlib.ExitStack()
+    if on:
+        for m in models:
+            stack.enter_context(use_rows(m))
+    return stack
+
+
+def random_tree(n: int, vocab: int, seed: int) -> DraftTree:
+    g = torch.Generator().manual_seed(seed)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+    return DraftTree(torch.randint(0, vocab, (n,), generator=g).tolist(), parents)
+
+
+def test_tree_layout_gives_depths_and_ancestors():
+    depth, anc = tree_layout([-1, 0, 0, 1, 3, 2])
+    assert depth.tolist() == [0, 1, 1, 2, 3, 2]
+    assert anc[4].nonzero().flatten().tolist() == [0, 1, 3, 4] and anc[5].nonzero().flatten().tolist() == [0, 2, 5]
+    with pytest.raises(ValueError, match="before its child"):
+        tree_layout([-1, 2, 0])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rows", ROWS)
+def test_a_tree_verify_equals_decoding_each_branch(rows):
+    """21 nodes (two calls of the 16-row kernels): every node's logits and features are those of decoding its branch
+    token by token (bit for bit on the kernels), and after `keep` of one branch the next step is plain decoding's."""
+    target = small_llama(vocab=96)
+    prompt = [3, 17, 5, 9, 40, 2, 11]
+    tree = random_tree(21, 96, seed=4)
+    with _rows(target, on=rows):
+        s = LeanStream(target, 64, AUX)
+        s.forward(prompt[:-1], logits="none")
+        start = s.length
+        tree.tokens[0] = prompt[-1]
+        logits = s.forward(tree.tokens, parents=tree.parents)
+        feats = s.features
+        same = torch.equal if rows else (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-5))
+        for node in range(len(tree.tokens)):
+            branch, a = [], node
+            while a >= 0:
+                branch.insert(0, a)
+                a = tree.parents[a]
+            ref = LeanStream(target, 64, AUX)
+            want = ref.forward(prompt[:-1] + [tree.tokens[i] for i in branch])
+            assert same(logits[node], want[-1]), node
+            assert same(feats[node], ref.features[-1]), node
+        leaf = max(range(len(tree.tokens)), key=lambda i: (tree_layout(tree.parents)[0][i], -i))
+        branch, a = [], leaf
+        while a >= 0:
+            branch.insert(0, a)
+            a = tree.parents[a]
+        s.keep(start, branch)
+        assert s.length == start + len(branch)
+        nxt = s.forward([7])
+        ref = LeanStream(target, 64, AUX)
+        assert same(nxt[-1], ref.forward(prompt[:-1] + [tree.tokens[i] for i in branch] + [7])[-1])
+    with pytest.raises(ValueError, match="increasing branch"):
+        s.keep(start, [2, 1])
+
+
+def reference_tree(head, target, prompt: list[int], shape: TreeShape) -> DraftTree:
+    """The same tree drafted by plain chains: every expanded node's logits from a fresh HeadStream fed the exact
+    entries and then its branch one entry at a time."""
+    out = target(input_ids=torch.tensor([prompt[:-1]]), output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[j][0] for j in AUX], -1)
+    embed = target.get_input_embeddings()
+    ids = head.draft_ids
+
+    def logits_after(branch: list[int]):
+        hs = HeadStream(head, embed, 64)
+        lg, h = hs.forward(prompt[1:], head.fc(feats))
+        lg, h = lg[-1], h[-1]
+        for token in branch:
+            lg, h = hs.forward([token], h[None])
+            lg, h = lg[-1], h[-1]
+        return torch.log_softmax(lg.float(), -1)
+
+    nodes = []  # (branch of tokens, score, parent, depth)
+
+    def children(branch, base, parent, depth):
+        v, j = logits_after(branch).topk(shape.branch)
+        return [(branch + [int(ids[x])], base + float(s), parent, depth) for s, x in zip(v, j)]
+
+    nodes += children([], 0.0, -1, 1)
+    frontier = list(range(len(nodes)))
+    for d in range(2, shape.depth + 1):
+        grow = sorted(frontier, key=lambda i: (-nodes[i][1], i))[:shape.branch]
+        frontier = []
+        for i in grow:
+            first = len(nodes)
+            nodes += children(nodes[i][0], nodes[i][1], i, d)
+            frontier += range(first, len(nodes))
+    chosen = sorted(sorted(range(len(nodes)), key=lambda i: (-nodes[i][1], nodes[i][3], i))[:shape.tokens])
+    index = {c: n + 1 for n, c in enumerate(chosen)}
+    index[-1] = 0
+    return DraftTree([prompt[-1]] + [nodes[c][0][-1] for c in chosen], [-1] + [index[nodes[c][2]] for c in chosen])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("shape", [TreeShape(4, 3, 10), TreeShape(3, 2, 6), TreeShape(1, 5, 5)])
+def test_the_heads_tree_is_the_one_chains_draft(shape):
+    target = small_llama(scale=2.0)
+    head = random_head(target)
+    prompt = [3, 17, 5, 9, 40, 2, 11, 8]
+    out = target(input_ids=torch.tensor([prompt[:-1]]), output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[j][0] for j in AUX], -1)
+    hs = HeadStream(head, target.get_input_embeddings(), 64)
+    lg, h = hs.forward(prompt[1:], head.fc(feats))
+    tree = draft_tree(hs, (lg[-1], h[-1]), prompt[-1], shape)
+    want = reference_tree(head, target, prompt, shape)
+    assert tree == want
+    assert len(tree.tokens) == shape.tokens + 1 and all(p < i for i, p in enumerate(tree.parents))
+    assert max(tree_layout(tree.parents)[0].tolist()) <= shape.depth
+
+
+def test_walk_follows_the_targets_token_down_the_tree():
+    tree = DraftTree([5, 1, 2, 3, 4], [-1, 0, 0, 1, 1])  # 1 -> {3, 4}
+    logits = torch.full((5, 8), -5.0)
+    logits[0, 1] = logits[1, 4] = logits[4, 6] = 5.0  # root -> 1 (node 1) -> 4 (node 4) -> 6 (not drafted)
+    assert walk(tree, logits, 0.0) == ([1, 4], 6)
+    logits[1, 4], logits[1, 7] = -5.0, 5.0
+    assert walk(tree, logits, 0.0) == ([1], 7)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_tree_decoding_is_plain_decoding_greedy_and_sampled(rows):
+    """With a random head (little accepted) and with a trained one on a learnable target (much accepted): the tokens
+    are plain decoding's in both modes (same seed), and the trained head emits more tokens per target step greedily
+    with a tree than as a chain."""
+    target = small_llama(scale=2.0)
+    perm_target, _ = permutation_llama()
+    cases = [(target, random_head(target)), (perm_target, _trained_head(perm_target, 96, 96))]
+    prompt = [3, 17, 5, 9, 40, 2]
+    for model, head in cases:
+        with _rows(model, head, on=rows):
+            for temperature in (0.0, 1.0):
+                g = torch.Generator().manual_seed(0)
+                plain = spec.generate_plain(model, prompt, 40, temperature, g, runtime="lean")
+                for shape in (TreeShape(), TreeShape(2, 2, 3), TreeShape(6, 8, 24)):
+                    g = torch.Generator().manual_seed(0)
+                    got = generate_eagle_tree(model, head, prompt, 40, shape, temperature, g)
+                    assert got.tokens == plain.tokens, (shape, temperature)
+    model, head = cases[1]  # greedy: the chain's branch is in the tree, and more beside it
+    chain = generate_eagle(model, head, prompt, 40, k=3)
+    tree = generate_eagle_tree(model, head, prompt, 40, TreeShape())
+    assert tree.tokens_per_step > chain.tokens_per_step + 0.3, (tree.tokens_per_step, chain.tokens_per_step)
+    one = generate_eagle_tree(target, cases[0][1], prompt[:1], 10)  # no features before the first verify
+    assert one.tokens == spec.generate_plain(target, prompt[:1], 10).tokens
+
+
+def test_bad_trees_are_refused():
+    assert TreeShape.parse("5,4,15") == TreeShape(5, 4, 15) and str(TreeShape(3, 2, 6)) == "3,2,6"
+    for text, match in (("5,4", "DEPTH,BRANCH,TOKENS"), ("0,4,15", "depth"), ("5,0,15", "branch"),
+                        ("5,4,64", "tokens")):
+        with pytest.raises(ValueError, match=match):
+            TreeShape.parse(text)
+    target = small_llama()
+    head = random_head(target)
+    with pytest.raises(ValueError, match="lean decode path"):
+        generate_eagle_tree(target, head, [1, 2, 3], 4, runtime="transformers")
+    with pytest.raises(ValueError, match="trained for a target"):
+        generate_eagle_tree(small_llama(vocab=120), head, [1, 2, 3], 4)
