@@ -22,3 +22,10 @@ for t in 0 0.8; do
   compress speculate default --draft "${H}_text" --k 1-4 --prompts 8 --max-new-tokens 64 --temperature $t \
     --output $R/speculative_eagle_text_64_t$t.json
 done
+# draft trees with the text-trained head (--tree DEPTH,BRANCH,TOKENS): shapes compared on test prompts disjoint from
+# the reported ones (--prompt-offset 0.5), the chosen one reported on the usual prompts beside the chain
+for t in 0 0.8; do
+  compress speculate default --draft "${H}_text" --k 2 --no-adaptive --prompts 8 --max-new-tokens 64 --temperature $t \
+    --prompt-offset 0.5 --tree 5,4,15 --tree 6,3,15 --tree 4,4,11 --tree 4,2,7 --tree 3,2,5 \
+    --output $R/speculative_tree_shapes_t$t.json
+done

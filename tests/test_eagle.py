@@ -308,7 +308,7 @@ def test_the_commands_train_a_head_and_measure_it(tmp_path, capsys):
     assert measured["tree_mismatches"] == 0 and measured["rows"][-1]["alpha"] is None
     assert "| tree 3,2,4 (mean" in capsys.readouterr().out
     assert main(["speculate", str(folder), "--draft", "self-int4", "--tree", "3,2,4"]) == 2
-    assert "trees are drafted by an EAGLE-3 head" in capsys.readouterr().err
+    assert "for an EAGLE-3 head draft" in capsys.readouterr().err
     assert any("EAGLE-3 head" in n for n in measured["notes"])
     assert main(["speculate", str(folder), "--draft", str(out), "--draft-int4"]) == 2
     assert "--draft-int4 and --draft-vocab apply to whole-model drafts" in capsys.readouterr().err

@@ -182,3 +182,45 @@ def test_bad_trees_are_refused():
         generate_eagle_tree(target, head, [1, 2, 3], 4, runtime="transformers")
     with pytest.raises(ValueError, match="trained for a target"):
         generate_eagle_tree(small_llama(vocab=120), head, [1, 2, 3], 4)
+
+
+def test_offset_prompts_are_disjoint_from_the_reported_ones():
+    """--prompt-offset 0.5 (where tree shapes are chosen): the same split's stretches, each starting half a stretch
+    later, so no chosen-on prompt shares a token position with a reported one."""
+    from compress.calibrate.data import tokenize_joined, wikitext2_rows
+    from compress.measure.speculation import wikitext_prompts
+    from tests.tiny_tokenizer import make_tiny_tokenizer
+
+    tok = make_tiny_tokenizer()
+    ids = tokenize_joined(wikitext2_rows("test"), tok)[0]
+    step = ids.numel() // 8
+    base, off = wikitext_prompts(tok, 8, 32), wikitext_prompts(tok, 8, 32, offset=0.5)
+    starts = [int((i + 0.5) * step) for i in range(8)]
+    assert off == [ids[s:s + 32].tolist() for s in starts] and base[0] == ids[:32].tolist()
+    assert all(abs(s - i * step) >= 32 for s in starts for i in range(8))
+    with pytest.raises(ValueError, match="0 <= offset < 1"):
+        wikitext_prompts(tok, 8, 32, offset=1.0)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_an_int8_head_drafts_nearly_as_well_and_stays_exact(rows):
+    """speculate --head-int8: the head's layer and lm_head rounded to int8 per channel (fc kept float) read a
+    fraction of the bytes, decoding with it is still plain decoding's, and it is accepted about as often."""
+    from compress.core.nn import QuantLinear
+    from compress.measure.memory import weight_bytes
+    from compress.measure.speculation import int8_head
+
+    target, _ = permutation_llama()
+    head = _trained_head(target, 96, 96)
+    small = int8_head(head)
+    assert isinstance(small.midlayer.self_attn.q_proj, QuantLinear) and isinstance(small.lm_head, QuantLinear)
+    assert type(small.fc) is torch.nn.Linear and type(head.lm_head) is torch.nn.Linear  # the original untouched
+    assert weight_bytes(small)["total"] < 0.5 * weight_bytes(head)["total"]
+    prompt = [3, 17, 5, 9, 40, 2]
+    plain = spec.generate_plain(target, prompt, 40)
+    with _rows(target, head, small, on=rows):
+        full = generate_eagle_tree(target, head, prompt, 40)
+        got = generate_eagle_tree(target, small, prompt, 40)
+        chain = generate_eagle(target, small, prompt, 40, k=3)
+    assert got.tokens == chain.tokens == plain.tokens
+    assert got.accepted >= 0.8 * full.accepted > 0, (got.accepted, full.accepted)

@@ -47,6 +47,9 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="the draft's head keeps only the N tokens most frequent in WikiText-2 validation (int8 rows); "
                         "decoding stays exact (default 0: the whole vocabulary)")
+    p.add_argument("--head-int8", action="store_true",
+                   help="an EAGLE-3 head's layer and output rows rounded to int8 per channel in memory (its fc stays "
+                        "float): about a quarter of the bytes a draft step reads; only acceptance can change")
     p.add_argument("--draft-head", default="int8", choices=["int8", "int4"],
                    help="the draft's head when the draft is rounded here (self-int4, --draft-int4, --draft-vocab): "
                         "int8 per channel (default) or int4 g64")
@@ -59,8 +62,10 @@ def add_parser(sub) -> None:
     p.add_argument("--prompts", type=int, default=4, help="WikiText-2 test prompts (default 4)")
     p.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt (default 128)")
     p.add_argument("--prompt-split", default="test", choices=["test", "train", "validation"],
-                   help="the WikiText-2 split the prompts come from (default test: report there, choose settings "
-                        "such as --tree on train)")
+                   help="the WikiText-2 split the prompts come from (default test)")
+    p.add_argument("--prompt-offset", type=float, default=0.0, metavar="F",
+                   help="start each prompt F of the way into its stretch of the split (default 0; 0.5 gives prompts "
+                        "disjoint from the default ones: choose settings such as --tree there, report at 0)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
     p.add_argument("--rounds", type=int, default=1, help="repeat the whole measurement (default 1)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
@@ -106,7 +111,7 @@ def run(args) -> int:
 
     from ..serving.roofline import get_accelerator
     from ..measure.speculation import (ROW_KINDS, SELF_DRAFT, choose_kernels, frequent_tokens, int4_copy,
-            measure_draft, render, roofline_rows, subset_head, wikitext_prompts)
+            int8_head, measure_draft, render, roofline_rows, subset_head, wikitext_prompts)
     from ..core.scheme import W4A16_ASYM_G64, W8A16
     from ..kernels.dispatch import plan_dispatch, use_dispatch
     from ..serving.lean_decode import ROWS_ATTR, use_rows
@@ -141,13 +146,17 @@ def run(args) -> int:
             raise ValueError(f"{args.draft} is an EAGLE-3 head: --draft-int4 and --draft-vocab apply to whole-model "
                              "drafts (a head has its own draft vocabulary)")
         draft, kept = load_head(args.draft, torch.float32), []
+        if args.head_int8:
+            draft = int8_head(draft)
         notes.append(f"draft: the EAGLE-3 head in {args.draft} ({draft.config.draft_vocab_size} draft tokens, target "
-                     f"features at layers {list(draft.aux_layers)}), float32")
+                     f"features at layers {list(draft.aux_layers)}), " +
+                     ("its layer and lm_head int8 per channel, fc float32" if args.head_int8 else "float32"))
         if args.accelerator:
             notes.append("no roofline for a head draft: the roofline models whole decoders (--accelerator ignored)")
             args.accelerator = []
-    elif trees:
-        raise ValueError(f"--tree: trees are drafted by an EAGLE-3 head (compress draft-head), not by {args.draft}")
+    elif trees or args.head_int8:
+        flag = "--tree" if trees else "--head-int8"
+        raise ValueError(f"{flag}: for an EAGLE-3 head draft (compress draft-head), not {args.draft}")
     elif args.draft == SELF_DRAFT:
         draft, kept = int4_copy(target, head=head, dtype=draft_dtype, vocab_ids=ids)
         notes.append(f"draft: the target's linears rounded to int4 g64 (asymmetric), its head to {args.draft_head}")
@@ -162,7 +171,8 @@ def run(args) -> int:
             draft.config.tie_word_embeddings = False
             subset_head(draft, ids, head)
     notes += [f"kept in float: {k}" for k in kept]
-    prompts = wikitext_prompts(loaded.tokenizer, args.prompts, args.prompt_tokens, args.prompt_split)
+    prompts = wikitext_prompts(loaded.tokenizer, args.prompts, args.prompt_tokens, args.prompt_split,
+                               args.prompt_offset)
     batches = sorted({1, *(k + 1 for k in range(1, max(*ks, 8) + 1)), *(t.tokens + 1 for t in trees),
                       args.prompt_tokens - 1})  # decode, verify (chain and tree), prefill
     with torch.no_grad(), contextlib.ExitStack() as stack:
@@ -183,7 +193,7 @@ def run(args) -> int:
                                runtime=args.runtime, trees=trees)
         bar.close()
     result["target"], result["draft"], result["notes"] = args.target, args.draft, notes
-    result["prompt_split"] = args.prompt_split
+    result["prompt_split"], result["prompt_offset"] = args.prompt_split, args.prompt_offset
     result["kernels"] = "rows" if rows else "torch"
     result["row_kernels"] = row_kernels
     if args.accelerator:

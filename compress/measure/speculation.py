@@ -63,6 +63,20 @@ def int4_copy(model: nn.Module, scheme: QuantScheme = W4A16_ASYM_G64, head: Quan
     return draft.eval(), kept
 
 
+def int8_head(head: nn.Module, scheme: QuantScheme = W8A16) -> nn.Module:
+    """A copy of an EAGLE-3 head (serving/eagle.py) whose decoder layer and lm_head are rounded to `scheme` (int8
+    per output channel): a draft step reads about a quarter of the bytes, and only acceptance can change (the
+    target verifies every token). `fc`, which reads the target's features once a round, stays float."""
+    from ..quantizers.rtn import quantize_rtn
+
+    out = copy.deepcopy(head)
+    for name, module in list(out.named_modules()):
+        if type(module) is nn.Linear and name != "fc":
+            set_module(out, name, QuantLinear.from_module(module, quantize_rtn(module.weight.detach().float(),
+                                                                               scheme)))
+    return out.eval()
+
+
 class VocabSubsetHead(nn.Module):
     """A draft's output head over a subset of the vocabulary (the tokens most frequent in some text): logits for
     `ids` from `inner` (a linear over those rows of the head), -inf for every other token. A draft may only ever
@@ -111,15 +125,23 @@ def subset_head(model: nn.Module, ids: torch.Tensor, scheme: QuantScheme | None 
     return model
 
 
-def wikitext_prompts(tokenizer, n: int, length: int, split: str = "test") -> list[list[int]]:
-    """`n` prompts of `length` tokens: the starts of evenly spaced stretches of WikiText-2 `split`."""
+def wikitext_prompts(tokenizer, n: int, length: int, split: str = "test", offset: float = 0.0) -> list[list[int]]:
+    """`n` prompts of `length` tokens: the starts of evenly spaced stretches of WikiText-2 `split`, each `offset`
+    of a stretch in (0.5: prompts disjoint from offset 0's, to choose settings on without touching the reported
+    ones)."""
     from ..calibrate.data import tokenize_joined, wikitext2_rows
 
+    if not 0 <= offset < 1:
+        raise ValueError(f"prompt offset {offset}: use 0 <= offset < 1 (a fraction of the stretch between prompts)")
     ids = tokenize_joined(wikitext2_rows(split), tokenizer)[0]  # [T]
     if ids.numel() < n * length:
         raise ValueError(f"WikiText-2 {split} has {ids.numel()} tokens, fewer than {n} prompts of {length}")
     step = ids.numel() // n
-    return [ids[i * step:i * step + length].tolist() for i in range(n)]
+    starts = [min(int((i + offset) * step), ids.numel() - length) for i in range(n)]
+    if offset and step < 2 * length:
+        raise ValueError(f"{n} prompts of {length} tokens are too dense in WikiText-2 {split} for an offset: they "
+                         "would overlap the others; ask for fewer")
+    return [ids[s:s + length].tolist() for s in starts]
 
 
 def _bytes(model: nn.Module) -> int:
@@ -292,11 +314,11 @@ def render(result: dict, title: str = "") -> list[str]:
     if result["greedy_mismatches"] is not None:
         lines += [f"greedy outputs equal to plain decoding: "
                   f"{'all' if not result['greedy_mismatches'] else str(result['greedy_mismatches']) + ' differ'}", ""]
-    lines += ["| K | α | accepted / proposed | tokens / target step | E[tokens] at α | draft step | verify step | speed-up "
-              "| predicted from step costs |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     if result.get("tree_mismatches") is not None:
         lines += [f"tree outputs equal to plain decoding (both modes: the target's own tokens): "
                   f"{'all' if not result['tree_mismatches'] else str(result['tree_mismatches']) + ' differ'}", ""]
+    lines += ["| K | α | accepted / proposed | tokens / target step | E[tokens] at α | draft step | verify step | speed-up "
+              "| predicted from step costs |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         if r["alpha"] is None:  # a tree
             lines.append(f"| tree {r['tree']} (mean {r['mean_k']:.1f} nodes) | — | "
