@@ -29,3 +29,10 @@ for t in 0 0.8; do
     --prompt-offset 0.5 --tree 5,4,15 --tree 6,3,15 --tree 4,4,11 --tree 4,2,7 --tree 3,2,5 \
     --output $R/speculative_tree_shapes_t$t.json
 done
+# reported: the chain beside the chosen tree (3,2,5) and the largest (5,4,15), then with the head's layer in int8
+for t in 0 0.8; do
+  compress speculate default --draft "${H}_text" --k 2 --no-adaptive --prompts 8 --max-new-tokens 64 --temperature $t \
+    --tree 3,2,5 --tree 5,4,15 --output $R/speculative_eagle_tree_64_t$t.json
+  compress speculate default --draft "${H}_text" --head-int8 --k 2 --no-adaptive --prompts 8 --max-new-tokens 64 \
+    --temperature $t --tree 3,2,5 --output $R/speculative_eagle_int8_tree_64_t$t.json
+done
