@@ -229,6 +229,30 @@ def _full(logits: Tensor, ids: Tensor, vocab: int) -> Tensor:
     return logits.new_full((*logits.shape[:-1], vocab), float("-inf")).index_copy_(-1, ids, logits)
 
 
+def check_target(head: EagleHead, target: nn.Module) -> int:
+    """The target's vocabulary, after checking that `head` was trained for a target of its vocabulary and width."""
+    vocab = target.get_output_embeddings().out_features
+    if head.config.vocab_size != vocab or head.config.target_hidden_size != target.config.hidden_size:
+        raise ValueError(f"this head was trained for a target of vocabulary {head.config.vocab_size} and width "
+                         f"{head.config.target_hidden_size}, not {vocab} and {target.config.hidden_size}")
+    return vocab
+
+
+def prefill(tgt, hs: HeadStream, committed: list[int], gen: Generation) -> tuple[Tensor, Tensor] | None:
+    """The target reads all committed tokens but the last, the head their features (timed into gen.prefill_seconds).
+    Returns the last exact entry's (logits, pre-norm output), which predicts the token after committed[-1]; None for
+    a one-token prompt (no features yet)."""
+    if len(committed) < 2:
+        return None
+    head = hs.head
+    t0 = time.perf_counter()
+    tgt.forward(committed[:-1], logits="none")
+    t1 = time.perf_counter()
+    lg, h = hs.forward(committed[1:], _linear(head.fc, tgt.features.to(head.fc.weight.dtype)))
+    gen.prefill_seconds = (t1 - t0, time.perf_counter() - t1)
+    return lg[-1], h[-1]
+
+
 @torch.no_grad()
 def generate_eagle(target: nn.Module, head: EagleHead, prompt: list[int], max_new_tokens: int, k: int = 4,
                    temperature: float = 0.0, adaptive: bool = False, generator: torch.Generator | None = None,
@@ -237,10 +261,7 @@ def generate_eagle(target: nn.Module, head: EagleHead, prompt: list[int], max_ne
     speculative.generate_speculative (exact: greedy token for token, sampling in distribution), the draft's K
     proposals made by the head from the target's features of the last verify."""
     check_settings(prompt, max_new_tokens, k, temperature)
-    vocab = target.get_output_embeddings().out_features
-    if head.config.vocab_size != vocab or head.config.target_hidden_size != target.config.hidden_size:
-        raise ValueError(f"this head was trained for a target of vocabulary {head.config.vocab_size} and width "
-                         f"{head.config.target_hidden_size}, not {vocab} and {target.config.hidden_size}")
+    vocab = check_target(head, target)
     t_start = time.perf_counter()
     max_len = len(prompt) + max_new_tokens + K_MAX + max(k, K_MAX)
     tgt = make_stream(target, max_len, runtime, aux_layers=head.aux_layers)
@@ -249,14 +270,7 @@ def generate_eagle(target: nn.Module, head: EagleHead, prompt: list[int], max_ne
     dtype = head.fc.weight.dtype
     committed = list(prompt)
     gen = Generation([], 0.0, runtime=_runtime_name(tgt))
-    last = None  # the last exact entry's (logits, pre-norm output): it predicts the token after committed[-1]
-    if len(committed) > 1:  # prefill: the target reads all but the last token, the head their features
-        t0 = time.perf_counter()
-        tgt.forward(committed[:-1], logits="none")
-        t1 = time.perf_counter()
-        lg, h = hs.forward(committed[1:], _linear(head.fc, tgt.features.to(dtype)))
-        last = lg[-1], h[-1]
-        gen.prefill_seconds = (t1 - t0, time.perf_counter() - t1)
+    last = prefill(tgt, hs, committed, gen)
     n_prompt = len(prompt)
     verify_s: dict[int, list[float]] = {}
     while len(committed) - n_prompt < max_new_tokens:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .eagle import EagleHead, HeadStream
+from .eagle import EagleHead, HeadStream, check_target, prefill
 from .lean_decode import _linear
 from .speculative import (K_MAX, Generation, _probs, _runtime_name, _sample, check_settings, emitted,
         make_stream)
@@ -157,10 +157,7 @@ def generate_eagle_tree(target: nn.Module, head: EagleHead, prompt: list[int], m
     from .lean_decode import LeanStream, lean_problem
 
     check_settings(prompt, max_new_tokens, 1, temperature)
-    vocab = target.get_output_embeddings().out_features
-    if head.config.vocab_size != vocab or head.config.target_hidden_size != target.config.hidden_size:
-        raise ValueError(f"this head was trained for a target of vocabulary {head.config.vocab_size} and width "
-                         f"{head.config.target_hidden_size}, not {vocab} and {target.config.hidden_size}")
+    check_target(head, target)
     t_start = time.perf_counter()
     max_len = len(prompt) + max_new_tokens + shape.tokens + K_MAX + 1
     tree_len = max_len + (shape.depth - 1) * shape.branch
@@ -174,14 +171,7 @@ def generate_eagle_tree(target: nn.Module, head: EagleHead, prompt: list[int], m
     dtype = head.fc.weight.dtype
     committed = list(prompt)
     gen = Generation([], 0.0, runtime=_runtime_name(tgt))
-    last = None
-    if len(committed) > 1:
-        t0 = time.perf_counter()
-        tgt.forward(committed[:-1], logits="none")
-        t1 = time.perf_counter()
-        lg, h = hs.forward(committed[1:], _linear(head.fc, tgt.features.to(dtype)))
-        last = lg[-1], h[-1]
-        gen.prefill_seconds = (t1 - t0, time.perf_counter() - t1)
+    last = prefill(tgt, hs, committed, gen)
     n_prompt = len(prompt)
     while len(committed) - n_prompt < max_new_tokens:
         levels = max_new_tokens - (len(committed) - n_prompt) - 1  # the verify adds one token of its own
