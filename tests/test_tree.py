@@ -12,7 +12,7 @@ import torch
 from compress.serving import speculative as spec
 from compress.serving.eagle import HeadStream, generate_eagle
 from compress.serving.lean_decode import LeanStream, tree_layout, use_rows
-from compress.serving.tree import DraftTree, TreeShape, draft_tree, generate_eagle_tree, walk
+from compress.serving.tree import DraftTree, TreeShape, draft_tree, generate_eagle_tree, walk, walk_drawn
 
 from tests.test_eagle import AUX, HAS_ROWS, _trained_head, permutation_llama, random_head, small_llama
 
@@ -147,8 +147,8 @@ def test_walk_follows_the_targets_token_down_the_tree():
 @pytest.mark.parametrize("rows", ROWS)
 def test_tree_decoding_is_plain_decoding_greedy_and_sampled(rows):
     """With a random head (little accepted) and with a trained one on a learnable target (much accepted): the tokens
-    are plain decoding's in both modes (same seed), and the trained head emits more tokens per target step greedily
-    with a tree than as a chain."""
+    are plain decoding's greedily and, with the head's top tokens as nodes, sampled (same seed), and the trained head
+    emits more tokens per target step greedily with a tree than as a chain."""
     target = small_llama(scale=2.0)
     perm_target, _ = permutation_llama()
     cases = [(target, random_head(target)), (perm_target, _trained_head(perm_target, 96, 96))]
@@ -160,7 +160,7 @@ def test_tree_decoding_is_plain_decoding_greedy_and_sampled(rows):
                 plain = spec.generate_plain(model, prompt, 40, temperature, g, runtime="lean")
                 for shape in (TreeShape(), TreeShape(2, 2, 3), TreeShape(6, 8, 24)):
                     g = torch.Generator().manual_seed(0)
-                    got = generate_eagle_tree(model, head, prompt, 40, shape, temperature, g)
+                    got = generate_eagle_tree(model, head, prompt, 40, shape, temperature, g, sampling="top")
                     assert got.tokens == plain.tokens, (shape, temperature)
     model, head = cases[1]  # greedy: the chain's branch is in the tree, and more beside it
     chain = generate_eagle(model, head, prompt, 40, k=3)
@@ -224,3 +224,60 @@ def test_an_int8_head_drafts_nearly_as_well_and_stays_exact(rows):
         chain = generate_eagle(target, small, prompt, 40, k=3)
     assert got.tokens == chain.tokens == plain.tokens
     assert got.accepted >= 0.8 * full.accepted > 0, (got.accepted, full.accepted)
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()) + 1e9 * float(counts[~keep].sum())
+
+
+def test_recursive_rejection_over_drawn_children_emits_the_targets_distribution(monkeypatch):
+    """A root with 3 children drawn without replacement from a draft q far from the target p (5 symbols): the first
+    token walk_drawn emits follows p (χ², 20,000 rounds), and the residual's part shows: without it (p kept after a
+    rejection) the same rounds are far off."""
+    import compress.serving.speculative as spec_mod
+
+    p = torch.tensor([0.05, 0.1, 0.5, 0.25, 0.1])
+    q = torch.tensor([0.4, 0.3, 0.1, 0.1, 0.1])
+    logits = torch.log(p)[None].expand(4, 5).contiguous()  # every row's target distribution p (temperature 1)
+    g = torch.Generator().manual_seed(0)
+
+    def rounds(n=20000):
+        counts = torch.zeros(5)
+        for _ in range(n):
+            keys = torch.log(q) - torch.log(-torch.log(torch.rand(5, generator=g)))
+            tree = DraftTree([0] + keys.topk(3).indices.tolist(), [-1, 0, 0, 0], {0: q})
+            path, nxt = walk_drawn(tree, logits, 1.0, g)
+            counts[tree.tokens[path[0]] if path else nxt] += 1
+        return counts
+
+    assert _chi2(rounds(), p) < 4 + 6 * 8 ** 0.5
+    monkeypatch.setattr(spec_mod, "residual", lambda target, draft: target)  # the mistake: p kept after a rejection
+    assert _chi2(rounds(5000), p) > 100
+
+
+def test_drawn_tree_decoding_follows_the_target():
+    """generate_eagle_tree at temperature 1 with drawn nodes: the first two new tokens' distributions are the
+    target's (χ² over 1,000 generations against the exact marginals), with a random head far from it."""
+    target = small_llama(vocab=24, layers=4, scale=3.0)
+    head = random_head(target, draft_vocab=16)
+    with torch.no_grad():
+        head.lm_head.weight.mul_(3.0)
+    prompt = [1, 5, 7, 2, 11]
+    with torch.no_grad():
+        q1 = torch.softmax(target(input_ids=torch.tensor([prompt])).logits[0, -1].double(), -1)
+        rows = target(input_ids=torch.tensor([prompt + [t] for t in range(24)])).logits[:, -1].double()
+        q2 = (q1[:, None] * torch.softmax(rows, -1)).sum(0)
+    g = torch.Generator().manual_seed(0)
+    firsts, seconds, accepted = torch.zeros(24), torch.zeros(24), 0
+    for _ in range(1000):
+        got = generate_eagle_tree(target, head, prompt, 2, TreeShape(1, 3, 3), 1.0, g)
+        firsts[got.tokens[0]] += 1
+        seconds[got.tokens[1]] += 1
+        accepted += got.accepted
+    assert _chi2(firsts, q1) < 23 + 6 * 46 ** 0.5 and _chi2(seconds, q2) < 23 + 6 * 46 ** 0.5
+    assert accepted > 50  # the drawn nodes were accepted at times: the rejection path is not all that ran
+    for shape in (TreeShape(3, 2, 2), TreeShape(4, 3, 7), TreeShape(5, 4, 15)):  # budgets spent before the last level
+        got = generate_eagle_tree(target, head, prompt, 12, shape, 1.0, g)
+        assert len(got.tokens) == 12 and got.proposed <= shape.tokens * got.target_steps

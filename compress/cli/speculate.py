@@ -29,8 +29,10 @@ use): float32 targets, int4/int8 drafts (int4 x int8 activations on AVX512-VNNI 
 tokens then costs about one decode step and equals K one-token steps bit for bit.
 --tree DEPTH,BRANCH,TOKENS (a head only; repeat it to compare shapes): each round the head expands the BRANCH best
 nodes of each of DEPTH levels, the TOKENS nodes of highest path probability are verified in one target forward
-(root + 15 = the few-row kernels' 16 rows), and the target's own token (its argmax, or its sample) walks down the
-tree: the output is plain decoding's token for token, greedy or sampled."""
+(root + 15 = the few-row kernels' 16 rows), and the target's argmax walks down the tree: the output is plain
+decoding's token for token. Sampled (--temperature > 0), each node's children are drawn from the head and verified
+by recursive rejection, exact in distribution (--tree-sampling drawn, the default), or are the head's top tokens
+walked with the target's own draws (top: plain decoding's tokens, accepted only where the draw lands on a node)."""
 
 
 def add_parser(sub) -> None:
@@ -58,6 +60,10 @@ def add_parser(sub) -> None:
     p.add_argument("--tree", action="append", default=[], metavar="D,B,T",
                    help="also measure the head drafting trees of DEPTH levels, BRANCH nodes expanded per level, "
                         "TOKENS verified (e.g. 5,4,15); repeatable")
+    p.add_argument("--tree-sampling", default="drawn", choices=["drawn", "top"],
+                   help="trees at --temperature > 0: drawn (default) draws each node's children from the head and "
+                        "verifies them by recursive rejection; top keeps the head's top tokens and walks with the "
+                        "target's own draws (plain decoding's tokens, accepted less often)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sampling")
     p.add_argument("--prompts", type=int, default=4, help="WikiText-2 test prompts (default 4)")
     p.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt (default 128)")
@@ -190,7 +196,7 @@ def run(args) -> int:
         bar = tqdm(total=args.rounds * args.prompts, desc="speculating", unit="prompt")
         result = measure_draft(target, draft, prompts, args.max_new_tokens, ks, not args.no_adaptive,
                                args.temperature, args.seed, args.rounds, progress=lambda i, n: bar.update(i - bar.n),
-                               runtime=args.runtime, trees=trees)
+                               runtime=args.runtime, trees=trees, tree_sampling=args.tree_sampling)
         bar.close()
     result["target"], result["draft"], result["notes"] = args.target, args.draft, notes
     result["prompt_split"], result["prompt_offset"] = args.prompt_split, args.prompt_offset

@@ -187,15 +187,15 @@ def choose_kernels(kernels: str, threads: int, runtime: str, dtype: str) -> str 
 
 def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]], max_new_tokens: int = 64,
                   ks=(1, 2, 3, 4, 5, 6, 7, 8), adaptive: bool = True, temperature: float = 0.0, seed: int = 0,
-                  rounds: int = 1, progress=None, runtime: str = "auto", trees=()) -> dict:
+                  rounds: int = 1, progress=None, runtime: str = "auto", trees=(), tree_sampling: str = "drawn") -> dict:
     """α, tokens per target step and speed-up over plain decoding of `target`, per draft length K (and the adaptive
     schedule), over `prompts`. `draft`: a model sharing the target's vocabulary, or an EAGLE-3 head (serving/eagle.py)
     trained for the target. Speed-up: the summed end-to-end time of plain decoding over that of speculative
     decoding, each from the prompt to the last new token (prefills included: the draft's is part of the cost).
     Greedy (temperature 0) checks every output against plain decoding. `runtime`: the decode loop of both
     (speculative.RUNTIMES; auto: the lean path where the model allows it). `trees`: serving.tree.TreeShape each, a
-    row per shape for a head drafting trees (their outputs are plain decoding's in both modes: counted in
-    tree_mismatches)."""
+    row per shape for a head drafting trees, sampled as `tree_sampling` says (serving.tree.generate_eagle_tree);
+    where their outputs must be plain decoding's (greedy, or sampling 'top') the differences are tree_mismatches."""
     from ..serving.eagle import EagleHead, generate_eagle
     from ..serving.tree import generate_eagle_tree
 
@@ -228,8 +228,8 @@ def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]],
                 g = torch.Generator().manual_seed(seed + i)
                 if isinstance(k, TreeShape):
                     got = generate_eagle_tree(target, draft, prompt, max_new_tokens, k, temperature, g,
-                                              runtime=runtime)
-                    tree_mismatches += got.tokens != base.tokens
+                                              runtime=runtime, sampling=tree_sampling)
+                    tree_mismatches += got.tokens != base.tokens and not (temperature and tree_sampling == "drawn")
                 else:
                     got = generate(target, draft, prompt, max_new_tokens, k, temperature, a, g, runtime=runtime)
                 if temperature == 0 and got.tokens != base.tokens:
@@ -278,7 +278,8 @@ def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]],
             "max_new_tokens": max_new_tokens, "temperature": temperature, "rounds": rounds,
             "plain_s": plain_s, "plain_step_s": t_step, "plain_tok_s": plain_tokens / plain_s if plain_s else 0,
             "greedy_mismatches": mismatches if temperature == 0 else None, "rows": out_rows,
-            "tree_mismatches": tree_mismatches if trees else None,
+            "tree_mismatches": tree_mismatches if trees and not (temperature and tree_sampling == "drawn") else None,
+            "tree_sampling": tree_sampling if trees and temperature else None,
             "plain_distinct_4grams": distinct,
             "target_bytes": _bytes(target), "draft_bytes": _bytes(draft), "target_serving_bytes": _serving(target),
             "draft_serving_bytes": _serving(draft), "threads": torch.get_num_threads(),
@@ -315,8 +316,10 @@ def render(result: dict, title: str = "") -> list[str]:
         lines += [f"greedy outputs equal to plain decoding: "
                   f"{'all' if not result['greedy_mismatches'] else str(result['greedy_mismatches']) + ' differ'}", ""]
     if result.get("tree_mismatches") is not None:
-        lines += [f"tree outputs equal to plain decoding (both modes: the target's own tokens): "
+        lines += [f"tree outputs equal to plain decoding (the target's own tokens): "
                   f"{'all' if not result['tree_mismatches'] else str(result['tree_mismatches']) + ' differ'}", ""]
+    if result.get("tree_sampling") == "drawn":
+        lines += ["trees sampled with drawn nodes and recursive rejection: in distribution, not token for token", ""]
     lines += ["| K | α | accepted / proposed | tokens / target step | E[tokens] at α | draft step | verify step | speed-up "
               "| predicted from step costs |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:

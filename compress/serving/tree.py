@@ -6,16 +6,19 @@ runs the head once over the `branch` nodes of the level below with the highest p
 log-probabilities from the root), each reading its parent's output, and takes each one's `branch` most likely
 tokens. After `depth` levels the `tokens` nodes of highest path score (a child never scores above its parent, so
 they form a tree) are what the target verifies: with the last committed token as the root, in one forward whose
-rows attend to the committed text and their own ancestors only (lean_decode.LeanStream, `parents`). On this
-project's CPUs a forward of up to 16 rows reads the weights once (kernels/cpu_rows.c), so a root and 15 nodes cost
-about one decode step.
+rows attend to the committed text and their own ancestors only (lean_decode.LeanStream, `parents`). (Drawn trees,
+for sampling: children drawn instead of taken, and none dropped; `draft_tree`.) On this project's CPUs a forward of up
+to 16 rows reads the float32 weights once (kernels/cpu_rows.c), but past a few rows the float32 arithmetic sets its
+cost: a root and 15 nodes cost about 1.8 decode steps of the embedded model, which is why trees lose to the chain on
+this CPU (docs/results.md, "EAGLE-3 draft heads"); where a verify of 16 rows costs what one does, they need not.
 
-Verification walks down from the root: at each node the target's token is drawn as plain decoding draws it (the
-argmax greedily; a sample from its distribution at the temperature, one draw per token from the same generator), and
-the walk goes on to the child holding that token, if there is one. Every token emitted is the target's own, so the
-output is plain decoding's token for token in both modes (same seed, same logits: the few-row kernels' rows are
-bit for bit the decode steps'), and the head only decides how many arrive per target forward. (A drafted token is
-never kept with a probability: the tree's nodes are the head's top tokens, not samples from it.)
+Verification walks down from the root. Greedily (`walk`): the target's argmax at each node, and on to the child
+holding it, so the output is plain decoding's token for token (the few-row kernels' rows are bit for bit the decode
+steps'). Sampling has two rules. `top` (SGLang's target-only rule, as we read it): the same walk with the target's
+own draw at each node (one draw per token from the same generator: plain decoding's tokens again), accepted only where
+the draw lands on one of the head's top tokens. `drawn` (the default): each node's children are drawn from the head's
+distribution without replacement, and `walk_drawn` verifies them by recursive rejection (Jeon et al. 2024): exact in
+distribution, and at least the chain's acceptance at the first child.
 
 After a round the target's cache keeps the accepted branch (LeanStream.keep) and the head's tree entries are
 cropped and replaced by exact entries for the accepted tokens, as in the chain (eagle.generate_eagle).
@@ -32,6 +35,9 @@ from .eagle import EagleHead, HeadStream, check_target, prefill
 from .lean_decode import _linear
 from .speculative import (K_MAX, Generation, _probs, _runtime_name, _sample, check_settings, emitted,
         make_stream)
+
+
+SAMPLINGS = ("drawn", "top")
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,7 @@ class DraftTree:
     after its parent."""
     tokens: list[int]
     parents: list[int]
+    drawn_from: dict[int, Tensor] | None = None  # drawn trees: node -> the head's distribution its children came from
 
     def children(self, node: int) -> dict[int, int]:
         """token -> child node."""
@@ -78,22 +85,39 @@ class DraftTree:
 
 @torch.no_grad()
 def draft_tree(stream: HeadStream, last: tuple[Tensor, Tensor], root: int, shape: TreeShape,
-               depth: int | None = None) -> DraftTree:
+               depth: int | None = None, draw: float = 0.0, generator: torch.Generator | None = None) -> DraftTree:
     """The head's tree after the committed text: `last` the last exact entry's (draft-vocabulary logits, pre-norm
     output), `root` the last committed token. Appends the expanded nodes' entries to `stream` (crop them after).
-    `depth` caps shape.depth (no level past the tokens still to decode)."""
+    `depth` caps shape.depth (no level past the tokens still to decode).
+
+    draw = 0: each node's children are the head's `branch` most likely tokens and the `tokens` best nodes are kept.
+    draw = T > 0 (for sampling, verified by `walk_drawn`): each expanded node's children are drawn from the head's
+    distribution at T without replacement (Gumbel top-k, in draw order), as many as the budget of `tokens` leaves
+    when the node is expanded, and none is dropped after: a node's children then depend only on what was drawn before
+    them, which recursive rejection needs to stay exact."""
     head = stream.head
     ids = head.draft_ids
+    vocab = head.config.vocab_size
     levels = min(shape.depth, depth or shape.depth)
     exact = stream.length  # the head's exact entries; the last one sits at position exact - 1
     k = min(shape.branch, ids.numel())
     # per node: token, parent node (-1: the root), path score, depth, the entry slot once expanded
     tok, par, score, dep, slot = [], [], [], [], []
     out = {-1: last[1]}  # node -> the pre-norm output of the entry that predicts its children
+    drawn_from = {}  # node -> the head's distribution (target vocabulary) its children were drawn from
 
     def add(logits: Tensor, parent: int, base: float, d: int) -> None:
-        lp = torch.log_softmax(logits.float(), -1)
-        v, j = lp.topk(k)
+        if draw:
+            n = min(k, shape.tokens - len(tok))
+            if n <= 0:
+                return
+            lp = torch.log_softmax(logits.float() / draw, -1)
+            u = torch.rand(lp.shape, generator=generator).clamp_(1e-20, 1 - 1e-7)
+            j = (lp - torch.log(-torch.log(u))).topk(n).indices  # n draws without replacement, in draw order
+            v = lp[j]
+            drawn_from[parent] = lp.exp().new_zeros(vocab).index_copy_(0, ids, lp.exp())
+        else:
+            v, j = torch.log_softmax(logits.float(), -1).topk(k)
         for value, index in zip(v.tolist(), j.tolist()):
             tok.append(int(ids[index]))
             par.append(parent)
@@ -105,6 +129,10 @@ def draft_tree(stream: HeadStream, last: tuple[Tensor, Tensor], root: int, shape
     frontier = list(range(len(tok)))
     for d in range(2, levels + 1):
         grow = sorted(frontier, key=lambda i: (-score[i], i))[:shape.branch]
+        if draw:  # only the nodes the budget leaves children for
+            grow = grow[:-(-(shape.tokens - len(tok)) // k)]
+        if not grow:
+            break
         start = stream.length
         visible = torch.zeros(len(grow), start + len(grow), dtype=torch.bool)
         visible[:, :exact] = True
@@ -124,10 +152,12 @@ def draft_tree(stream: HeadStream, last: tuple[Tensor, Tensor], root: int, shape
             add(logits[r], node, score[node], d)
             frontier += range(first, len(tok))
     # the best `tokens` nodes (ties: shallower, then earlier, so a parent always precedes its child), in creation order
-    chosen = sorted(sorted(range(len(tok)), key=lambda i: (-score[i], dep[i], i))[:shape.tokens])
+    chosen = list(range(len(tok))) if draw else \
+        sorted(sorted(range(len(tok)), key=lambda i: (-score[i], dep[i], i))[:shape.tokens])
     index = {node: n + 1 for n, node in enumerate(chosen)}
     index[-1] = 0
-    return DraftTree([root] + [tok[i] for i in chosen], [-1] + [index[par[i]] for i in chosen])
+    return DraftTree([root] + [tok[i] for i in chosen], [-1] + [index[par[i]] for i in chosen],
+                     {index[node]: q for node, q in drawn_from.items()} if draw else None)
 
 
 def walk(tree: DraftTree, logits: Tensor, temperature: float,
@@ -146,15 +176,50 @@ def walk(tree: DraftTree, logits: Tensor, temperature: float,
         node = child
 
 
+def walk_drawn(tree: DraftTree, logits: Tensor, temperature: float,
+               generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    """Verify a drawn tree (draft_tree with draw = temperature) by recursive rejection (Jeon et al. 2024, without
+    replacement): at a node with target distribution p and children x1, x2, ... drawn from the head's q, x_i is kept
+    with probability min(1, p(x_i) / q(x_i)); on a rejection p becomes the normalised residual max(p − q, 0) and q
+    loses x_i (renormalised); after the last child the token is drawn from p. Every emitted token is distributed as
+    the target's own (tests/test_tree.py)."""
+    from .speculative import residual
+
+    path, node = [], 0
+    while True:
+        p = _probs(logits[node], temperature)
+        kids = [i for i, parent in enumerate(tree.parents) if parent == node]  # in draw order
+        q = tree.drawn_from.get(node) if kids else None
+        for child in kids:
+            x = tree.tokens[child]
+            u = torch.rand((), generator=generator, dtype=p.dtype)
+            if u < (p[x] / q[x]).clamp(max=1):
+                path.append(child)
+                node = child
+                break
+            p = residual(p, q)
+            q = q.clone()
+            q[x] = 0
+            q = q / q.sum().clamp_min(torch.finfo(q.dtype).tiny)
+        else:
+            return path, int(_sample(p, generator))
+
+
 @torch.no_grad()
 def generate_eagle_tree(target: nn.Module, head: EagleHead, prompt: list[int], max_new_tokens: int,
                         shape: TreeShape = TreeShape(), temperature: float = 0.0,
                         generator: torch.Generator | None = None, eos_token_id: int | None = None,
-                        runtime: str = "auto") -> Generation:
+                        runtime: str = "auto", sampling: str = "drawn") -> Generation:
     """Speculative decoding with an EAGLE-3 head drafting a tree each round (module docstring). The target runs on
     the lean decode path (a tree needs its masked verify); Generation.record counts a round's tree nodes as proposed
-    and its accepted branch as accepted."""
+    and its accepted branch as accepted. `sampling` (temperature > 0): 'drawn' (default) draws the nodes from the
+    head and verifies them by recursive rejection (in distribution); 'top' keeps the head's top tokens and walks
+    with the target's own draws (token for token plain decoding's)."""
     from .lean_decode import LeanStream, lean_problem
+
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"tree sampling {sampling!r}: use one of {SAMPLINGS}")
+    draw = temperature if temperature > 0 and sampling == "drawn" else 0.0
 
     check_settings(prompt, max_new_tokens, 1, temperature)
     check_target(head, target)
@@ -180,14 +245,14 @@ def generate_eagle_tree(target: nn.Module, head: EagleHead, prompt: list[int], m
         if last is None or levels == 0:
             tree = DraftTree([committed[-1]], [-1])
         else:
-            tree = draft_tree(hs, last, committed[-1], shape, levels)
+            tree = draft_tree(hs, last, committed[-1], shape, levels, draw, generator)
         t_draft = time.perf_counter() - t0
         start = tgt.length
         t0 = time.perf_counter()
         logits = tgt.forward(tree.tokens, parents=tree.parents)
         feats = tgt.features
         t_verify = time.perf_counter() - t0
-        path, nxt = walk(tree, logits, temperature, generator)
+        path, nxt = (walk_drawn if draw else walk)(tree, logits, temperature, generator)
         new = emitted([tree.tokens[i] for i in path], len(path), nxt, eos_token_id)
         committed += new
         rows = [0] + path
