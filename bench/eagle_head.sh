@@ -26,13 +26,20 @@ done
 # the reported ones (--prompt-offset 0.5), the chosen one reported on the usual prompts beside the chain
 for t in 0 0.8; do
   compress speculate default --draft "${H}_text" --k 2 --no-adaptive --prompts 8 --max-new-tokens 64 --temperature $t \
-    --prompt-offset 0.5 --tree 5,4,15 --tree 6,3,15 --tree 4,4,11 --tree 4,2,7 --tree 3,2,5 \
+    --prompt-offset 0.5 --tree-sampling top --tree 5,4,15 --tree 6,3,15 --tree 4,4,11 --tree 4,2,7 --tree 3,2,5 \
     --output $R/speculative_tree_shapes_t$t.json
 done
 # reported: the chain beside the chosen tree (3,2,5) and the largest (5,4,15), then with the head's layer in int8
+# (these sampled trees with the head's top tokens, the only rule before 18f2330)
 for t in 0 0.8; do
   compress speculate default --draft "${H}_text" --k 2 --no-adaptive --prompts 8 --max-new-tokens 64 --temperature $t \
-    --tree 3,2,5 --tree 5,4,15 --output $R/speculative_eagle_tree_64_t$t.json
+    --tree-sampling top --tree 3,2,5 --tree 5,4,15 --output $R/speculative_eagle_tree_64_t$t.json
   compress speculate default --draft "${H}_text" --head-int8 --k 2 --no-adaptive --prompts 8 --max-new-tokens 64 \
-    --temperature $t --tree 3,2,5 --output $R/speculative_eagle_int8_tree_64_t$t.json
+    --temperature $t --tree-sampling top --tree 3,2,5 --output $R/speculative_eagle_int8_tree_64_t$t.json
 done
+# sampled trees with drawn nodes (--tree-sampling drawn, the default since 18f2330): shapes, then the reported prompts
+compress speculate default --draft "${H}_text" --head-int8 --k 2 --no-adaptive --prompts 8 --max-new-tokens 64 \
+  --temperature 0.8 --prompt-offset 0.5 --tree 3,2,5 --tree 4,2,7 --tree 4,3,10 --tree 5,4,15 \
+  --output $R/speculative_tree_drawn_shapes_t0.8.json
+compress speculate default --draft "${H}_text" --head-int8 --k 2 --no-adaptive --prompts 8 --max-new-tokens 64 \
+  --temperature 0.8 --tree 3,2,5 --tree 5,4,15 --output $R/speculative_eagle_int8_drawn_tree_64_t0.8.json
