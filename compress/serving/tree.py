@@ -112,7 +112,7 @@ def draft_tree(stream: HeadStream, last: tuple[Tensor, Tensor], root: int, shape
             if n <= 0:
                 return
             lp = torch.log_softmax(logits.float() / draw, -1)
-            u = torch.rand(lp.shape, generator=generator).clamp_(1e-20, 1 - 1e-7)
+            u = torch.rand(lp.shape, generator=generator).clamp_(1e-20, 1 - 1e-7).to(lp.device)
             j = (lp - torch.log(-torch.log(u))).topk(n).indices  # n draws without replacement, in draw order
             v = lp[j]
             drawn_from[parent] = lp.exp().new_zeros(vocab).index_copy_(0, ids, lp.exp())
@@ -134,7 +134,7 @@ def draft_tree(stream: HeadStream, last: tuple[Tensor, Tensor], root: int, shape
         if not grow:
             break
         start = stream.length
-        visible = torch.zeros(len(grow), start + len(grow), dtype=torch.bool)
+        visible = torch.zeros(len(grow), start + len(grow), dtype=torch.bool, device=stream.k.device)
         visible[:, :exact] = True
         for r, node in enumerate(grow):
             slot[node] = start + r
@@ -143,7 +143,7 @@ def draft_tree(stream: HeadStream, last: tuple[Tensor, Tensor], root: int, shape
                 visible[r, slot[a]] = True
                 a = par[a]
         hidden = torch.stack([out[par[i]] for i in grow])
-        positions = torch.tensor([exact - 1 + dep[i] for i in grow])
+        positions = torch.tensor([exact - 1 + dep[i] for i in grow], device=stream.k.device)
         logits, h = stream.forward([tok[i] for i in grow], hidden, positions, visible)
         frontier = []
         for r, node in enumerate(grow):
