@@ -25,14 +25,16 @@ greedy decoding of TARGET in the same run. --accelerator adds the roofline's pre
 Llama, Mistral and Qwen2 models decode on a lean loop (their own modules over a preallocated cache; drafts rounded
 here get fused q/k/v and gate/up layers), both plainly and speculatively; other families on transformers' forward.
 At one thread the lean loop runs on compress's few-row C kernels (--kernels; built with the C compiler on first
-use): float32 targets, int4/int8 drafts (int4 x int8 activations on AVX512-VNNI CPUs, --draft-act); a verify of K
-tokens then costs about one decode step and equals K one-token steps bit for bit.
+use): float32 targets, int4/int8 drafts (int4 x int8 activations on AVX512-VNNI CPUs, --draft-act); a verify of a
+few tokens then costs about one decode step (16 cost ~1.8 on a 2-core Xeon: float32 arithmetic) and equals the
+one-token steps bit for bit.
 --tree DEPTH,BRANCH,TOKENS (a head only; repeat it to compare shapes): each round the head expands the BRANCH best
 nodes of each of DEPTH levels, the TOKENS nodes of highest path probability are verified in one target forward
 (root + 15 = the few-row kernels' 16 rows), and the target's argmax walks down the tree: the output is plain
 decoding's token for token. Sampled (--temperature > 0), each node's children are drawn from the head and verified
 by recursive rejection, exact in distribution (--tree-sampling drawn, the default), or are the head's top tokens
-walked with the target's own draws (top: plain decoding's tokens, accepted only where the draw lands on a node)."""
+walked with the target's own draws (top: plain decoding's tokens, accepted only where the draw lands on a node).
+Trees raise the tokens per target step; on a CPU the wider verify can cost more than they bring (docs/results.md)."""
 
 
 def add_parser(sub) -> None:
