@@ -13,8 +13,8 @@ transformers' to float rounding (tests/test_lean_decode.py, per family); plain a
 it when it applies, so every comparison stays like for like.
 
 With `use_rows` (kernels/cpu_rows.c) the stack runs in C: few-row matmuls that stream the weights once for up to 16
-rows (a verify of K drafted tokens costs about one decode step) and the block's other operations, one call per 16
-tokens instead of ~35 torch calls a block. A row's result does not depend on the rows beside it, so a verify equals
+rows (a verify of a few drafted tokens costs about one decode step; past about 4 float32 rows the arithmetic adds)
+and the block's other operations, one call per 16 tokens instead of ~35 torch calls a block. A row's result does not depend on the rows beside it, so a verify equals
 the decode steps it replaces bit for bit.
 
 Families: those whose decoder block is `x + attn(norm(x))` then `x + mlp(norm(x))` with rotary position embeddings
