@@ -281,3 +281,23 @@ def test_drawn_tree_decoding_follows_the_target():
     for shape in (TreeShape(3, 2, 2), TreeShape(4, 3, 7), TreeShape(5, 4, 15)):  # budgets spent before the last level
         got = generate_eagle_tree(target, head, prompt, 12, shape, 1.0, g)
         assert len(got.tokens) == 12 and got.proposed <= shape.tokens * got.target_steps
+
+
+def test_measure_draft_reports_tree_rows():
+    """A tree row beside the chain's: no chain α, its draft cost per round, and the mismatch count only where the
+    outputs must be plain decoding's (greedy or `top`; drawn nodes are exact in distribution only)."""
+    from compress.measure.speculation import measure_draft
+
+    target = small_llama(scale=2.0)
+    head = random_head(target)
+    prompts = [[3, 17, 5, 9, 40, 2], [8, 1, 30, 7, 12, 6]]
+    shape = TreeShape(3, 2, 4)
+    for temperature, sampling, mismatches in ((0.0, "drawn", 0), (1.0, "top", 0), (1.0, "drawn", None)):
+        got = measure_draft(target, head, prompts, 12, ks=(2,), adaptive=False, temperature=temperature,
+                            trees=(shape,), tree_sampling=sampling)
+        chain, tree = got["rows"]
+        assert tree["k"] == "tree 3,2,4" and tree["alpha"] is None and chain["alpha"] is not None
+        assert got["tree_mismatches"] == mismatches and tree["tokens"] == chain["tokens"] == 24
+        assert tree["draft_cost"] > 0 and tree["predicted_speedup"] > 0
+    with pytest.raises(ValueError, match="drafted by an EAGLE-3 head"):
+        measure_draft(target, small_llama(seed=1), prompts, 4, ks=(2,), trees=(shape,))

@@ -206,6 +206,7 @@ def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]],
     generate = generate_eagle if is_head else generate_speculative  # a head, or a whole model
     settings = [(k, False) for k in ks] + ([(ks[0] if ks else 4, True)] if adaptive else [])
     settings += [(shape, False) for shape in trees]
+    trees_exact = not (temperature and tree_sampling == "drawn")  # outputs must then be plain decoding's
     plain_s, plain_decode_s, plain_steps, plain_tokens, mismatches, tree_mismatches = 0.0, 0.0, 0, 0, 0, 0
     distinct = []  # per prompt: distinct 4-grams / 4-grams of the plain output (repetition raises α)
     label = lambda k, a: "adaptive" if a else (f"tree {k}" if isinstance(k, TreeShape) else k)  # noqa: E731
@@ -229,7 +230,7 @@ def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]],
                 if isinstance(k, TreeShape):
                     got = generate_eagle_tree(target, draft, prompt, max_new_tokens, k, temperature, g,
                                               runtime=runtime, sampling=tree_sampling)
-                    tree_mismatches += got.tokens != base.tokens and not (temperature and tree_sampling == "drawn")
+                    tree_mismatches += trees_exact and got.tokens != base.tokens
                 else:
                     got = generate(target, draft, prompt, max_new_tokens, k, temperature, a, g, runtime=runtime)
                 if temperature == 0 and got.tokens != base.tokens:
@@ -251,34 +252,31 @@ def measure_draft(target: nn.Module, draft: nn.Module, prompts: list[list[int]],
     out_rows = []
     for row in rows.values():
         k_mean = statistics.mean(row["ks"]) if row["ks"] else 0
-        verify_cost = row["verify_s"] / max(row["target_steps"], 1) / t_step
-        per_step = row["tokens"] / max(row["target_steps"], 1)
         ks_used = row.pop("ks")
+        common = {"tokens_per_step": row["tokens"] / max(row["target_steps"], 1), "mean_k": k_mean,
+                  "speedup": plain_s / row["seconds"] if row["seconds"] else 0.0,
+                  "tok_s": row["tokens"] / row["seconds"] if row["seconds"] else 0.0,
+                  "verify_cost": row["verify_s"] / max(row["target_steps"], 1) / t_step}
         if isinstance(row["k"], str) and row["k"].startswith("tree"):
             # a tree: α of a chain does not apply; its draft cost is per round (every level and the catch-up)
             draft_cost = row["draft_s"] / max(row["target_steps"], 1) / t_step
-            out_rows.append({**row, "alpha": None, "tokens_per_step": per_step, "expected_tokens_per_step": None,
-                             "mean_k": k_mean, "k_histogram": {}, "tree": row["k"][5:],
-                             "speedup": plain_s / row["seconds"] if row["seconds"] else 0.0,
-                             "tok_s": row["tokens"] / row["seconds"] if row["seconds"] else 0.0,
-                             "draft_cost": draft_cost, "verify_cost": verify_cost,
-                             "predicted_speedup": per_step / (verify_cost + draft_cost)})
+            out_rows.append({**row, **common, "alpha": None, "expected_tokens_per_step": None, "k_histogram": {},
+                             "tree": row["k"][5:], "draft_cost": draft_cost,
+                             "predicted_speedup": common["tokens_per_step"] / (common["verify_cost"] + draft_cost)})
             continue
         alpha = acceptance_rate(row["accepted"], row["rejected"]) if row["proposed"] else 0.0
         draft_cost = row["draft_s"] / max(row["proposed"], 1) / t_step
         k_eff = k_mean if row["k"] == "adaptive" else row["k"]
-        predicted = expected_tokens(alpha, round(k_eff)) / (verify_cost + k_eff * draft_cost) if k_eff else 0
-        out_rows.append({**row, "alpha": alpha, "tokens_per_step": per_step,
+        predicted = expected_tokens(alpha, round(k_eff)) / (common["verify_cost"] + k_eff * draft_cost) if k_eff else 0
+        out_rows.append({**row, **common, "alpha": alpha,
                          "expected_tokens_per_step": expected_tokens(alpha, round(k_eff)) if k_eff else 1.0,
-                         "mean_k": k_mean, "k_histogram": {k: ks_used.count(k) for k in sorted(set(ks_used))},
-                         "speedup": plain_s / row["seconds"] if row["seconds"] else 0.0,
-                         "tok_s": row["tokens"] / row["seconds"] if row["seconds"] else 0.0,
-                         "draft_cost": draft_cost, "verify_cost": verify_cost, "predicted_speedup": predicted})
+                         "k_histogram": {k: ks_used.count(k) for k in sorted(set(ks_used))},
+                         "draft_cost": draft_cost, "predicted_speedup": predicted})
     return {"prompts": len(prompts), "prompt_tokens": len(prompts[0]) if prompts else 0,
             "max_new_tokens": max_new_tokens, "temperature": temperature, "rounds": rounds,
             "plain_s": plain_s, "plain_step_s": t_step, "plain_tok_s": plain_tokens / plain_s if plain_s else 0,
             "greedy_mismatches": mismatches if temperature == 0 else None, "rows": out_rows,
-            "tree_mismatches": tree_mismatches if trees and not (temperature and tree_sampling == "drawn") else None,
+            "tree_mismatches": tree_mismatches if trees and trees_exact else None,
             "tree_sampling": tree_sampling if trees and temperature else None,
             "plain_distinct_4grams": distinct,
             "target_bytes": _bytes(target), "draft_bytes": _bytes(draft), "target_serving_bytes": _serving(target),

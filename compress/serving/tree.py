@@ -32,9 +32,8 @@ import torch
 from torch import Tensor, nn
 
 from .eagle import EagleHead, HeadStream, check_target, prefill
-from .lean_decode import _linear
-from .speculative import (K_MAX, Generation, _probs, _runtime_name, _sample, check_settings, emitted,
-        make_stream)
+from .lean_decode import LeanStream, _linear, lean_problem
+from .speculative import K_MAX, Generation, _probs, _runtime_name, _sample, check_settings, emitted
 
 
 SAMPLINGS = ("drawn", "top")
@@ -114,8 +113,8 @@ def draft_tree(stream: HeadStream, last: tuple[Tensor, Tensor], root: int, shape
             lp = torch.log_softmax(logits.float() / draw, -1)
             u = torch.rand(lp.shape, generator=generator).clamp_(1e-20, 1 - 1e-7).to(lp.device)
             j = (lp - torch.log(-torch.log(u))).topk(n).indices  # n draws without replacement, in draw order
-            v = lp[j]
-            drawn_from[parent] = lp.exp().new_zeros(vocab).index_copy_(0, ids, lp.exp())
+            v, q = lp[j], lp.exp()
+            drawn_from[parent] = q.new_zeros(vocab).index_copy_(0, ids, q)
         else:
             v, j = torch.log_softmax(logits.float(), -1).topk(k)
         for value, index in zip(v.tolist(), j.tolist()):
@@ -215,8 +214,6 @@ def generate_eagle_tree(target: nn.Module, head: EagleHead, prompt: list[int], m
     and its accepted branch as accepted. `sampling` (temperature > 0): 'drawn' (default) draws the nodes from the
     head and verifies them by recursive rejection (in distribution); 'top' keeps the head's top tokens and walks
     with the target's own draws (token for token plain decoding's)."""
-    from .lean_decode import LeanStream, lean_problem
-
     if sampling not in SAMPLINGS:
         raise ValueError(f"tree sampling {sampling!r}: use one of {SAMPLINGS}")
     draw = temperature if temperature > 0 and sampling == "drawn" else 0.0
@@ -230,8 +227,7 @@ def generate_eagle_tree(target: nn.Module, head: EagleHead, prompt: list[int], m
     if problem:
         raise ValueError(f"a draft tree is verified on the lean decode path, which cannot run this target ({problem});"
                          " draft a chain instead (no --tree)")
-    tgt = make_stream(target, max_len, "lean", aux_layers=head.aux_layers)
-    assert isinstance(tgt, LeanStream)
+    tgt = LeanStream(target, max_len, head.aux_layers)
     hs = HeadStream(head, target.get_input_embeddings(), tree_len)
     dtype = head.fc.weight.dtype
     committed = list(prompt)
